@@ -1,0 +1,76 @@
+"""Entry point of every actor process: `python -m launch.child SPEC.json`.
+
+Invariant: a child never outlives its launcher. It asks the kernel for SIGTERM when its parent
+dies (PR_SET_PDEATHSIG) and also watches its parent pid, hard-exiting if an orderly stop does not
+finish in time. SIGTERM/SIGINT become an orderly `stop()`; the exit code is the actor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+
+from actors.base import Actor, ActorContext
+from launch.config import actor_config, import_actor
+
+PR_SET_PDEATHSIG = 1
+
+
+class ChildSpec(msgspec.Struct, forbid_unknown_fields=True):
+    cls: str
+    context: ActorContext
+    config: dict = {}
+
+
+def die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the pid watch below still applies
+        pass
+
+
+async def watch_parent(actor: Actor, parent_pid: int, grace_s: float) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(0.5)
+    actor.stop("launcher died")
+    await asyncio.sleep(grace_s)
+    os._exit(3)
+
+
+async def main(spec: ChildSpec) -> int:
+    cls = import_actor(spec.cls)
+    config = actor_config(cls, spec.config, f"[actors.{spec.context.name}.config]")
+    actor = cls(spec.context, config)
+    watcher = asyncio.ensure_future(watch_parent(actor, os.getppid(),
+                                                 spec.context.stop_timeout_s + 5))
+    try:
+        return await actor.serve(handle_signals=True)
+    finally:
+        watcher.cancel()
+
+
+def run(argv: list[str]) -> int:
+    die_with_parent()
+    if len(argv) != 1:
+        print("usage: python -m launch.child SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[0], "rb") as f:
+        spec = msgspec.json.decode(f.read(), type=ChildSpec)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {spec.context.name} %(levelname)s %(message)s")
+    try:
+        import uvloop
+        return uvloop.run(main(spec))
+    except ImportError:
+        return asyncio.run(main(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

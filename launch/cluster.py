@@ -1,0 +1,169 @@
+"""`python -m launch.cluster HOSTS.toml`: run a cluster of actors and supervise it.
+
+Exit codes: 0 when a primary actor completed or on Ctrl-C (after an orderly stop of everything);
+1 when an actor failed past its restart budget or never became READY (its error is printed);
+2 for a bad hosts.toml (nothing was started). The run directory holds config.json (the resolved
+config), endpoints.json (where the supervisor and metrics stream are), logs/<actor>.log,
+specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of every actor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from launch.config import ClusterConfig, ConfigError, load, start_order
+from launch.supervisor import RunFailed, Supervisor
+from transport.metrics import MetricsSubscriber
+
+console = Console(highlight=False, markup=False, soft_wrap=True)
+
+
+def say(text: str) -> None:
+    console.print(f"{time.strftime('%H:%M:%S')} {text}")
+
+
+def make_run_dir(cfg: ClusterConfig, explicit: str | None) -> Path:
+    if explicit:
+        path = Path(explicit)
+        path.mkdir(parents=True, exist_ok=True)
+        return path.resolve()
+    base = Path(cfg.run.dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    path.mkdir(parents=True)
+    return path.resolve()
+
+
+def socket_dir(run_dir: Path) -> tuple[Path, bool]:
+    """ipc:// paths must fit in 107 bytes; fall back to a short temporary folder."""
+    path = run_dir / "sock"
+    if len(str(path)) <= 70:
+        path.mkdir(exist_ok=True)
+        return path, False
+    return Path(tempfile.mkdtemp(prefix="rlx-")), True
+
+
+def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
+    table = Table(title=f"plan for {path} (run {cfg.run.name!r}, transport {cfg.run.transport})")
+    for col in ("#", "actor", "host", "class", "after", "primary", "max restarts", "command"):
+        table.add_column(col)
+    for i, name in enumerate(order, 1):
+        e = cfg.actors[name]
+        table.add_row(str(i), name, e.host or cfg.hosts[0].name, e.cls, ", ".join(e.after),
+                      "yes" if e.primary else "", str(e.restart.max_restarts),
+                      f"python -m launch.child <run_dir>/specs/{name}.json")
+    Console(width=200).print(table)
+    print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
+          "(--dry-run)")
+
+
+async def show_progress(endpoint: str, sup: Supervisor, interval_s: float) -> None:
+    sub = MetricsSubscriber(sup.factory, endpoint)
+    last: dict[str, float] = {}
+    try:
+        async for m in sub:
+            if m.step is None:
+                continue
+            now = time.monotonic()
+            final = m.total_steps is not None and m.step >= m.total_steps
+            if now - last.get(m.actor, -1e9) < interval_s and not final:
+                continue
+            last[m.actor] = now
+            total = f"/{m.total_steps}" if m.total_steps is not None else ""
+            vals = " ".join(f"{k}={v:.4g}" for k, v in list(m.values.items())[:6])
+            say(f"{m.actor}: step {m.step}{total} {vals}")
+    finally:
+        sub.close()
+
+
+async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path) -> int:
+    sock_dir, temporary = socket_dir(run_dir)
+    sup = Supervisor(cfg, run_dir, sock_dir, order, say)
+    endpoints = sup.open()
+    (run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        interrupted.set()
+        sup.events.put_nowait(("interrupt", ""))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup,
+                                                   cfg.run.progress_interval_s))
+    say(f"run directory {run_dir}; metrics at {endpoints['metrics']}")
+    code = 0
+    try:
+        starter = asyncio.ensure_future(sup.start_all())
+        stop_wait = asyncio.ensure_future(interrupted.wait())
+        await asyncio.wait({starter, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not interrupted.is_set():
+            starter.result()
+            code = await sup.supervise()
+        else:
+            starter.cancel()
+            say("interrupted during start: stopping every actor")
+    except RunFailed as e:
+        console.print(f"RUN FAILED: {e}", style="bold red")
+        code = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await sup.stop_all()
+        progress.cancel()
+        await asyncio.gather(progress, return_exceptions=True)
+        summary = sup.summary()
+        (run_dir / "exit.json").write_text(json.dumps({"exit_code": code, "actors": summary},
+                                                      indent=2))
+        sup.close()
+        if temporary:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    steps = ", ".join(f"{n}: {s['shutdown_step']}" for n, s in summary.items())
+    say(f"stopped ({steps}); exit code {code}")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("hosts", help="path of the cluster's hosts.toml")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    parser.add_argument("--run-dir", help="use this run directory instead of <dir>/<name>-<time>")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(args.hosts)
+        order = start_order(cfg, args.hosts)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print_plan(cfg, order, args.hosts)
+        return 0
+    run_dir = make_run_dir(cfg, args.run_dir)
+    resolved = {"source": str(Path(args.hosts).resolve()), "start_order": order,
+                **msgspec.to_builtins(cfg)}
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    try:
+        import uvloop
+        return uvloop.run(run_cluster(cfg, order, run_dir))
+    except ImportError:
+        return asyncio.run(run_cluster(cfg, order, run_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

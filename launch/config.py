@@ -1,0 +1,190 @@
+"""hosts.toml: the schema, its validation, and the resolved plan of actor processes.
+
+Invariant: a config that loads is runnable as far as static checks can tell. Every mistake (a
+wrong key, a wrong type, a missing field, an unknown host or actor, a class that does not import,
+an actor `config` table its class rejects) is a `ConfigError` naming the file, the table and the
+field, raised before any process starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from transport.codec import Limits
+from transport.shm import ShmConfig
+from transport.sockets import Security
+
+
+class ConfigError(ValueError):
+    """A mistake in hosts.toml; the message names the file, table and field to change."""
+
+
+class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """How the run is laid out and supervised."""
+
+    name: str  # run name; the run directory is <dir>/<name>-<timestamp>
+    dir: str = "runs"  # parent of run directories (relative to the working directory)
+    transport: Literal["ipc", "tcp"] = "ipc"  # ipc:// on one host, tcp:// across hosts
+    ready_timeout_s: float = 60.0  # an actor must report READY within this after its start
+    shutdown_timeout_s: float = 15.0  # wait after the shutdown message before SIGTERM
+    term_timeout_s: float = 5.0  # wait after SIGTERM before SIGKILL
+    heartbeat_interval_s: float = 1.0  # actors report liveness this often
+    heartbeat_timeout_s: float = 30.0  # an actor silent this long is killed and restarted
+    progress_interval_s: float = 5.0  # console progress lines per actor at most this often
+
+
+class HostConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A machine actors run on. Only the local host is implemented; exec is reserved."""
+
+    name: str
+    address: str = "127.0.0.1"  # address other hosts reach this one at (tcp transport)
+    exec: list[str] = []  # remote exec prefix, e.g. ["ssh", "node2"] (not implemented yet)
+    python: str = ""  # interpreter for actor processes ("" = the launcher's own)
+
+
+class RestartPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """When a crashed actor is started again."""
+
+    max_restarts: int = 2  # restarts allowed before the run fails
+    stable_after_s: float = 60.0  # READY this long resets the restart count
+
+
+class ActorEntry(msgspec.Struct, forbid_unknown_fields=True):
+    """One actor process."""
+
+    cls: str  # "package.module:ClassName", a subclass of actors.base.Actor
+    host: str = ""  # a [[hosts]] name ("" = the first host)
+    after: list[str] = []  # actors that must be READY first; they become this actor's peers
+    primary: bool = False  # when this actor completes its work, the run ends (exit 0)
+    env: dict[str, str] = {}  # extra environment variables of the process
+    config: dict[str, Any] = {}  # the actor class's own settings (its Config struct)
+    restart: RestartPolicy = RestartPolicy()
+    start_timeout_s: float = 30.0  # on_start() deadline inside the actor
+    stop_timeout_s: float = 10.0  # on_stop() deadline inside the actor
+
+
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
+    run: RunConfig
+    hosts: list[HostConfig]
+    actors: dict[str, ActorEntry]
+    security: Security = Security()
+    limits: Limits = Limits()
+    shm: ShmConfig = ShmConfig()
+
+
+def load(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    try:
+        cfg = msgspec.convert(raw, ClusterConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {_describe(str(e))}") from None
+    _check(cfg, path)
+    return cfg
+
+
+def _describe(err: str) -> str:
+    """msgspec's 'problem - at `$.a.b`' as 'table [a], field `b`: problem'."""
+    problem, _, where = err.partition(" - at `")
+    parts = re.findall(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", where.rstrip("`").removeprefix("$"))
+    keys = [name or f"#{int(idx) + 1}" for name, idx in parts]
+    named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
+    if named:
+        field, table = named.group(1), keys
+        hint = " (check the spelling; every field is listed in launch/config.py)" \
+            if "unknown" in problem else ""
+    else:
+        field, table, hint = (keys[-1] if keys else "?"), keys[:-1], ""
+    return f"table [{_table(table)}], field `{field}`: {problem}{hint}"
+
+
+def _table(keys: list[str]) -> str:
+    return ".".join(keys) if keys else "top level"
+
+
+def _check(cfg: ClusterConfig, path: Path) -> None:
+    def fail(table: str, field: str, text: str) -> None:
+        raise ConfigError(f"{path}: table [{table}], field `{field}`: {text}")
+
+    if not cfg.hosts:
+        fail("hosts", "name", "declare at least one [[hosts]] entry")
+    names = [h.name for h in cfg.hosts]
+    if len(set(names)) != len(names):
+        fail("hosts", "name", f"host names must be unique, got {names}")
+    for i, host in enumerate(cfg.hosts):
+        if host.exec:
+            fail(f"hosts.#{i + 1}", "exec", "remote hosts are not implemented yet; run every "
+                 "actor on the local host (leave exec empty)")
+    if not cfg.actors:
+        fail("actors", "cls", "declare at least one [actors.<name>] table")
+    for name, entry in cfg.actors.items():
+        table = f"actors.{name}"
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", name):
+            fail(table, "name", "actor names are letters, digits, '_' and '-'")
+        if entry.host and entry.host not in names:
+            fail(table, "host", f"unknown host {entry.host!r}; hosts are {names}")
+        for dep in entry.after:
+            if dep not in cfg.actors:
+                fail(table, "after", f"unknown actor {dep!r}; actors are {sorted(cfg.actors)}")
+        cls = import_actor(entry.cls, f"{path}: table [{table}], field `cls`")
+        actor_config(cls, entry.config, f"{path}: table [{table}.config]")
+    start_order(cfg, path)
+
+
+def import_actor(dotted: str, where: str = "actor class") -> type:
+    from actors.base import Actor
+
+    module_name, _, attr = dotted.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{where}: {dotted!r} is not 'package.module:ClassName'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{where}: cannot import {dotted!r}: {e}") from None
+    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        raise ConfigError(f"{where}: {dotted!r} is not a subclass of actors.base.Actor")
+    return obj
+
+
+def actor_config(cls: type, raw: dict[str, Any], where: str) -> Any:
+    try:
+        return msgspec.convert(raw, cls.Config)
+    except msgspec.ValidationError as e:
+        problem, _, at = str(e).partition(" - at `")
+        keys = re.findall(r"\.([A-Za-z0-9_\-]+)", at)
+        named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
+        field = named.group(1) if named else (keys[-1] if keys else "?")
+        raise ConfigError(f"{where}, field `{field}`: {problem}") from None
+
+
+def start_order(cfg: ClusterConfig, path: Path | str = "hosts.toml") -> list[str]:
+    """Actors in an order where each comes after everything in its `after` list."""
+    order: list[str] = []
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(name: str, chain: list[str]) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            raise ConfigError(f"{path}: table [actors.{name}], field `after`: dependency cycle "
+                              f"{' -> '.join([*chain, name])}")
+        state[name] = 1
+        for dep in cfg.actors[name].after:
+            visit(dep, [*chain, name])
+        state[name] = 2
+        order.append(name)
+
+    for name in cfg.actors:
+        visit(name, [])
+    return order

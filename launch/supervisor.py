@@ -1,0 +1,328 @@
+"""Starts, watches, restarts and stops the actor processes of one run.
+
+Invariants:
+- Actors start in dependency order; each must report READY within `ready_timeout_s`.
+- An actor that exits abnormally (non-zero code, DEAD report, signal, heartbeat timeout) is
+  restarted while its restart budget lasts; READY for `stable_after_s` refills the budget. Past
+  the budget the run fails: everything stops and the launcher exits non-zero with the error.
+- Stopping an actor escalates: Shutdown message -> SIGTERM -> SIGKILL; the step that ended the
+  process is recorded (`ActorProcess.shutdown_step`, run_dir/exit.json).
+- When a `primary` actor completes its work, the run ends with exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import zmq
+
+from actors.base import ActorContext
+from launch.config import ActorEntry, ClusterConfig
+from transport.metrics import MetricsProxy
+from transport.rpc import DeadlineExceeded, RemoteError, RpcClient, RpcServer
+from transport.schema import Ack, Dead, Endpoints, Heartbeat, Ready, Shutdown, Stopped
+from transport.sockets import SocketFactory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActorProcess:
+    name: str
+    entry: ActorEntry
+    context: ActorContext
+    spec_path: Path
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    pid: int = 0
+    restarts: int = 0
+    ready_at: float = 0.0
+    last_heartbeat: float = 0.0
+    endpoints: Endpoints | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    dead: Dead | None = None
+    stopped: Stopped | None = None
+    exit_code: int | None = None
+    shutdown_step: str = ""  # "", "message", "sigterm", "sigkill", "exited"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class RunFailed(Exception):
+    """The run cannot continue; the message names the actor and its error."""
+
+
+class Supervisor:
+    def __init__(self, cfg: ClusterConfig, run_dir: Path, sock_dir: Path, order: list[str],
+                 say: Callable[[str], None] = print):
+        self.cfg, self.run_dir, self.sock_dir, self.order, self.say = (
+            cfg, run_dir, sock_dir, order, say)
+        self.factory = SocketFactory(security=cfg.security)
+        self.actors: dict[str, ActorProcess] = {}
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.stopping = False
+        self.proxy: MetricsProxy | None = None
+        self.server: RpcServer | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ endpoints and specs
+    def endpoint(self, name: str) -> str:
+        if self.cfg.run.transport == "ipc":
+            return f"ipc://{self.sock_dir}/{name}"
+        return f"tcp://{self.cfg.hosts[0].address}:0"
+
+    def open(self) -> dict:
+        """Bind the supervisor socket and metrics proxy; returns the endpoints document."""
+        counters: collections.Counter = collections.Counter()
+        handlers = {Ready: self._on_ready, Heartbeat: self._on_heartbeat, Dead: self._on_dead,
+                    Stopped: self._on_stopped}
+        self.server = RpcServer(self.factory, self.endpoint("supervisor"), "launcher", handlers,
+                                counters, self.cfg.limits, prefix="supervisor")
+        self._tasks.append(asyncio.ensure_future(self.server.serve()))
+        sync_ctx = zmq.Context.shadow(self.factory.ctx.underlying)
+        self.proxy = MetricsProxy(sync_ctx, self.endpoint("metrics-in"),
+                                  self.endpoint("metrics-out"))
+        return {"supervisor": self.supervisor_endpoint, "metrics": self.proxy.backend,
+                "metrics_in": self.proxy.frontend}
+
+    @property
+    def supervisor_endpoint(self) -> str:
+        assert self.server is not None
+        return self.server.sock.last_endpoint.decode()
+
+    def prepare(self, name: str) -> ActorProcess:
+        entry, run = self.cfg.actors[name], self.cfg.run
+        assert self.proxy is not None
+        ctx = ActorContext(
+            name=name,
+            endpoints=Endpoints(control=self.endpoint(f"{name}.ctl"),
+                                rpc=self.endpoint(f"{name}.rpc"),
+                                inbox=self.endpoint(f"{name}.inbox")),
+            supervisor=self.supervisor_endpoint, metrics=self.proxy.frontend,
+            peers={dep: self.actors[dep].endpoints for dep in entry.after},
+            security=self.cfg.security, limits=self.cfg.limits, shm=self.cfg.shm,
+            heartbeat_interval_s=run.heartbeat_interval_s,
+            start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s)
+        spec_path = self.run_dir / "specs" / f"{name}.json"
+        spec_path.parent.mkdir(parents=True, exist_ok=True)
+        spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}
+        spec_path.write_text(json.dumps(spec, indent=2))
+        ap = ActorProcess(name, entry, ctx, spec_path, self.run_dir / "logs" / f"{name}.log")
+        self.actors[name] = ap
+        return ap
+
+    def command(self, ap: ActorProcess) -> list[str]:
+        host = next((h for h in self.cfg.hosts if h.name == ap.entry.host), self.cfg.hosts[0])
+        return [host.python or sys.executable, "-m", "launch.child", str(ap.spec_path)]
+
+    # ------------------------------------------------------------------ starting
+    async def spawn(self, ap: ActorProcess) -> None:
+        ap.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **ap.entry.env, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+                                                           os.environ.get("PYTHONPATH")]))}
+        with open(ap.log_path, "ab") as logf:
+            logf.write(f"=== start {ap.restarts} at {time.ctime()}\n".encode())
+            logf.flush()
+            ap.proc = await asyncio.create_subprocess_exec(
+                *self.command(ap), stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
+                env=env, start_new_session=True)
+        ap.pid, ap.ready_at, ap.exit_code, ap.dead, ap.stopped = ap.proc.pid, 0.0, None, None, None
+        ap.shutdown_step = ""
+        ap.ready.clear()
+        self._tasks.append(asyncio.ensure_future(self._reap(ap, ap.proc)))
+
+    async def start_one(self, ap: ActorProcess) -> None:
+        """Spawn and wait for READY; RunFailed if it dies or stays silent."""
+        await self.spawn(ap)
+        ready = asyncio.ensure_future(ap.ready.wait())
+        exited = asyncio.ensure_future(ap.proc.wait())
+        done, _ = await asyncio.wait({ready, exited}, timeout=self.cfg.run.ready_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        exited.cancel()
+        if ap.ready.is_set():
+            self.say(f"{ap.name} READY (pid {ap.pid})")
+            return
+        if not done:
+            await self.stop_one(ap)
+            raise RunFailed(f"{ap.name} did not report READY within ready_timeout_s = "
+                            f"{self.cfg.run.ready_timeout_s:g}\n{self.describe_failure(ap)}")
+        await ap.proc.wait()
+        raise RunFailed(f"{ap.name} exited with code {ap.proc.returncode} during start\n"
+                        f"{self.describe_failure(ap)}")
+
+    async def start_all(self) -> None:
+        for name in self.order:
+            await self.start_one(self.prepare(name))
+        self._tasks.append(asyncio.ensure_future(self._watch_heartbeats()))
+
+    # ------------------------------------------------------------------ supervising
+    async def supervise(self) -> int:
+        """Handle events until the run ends; returns the exit code."""
+        while True:
+            kind, name = await self.events.get()
+            if kind == "interrupt":
+                self.say("interrupted: stopping every actor")
+                return 0
+            ap = self.actors[name]
+            if ap.stopped is not None and ap.stopped.completed and ap.exit_code == 0:
+                self.say(f"{name} completed ({ap.stopped.reason})")
+                if ap.entry.primary:
+                    return 0
+                continue
+            if ap.ready_at and time.monotonic() - ap.ready_at >= ap.entry.restart.stable_after_s:
+                ap.restarts = 0
+            why = self.describe_failure(ap)
+            if ap.restarts >= ap.entry.restart.max_restarts:
+                raise RunFailed(f"{name} failed (exit code {ap.exit_code}) after {ap.restarts} "
+                                f"restart(s); restart.max_restarts = "
+                                f"{ap.entry.restart.max_restarts}\n{why}")
+            ap.restarts += 1
+            self.say(f"{name} failed (exit code {ap.exit_code}); restart "
+                     f"{ap.restarts}/{ap.entry.restart.max_restarts}\n{why}")
+            ap.context.endpoints = ap.endpoints or ap.context.endpoints  # keep the bound ports
+            spec = json.loads(ap.spec_path.read_text())
+            spec["context"]["endpoints"] = msgspec.to_builtins(ap.context.endpoints)
+            ap.spec_path.write_text(json.dumps(spec, indent=2))
+            await self.start_one(ap)
+
+    async def _reap(self, ap: ActorProcess, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if proc is not ap.proc:
+            return
+        ap.exit_code = code
+        if not self.stopping:
+            await self.events.put(("exit", ap.name))
+
+    async def _watch_heartbeats(self) -> None:
+        timeout_s = self.cfg.run.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            now = time.monotonic()
+            for ap in self.actors.values():
+                if ap.alive and ap.ready.is_set() and now - ap.last_heartbeat > timeout_s:
+                    self.say(f"{ap.name} sent no heartbeat for {timeout_s:g} s: killing it")
+                    ap.last_heartbeat = now
+                    ap.proc.kill()
+
+    def describe_failure(self, ap: ActorProcess) -> str:
+        if ap.dead is not None:
+            tb = ap.dead.traceback.strip().splitlines()[-12:]
+            return f"  error: {ap.dead.error}\n" + "\n".join(f"  | {line}" for line in tb)
+        return f"  log tail ({ap.log_path}):\n" + "\n".join(
+            f"  | {line}" for line in tail(ap.log_path, 12))
+
+    # ------------------------------------------------------------------ supervisor rpc
+    def _known(self, name: str, pid: int = 0) -> ActorProcess | None:
+        ap = self.actors.get(name)
+        return ap if ap is not None and (not pid or pid == ap.pid) else None
+
+    async def _on_ready(self, msg: Ready) -> Ack:
+        ap = self._known(msg.actor, msg.pid)
+        if ap is None:
+            return Ack(ok=False, stop=True)
+        ap.endpoints = msg.endpoints
+        ap.ready_at = ap.last_heartbeat = time.monotonic()
+        ap.ready.set()
+        return Ack()
+
+    async def _on_heartbeat(self, msg: Heartbeat) -> Ack:
+        ap = self._known(msg.actor)
+        if ap is None:
+            return Ack(ok=False, stop=True)
+        ap.last_heartbeat = time.monotonic()
+        return Ack()
+
+    async def _on_dead(self, msg: Dead) -> Ack:
+        if (ap := self._known(msg.actor)) is not None:
+            ap.dead = msg
+        return Ack()
+
+    async def _on_stopped(self, msg: Stopped) -> Ack:
+        if (ap := self._known(msg.actor)) is not None:
+            ap.stopped = msg
+        return Ack()
+
+    # ------------------------------------------------------------------ stopping
+    async def stop_one(self, ap: ActorProcess, reason: str = "run ending") -> None:
+        if not ap.alive:
+            ap.shutdown_step = ap.shutdown_step or "exited"
+            return
+        run = self.cfg.run
+        if ap.endpoints is not None:
+            client = RpcClient(self.factory, ap.endpoints.control, "launcher")
+            try:
+                await client.call(Shutdown(reason=reason), timeout_s=min(5.0, run.shutdown_timeout_s))
+            except (RemoteError, DeadlineExceeded):
+                pass
+            finally:
+                await client.close()
+            ap.shutdown_step = "message"
+            if await _exited(ap, run.shutdown_timeout_s):
+                return
+        ap.shutdown_step = "sigterm"
+        _signal(ap, signal.SIGTERM)
+        if await _exited(ap, run.term_timeout_s):
+            return
+        ap.shutdown_step = "sigkill"
+        _signal(ap, signal.SIGKILL)
+        await ap.proc.wait()
+
+    async def stop_all(self) -> None:
+        self.stopping = True
+        for name in reversed(self.order):
+            if name in self.actors:
+                await self.stop_one(self.actors[name])
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.server is not None:
+            self.server.close()
+        if self.proxy is not None:
+            self.proxy.close()
+        self.factory.close()
+
+    def summary(self) -> dict:
+        return {name: {"pid": ap.pid, "exit_code": ap.exit_code, "restarts": ap.restarts,
+                       "shutdown_step": ap.shutdown_step,
+                       "error": ap.dead.error if ap.dead else None}
+                for name, ap in self.actors.items()}
+
+
+async def _exited(ap: ActorProcess, timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(asyncio.shield(ap.proc.wait()), timeout_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+def _signal(ap: ActorProcess, sig: int) -> None:
+    try:
+        ap.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, num_lines: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 16384))
+            return f.read().decode(errors="replace").splitlines()[-num_lines:]
+    except OSError:
+        return ["(no log)"]

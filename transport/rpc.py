@@ -1,0 +1,200 @@
+"""Request/reply over ROUTER (server) and DEALER (client) with reply matching and deadlines.
+
+Invariants: every REQUEST that can be attributed to a request id gets exactly one answer, a reply
+or a typed `ErrorReply`; anything that cannot be attributed (garbage, events on a request socket)
+is dropped and counted, logged at a limited rate, and the server keeps serving. A client call
+either returns the reply, raises `RemoteError` with the server's error code, or raises
+`DeadlineExceeded` when its per-call deadline passes (a dead peer never hangs a caller).
+Sockets are owned by their server/client object and used from its event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+from typing import Any, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from transport.codec import Codec, Limits, WireError
+from transport.schema import (PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Kind, Msg, Welcome)
+from transport.shm import ShmConfig, channel_for
+from transport.sockets import RateLimitedLog, SocketFactory
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Msg], Awaitable[Msg]]
+
+
+class RemoteError(Exception):
+    """The peer answered with an ErrorReply."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class DeadlineExceeded(RemoteError, TimeoutError):
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.DEADLINE, message)
+
+
+class RpcServer:
+    """Serves typed requests on a bound ROUTER socket; one task per request."""
+
+    def __init__(self, factory: SocketFactory, endpoint: str, name: str,
+                 handlers: dict[type, Handler], counters: collections.Counter,
+                 limits: Limits | None = None, spawn: Callable[..., Any] | None = None,
+                 prefix: str = "rpc", shm: ShmConfig | None = None):
+        self.name, self.counters, self.prefix = name, counters, prefix
+        self.handlers: dict[type, Handler] = {Hello: self._hello, **handlers}
+        self.sock = factory.bind(zmq.ROUTER, endpoint)
+        self.sock.router_mandatory = True  # unroutable replies raise, so they are counted
+        self.codec = Codec(limits, shm=channel_for(endpoint, shm))
+        self._spawn = spawn or asyncio.ensure_future
+        self._log = RateLimitedLog(log)
+        self.accepting = True
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        ident, rest = frames[0].bytes, frames[1:]
+        try:
+            msg = self.codec.decode(rest)
+        except WireError as e:
+            self._count(f"refused_{e.code}")
+            self._log.warning(f"{self.prefix}:{e.code}", f"{self.name}: refused message: {e}")
+            if e.kind == Kind.REQUEST and e.req_id:
+                self._send(ident, Kind.ERROR, e.req_id, ErrorReply(code=e.code, message=e.message))
+            return
+        if msg.kind != Kind.REQUEST:
+            self._count("refused_not_request")
+            self._log.warning(f"{self.prefix}:kind", f"{self.name}: dropped a {msg.kind.name}")
+            return
+        handler = self.handlers.get(type(msg.body))
+        rtype = type(msg.body).__name__
+        if handler is None or not self.accepting:
+            code = ErrorCode.NO_HANDLER if handler is None else ErrorCode.SHUTTING_DOWN
+            self._count(f"refused_{code}")
+            self._send(ident, Kind.ERROR, msg.req_id, ErrorReply(
+                code=code, message=f"{self.name} does not serve {rtype} now", request_type=rtype))
+            return
+        self._count("requests")
+        self._spawn(self._handle(ident, msg.req_id, rtype, handler, msg.body))
+
+    async def _handle(self, ident: bytes, req_id: int, rtype: str, handler: Handler, body: Msg):
+        try:
+            reply = await handler(body)
+        except Exception as e:  # a failing handler is the caller's answer, not our crash
+            self._count("handler_errors")
+            log.exception("%s: handler for %s failed", self.name, rtype)
+            reply = ErrorReply(code=ErrorCode.HANDLER_ERROR, message=f"{type(e).__name__}: {e}",
+                               request_type=rtype)
+        kind = Kind.ERROR if isinstance(reply, ErrorReply) else Kind.REPLY
+        self._send(ident, kind, req_id, reply)
+
+    def _send(self, ident: bytes, kind: Kind, req_id: int, body: Msg) -> None:
+        try:
+            self.sock.send_multipart([ident, *self.codec.encode(kind, req_id, body)],
+                                     copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN)
+            self._count("replies_dropped")
+        except TypeError as e:
+            self._count("handler_errors")
+            log.error("%s: reply not encodable: %s", self.name, e)
+
+    async def _hello(self, msg: Hello) -> Msg:
+        if msg.protocol != PROTOCOL_VERSION:
+            return ErrorReply(code=ErrorCode.PROTOCOL_MISMATCH, message=(
+                f"{msg.actor or 'peer'} speaks protocol {msg.protocol}, {self.name} speaks "
+                f"{PROTOCOL_VERSION}; run the same version of the project on every host"))
+        return Welcome(protocol=PROTOCOL_VERSION, actor=self.name)
+
+    def _count(self, key: str) -> None:
+        self.counters[f"{self.prefix}.{key}"] += 1
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self.codec.shm is not None:
+            self.codec.shm.close()
+
+
+class RpcClient:
+    """Calls one peer over a DEALER socket; replies are matched to calls by request id."""
+
+    def __init__(self, factory: SocketFactory, endpoint: str, name: str = "",
+                 timeout_s: float = 10.0, limits: Limits | None = None,
+                 shm: ShmConfig | None = None):
+        self.endpoint, self.name, self.timeout_s = endpoint, name, timeout_s
+        self.sock = factory.connect(zmq.DEALER, endpoint)
+        self.codec = Codec(limits, shm=channel_for(endpoint, shm))
+        self.counters: collections.Counter = collections.Counter()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._log = RateLimitedLog(log)
+        self.peer = ""
+
+    async def handshake(self, timeout_s: float | None = None) -> Welcome:
+        """HELLO/WELCOME: fails with RemoteError(protocol_mismatch) on a version mismatch."""
+        reply = await self.call(Hello(protocol=PROTOCOL_VERSION, actor=self.name,
+                                      pid=os.getpid()), timeout_s)
+        assert isinstance(reply, Welcome)
+        self.peer = reply.actor
+        return reply
+
+    async def call(self, msg: Msg, timeout_s: float | None = None) -> Msg:
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+        req_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.sock.send_multipart(self.codec.encode(Kind.REQUEST, req_id, msg),
+                                               copy=False)
+                return await fut
+        except TimeoutError:
+            self.counters["deadlines"] += 1
+            raise DeadlineExceeded(f"{type(msg).__name__} to {self.endpoint} got no answer "
+                                   f"within {timeout_s:g} s") from None
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = self.codec.decode(frames)
+            except WireError as e:
+                self.counters[f"refused_{e.code}"] += 1
+                self._log.warning(str(e.code), f"client of {self.endpoint}: refused reply: {e}")
+                if e.req_id in self._pending:
+                    self._pending[e.req_id].set_exception(RemoteError(e.code, e.message))
+                continue
+            fut = self._pending.get(msg.req_id)
+            if fut is None or fut.done():
+                self.counters["late_replies"] += 1
+                continue
+            if msg.kind == Kind.ERROR and isinstance(msg.body, ErrorReply):
+                fut.set_exception(RemoteError(msg.body.code, msg.body.message))
+            else:
+                fut.set_result(msg.body)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        for fut in self._pending.values():
+            fut.cancel()
+        self.sock.close(linger=0)
+        if self.codec.shm is not None:
+            self.codec.shm.close()

@@ -1,0 +1,201 @@
+"""The wire schema: every message any actor sends is a struct defined here.
+
+Invariant: nothing else builds wire dicts by hand. A message on the wire is one msgpack *header*
+frame (`Header`: protocol version, kind, request id, body) followed by
+zero or more raw tensor frames; tensors inside a body are msgpack extension values that point at
+those frames (see `transport.codec`). Request/reply pairs are named alike (`Ping` / `Pong`,
+`Shutdown` / `ShutdownReply`). Bump `PROTOCOL_VERSION` on any incompatible change; it is checked at
+the HELLO/WELCOME handshake and stamped on every header.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import msgspec
+import numpy as np
+import torch
+
+PROTOCOL_VERSION = 1
+
+
+class Kind(enum.IntEnum):
+    """What a header frame carries."""
+
+    REQUEST = 1  # expects exactly one REPLY or ERROR with the same id
+    REPLY = 2
+    ERROR = 3  # body is an ErrorReply
+    EVENT = 4  # fire-and-forget (streams, metrics, heartbeats)
+
+
+class Msg(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """Base of every message; the tag (class name) selects the type on decode."""
+
+
+# ----------------------------------------------------------------------------- handshake / errors
+class Hello(Msg):
+    """First request a client sends on a new connection."""
+
+    protocol: int
+    actor: str  # sender's actor name ("" for tools such as launch.watch)
+    role: str = ""
+    pid: int = 0
+
+
+class Welcome(Msg):
+    protocol: int
+    actor: str  # the server's actor name
+
+
+class ErrorReply(Msg):
+    """A typed error answer. `code` is one of ErrorCode; `message` says what to change."""
+
+    code: str
+    message: str
+    request_type: str = ""
+
+
+class ErrorCode(enum.StrEnum):
+    UNDECODABLE = "undecodable"  # header frame is not a valid message
+    UNKNOWN_MESSAGE = "unknown_message"  # a message type this build does not know
+    PROTOCOL_MISMATCH = "protocol_mismatch"
+    TOO_LARGE = "too_large"  # over the frame-count or byte limit
+    TRUNCATED = "truncated"  # fewer tensor frames than the header announced
+    NO_HANDLER = "no_handler"  # a valid message this actor does not serve
+    HANDLER_ERROR = "handler_error"  # the handler raised
+    DEADLINE = "deadline"  # the caller's deadline passed
+    SHUTTING_DOWN = "shutting_down"
+
+
+# ----------------------------------------------------------------------------- control plane
+class Ping(Msg):
+    payload: bytes = b""
+
+
+class Pong(Msg):
+    actor: str
+    status: str
+    payload: bytes = b""
+
+
+class StatsRequest(Msg):
+    pass
+
+
+class StatsReply(Msg):
+    actor: str
+    status: str
+    uptime_s: float
+    counters: dict[str, int] = {}
+
+
+class Shutdown(Msg):
+    reason: str = "requested"
+
+
+class ShutdownReply(Msg):
+    actor: str
+    status: str
+
+
+class Endpoints(Msg):
+    """Where an actor can be reached. Empty string: the actor does not bind that socket."""
+
+    control: str
+    rpc: str = ""
+    inbox: str = ""
+
+
+class Ready(Msg):
+    """Actor -> supervisor, once start() succeeded."""
+
+    actor: str
+    pid: int
+    endpoints: Endpoints
+
+
+class Heartbeat(Msg):
+    actor: str
+    status: str
+    seq: int
+
+
+class Dead(Msg):
+    """Actor -> supervisor on a fatal error, just before exiting non-zero."""
+
+    actor: str
+    error: str
+    traceback: str = ""
+
+
+class Ack(Msg):
+    """Supervisor -> actor: the Ready/Heartbeat/Dead/Stopped was recorded."""
+
+    ok: bool = True
+    stop: bool = False  # the supervisor asks the actor to stop (e.g. after a restart race)
+
+
+class Stopped(Msg):
+    """Actor -> supervisor after an orderly stop; `completed` means its work is done."""
+
+    actor: str
+    reason: str
+    completed: bool = False
+
+
+# ----------------------------------------------------------------------------- metrics
+class Metrics(Msg):
+    """One metrics record. `seq` increases by one per publisher so subscribers can count gaps."""
+
+    actor: str
+    seq: int
+    time_s: float
+    values: dict[str, float] = {}
+    step: int | None = None
+    total_steps: int | None = None
+    dropped: int = 0  # records this publisher dropped so far (never blocked on)
+
+
+# ----------------------------------------------------------------------------- demo cluster
+class Scale(Msg):
+    """Demo request: multiply a tensor; the reply carries the product and its sum."""
+
+    tensor: torch.Tensor
+    factor: float
+
+
+class ScaleReply(Msg):
+    tensor: torch.Tensor
+    total: float
+
+
+class WorkItem(Msg):
+    """Demo stream item (producer -> consumer)."""
+
+    index: int
+    data: np.ndarray
+    produced_at_s: float
+
+
+class Blob(Msg):
+    """A named bag of tensors; used by the transport benchmark and tests."""
+
+    tensors: dict[str, torch.Tensor] = {}
+    arrays: dict[str, np.ndarray] = {}
+    payload: bytes = b""
+
+
+Message = Union[
+    Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
+    Endpoints, Ready, Heartbeat, Dead, Ack, Stopped, Metrics, Scale, ScaleReply, WorkItem, Blob,
+]
+
+
+class Header(msgspec.Struct, array_like=True):
+    """First frame of every message."""
+
+    v: int  # PROTOCOL_VERSION of the sender
+    kind: Kind
+    id: int  # request id, echoed by the reply; 0 for events
+    body: Message

@@ -1,0 +1,130 @@
+"""Socket creation: endpoints, limits, linger, and CURVE security in one place.
+
+Invariant: actor code never sets socket security options itself. Every socket is made by a
+`SocketFactory`, which applies CURVE (encryption plus client authentication) to `tcp://` endpoints
+when the cluster's `Security` turns it on, and leaves `ipc://`/`inproc://` (same host, protected by
+file permissions) alone. Each process makes its own zmq context after it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+
+class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Transport security for tcp:// endpoints (ipc:// is protected by the run directory)."""
+
+    curve: bool = False  # encrypt and authenticate tcp traffic with CURVE
+    keys_dir: str = ""  # holds server.key_secret/server.key and client.key_secret/client.key
+
+
+def make_curve_keys(keys_dir: str | Path) -> None:
+    """Write one server and one client keypair (zmq's certificate files) into keys_dir."""
+    import zmq.auth
+
+    Path(keys_dir).mkdir(parents=True, exist_ok=True)
+    for name in ("server", "client"):
+        zmq.auth.create_certificates(str(keys_dir), name)
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The endpoint actually bound (tcp port 0 resolved to the real port)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class SocketFactory:
+    """Makes sockets on one context with the cluster's security and sane defaults."""
+
+    def __init__(self, ctx: zmq.asyncio.Context | None = None, security: Security | None = None):
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.security = security or Security()
+        self._keys: dict[str, tuple[bytes, bytes]] = {}
+        self._auth = None
+
+    def bind(self, kind: int, endpoint: str, hwm: int | None = None) -> zmq.asyncio.Socket:
+        sock = self._socket(kind, hwm)
+        if self.security.curve and endpoint.startswith("tcp://"):
+            self._start_authenticator()
+            public, secret = self._keypair("server")
+            sock.curve_server = True
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+        sock.bind(endpoint)
+        return sock
+
+    def connect(self, kind: int, endpoint: str, hwm: int | None = None) -> zmq.asyncio.Socket:
+        sock = self._socket(kind, hwm)
+        if self.security.curve and endpoint.startswith("tcp://"):
+            public, secret = self._keypair("client")
+            sock.curve_serverkey = self._server_public()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.connect(endpoint)
+        return sock
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.destroy(linger=0)
+
+    def _socket(self, kind: int, hwm: int | None) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        if hwm is not None:
+            sock.sndhwm = hwm
+            sock.rcvhwm = hwm
+        return sock
+
+    def _keypair(self, name: str) -> tuple[bytes, bytes]:
+        if name not in self._keys:
+            import zmq.auth
+
+            if not self.security.keys_dir:
+                raise ValueError("security.curve = true needs security.keys_dir (a folder with "
+                                 "server.key_secret and client.key_secret; see make_curve_keys)")
+            path = Path(self.security.keys_dir) / f"{name}.key_secret"
+            self._keys[name] = zmq.auth.load_certificate(str(path))
+        return self._keys[name]
+
+    def _server_public(self) -> bytes:
+        import zmq.auth
+
+        self._keypair("client")  # validates keys_dir
+        return zmq.auth.load_certificate(str(Path(self.security.keys_dir) / "server.key"))[0]
+
+    def _start_authenticator(self) -> None:
+        """ZAP handler: only clients holding the cluster's client key may connect."""
+        if self._auth is not None:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=self.security.keys_dir)
+
+
+class RateLimitedLog:
+    """Logs at most one line per key per `interval_s`, reporting how many were suppressed."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 5.0):
+        self.logger, self.interval_s = logger, interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) < self.interval_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        skipped = self._suppressed.pop(key, 0)
+        self._last[key] = now
+        self.logger.warning("%s%s", text, f" ({skipped} similar suppressed)" if skipped else "")
