@@ -1,0 +1,60 @@
+"""Shared fixtures. Every test is checked for leaks: no new threads, child processes or file
+descriptors (zmq contexts and sockets hold fds) may outlive it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    threads = set(threading.enumerate())
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    fds = _fds()
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        new_threads = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+        new_children = [p for p in psutil.Process().children(recursive=True)
+                        if p.pid not in children and p.status() != psutil.STATUS_ZOMBIE]
+        new_fds = _fds() - fds
+        if not (new_threads or new_children or len(new_fds) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not new_threads, f"leaked threads: {new_threads}"
+    assert not new_children, f"leaked processes: {[(p.pid, p.cmdline()) for p in new_children]}"
+    leaked = {fd: _target(fd) for fd in new_fds}
+    assert not leaked, f"leaked file descriptors: {leaked}"
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+@pytest.fixture
+def ipc(tmp_path_factory):
+    """Makes short ipc:// endpoints (socket paths must fit in 107 bytes)."""
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="rlx-t-")
+    counter = iter(range(10**6))
+
+    def make(name: str = "sock") -> str:
+        return f"ipc://{base}/{name}-{next(counter)}"
+
+    yield make
+    import shutil
+
+    shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,285 @@
+"""Real subprocess clusters from a tmp hosts.toml on ipc:// endpoints under tmp_path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from transport.metrics import MetricsSubscriber
+from transport.sockets import SocketFactory
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = """
+[run]
+name = "t"
+shutdown_timeout_s = 1.5
+term_timeout_s = 1.5
+heartbeat_interval_s = 0.2
+progress_interval_s = 0.2
+{extra_run}
+
+[[hosts]]
+name = "local"
+"""
+
+
+def write_hosts(tmp_path: Path, actors: str, extra_run: str = "") -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(RUN.format(extra_run=extra_run) + actors)
+    return path
+
+
+def launch(hosts: Path, run_dir: Path, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                           str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def exit_info(run_dir: Path) -> dict:
+    return json.loads((run_dir / "exit.json").read_text())
+
+
+def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.scaler]
+cls = "examples.demo:Scaler"
+[actors.consumer]
+cls = "examples.demo:Consumer"
+[actors.producer]
+cls = "examples.demo:Producer"
+after = ["scaler", "consumer"]
+primary = true
+config = { num_items = 120, interval_s = 0.03 }
+""")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = asyncio.run(collect_metrics(run_dir, {"scaler", "consumer", "producer"}))
+        jsonl = tmp_path / "watch.jsonl"
+        watch = subprocess.run([sys.executable, "-m", "launch.watch", str(run_dir), "--jsonl",
+                                str(jsonl), "--duration-s", "1.5", "--no-live"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, out
+    assert seen == {"scaler", "consumer", "producer"}
+    assert watch.returncode == 0, watch.stderr
+    recorded = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {r["actor"] for r in recorded} & {"producer", "consumer"}
+    assert "producer: step 120/120" in out
+    info = exit_info(run_dir)
+    assert info["exit_code"] == 0
+    assert info["actors"]["producer"]["exit_code"] == 0
+    assert info["actors"]["scaler"]["shutdown_step"] == "message"
+    assert info["actors"]["scaler"]["exit_code"] == 0
+    resolved = json.loads((run_dir / "config.json").read_text())
+    assert resolved["start_order"] == ["scaler", "consumer", "producer"]
+    assert resolved["actors"]["producer"]["config"]["num_items"] == 120
+    for name in ("scaler", "consumer", "producer"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+
+
+async def collect_metrics(run_dir: Path, wanted: set[str], timeout_s: float = 40) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "endpoints.json").exists():
+        assert time.monotonic() < deadline, "launcher never wrote endpoints.json"
+        await asyncio.sleep(0.05)
+    endpoint = json.loads((run_dir / "endpoints.json").read_text())["metrics"]
+    factory = SocketFactory()
+    sub = MetricsSubscriber(factory, endpoint)
+    seen: set[str] = set()
+    try:
+        async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+            while seen != wanted:
+                seen.add((await sub.recv()).actor)
+    finally:
+        sub.close()
+        factory.close()
+    return seen
+
+
+def test_shutdown_escalation_steps(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.polite]
+cls = "tests.misbehaving:Idle"
+[actors.deaf]
+cls = "tests.misbehaving:NeverAnswersShutdown"
+[actors.stubborn]
+cls = "tests.misbehaving:IgnoresSigterm"
+[actors.main]
+cls = "tests.misbehaving:Finisher"
+primary = true
+config = { after_s = 0.5 }
+""")
+    run_dir = tmp_path / "run"
+    result = launch(hosts, run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = {n: a["shutdown_step"] for n, a in exit_info(run_dir)["actors"].items()}
+    assert steps == {"polite": "message", "deaf": "sigterm", "stubborn": "sigkill",
+                     "main": "exited"}
+
+
+def test_fails_on_start_stops_the_run_with_its_error(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.ok]
+cls = "tests.misbehaving:Idle"
+[actors.bad]
+cls = "tests.misbehaving:FailsOnStart"
+after = ["ok"]
+""")
+    run_dir = tmp_path / "run"
+    result = launch(hosts, run_dir)
+    assert result.returncode == 1
+    assert "bad exited with code 1 during start" in result.stdout
+    assert "deliberate start failure" in result.stdout
+    info = exit_info(run_dir)
+    assert info["actors"]["ok"]["shutdown_step"] == "message"
+    assert info["actors"]["ok"]["exit_code"] == 0
+
+
+def test_slow_start_within_and_past_its_deadline(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.slow]
+cls = "tests.misbehaving:SlowStart"
+config = { delay_s = 1.0 }
+[actors.main]
+cls = "tests.misbehaving:Finisher"
+after = ["slow"]
+primary = true
+config = { after_s = 0.2 }
+""")
+    result = launch(hosts, tmp_path / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "slow READY" in result.stdout
+    hosts = write_hosts(tmp_path, """
+[actors.slow]
+cls = "tests.misbehaving:SlowStart"
+start_timeout_s = 0.5
+config = { delay_s = 5.0 }
+""")
+    result = launch(hosts, tmp_path / "run2")
+    assert result.returncode == 1
+    assert "took longer than start_timeout_s = 0.5" in result.stdout
+
+
+def test_crash_is_restarted_then_run_completes(tmp_path):
+    marker = tmp_path / "crashed-once"
+    hosts = write_hosts(tmp_path, f"""
+[actors.main]
+cls = "tests.misbehaving:CrashOnce"
+primary = true
+restart = {{ max_restarts = 1 }}
+config = {{ marker = "{marker}" }}
+""")
+    run_dir = tmp_path / "run"
+    result = launch(hosts, run_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "main failed (exit code 7); restart 1/1" in result.stdout
+    assert exit_info(run_dir)["actors"]["main"]["restarts"] == 1
+    assert marker.exists()
+
+
+def test_fatal_error_past_restart_budget_exits_nonzero_with_error(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.idle]
+cls = "tests.misbehaving:Idle"
+[actors.bad]
+cls = "tests.misbehaving:Raises"
+restart = { max_restarts = 1 }
+""")
+    run_dir = tmp_path / "run"
+    result = launch(hosts, run_dir)
+    assert result.returncode == 1
+    assert "RUN FAILED: bad failed (exit code 1) after 1 restart(s)" in result.stdout
+    assert "boom: deliberate failure in run()" in result.stdout
+    info = exit_info(run_dir)
+    assert info["actors"]["bad"]["restarts"] == 1
+    assert info["actors"]["idle"]["shutdown_step"] == "message"
+
+
+def test_silent_actor_is_killed_by_heartbeat_timeout(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.blocked]
+cls = "tests.misbehaving:Blocks"
+restart = { max_restarts = 0 }
+""", extra_run="heartbeat_timeout_s = 1.0")
+    result = launch(hosts, tmp_path / "run")
+    assert result.returncode == 1
+    assert "blocked sent no heartbeat for 1 s: killing it" in result.stdout
+    assert "exit code -9" in result.stdout
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 40) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"never saw {text!r}; output: {''.join(lines)}")
+
+
+IDLE_PAIR = """
+[actors.a]
+cls = "tests.misbehaving:Idle"
+[actors.b]
+cls = "tests.misbehaving:Idle"
+after = ["a"]
+"""
+
+
+def test_ctrl_c_stops_everything_with_exit_code_0(tmp_path):
+    hosts = write_hosts(tmp_path, IDLE_PAIR)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_line(proc, "b READY")
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 2
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, out
+    assert "interrupted" in out
+    steps = {n: a["shutdown_step"] for n, a in exit_info(run_dir)["actors"].items()}
+    assert steps == {"a": "message", "b": "message"}
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_children_exit_when_the_launcher_dies(tmp_path):
+    hosts = write_hosts(tmp_path, IDLE_PAIR)
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_line(proc, "b READY")
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 2
+        proc.kill()
+        proc.wait()
+        gone, alive = psutil.wait_procs(children, timeout=15)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert not alive, f"children outlived the launcher: {alive}"
