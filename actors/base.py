@@ -266,15 +266,15 @@ class Actor:
     def _control_handlers(self) -> dict[type, Handler]:
         return {Ping: self._ping, StatsRequest: self._stats, Shutdown: self._shutdown}
 
-    async def _ping(self, msg: Ping) -> Pong:
+    def _ping(self, msg: Ping) -> Pong:
         return Pong(actor=self.name, status=self.status, payload=msg.payload)
 
-    async def _stats(self, msg: StatsRequest) -> StatsReply:
+    def _stats(self, msg: StatsRequest) -> StatsReply:
         return StatsReply(actor=self.name, status=self.status,
                           uptime_s=time.monotonic() - self._started_at,
                           counters=dict(self.stats()))
 
-    async def _shutdown(self, msg: Shutdown) -> ShutdownReply:
+    def _shutdown(self, msg: Shutdown) -> ShutdownReply:
         self.stop(msg.reason)
         return ShutdownReply(actor=self.name, status=self.status)
 

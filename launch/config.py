@@ -86,6 +86,12 @@ def load(path: str | Path) -> ClusterConfig:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    actors = raw.get("actors")
+    for name, entry in (actors.items() if isinstance(actors, dict) else ()):
+        try:  # one by one: msgspec's error path does not name dict keys
+            msgspec.convert(entry, ActorEntry)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{path}: {_describe(str(e), ['actors', name])}") from None
     try:
         cfg = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as e:
@@ -94,11 +100,11 @@ def load(path: str | Path) -> ClusterConfig:
     return cfg
 
 
-def _describe(err: str) -> str:
+def _describe(err: str, prefix: list[str] | None = None) -> str:
     """msgspec's 'problem - at `$.a.b`' as 'table [a], field `b`: problem'."""
     problem, _, where = err.partition(" - at `")
     parts = re.findall(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", where.rstrip("`").removeprefix("$"))
-    keys = [name or f"#{int(idx) + 1}" for name, idx in parts]
+    keys = [*(prefix or []), *(name or f"#{int(idx) + 1}" for name, idx in parts)]
     named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
     if named:
         field, table = named.group(1), keys

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable
 
 import msgspec
-import zmq
 
 from actors.base import ActorContext
 from launch.config import ActorEntry, ClusterConfig
@@ -92,8 +91,7 @@ class Supervisor:
         self.server = RpcServer(self.factory, self.endpoint("supervisor"), "launcher", handlers,
                                 counters, self.cfg.limits, prefix="supervisor")
         self._tasks.append(asyncio.ensure_future(self.server.serve()))
-        sync_ctx = zmq.Context.shadow(self.factory.ctx.underlying)
-        self.proxy = MetricsProxy(sync_ctx, self.endpoint("metrics-in"),
+        self.proxy = MetricsProxy(self.factory.ctx, self.endpoint("metrics-in"),
                                   self.endpoint("metrics-out"))
         return {"supervisor": self.supervisor_endpoint, "metrics": self.proxy.backend,
                 "metrics_in": self.proxy.frontend}

@@ -28,7 +28,6 @@ class MetricsPublisher:
         self.actor = actor
         self.sock = factory.connect(zmq.XPUB, endpoint, hwm=hwm)
         self.sock.setsockopt(zmq.XPUB_NODROP, 1)
-        self._sync = zmq.Socket.shadow(self.sock.underlying)
         self.codec = Codec()
         self.seq = 0
         self.dropped = 0
@@ -41,8 +40,7 @@ class MetricsPublisher:
                       values={k: float(v) for k, v in values.items()}, step=step,
                       total_steps=total_steps, dropped=self.dropped)
         try:
-            self._sync.send_multipart([TOPIC, *self.codec.encode(Kind.EVENT, 0, msg)],
-                                      flags=zmq.NOBLOCK)
+            self.sock.send_nowait([TOPIC, *self.codec.encode(Kind.EVENT, 0, msg)])
             return True
         except zmq.Again:
             self.dropped += 1

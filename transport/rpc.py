@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import itertools
 import logging
 import os
 from typing import Any, Awaitable, Callable
 
 import zmq
-import zmq.asyncio
 
 from transport.codec import Codec, Limits, WireError
 from transport.schema import (PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Kind, Msg, Welcome)
@@ -26,7 +26,7 @@ from transport.shm import ShmConfig, channel_for
 from transport.sockets import RateLimitedLog, SocketFactory
 
 log = logging.getLogger(__name__)
-Handler = Callable[[Msg], Awaitable[Msg]]
+Handler = Callable[[Msg], Awaitable[Msg] | Msg]  # plain functions answer inline, no task
 
 
 class RemoteError(Exception):
@@ -51,6 +51,7 @@ class RpcServer:
                  prefix: str = "rpc", shm: ShmConfig | None = None):
         self.name, self.counters, self.prefix = name, counters, prefix
         self.handlers: dict[type, Handler] = {Hello: self._hello, **handlers}
+        self._is_async = {t: inspect.iscoroutinefunction(h) for t, h in self.handlers.items()}
         self.sock = factory.bind(zmq.ROUTER, endpoint)
         self.sock.router_mandatory = True  # unroutable replies raise, so they are counted
         self.codec = Codec(limits, shm=channel_for(endpoint, shm))
@@ -86,30 +87,42 @@ class RpcServer:
                 code=code, message=f"{self.name} does not serve {rtype} now", request_type=rtype))
             return
         self._count("requests")
-        self._spawn(self._handle(ident, msg.req_id, rtype, handler, msg.body))
+        if self._is_async[type(msg.body)]:
+            self._spawn(self._handle(ident, msg.req_id, rtype, handler, msg.body))
+            return
+        try:
+            reply = handler(msg.body)
+        except Exception as e:  # a failing handler is the caller's answer, not our crash
+            reply = self._failed(rtype, e)
+        self._reply(ident, msg.req_id, reply)
 
     async def _handle(self, ident: bytes, req_id: int, rtype: str, handler: Handler, body: Msg):
         try:
             reply = await handler(body)
         except Exception as e:  # a failing handler is the caller's answer, not our crash
-            self._count("handler_errors")
-            log.exception("%s: handler for %s failed", self.name, rtype)
-            reply = ErrorReply(code=ErrorCode.HANDLER_ERROR, message=f"{type(e).__name__}: {e}",
-                               request_type=rtype)
+            reply = self._failed(rtype, e)
+        self._reply(ident, req_id, reply)
+
+    def _failed(self, rtype: str, e: Exception) -> ErrorReply:
+        self._count("handler_errors")
+        log.exception("%s: handler for %s failed", self.name, rtype)
+        return ErrorReply(code=ErrorCode.HANDLER_ERROR, message=f"{type(e).__name__}: {e}",
+                          request_type=rtype)
+
+    def _reply(self, ident: bytes, req_id: int, reply: Msg) -> None:
         kind = Kind.ERROR if isinstance(reply, ErrorReply) else Kind.REPLY
         self._send(ident, kind, req_id, reply)
 
     def _send(self, ident: bytes, kind: Kind, req_id: int, body: Msg) -> None:
         try:
-            self.sock.send_multipart([ident, *self.codec.encode(kind, req_id, body)],
-                                     copy=False, flags=zmq.NOBLOCK)
+            self.sock.send_nowait([ident, *self.codec.encode(kind, req_id, body)])
         except zmq.ZMQError:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN)
             self._count("replies_dropped")
         except TypeError as e:
             self._count("handler_errors")
             log.error("%s: reply not encodable: %s", self.name, e)
 
-    async def _hello(self, msg: Hello) -> Msg:
+    def _hello(self, msg: Hello) -> Msg:
         if msg.protocol != PROTOCOL_VERSION:
             return ErrorReply(code=ErrorCode.PROTOCOL_MISMATCH, message=(
                 f"{msg.actor or 'peer'} speaks protocol {msg.protocol}, {self.name} speaks "
@@ -123,6 +136,11 @@ class RpcServer:
         self.sock.close(linger=0)
         if self.codec.shm is not None:
             self.codec.shm.close()
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 class RpcClient:
@@ -153,19 +171,27 @@ class RpcClient:
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
         req_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pending[req_id] = fut
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timer = loop.call_later(timeout_s, _expire, fut)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self.sock.send_multipart(self.codec.encode(Kind.REQUEST, req_id, msg),
-                                               copy=False)
-                return await fut
+            frames = self.codec.encode(Kind.REQUEST, req_id, msg)
+            try:
+                self.sock.send_nowait(frames)
+            except zmq.Again:  # no peer yet or queue full: wait, bounded by the deadline
+                send = asyncio.ensure_future(self.sock.send_multipart(frames))
+                await asyncio.wait({send, fut}, return_when=asyncio.FIRST_COMPLETED)
+                if not send.done():
+                    send.cancel()
+            return await fut
         except TimeoutError:
             self.counters["deadlines"] += 1
             raise DeadlineExceeded(f"{type(msg).__name__} to {self.endpoint} got no answer "
                                    f"within {timeout_s:g} s") from None
         finally:
+            timer.cancel()
             self._pending.pop(req_id, None)
 
     async def _read(self) -> None:

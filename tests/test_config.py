@@ -1,0 +1,109 @@
+"""hosts.toml validation: every mistake names the file, the table and the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.config import ConfigError, load, start_order
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD = """
+[run]
+name = "t"
+
+[[hosts]]
+name = "local"
+
+[actors.scaler]
+cls = "examples.demo:Scaler"
+config = { delay_s = 0.0 }
+
+[actors.producer]
+cls = "examples.demo:Producer"
+after = ["scaler"]
+primary = true
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    return message
+
+
+def test_good_config_loads_with_defaults_and_order(tmp_path):
+    cfg = load(write(tmp_path, GOOD))
+    assert cfg.run.transport == "ipc" and cfg.run.dir == "runs"
+    assert cfg.actors["producer"].restart.max_restarts == 2
+    assert start_order(cfg) == ["scaler", "producer"]
+
+
+@pytest.mark.parametrize("edit, table, field, words", [
+    (("[actors.scaler]", "[actors.scaler]\ncolour = 3"), "actors.scaler", "colour", "unknown field"),
+    (('name = "t"', "name = 5"), "run", "name", "Expected `str`, got `int`"),
+    (('cls = "examples.demo:Scaler"', ""), "actors.scaler", "cls", "missing required field"),
+    (("[[hosts]]", "[[hosts]]\naddress = 1"), "hosts.#1", "address", "Expected `str`"),
+    (("primary = true", "primary = true\nrestart = { max_restarts = \"x\" }"),
+     "actors.producer.restart", "max_restarts", "Expected `int`"),
+])
+def test_schema_errors_name_table_and_field(tmp_path, edit, table, field, words):
+    message = error_of(tmp_path, GOOD.replace(*edit, 1))
+    assert f"table [{table}], field `{field}`" in message, message
+    assert words in message
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (('after = ["scaler"]', 'after = ["nobody"]'),
+     "table [actors.producer], field `after`: unknown actor 'nobody'"),
+    (('primary = true', 'primary = true\nhost = "elsewhere"'),
+     "table [actors.producer], field `host`: unknown host 'elsewhere'"),
+    (('cls = "examples.demo:Scaler"', 'cls = "examples.nope:Scaler"'),
+     "table [actors.scaler], field `cls`: cannot import 'examples.nope:Scaler'"),
+    (('cls = "examples.demo:Scaler"', 'cls = "examples.demo.Scaler"'),
+     "is not 'package.module:ClassName'"),
+    (('cls = "examples.demo:Scaler"', 'cls = "examples.demo:ScalerConfig"'),
+     "is not a subclass of actors.base.Actor"),
+    (("delay_s = 0.0", "delay_seconds = 0.0"),
+     "table [actors.scaler.config], field `delay_seconds`: Object contains unknown field"),
+    (("delay_s = 0.0", 'delay_s = "fast"'),
+     "table [actors.scaler.config], field `delay_s`: Expected `float`"),
+    (("[[hosts]]\nname = \"local\"", "[[hosts]]\nname = \"local\"\nexec = [\"ssh\", \"n2\"]"),
+     "table [hosts.#1], field `exec`: remote hosts are not implemented yet"),
+    (("[actors.scaler]", "[actors.scaler]\nafter = [\"producer\"]"),
+     "dependency cycle"),
+])
+def test_semantic_errors(tmp_path, edit, expected):
+    assert expected in error_of(tmp_path, GOOD.replace(*edit, 1))
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    assert "not valid TOML" in error_of(tmp_path, "[run\nname=")
+    with pytest.raises(ConfigError, match="no such file"):
+        load(tmp_path / "absent.toml")
+
+
+def test_cli_exit_code_2_and_dry_run(tmp_path):
+    bad = write(tmp_path, GOOD.replace('name = "t"', "name = 5"))
+    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(bad)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "table [run], field `name`" in result.stderr
+    good = write(tmp_path, GOOD)
+    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(good), "--dry-run"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "examples.demo:Producer" in result.stdout and "nothing was started" in result.stdout
+    assert not (tmp_path / "runs").exists()
