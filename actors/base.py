@@ -65,6 +65,8 @@ class ActorContext(msgspec.Struct, forbid_unknown_fields=True):
     start_timeout_s: float = 30.0
     stop_timeout_s: float = 10.0  # on_stop() and the final report must finish within this
     call_timeout_s: float = 10.0  # default deadline of calls to peers and the supervisor
+    run_dir: str = ""  # the run directory (checkpoints, weights, logs live under it)
+    resume: bool = False  # continue from the latest checkpoint in run_dir
 
 
 class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -97,6 +99,11 @@ class Actor:
         self._started_at = time.monotonic()
 
     # ------------------------------------------------------------------ hooks for subclasses
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Checks that need more than types (paths exist, classes import); raise ValueError.
+        The launcher calls this when it loads hosts.toml, before anything starts."""
+
     async def on_start(self) -> None:
         """Open resources and connect to peers; raising fails the start."""
 

@@ -144,7 +144,11 @@ def _check(cfg: ClusterConfig, path: Path) -> None:
             if dep not in cfg.actors:
                 fail(table, "after", f"unknown actor {dep!r}; actors are {sorted(cfg.actors)}")
         cls = import_actor(entry.cls, f"{path}: table [{table}], field `cls`")
-        actor_config(cls, entry.config, f"{path}: table [{table}.config]")
+        config = actor_config(cls, entry.config, f"{path}: table [{table}.config]")
+        try:
+            cls.check_config(config)
+        except ValueError as e:
+            raise ConfigError(f"{path}: table [{table}.config]: {e}") from None
     start_order(cfg, path)
 
 

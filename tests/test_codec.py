@@ -176,8 +176,6 @@ def test_numpy_arrays_in_numpy_fields():
         np.testing.assert_array_equal(got[k], a)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: codec.as_tensor uses np.ascontiguousarray, which "
-                   "turns a 0-d array into shape (1,)")
 @pytest.mark.parametrize("field", ["arrays", "tensors"])
 def test_zero_dim_numpy_array_keeps_its_shape(field):
     a = np.array(7.5, dtype=np.float32)
@@ -295,11 +293,7 @@ def test_random_bytes_are_undecodable():
     for n in (1, 7, 64, 1000):
         for _ in range(20):
             err = wire_error(codec, [bytearray(rng.randbytes(n))])
-            assert err.code in (ErrorCode.UNDECODABLE, ErrorCode.PROTOCOL_MISMATCH), err
-    for n in (64, 1000):  # long random input is never a well-formed msgpack value
-        for _ in range(20):
-            err = wire_error(codec, [bytearray(rng.randbytes(n))])
-            assert err.code == ErrorCode.UNDECODABLE and err.req_id == 0
+            assert err.code == ErrorCode.UNDECODABLE and err.req_id == 0, err
     assert wire_error(codec, []).code == ErrorCode.UNDECODABLE
     assert wire_error(codec, [b""]).code == ErrorCode.UNDECODABLE
     # a valid header followed by a garbage tensor frame of the wrong size
@@ -342,8 +336,6 @@ def test_bad_tensor_references_are_wire_errors():
         assert err.code == ErrorCode.UNDECODABLE and err.req_id == 3, err
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: codec._ext_hook lets RuntimeError/KeyError/OSError "
-                   "from tensor_from_buffer and ShmChannel.get escape instead of WireError")
 @pytest.mark.parametrize("case", ["negative_shape", "shm_missing_segment", "shm_bad_dtype",
                                   "shm_shape_mismatch"])
 def test_malformed_tensor_reference_is_always_a_wire_error(case):
@@ -360,25 +352,22 @@ def test_malformed_tensor_reference_is_always_a_wire_error(case):
                 "shm_shape_mismatch": ["float32", [5], name, nbytes],
             }[case]
             frames = [header_with_ext(EXT_SHM, ref)]
-        escaped = ""
+        # keep no exception object: its traceback would pin the segment's mapping (an fd)
+        got = escaped = None
         try:
             Codec(shm=receiver).decode(frames)
-            err = None
         except WireError as e:
-            err = e
+            got = (e.code, e.req_id)
         except Exception as e:  # noqa: BLE001 - the bug: anything but WireError escapes
-            escaped = repr(e)  # keep no traceback: it would pin the segment's mapping (an fd)
-        # checked outside the except block so no traceback keeps a mapping (an fd) alive
-        assert not escaped, f"decode raised {escaped} instead of WireError"
-        assert err is not None and err.code == ErrorCode.UNDECODABLE and err.req_id == 3
+            escaped = repr(e)
+        assert escaped is None, f"decode raised {escaped} instead of WireError"
+        assert got == (ErrorCode.UNDECODABLE, 3)
     finally:
         sender.close()
         receiver.close()
         gc.collect()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: codec.tensor_frame does not resolve conjugate/negative "
-                   "views before .view(torch.uint8), so t.conj() cannot be encoded")
 def test_conjugate_view_tensor_roundtrips():
     t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
     got = roundtrip(Blob(tensors={"x": t})).tensors["x"]

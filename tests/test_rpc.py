@@ -275,8 +275,6 @@ async def test_every_refusal_on_one_actor(ipc, factory):
             await client.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a malformed tensor reference raises RuntimeError/"
-                   "FileNotFoundError out of Codec.decode, which kills RpcServer.serve (actor FAILED)")
 @pytest.mark.parametrize("ref", ["negative_shape", "missing_shm_segment"])
 async def test_malformed_tensor_reference_does_not_kill_the_actor(ipc, factory, ref):
     if ref == "negative_shape":
@@ -375,9 +373,6 @@ async def test_rpc_server_handler_errors_sync_and_async(ipc, factory, sync):
         server.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: RpcServer._send catches only TypeError; a reply the "
-                   "codec cannot encode gets no answer (TypeError) or escapes and kills the actor "
-                   "(NotImplementedError from Codec._enc_hook)")
 @pytest.mark.parametrize("factor", [13.0, 14.0], ids=["custom_object", "string_array"])
 async def test_unencodable_reply_is_a_handler_error(ipc, factory, factor):
     async with running(TrickyScaler(context("tricky", ipc))) as actor:
@@ -441,9 +436,6 @@ async def test_shutdown_on_control_socket_stops_the_actor(ipc, factory):
         await asyncio.wait_for(task, 10)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: AsyncSocket has no __setattr__ pass-through, so "
-                   "`sock.router_mandatory = True` in RpcServer never reaches the zmq socket and "
-                   "replies to departed peers vanish uncounted")
 async def test_reply_to_departed_peer_is_counted(ipc, factory):
     async with running(Scaler(context("slow", ipc), ScalerConfig(delay_s=0.3))) as actor:
         assert actor.counters["rpc.replies_dropped"] == 0
@@ -459,7 +451,7 @@ async def test_reply_to_departed_peer_is_counted(ipc, factory):
         await asyncio.sleep(0.05)
         counters = await stats(factory, actor)
         assert counters["scaled"] == 1
-        assert counters["rpc.replies_dropped"] == 1
+        assert counters.get("rpc.replies_dropped", 0) == 1
 
 
 # ------------------------------------------------------------------------------------ client side
@@ -510,9 +502,6 @@ async def test_client_turns_an_undecodable_reply_into_remote_error(ipc, factory)
         server.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: RpcClient._read calls set_exception on an already "
-                   "completed future when an undecodable reply follows a good one for the same id "
-                   "(InvalidStateError kills the reader; every later call times out)")
 async def test_client_survives_duplicate_garbled_reply(ipc, factory):
     server = FakeServer(factory, ipc("fake"))
     client = RpcClient(factory, server.endpoint, "tester", timeout_s=1.0)
@@ -575,8 +564,6 @@ async def test_curve_client_with_keys_is_answered(curve):
         await _stop_secure(sf, server, task)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: AsyncSocket has no __setattr__ pass-through, so the "
-                   "curve_* options SocketFactory sets never reach the zmq socket: CURVE is off")
 async def test_curve_refuses_clients_without_the_keys(curve, tmp_path):
     sf, server, task = await _serve_secure(curve)
     plain, cf, stranger_f = SocketFactory(), SocketFactory(security=curve), None

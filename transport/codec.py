@@ -59,7 +59,7 @@ def tensor_frame(t: torch.Tensor) -> Any:
     """The tensor's bytes as a buffer zmq can send without copying (contiguous, on CPU)."""
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -70,17 +70,29 @@ def as_tensor(obj: torch.Tensor | np.ndarray) -> torch.Tensor:
         return obj
     if obj.dtype == object or obj.dtype.kind in "USVmM":
         raise TypeError(f"numpy dtype {obj.dtype} cannot travel as a tensor frame")
-    return torch.from_numpy(np.ascontiguousarray(obj))
+    return torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
+
+
+def wire_dtype(name: Any) -> torch.dtype:
+    tdtype = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if tdtype is None:
+        raise WireError(ErrorCode.UNDECODABLE, f"unknown dtype {name!r}")
+    return tdtype
+
+
+def checked_numel(shape: Any) -> int:
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise WireError(ErrorCode.UNDECODABLE, f"bad tensor shape {shape!r}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel
 
 
 def tensor_from_buffer(buf: memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
     """Zero-copy view of `buf` as a tensor; raises WireError if the sizes disagree."""
-    tdtype = _TORCH_DTYPES.get(dtype)
-    if tdtype is None:
-        raise WireError(ErrorCode.UNDECODABLE, f"unknown dtype {dtype!r}")
-    numel = 1
-    for s in shape:
-        numel *= s
+    tdtype = wire_dtype(dtype)
+    numel = checked_numel(shape)
     if buf.nbytes != numel * tdtype.itemsize:
         raise WireError(ErrorCode.UNDECODABLE,
                         f"tensor frame holds {buf.nbytes} bytes, {dtype}{list(shape)} needs "
@@ -166,7 +178,10 @@ class Codec:
                 return tensor_from_buffer(self._in[1 + index], dtype, shape)
             if code == EXT_SHM and self.shm is not None:
                 return self.shm.get(dtype, shape, meta[2:])
-        except (msgspec.DecodeError, IndexError, TypeError, ValueError) as e:
+        except WireError:
+            raise
+        except (msgspec.DecodeError, LookupError, TypeError, ValueError, RuntimeError,
+                OSError) as e:
             raise WireError(ErrorCode.UNDECODABLE, f"bad tensor reference: {e}") from None
         raise WireError(ErrorCode.UNDECODABLE, f"unsupported extension code {code}")
 

@@ -115,12 +115,17 @@ class RpcServer:
 
     def _send(self, ident: bytes, kind: Kind, req_id: int, body: Msg) -> None:
         try:
-            self.sock.send_nowait([ident, *self.codec.encode(kind, req_id, body)])
+            frames = self.codec.encode(kind, req_id, body)
+        except Exception as e:  # noqa: BLE001 - the caller still gets exactly one answer
+            self._count("handler_errors")
+            log.error("%s: reply %s not encodable: %s", self.name, type(body).__name__, e)
+            frames = self.codec.encode(Kind.ERROR, req_id, ErrorReply(
+                code=ErrorCode.HANDLER_ERROR, message=f"reply not encodable: {e}",
+                request_type=type(body).__name__))
+        try:
+            self.sock.send_nowait([ident, *frames])
         except zmq.ZMQError:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN)
             self._count("replies_dropped")
-        except TypeError as e:
-            self._count("handler_errors")
-            log.error("%s: reply not encodable: %s", self.name, e)
 
     def _hello(self, msg: Hello) -> Msg:
         if msg.protocol != PROTOCOL_VERSION:
@@ -202,8 +207,9 @@ class RpcClient:
             except WireError as e:
                 self.counters[f"refused_{e.code}"] += 1
                 self._log.warning(str(e.code), f"client of {self.endpoint}: refused reply: {e}")
-                if e.req_id in self._pending:
-                    self._pending[e.req_id].set_exception(RemoteError(e.code, e.message))
+                fut = self._pending.get(e.req_id)
+                if fut is not None and not fut.done():
+                    fut.set_exception(RemoteError(e.code, e.message))
                 continue
             fut = self._pending.get(msg.req_id)
             if fut is None or fut.done():

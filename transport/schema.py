@@ -105,6 +105,7 @@ class Endpoints(Msg):
     control: str
     rpc: str = ""
     inbox: str = ""
+    http: str = ""  # base URL of an HTTP server the actor runs (inference workers, router)
 
 
 class Ready(Msg):
@@ -157,6 +158,60 @@ class Metrics(Msg):
     dropped: int = 0  # records this publisher dropped so far (never blocked on)
 
 
+# ----------------------------------------------------------------------------- RL loop
+class Sample(Msg):
+    """One episode, ready for training. Token lists are response-aligned with each other."""
+
+    group_id: str  # one prompt; a GRPO group is the samples sharing it
+    index: int  # position within the group
+    domain: str
+    prompt_ids: list[int]
+    response_ids: list[int]  # everything after the prompt: policy and observation tokens
+    loss_mask: list[int]  # 1 = policy token (trained on), 0 = observation token
+    rollout_logprobs: list[float]  # log-prob of each response token under the rollout policy
+    reward: float = 0.0
+    weight_version: int = 0  # oldest weight version that produced any of its tokens
+    status: str = "ok"  # ok | failed | aborted
+    error: str = ""
+
+
+class SampleGroup(Msg):
+    """Rollout -> buffer (stream): every sample of one prompt."""
+
+    samples: list[Sample]
+
+
+class RolloutPermit(Msg):
+    """Rollout -> buffer: may generation of batch `batch_index` start? Answered when it may."""
+
+    batch_index: int
+
+
+class Permit(Msg):
+    trainer_version: int
+    start_batch: int  # the first batch the trainer still needs (resume position)
+
+
+class GetBatch(Msg):
+    """Trainer -> buffer: the next batch for optimizer step `step`, answered when ready."""
+
+    step: int
+    trainer_version: int
+
+
+class TrainBatch(Msg):
+    step: int
+    samples: list[Sample]
+    counters: dict[str, int] = {}  # buffer counters at the time of the batch
+
+
+class VersionUpdate(Msg):
+    """Trainer -> buffer: the workers now serve `version`; training continues at `step`."""
+
+    version: int
+    step: int
+
+
 # ----------------------------------------------------------------------------- demo cluster
 class Scale(Msg):
     """Demo request: multiply a tensor; the reply carries the product and its sum."""
@@ -188,7 +243,8 @@ class Blob(Msg):
 
 Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
-    Endpoints, Ready, Heartbeat, Dead, Ack, Stopped, Metrics, Scale, ScaleReply, WorkItem, Blob,
+    Endpoints, Ready, Heartbeat, Dead, Ack, Stopped, Metrics, Sample, SampleGroup, RolloutPermit,
+    Permit, GetBatch, TrainBatch, VersionUpdate, Scale, ScaleReply, WorkItem, Blob,
 ]
 
 

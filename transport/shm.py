@@ -107,9 +107,12 @@ class ShmChannel:
 
     # ------------------------------------------------------------------------ receiver side
     def get(self, dtype: str, shape: list[int], ref: list) -> torch.Tensor:
-        from transport.codec import _TORCH_DTYPES
+        from transport.codec import checked_numel, wire_dtype
 
         name, nbytes = ref
+        tdtype = wire_dtype(dtype)
+        if not isinstance(nbytes, int) or checked_numel(shape) * tdtype.itemsize != nbytes:
+            raise ValueError(f"{dtype}{shape} does not fill {nbytes!r} bytes")
         if not (isinstance(name, str) and name.startswith(PREFIX) and "/" not in name):
             raise ValueError(f"refusing shared-memory segment name {name!r}")
         mm = self._mapped.get(name) or self._map(name)
@@ -117,7 +120,6 @@ class ShmChannel:
             raise ValueError(f"segment {name} holds {len(mm)} bytes, reference needs {nbytes}")
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
         weakref.finalize(arr, _release, mm)
-        tdtype = _TORCH_DTYPES[dtype]
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=tdtype)
         return torch.from_numpy(arr).view(tdtype).reshape(tuple(shape))

@@ -48,6 +48,8 @@ def bound_endpoint(sock: zmq.Socket) -> str:
 class AsyncSocket:
     """A zmq socket used from one asyncio loop; other attributes pass through to the socket."""
 
+    _OWN = frozenset({"sock", "fd", "_waiters", "_loop"})
+
     def __init__(self, sock: zmq.Socket):
         self.sock = sock
         self.fd = sock.FD
@@ -56,6 +58,12 @@ class AsyncSocket:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # socket options (curve_server, router_mandatory, ...) reach the zmq socket
+            setattr(self.sock, name, value)
 
     async def recv_multipart(self, copy: bool = False) -> list[Any]:
         while True:

@@ -1,0 +1,67 @@
+"""GRPO advantages and the PPO-clip policy loss, as pure tensor functions.
+
+Conventions (the same as slime's defaults, see the project's design notes):
+- group-normalised rewards: `A = (r - mean_group) / (std_group + 1e-6)`, std unbiased; with
+  `std_normalization=False` (Dr.GRPO) only the mean is removed; the scalar advantage is broadcast
+  to every response token;
+- `ratio = exp(logp - old_logp)`, `L = max(-ratio*A, -clamp(ratio, 1-eps, 1+eps_high)*A)`, clip
+  fraction = share of tokens where the clipped term is the larger;
+- reduction is the *sample mean*: each sample's masked token mean, summed, divided by the number
+  of samples in the whole optimizer step (`num_samples_in_step`), so gradient accumulation over
+  micro-batches gives the same update as one big batch.
+Invariant: every function takes and returns tensors; nothing here touches models or sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, std_normalization: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """rewards: [num_samples] ordered by group (group_size consecutive samples per prompt)."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if std_normalization and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor  # scalar to backpropagate (already divided by num_samples_in_step)
+    pg_loss: float
+    clipfrac: float
+    ppo_kl: float  # mean of old_logp - logp over policy tokens
+    num_tokens: int
+
+
+def masked_sample_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ over samples of (masked token mean of that sample); values, mask: [B, T]."""
+    per_sample = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return per_sample.sum()
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor, num_samples_in_step: int, eps_clip: float = 0.2,
+                  eps_clip_high: float | None = None) -> LossTerms:
+    """logp, old_logp, mask: [B, T] (response positions); advantages: [B] or [B, T]."""
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
+    mask = mask.float()
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1 - eps_clip, 1 + eps_high) * adv
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_sample_sum(per_token, mask) / num_samples_in_step
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        clipfrac = ((clipped > unclipped).float() * mask).sum() / n
+        ppo_kl = (-log_ratio * mask).sum() / n
+        pg = masked_sample_sum(per_token, mask) / max(1, logp.shape[0])
+    return LossTerms(loss, float(pg), float(clipfrac), float(ppo_kl), int(mask.sum()))
