@@ -89,9 +89,10 @@ async def show_progress(endpoint: str, sup: Supervisor, interval_s: float) -> No
         sub.close()
 
 
-async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path) -> int:
+async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
+                      resume: bool = False) -> int:
     sock_dir, temporary = socket_dir(run_dir)
-    sup = Supervisor(cfg, run_dir, sock_dir, order, say)
+    sup = Supervisor(cfg, run_dir, sock_dir, order, say, resume)
     endpoints = sup.open()
     (run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
     interrupted = asyncio.Event()
@@ -144,7 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("hosts", help="path of the cluster's hosts.toml")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     parser.add_argument("--run-dir", help="use this run directory instead of <dir>/<name>-<time>")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its latest checkpoint")
     args = parser.parse_args(argv)
+    if args.resume:
+        if not (Path(args.resume) / "config.json").is_file():
+            print(f"error: --resume {args.resume}: not a run directory (no config.json)",
+                  file=sys.stderr)
+            return 2
+        args.run_dir = args.resume
     try:
         cfg = load(args.hosts)
         order = start_order(cfg, args.hosts)
@@ -160,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     try:
         import uvloop
-        return uvloop.run(run_cluster(cfg, order, run_dir))
+        return uvloop.run(run_cluster(cfg, order, run_dir, bool(args.resume)))
     except ImportError:
-        return asyncio.run(run_cluster(cfg, order, run_dir))
+        return asyncio.run(run_cluster(cfg, order, run_dir, bool(args.resume)))
 
 
 if __name__ == "__main__":

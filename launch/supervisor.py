@@ -66,9 +66,10 @@ class RunFailed(Exception):
 
 class Supervisor:
     def __init__(self, cfg: ClusterConfig, run_dir: Path, sock_dir: Path, order: list[str],
-                 say: Callable[[str], None] = print):
+                 say: Callable[[str], None] = print, resume: bool = False):
         self.cfg, self.run_dir, self.sock_dir, self.order, self.say = (
             cfg, run_dir, sock_dir, order, say)
+        self.resume = resume
         self.factory = SocketFactory(security=cfg.security)
         self.actors: dict[str, ActorProcess] = {}
         self.events: asyncio.Queue = asyncio.Queue()
@@ -113,7 +114,8 @@ class Supervisor:
             peers={dep: self.actors[dep].endpoints for dep in entry.after},
             security=self.cfg.security, limits=self.cfg.limits, shm=self.cfg.shm,
             heartbeat_interval_s=run.heartbeat_interval_s,
-            start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s)
+            start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
+            run_dir=str(self.run_dir), resume=self.resume)
         spec_path = self.run_dir / "specs" / f"{name}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}

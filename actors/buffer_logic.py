@@ -1,0 +1,218 @@
+"""The rollout buffer's logic (pure: no sockets, no asyncio): samples in, trainer batches out.
+
+Samples arrive one by one from the rollout, grouped by prompt (`group_id`, GRPO group) and indexed
+0..group_size-1 within a group. A group is *complete* once all group_size indices arrived, "ok"
+or not; a complete group with at least min_ok_per_group ok samples is *ready*, and `next_batch`
+emits the ok samples of exactly groups_per_batch ready groups, oldest completion first.
+
+Staleness, precisely:
+- The trainer's version v is the number of optimizer steps applied to its weights (0 = the initial
+  weights). With one batch per step, the trainer consumes batch i at version i and its step makes
+  version i + 1.
+- A sample's `weight_version` w is the oldest policy version that produced any of its tokens. A
+  group's version is the minimum w over its ok samples (failed/aborted samples are never trained
+  on, so they do not count; a group with no ok sample yet has no version and is never stale).
+- A group is fresh at trainer version v iff its version >= v - max_staleness, i.e. its staleness
+  v - version is at most max_staleness. Whenever the buffer learns a new v (`set_trainer_version`,
+  `next_batch`) it drops every group, pending or ready, that is no longer fresh; a sample that
+  makes its group stale on arrival drops the group at once. Versions never decrease.
+- Permit rule (`may_start_batch`): the rollout may start generating batch i once
+  v >= i - max_staleness. Such a batch has w >= i - max_staleness and, consumed at version i, is
+  at most max_staleness versions old. max_staleness = 0 is synchronous on-policy (batch i waits for
+  version i: generation and training alternate); 1 lets batch i + 1 be generated while the trainer
+  steps on batch i.
+
+Invariant (`accounting()`): every sample `add()` accepted is in exactly one place: emitted,
+pending (an open group, or a ready one not yet emitted), or one `dropped_*` counter:
+- dropped_duplicate: its (group_id, index) arrived before, or its group was already complete;
+- dropped_stale: its group was (or became) stale;
+- dropped_overflow: its group would have exceeded max_pending_groups (later siblings follow);
+- dropped_failed_group: its complete group had fewer than min_ok_per_group ok samples;
+- dropped_failed_sample: it was failed/aborted in a group that was kept (its ok siblings go on).
+Group ids of complete or dropped groups are remembered for the buffer's lifetime (one dict entry
+each), so no group is ever emitted twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+
+from transport.schema import Sample
+
+STATUSES = ("ok", "failed", "aborted")
+SAMPLE_COUNTERS = ("added", "emitted", "dropped_duplicate", "dropped_stale", "dropped_overflow",
+                   "dropped_failed_group", "dropped_failed_sample")
+GROUP_COUNTERS = ("groups_completed", "groups_emitted", "groups_dropped_stale",
+                  "groups_dropped_failed", "groups_dropped_overflow", "batches_emitted")
+
+
+class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
+    group_size: int  # samples per prompt (GRPO group size)
+    groups_per_batch: int  # complete groups in one trainer batch
+    max_staleness: int = 0  # 0 = synchronous on-policy; k >= 1 keeps samples up to k versions old
+    max_pending_groups: int = 1024  # open plus ready-but-not-emitted groups held at most
+    min_ok_per_group: int = 2  # a complete group with fewer ok samples is dropped
+
+    def __post_init__(self):
+        for name in ("group_size", "groups_per_batch", "max_pending_groups", "min_ok_per_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"buffer config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"buffer config: max_staleness must be >= 0 (0 = on-policy), "
+                             f"got {self.max_staleness}")
+        if self.min_ok_per_group > self.group_size:
+            raise ValueError(f"buffer config: min_ok_per_group ({self.min_ok_per_group}) must "
+                             f"be <= group_size ({self.group_size}), else every group is dropped")
+        if self.max_pending_groups < self.groups_per_batch:
+            raise ValueError(f"buffer config: max_pending_groups ({self.max_pending_groups}) "
+                             f"must be >= groups_per_batch ({self.groups_per_batch}), else no "
+                             f"batch can ever fill")
+
+
+class RolloutBuffer:
+    """Groups samples, drops what is stale, failed or repeated, and cuts trainer batches."""
+
+    def __init__(self, config: BufferConfig):
+        self.config = config
+        self.trainer_version = 0
+        self.counters = dict.fromkeys(SAMPLE_COUNTERS + GROUP_COUNTERS, 0)
+        self._open: dict[str, dict[int, Sample]] = {}  # incomplete groups by index
+        self._ready: dict[str, list[Sample]] = {}  # ok samples of ready groups, completion order
+        self._closed: dict[str, str] = {}  # group id -> "complete" | "stale" | "overflow"
+
+    # ------------------------------------------------------------------ input
+    def add(self, sample: Sample) -> str:
+        """Take one sample; returns what became of it: "pending", "complete" (its group is now
+        ready) or the dropped_* counter it went to. ValueError for a malformed sample (not
+        counted)."""
+        self._validate(sample)
+        self.counters["added"] += 1
+        gid = sample.group_id
+        if gid in self._closed:
+            reason = {"complete": "dropped_duplicate", "stale": "dropped_stale",
+                      "overflow": "dropped_overflow"}[self._closed[gid]]
+            return self._count(reason, 1)
+        group = self._open.get(gid)
+        if group is None:
+            if self.pending_capacity_left() == 0:
+                self._closed[gid] = "overflow"
+                self.counters["groups_dropped_overflow"] += 1
+                return self._count("dropped_overflow", 1)
+            group = self._open[gid] = {}
+        if sample.index in group:
+            return self._count("dropped_duplicate", 1)
+        group[sample.index] = sample
+        if self._is_stale(group.values()):
+            self._drop_open_stale(gid)
+            return "dropped_stale"
+        if len(group) == self.config.group_size:
+            return self._complete(gid)
+        return "pending"
+
+    def _validate(self, sample: Sample) -> None:
+        if not isinstance(sample, Sample):
+            raise ValueError(f"add() takes a Sample, got {type(sample).__name__}")
+        where = f"sample ({sample.group_id!r}, {sample.index})"
+        if not 0 <= sample.index < self.config.group_size:
+            raise ValueError(f"{where}: index must be in [0, {self.config.group_size}) "
+                             f"(group_size); make the rollout's group size match the buffer's")
+        if sample.status not in STATUSES:
+            raise ValueError(f"{where}: status must be one of {STATUSES}, got {sample.status!r}")
+        n = len(sample.response_ids)
+        if sample.status == "ok" and not (len(sample.loss_mask) == len(sample.rollout_logprobs)
+                                          == n):
+            raise ValueError(f"{where}: loss_mask ({len(sample.loss_mask)}) and "
+                             f"rollout_logprobs ({len(sample.rollout_logprobs)}) must have the "
+                             f"length of response_ids ({n})")
+        if sample.status == "ok" and not set(sample.loss_mask) <= {0, 1}:
+            raise ValueError(f"{where}: loss_mask may hold only 0 and 1")
+
+    def _count(self, counter: str, samples: int) -> str:
+        self.counters[counter] += samples
+        return counter
+
+    def _complete(self, gid: str) -> str:
+        group = self._open.pop(gid)
+        self._closed[gid] = "complete"
+        self.counters["groups_completed"] += 1
+        ok = [group[i] for i in sorted(group) if group[i].status == "ok"]
+        if len(ok) < self.config.min_ok_per_group:
+            self.counters["groups_dropped_failed"] += 1
+            return self._count("dropped_failed_group", len(group))
+        self._count("dropped_failed_sample", len(group) - len(ok))
+        self._ready[gid] = ok
+        return "complete"
+
+    # ------------------------------------------------------------------ staleness
+    def _is_stale(self, samples) -> bool:
+        versions = [s.weight_version for s in samples if s.status == "ok"]
+        return bool(versions) and min(versions) < self.trainer_version - self.config.max_staleness
+
+    def _drop_open_stale(self, gid: str) -> None:
+        group = self._open.pop(gid)
+        self._closed[gid] = "stale"
+        self.counters["groups_dropped_stale"] += 1
+        self._count("dropped_stale", len(group))
+
+    def set_trainer_version(self, version: int) -> None:
+        """The trainer now holds `version`; drops every group that is no longer fresh."""
+        if version < self.trainer_version:
+            raise ValueError(f"trainer version went back from {self.trainer_version} to "
+                             f"{version}; versions only increase")
+        self.trainer_version = version
+        for gid in [g for g, group in self._open.items() if self._is_stale(group.values())]:
+            self._drop_open_stale(gid)
+        for gid in [g for g, ok in self._ready.items() if self._is_stale(ok)]:
+            self.counters["groups_dropped_stale"] += 1
+            self._count("dropped_stale", len(self._ready.pop(gid)))
+
+    # ------------------------------------------------------------------ output
+    def next_batch(self, trainer_version: int) -> list[Sample] | None:
+        """The ok samples of the groups_per_batch oldest ready, fresh groups (by completion,
+        each group in index order), or None while fewer are ready."""
+        self.set_trainer_version(trainer_version)
+        n = self.config.groups_per_batch
+        if len(self._ready) < n:
+            return None
+        batch = []
+        for gid in list(itertools.islice(self._ready, n)):
+            batch += self._ready.pop(gid)
+        self.counters["groups_emitted"] += n
+        self.counters["batches_emitted"] += 1
+        self._count("emitted", len(batch))
+        return batch
+
+    def may_start_batch(self, batch_index: int, trainer_version: int) -> bool:
+        """The rollout's permit: generation of batch `batch_index` (0-based) may start."""
+        if batch_index < 0:
+            raise ValueError(f"batch_index must be >= 0, got {batch_index}")
+        return trainer_version >= batch_index - self.config.max_staleness
+
+    def pending_capacity_left(self) -> int:
+        """How many more groups may be opened before new ones overflow."""
+        return self.config.max_pending_groups - len(self._open) - len(self._ready)
+
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    def pending_keys(self) -> set[tuple[str, int]]:
+        """(group_id, index) of every sample held (open or ready groups)."""
+        keys = {(gid, i) for gid, group in self._open.items() for i in group}
+        return keys | {(s.group_id, s.index) for ok in self._ready.values() for s in ok}
+
+    # ------------------------------------------------------------------ accounting
+    def accounting(self) -> dict[str, int]:
+        """Counters plus `pending`, `open_groups`, `ready_groups`; raises AssertionError unless
+        added == emitted + pending + sum(dropped_*)."""
+        pending = sum(map(len, self._open.values())) + sum(map(len, self._ready.values()))
+        dropped = sum(v for k, v in self.counters.items() if k.startswith("dropped_"))
+        if self.counters["added"] != self.counters["emitted"] + pending + dropped:
+            raise AssertionError(f"buffer accounting broken: added {self.counters['added']} != "
+                                 f"emitted {self.counters['emitted']} + pending {pending} + "
+                                 f"dropped {dropped} ({self.counters})")
+        if set(self._open) & set(self._closed) or set(self._ready) - set(self._closed):
+            raise AssertionError("buffer accounting broken: a group is both open and closed")
+        return {**self.counters, "pending": pending, "open_groups": len(self._open),
+                "ready_groups": len(self._ready)}

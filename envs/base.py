@@ -1,0 +1,80 @@
+"""The environment API users write against.
+
+An environment hands out tasks (`tasks()`) and plays one episode per sample (`episode()`) through
+a `Session`, the rollout's handle on the policy. The session owns the token sequence: every
+`generate()` appends policy tokens (trained on: loss mask 1, with their rollout log-probs and the
+weight version that produced them); every `observe()` appends tool/observation tokens (not trained
+on: loss mask 0). The episode returns the reward. Single-turn environments only implement
+`reward()`; `SingleTurnEnv.episode` does the rest.
+
+Invariant: an environment never sees token ids or log-probs unless it asks; it works on text, so
+the same environment runs against the embedded worker and against SGLang.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt. `id` is unique within the environment; `answer` is for the verifier only."""
+
+    id: str
+    prompt: str
+    answer: Any = None
+    domain: str = ""  # defaults to the environment's domain
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Session(Protocol):
+    """The policy, as an episode sees it (implemented by the rollout actor)."""
+
+    async def generate(self, max_new_tokens: int | None = None,
+                       stop: list[str] | None = None) -> str:
+        """Sample a continuation of everything so far; returns its text (trained on)."""
+        ...
+
+    def observe(self, text: str) -> None:
+        """Append text the policy did not write (tool output, user turn); never trained on."""
+        ...
+
+    @property
+    def transcript(self) -> str:
+        """Prompt plus everything appended so far, as text."""
+        ...
+
+
+class Environment(abc.ABC):
+    """Subclass and give `domain`; implement `tasks()` and `episode()` (or use SingleTurnEnv)."""
+
+    domain: str = "default"
+    max_new_tokens: int = 32  # default generation budget per turn
+
+    def __init__(self, **options: Any):
+        """Options come from hosts.toml ([env] table, `options = {...}`)."""
+        self.options = options
+
+    @abc.abstractmethod
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        """Tasks in a deterministic order for (split, seed); may be endless for split="train"."""
+
+    @abc.abstractmethod
+    async def episode(self, task: Task, session: Session) -> float:
+        """Play one episode through `session` and return its reward."""
+
+
+class SingleTurnEnv(Environment):
+    """One prompt, one response, a verifier: implement `tasks()` and `reward()`."""
+
+    stop: list[str] | None = None
+
+    async def episode(self, task: Task, session: Session) -> float:
+        response = await session.generate(self.max_new_tokens, self.stop)
+        return float(self.reward(task, response))
+
+    @abc.abstractmethod
+    def reward(self, task: Task, response: str) -> float:
+        """Score the response text (e.g. 1.0 if correct else 0.0)."""

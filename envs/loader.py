@@ -1,0 +1,207 @@
+"""Loading environments by dotted path ("package.module:ClassName") and mixing several.
+
+Invariant: every user mistake (bad path, missing class, not an Environment, rejected options,
+bad mix spec) is a ValueError that names the dotted path and says what to change. `EnvMix` hands
+out the tasks of its environments interleaved by weight (smooth weighted round robin: no
+randomness, each environment's share of any prefix is within one task of its weight's share),
+labels each task with its environment's domain when the task has none, and routes a task back to
+its environment by that domain, so domains must be distinct across the mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from typing import Any, Iterator
+
+from envs.base import Environment, Session, Task
+
+SPEC_KEYS = {"cls", "weight", "options", "domain"}
+_END = object()
+
+
+def load_env(dotted: str, options: dict[str, Any] | None = None) -> Environment:
+    """Import `dotted` ("package.module:ClassName") and construct it with `options`."""
+    cls = load_env_class(dotted)
+    options = dict(options or {})
+    if not all(isinstance(k, str) for k in options):
+        raise ValueError(f"{dotted}: option names must be strings, "
+                         f"got {sorted(map(repr, options))}")
+    try:
+        return cls(**options)
+    except Exception as e:  # constructors raise TypeError/ValueError, and dataset errors
+        raise ValueError(f"{dotted}: the constructor rejected options {sorted(options)}: "
+                         f"{type(e).__name__}: {e}; fix the env options (hosts.toml [env] "
+                         f"options) to match {cls.__name__}'s keyword arguments") from e
+
+
+def load_env_class(dotted: str) -> type[Environment]:
+    """The Environment subclass named by `dotted`, imported but not constructed."""
+    module_name, attr = _split(dotted)
+    module = _import(dotted, module_name)
+    if not hasattr(module, attr):
+        found = ", ".join(_env_classes(module)) or "none"
+        raise ValueError(f"{dotted}: module {module_name!r} has no attribute {attr!r}; "
+                         f"Environment subclasses it defines: {found}")
+    cls = getattr(module, attr)
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        raise ValueError(f"{dotted}: {attr} is {_describe(cls)}, not a subclass of "
+                         f"envs.base.Environment; subclass Environment or SingleTurnEnv")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise ValueError(f"{dotted}: {attr} is abstract; implement {missing}")
+    return cls
+
+
+def _split(dotted: object) -> tuple[str, str]:
+    if not isinstance(dotted, str) or dotted.count(":") != 1:
+        from envs.builtin import BUILTINS
+
+        known = isinstance(dotted, str) and dotted in BUILTINS
+        hint = f"; did you mean {BUILTINS[dotted]!r}?" if known else ""
+        raise ValueError(f"environment path {dotted!r} must look like "
+                         f"'package.module:ClassName'{hint}")
+    module_name, attr = dotted.split(":")
+    if not module_name or not attr.isidentifier():
+        raise ValueError(f"environment path {dotted!r} must look like 'package.module:ClassName'")
+    return module_name, attr
+
+
+def _import(dotted: str, module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"{dotted}: module {module_name!r} not found (no module named "
+                             f"{e.name!r}); check the spelling and that it is installed or "
+                             f"on PYTHONPATH") from e
+        raise ValueError(f"{dotted}: importing {module_name!r} failed: it imports the missing "
+                         f"module {e.name!r}; install it") from e
+    except Exception as e:
+        raise ValueError(f"{dotted}: importing {module_name!r} raised {type(e).__name__}: "
+                         f"{e}") from e
+
+
+def _env_classes(module) -> list[str]:
+    return sorted(name for name, obj in vars(module).items()
+                  if inspect.isclass(obj) and issubclass(obj, Environment)
+                  and not inspect.isabstract(obj))
+
+
+def _describe(obj: object) -> str:
+    if inspect.isclass(obj):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    return f"a {type(obj).__name__}"
+
+
+# ----------------------------------------------------------------------------- mixing
+def load_envs(specs: list[dict[str, Any]]) -> EnvMix:
+    """Load a mix from specs `{"cls": dotted, "weight": float, "options": {...}, "domain": str}`;
+    weight defaults to 1.0, options to {}, domain to the class's (override it to mix two
+    environments of the same class)."""
+    if not isinstance(specs, list) or not specs:
+        raise ValueError(f"env specs must be a non-empty list of dicts, got {specs!r}")
+    envs, weights = [], []
+    for i, spec in enumerate(specs):
+        env, weight = _load_spec(i, spec)
+        envs.append(env)
+        weights.append(weight)
+    return EnvMix(envs, weights)
+
+
+def _load_spec(i: int, spec: object) -> tuple[Environment, float]:
+    if not isinstance(spec, dict) or "cls" not in spec:
+        raise ValueError(f"env spec #{i} must be a dict with a 'cls' key, got {spec!r}")
+    where = f"env spec #{i} ({spec['cls']})"
+    unknown = set(spec) - SPEC_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; use {sorted(SPEC_KEYS)}")
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ValueError(f"{where}: weight must be a number, got {weight!r}")
+    options = spec.get("options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f"{where}: options must be a dict, got {options!r}")
+    env = load_env(spec["cls"], options)
+    if "domain" in spec:
+        if not isinstance(spec["domain"], str) or not spec["domain"]:
+            raise ValueError(f"{where}: domain must be a non-empty string, got {spec['domain']!r}")
+        env.domain = spec["domain"]
+    return env, float(weight)
+
+
+class EnvMix(Environment):
+    """Several environments as one: tasks interleaved by weight; `episode` goes to the owner."""
+
+    domain = "mix"
+
+    def __init__(self, envs: list[Environment], weights: list[float]):
+        _check_mix(envs, weights)
+        super().__init__()
+        self.envs = list(envs)
+        self.weights = [float(w) for w in weights]
+        self.max_new_tokens = max(env.max_new_tokens for env in envs)
+        self._owner = {env.domain: i for i, env in enumerate(envs)}
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        streams = [env.tasks(split, seed) for env in self.envs]  # bad splits raise here
+        return self._interleave(streams)
+
+    def _interleave(self, streams: list[Iterator[Task]]) -> Iterator[Task]:
+        credit = [0.0] * len(streams)
+        active = list(range(len(streams)))
+        while active:
+            total = sum(self.weights[i] for i in active)
+            for i in active:
+                credit[i] += self.weights[i]
+            pick = max(active, key=lambda i: credit[i])  # ties: the lowest index
+            credit[pick] -= total
+            task = next(streams[pick], _END)
+            if task is _END:  # a finite split ran out; the others go on
+                active.remove(pick)
+                continue
+            yield self._label(pick, task)
+
+    def _label(self, i: int, task: Task) -> Task:
+        env = self.envs[i]
+        if not task.domain:
+            task = dataclasses.replace(task, domain=env.domain)
+        owner = self._owner.setdefault(task.domain, i)
+        if owner != i:
+            raise ValueError(f"tasks of {_name(env)} and {_name(self.envs[owner])} both have "
+                             f"domain {task.domain!r}; give each environment its own domain")
+        return task
+
+    def env_for(self, task: Task) -> Environment:
+        """The environment that owns `task` (by its domain)."""
+        if task.domain not in self._owner:
+            raise ValueError(f"task {task.id!r} has domain {task.domain!r}, which no environment "
+                             f"of this mix owns ({sorted(self._owner)}); pass tasks from "
+                             f"EnvMix.tasks()")
+        return self.envs[self._owner[task.domain]]
+
+    async def episode(self, task: Task, session: Session) -> float:
+        return await self.env_for(task).episode(task, session)
+
+
+def _check_mix(envs: list[Environment], weights: list[float]) -> None:
+    if not envs or len(envs) != len(weights):
+        raise ValueError(f"EnvMix needs one weight per environment, got {len(envs)} "
+                         f"environments and {len(weights)} weights")
+    for env, w in zip(envs, weights):
+        if not isinstance(env, Environment):
+            raise ValueError(f"EnvMix takes Environment instances, got {_describe(env)}")
+        number = isinstance(w, (int, float)) and not isinstance(w, bool)
+        if not (number and math.isfinite(w) and w > 0):
+            raise ValueError(f"{_name(env)}: weight must be a finite number > 0, got {w}")
+    domains = [env.domain for env in envs]
+    for d in set(domains):
+        if domains.count(d) > 1:
+            raise ValueError(f"{domains.count(d)} environments of the mix have domain {d!r}; "
+                             f"give each its own domain (spec key 'domain')")
+
+
+def _name(env: Environment) -> str:
+    return f"{type(env).__name__}(domain={env.domain!r})"

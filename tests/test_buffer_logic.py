@@ -1,0 +1,261 @@
+"""RolloutBuffer logic: group completion, staleness (hand-worked), failures, duplicates, overflow,
+and the accounting invariant under a long random sequence of operations."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from actors.buffer_logic import BufferConfig, RolloutBuffer, Sample
+
+
+def mk(gid: str, index: int, w: int = 0, status: str = "ok") -> Sample:
+    return Sample(group_id=gid, index=index, domain="math", prompt_ids=[1, 2],
+                  response_ids=[3, 4], loss_mask=[1, 0], rollout_logprobs=[-0.1, -0.2],
+                  weight_version=w, status=status)
+
+
+def buffer(**kw) -> RolloutBuffer:
+    kw.setdefault("group_size", 2)
+    kw.setdefault("groups_per_batch", 1)
+    return RolloutBuffer(BufferConfig(**kw))
+
+
+def add_group(buf: RolloutBuffer, gid: str, w: int = 0, n: int | None = None) -> list[str]:
+    return [buf.add(mk(gid, i, w)) for i in range(n or buf.config.group_size)]
+
+
+def keys(batch: list[Sample] | None) -> list[tuple[str, int]]:
+    return [(s.group_id, s.index) for s in batch or []]
+
+
+# ----------------------------------------------------------------------------- config / schema
+def test_config_checks():
+    with pytest.raises(msgspec.ValidationError, match="unknown field `group_szie`"):
+        msgspec.convert({"group_szie": 4, "groups_per_batch": 2}, BufferConfig)
+    for kw, message in [({"group_size": 0}, "group_size must be >= 1"),
+                        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+                        ({"group_size": 1}, "min_ok_per_group \\(2\\) must be <= group_size"),
+                        ({"groups_per_batch": 8, "max_pending_groups": 4},
+                         "max_pending_groups \\(4\\) must be >= groups_per_batch")]:
+        with pytest.raises(ValueError, match=message):
+            BufferConfig(**{"group_size": 2, "groups_per_batch": 1, **kw})
+
+
+def test_sample_round_trips_tagged_without_defaults():
+    sample = mk("g", 1, w=3)
+    wire = msgspec.msgpack.encode(sample)
+    assert msgspec.msgpack.decode(wire, type=Sample) == sample
+    as_dict = msgspec.to_builtins(sample)
+    assert as_dict["type"] == "Sample" and "status" not in as_dict and "reward" not in as_dict
+
+
+# ----------------------------------------------------------------------------- completion
+def test_group_completes_when_every_index_arrived():
+    buf = buffer(group_size=3)
+    assert [buf.add(mk("g", 2)), buf.add(mk("g", 0))] == ["pending", "pending"]
+    assert buf.next_batch(0) is None
+    assert buf.add(mk("g", 1)) == "complete"
+    assert keys(buf.next_batch(0)) == [("g", 0), ("g", 1), ("g", 2)]  # index order
+    assert buf.next_batch(0) is None
+    acc = buf.accounting()
+    assert acc["emitted"] == 3 and acc["pending"] == 0 and acc["groups_emitted"] == 1
+
+
+def test_batches_follow_completion_order():
+    buf = buffer(groups_per_batch=2)
+    buf.add(mk("a", 0))
+    add_group(buf, "b")
+    add_group(buf, "c")
+    assert buf.add(mk("a", 1)) == "complete"
+    add_group(buf, "d", n=1)
+    assert keys(buf.next_batch(0)) == [("b", 0), ("b", 1), ("c", 0), ("c", 1)]
+    assert buf.next_batch(0) is None  # only "a" is ready; "d" is open
+    buf.add(mk("d", 1))
+    assert [k[0] for k in keys(buf.next_batch(0))] == ["a", "a", "d", "d"]
+    assert buf.accounting()["batches_emitted"] == 2
+
+
+def test_failed_samples():
+    buf = buffer(group_size=4, min_ok_per_group=2)
+    statuses = ["ok", "failed", "failed", "aborted"]
+    results = [buf.add(mk("bad", i, status=s)) for i, s in enumerate(statuses)]
+    assert results[-1] == "dropped_failed_group"
+    statuses = ["failed", "ok", "aborted", "ok"]
+    assert [buf.add(mk("good", i, status=s)) for i, s in enumerate(statuses)][-1] == "complete"
+    assert keys(buf.next_batch(0)) == [("good", 1), ("good", 3)]
+    acc = buf.accounting()
+    assert acc["dropped_failed_group"] == 4 and acc["groups_dropped_failed"] == 1
+    assert acc["dropped_failed_sample"] == 2 and acc["emitted"] == 2 and acc["added"] == 8
+
+
+def test_duplicates_are_never_stored_twice():
+    buf = buffer(group_size=3)
+    buf.add(mk("g", 0))
+    assert buf.add(mk("g", 0)) == "dropped_duplicate"  # while open
+    add_group(buf, "g")  # index 0 again, then 1 and 2 complete it
+    assert buf.add(mk("g", 1)) == "dropped_duplicate"  # complete, not yet emitted
+    assert len(buf.next_batch(0)) == 3
+    assert buf.add(mk("g", 2)) == "dropped_duplicate"  # already emitted
+    assert buf.next_batch(0) is None
+    acc = buf.accounting()
+    assert acc["dropped_duplicate"] == 4 and acc["emitted"] == 3 and acc["added"] == 7
+
+
+def test_malformed_samples_raise_and_are_not_counted():
+    buf = buffer(group_size=2)
+    for sample, message in [(mk("g", 2), "index must be in \\[0, 2\\)"),
+                            (mk("g", 0, status="done"), "status must be one of"),
+                            (Sample(group_id="g", index=0, domain="d", prompt_ids=[1],
+                                    response_ids=[1, 2], loss_mask=[1],
+                                    rollout_logprobs=[0.0, 0.0]), "must have the length"),
+                            (Sample(group_id="g", index=0, domain="d", prompt_ids=[1],
+                                    response_ids=[1], loss_mask=[2], rollout_logprobs=[0.0]),
+                             "only 0 and 1")]:
+        with pytest.raises(ValueError, match=message):
+            buf.add(sample)
+    assert buf.accounting()["added"] == 0
+
+
+def test_overflow_drops_new_groups_and_their_siblings():
+    buf = buffer(max_pending_groups=2)
+    buf.add(mk("a", 0))
+    add_group(buf, "b")
+    assert buf.pending_capacity_left() == 0
+    assert buf.add(mk("c", 0)) == "dropped_overflow"
+    keys(buf.next_batch(0))  # emits "b": room for one group again
+    assert buf.pending_capacity_left() == 1
+    assert buf.add(mk("c", 1)) == "dropped_overflow"  # its group was already dropped
+    assert buf.add(mk("d", 0)) == "pending"
+    acc = buf.accounting()
+    assert acc["dropped_overflow"] == 2 and acc["groups_dropped_overflow"] == 1
+
+
+# ----------------------------------------------------------------------------- staleness
+def test_permit_rule():
+    table = {0: [(0, 0, True), (1, 0, False), (1, 1, True), (5, 4, False), (5, 5, True)],
+             1: [(0, 0, True), (1, 0, True), (2, 0, False), (2, 1, True), (6, 5, True)],
+             2: [(2, 0, True), (3, 0, False), (3, 1, True)]}
+    for k, rows in table.items():
+        buf = buffer(max_staleness=k)
+        for batch_index, version, allowed in rows:
+            assert buf.may_start_batch(batch_index, version) is allowed, (k, batch_index, version)
+    with pytest.raises(ValueError, match="batch_index must be >= 0"):
+        buf.may_start_batch(-1, 0)
+
+
+def test_staleness_0_synchronous():
+    buf = buffer(max_staleness=0)
+    assert buf.may_start_batch(0, 0) and not buf.may_start_batch(1, 0)
+    add_group(buf, "b0", w=0)
+    add_group(buf, "b0-extra", w=0)  # over-generated at version 0
+    assert keys(buf.next_batch(0))[0][0] == "b0"  # trainer steps: version 0 -> 1
+    assert buf.may_start_batch(1, 1)
+    buf.add(mk("late", 0, w=0))  # an open group from version 0
+    buf.set_trainer_version(1)  # drops "b0-extra" (ready) and "late" (open)
+    acc = buf.accounting()
+    assert acc["dropped_stale"] == 3 and acc["groups_dropped_stale"] == 2 and acc["pending"] == 0
+    assert buf.add(mk("late", 1, w=1)) == "dropped_stale"  # its group is gone
+    assert buf.add(mk("b1", 0, w=0)) == "dropped_stale"  # stale on arrival
+    assert add_group(buf, "b1'", w=1)[-1] == "complete"
+    assert buf.next_batch(1) is not None
+    assert buf.accounting()["dropped_stale"] == 5
+
+
+def test_staleness_1_one_step_off_policy():
+    buf = buffer(max_staleness=1)
+    # version 0: batches 0 and 1 may both be generated
+    assert buf.may_start_batch(1, 0) and not buf.may_start_batch(2, 0)
+    add_group(buf, "b0", w=0)
+    add_group(buf, "b1", w=0)
+    assert keys(buf.next_batch(0))[0][0] == "b0"  # -> version 1
+    assert buf.may_start_batch(2, 1)
+    buf.add(mk("b2", 0, w=0))  # started on version 0 weights ...
+    buf.add(mk("b2", 1, w=1))  # ... its sibling on version 1: the group's version is 0
+    assert keys(buf.next_batch(1))[0][0] == "b1"  # b1 (w=0) is 1 version old: kept -> version 2
+    assert buf.ready_groups() == 1  # b2 was fresh at version 1
+    add_group(buf, "b2'", w=1)
+    add_group(buf, "b3", w=2)
+    assert keys(buf.next_batch(2))[0][0] == "b2'"  # b2 is 2 versions old: dropped; b2' 1 old
+    assert buf.accounting()["dropped_stale"] == 2
+    assert buf.next_batch(4) is None  # b3 (w=2) is 2 versions old at version 4: dropped
+    acc = buf.accounting()
+    assert acc["dropped_stale"] == 4 and acc["emitted"] == 6 and acc["pending"] == 0
+
+
+def test_failed_samples_do_not_age_a_group():
+    buf = buffer(group_size=3, max_staleness=0)
+    buf.set_trainer_version(5)
+    assert buf.add(mk("g", 0, w=0, status="aborted")) == "pending"  # no tokens trained on
+    buf.add(mk("g", 1, w=5))
+    assert buf.add(mk("g", 2, w=5)) == "complete"
+    assert keys(buf.next_batch(5)) == [("g", 1), ("g", 2)]
+    with pytest.raises(ValueError, match="went back from 5 to 4"):
+        buf.set_trainer_version(4)
+
+
+# ----------------------------------------------------------------------------- invariant
+class RandomRollout:
+    """Feeds a buffer like a rollout would, with noise: up to 5 groups in flight, samples in a
+    random order, some failed, some re-sent, some strays for long-finished groups."""
+
+    def __init__(self, rng: random.Random, staleness: int):
+        self.rng, self.staleness = rng, staleness
+        self.in_flight: dict[str, tuple[int, list[int]]] = {}  # gid -> (version, indices left)
+        self.started = 0
+
+    def next_sample(self, version: int) -> Sample:
+        rng = self.rng
+        if rng.random() < 0.05 and self.started:  # a re-sent or stray sample
+            return mk(f"g{rng.randrange(self.started)}", rng.randrange(3), w=version)
+        if len(self.in_flight) < 5 and rng.random() < 0.3 or not self.in_flight:
+            w = max(0, version - rng.randrange(self.staleness + 2))  # sometimes too old
+            self.in_flight[f"g{self.started}"] = (w, rng.sample(range(3), 3))
+            self.started += 1
+        gid = rng.choice(sorted(self.in_flight))
+        w, left = self.in_flight[gid]
+        index = left.pop()
+        if not left:
+            del self.in_flight[gid]
+        status = rng.choices(["ok", "failed", "aborted"], [6, 1, 1])[0]
+        return mk(gid, index, w=w, status=status)
+
+
+@pytest.mark.parametrize("seed, staleness", [(11, 0), (12, 1), (13, 3)])
+def test_accounting_holds_under_random_operations(seed, staleness):
+    rng = random.Random(seed)
+    config = BufferConfig(group_size=3, groups_per_batch=2, max_staleness=staleness,
+                          max_pending_groups=6, min_ok_per_group=2)
+    buf, rollout = RolloutBuffer(config), RandomRollout(rng, staleness)
+    version, added, emitted, emitted_groups = 0, 0, set(), set()
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.85:
+            buf.add(rollout.next_sample(version))
+            added += 1
+        elif op < 0.9:
+            version += rng.randrange(2)
+            buf.set_trainer_version(version)
+        else:
+            batch = buf.next_batch(version)
+            for group in {s.group_id for s in batch or []}:
+                samples = [s for s in batch if s.group_id == group]
+                assert group not in emitted_groups and len(samples) >= 2
+                assert min(s.weight_version for s in samples) >= version - staleness
+                emitted_groups.add(group)
+            for s in batch or []:
+                assert s.status == "ok" and (s.group_id, s.index) not in emitted
+                emitted.add((s.group_id, s.index))
+            if batch is not None:
+                version += 1  # the trainer steps on it
+        acc = buf.accounting()  # raises unless every sample is in exactly one place
+        assert acc["added"] == added and acc["emitted"] == len(emitted)
+        assert not buf.pending_keys() & emitted
+        assert acc["pending"] == len(buf.pending_keys())
+        assert buf.pending_capacity_left() >= 0
+    acc = buf.accounting()
+    for counter in ("emitted", "dropped_duplicate", "dropped_stale", "dropped_failed_group",
+                    "dropped_failed_sample", "dropped_overflow"):
+        assert acc[counter] > 0, counter  # the sequence exercised every path
