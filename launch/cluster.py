@@ -3,7 +3,8 @@
 Exit codes: 0 when a primary actor completed or on Ctrl-C (after an orderly stop of everything);
 1 when an actor failed past its restart budget or never became READY (its error is printed);
 2 for a bad hosts.toml (nothing was started). The run directory holds config.json (the resolved
-config), endpoints.json (where the supervisor and metrics stream are), logs/<actor>.log,
+config), endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (every
+metrics record the launcher received), logs/<actor>.log,
 specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of every actor).
 """
 
@@ -70,11 +71,16 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
           "(--dry-run)")
 
 
-async def show_progress(endpoint: str, sup: Supervisor, interval_s: float) -> None:
+async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
+                        record: Path) -> None:
+    """Print progress lines and record every metrics record in run_dir/metrics.jsonl."""
     sub = MetricsSubscriber(sup.factory, endpoint)
     last: dict[str, float] = {}
+    out = open(record, "ab")
     try:
         async for m in sub:
+            out.write(msgspec.json.encode(m) + b"\n")
+            out.flush()
             if m.step is None:
                 continue
             now = time.monotonic()
@@ -86,6 +92,7 @@ async def show_progress(endpoint: str, sup: Supervisor, interval_s: float) -> No
             vals = " ".join(f"{k}={v:.4g}" for k, v in list(m.values.items())[:6])
             say(f"{m.actor}: step {m.step}{total} {vals}")
     finally:
+        out.close()
         sub.close()
 
 
@@ -105,7 +112,8 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup,
-                                                   cfg.run.progress_interval_s))
+                                                   cfg.run.progress_interval_s,
+                                                   run_dir / "metrics.jsonl"))
     say(f"run directory {run_dir}; metrics at {endpoints['metrics']}")
     code = 0
     try:

@@ -212,6 +212,17 @@ class VersionUpdate(Msg):
     step: int
 
 
+class EvalRequest(Msg):
+    """Trainer -> rollout: score the eval tasks of every domain with the current weights."""
+
+    step: int
+
+
+class EvalReply(Msg):
+    scores: dict[str, float]  # mean eval reward per domain
+    num_tasks: dict[str, int] = {}
+
+
 # ----------------------------------------------------------------------------- demo cluster
 class Scale(Msg):
     """Demo request: multiply a tensor; the reply carries the product and its sum."""
@@ -244,7 +255,7 @@ class Blob(Msg):
 Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
     Endpoints, Ready, Heartbeat, Dead, Ack, Stopped, Metrics, Sample, SampleGroup, RolloutPermit,
-    Permit, GetBatch, TrainBatch, VersionUpdate, Scale, ScaleReply, WorkItem, Blob,
+    Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, Scale, ScaleReply, WorkItem, Blob,
 ]
 
 

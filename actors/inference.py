@@ -1,0 +1,69 @@
+"""The inference worker actor: one model behind SGLang's HTTP API.
+
+Role: loads a model (a tiny built-in name or a local HF checkpoint directory), runs the batching
+engine (engine/scheduler.py) and serves it over HTTP (engine/server.py); rollout actors reach it
+with `engine.client.SglangClient(endpoints.http)`. Invariant: once RUNNING, `self.bound.http` is
+the base URL of a server that answers; on stop the HTTP server, the scheduler loop and the
+engine's forward thread are all closed, whatever point start-up had reached.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.base import Actor
+from engine.scheduler import Scheduler
+from engine.server import EngineServer, start_server
+from models.load import parse_dtype
+
+
+class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model: str = "tiny-qwen2"  # built-in tiny model name (models.tiny.TINY) or HF checkpoint dir
+    device: str = "cpu"  # torch device the model runs on
+    dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
+    host: str = "127.0.0.1"  # address the HTTP server binds
+    port: int = 0  # HTTP port; 0 = any free port (the bound one is in endpoints.http)
+    max_batch_size: int = 64  # most requests decoded together in one wave
+    batch_wait_ms: float = 5.0  # how long requests are collected before a wave starts
+    seed: int = 0  # tiny-model init seed; also seeds requests that carry no sampling_seed
+    weight_version: str = "0"  # weight version reported until the first weight update
+
+
+class InferenceWorker(Actor):
+    Config = InferenceWorkerConfig
+    role = "inference"
+
+    def __init__(self, ctx, config=None):
+        super().__init__(ctx, config)
+        self.scheduler: Scheduler | None = None
+        self.server: EngineServer | None = None
+        self._runner = None
+
+    async def on_start(self) -> None:
+        cfg = self.config
+        self.scheduler = await Scheduler.create(
+            cfg.model, device=cfg.device, dtype=parse_dtype(cfg.dtype), seed=cfg.seed,
+            max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms,
+            weight_version=cfg.weight_version)
+        self.spawn(self.scheduler.run(), "scheduler")
+        info = {"model_path": cfg.model, "tokenizer_path": cfg.model, "host": cfg.host,
+                "device": cfg.device, "dtype": cfg.dtype, "random_seed": cfg.seed,
+                "batch_wait_ms": cfg.batch_wait_ms}
+        self.server = EngineServer(self.scheduler, info)
+        self._runner, port = await start_server(self.server, cfg.host, cfg.port)
+        info["port"] = port
+        self.bound.http = f"http://{cfg.host}:{port}"
+
+    async def on_stop(self, reason: str) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.scheduler is not None:
+            await self.scheduler.close()
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counters)
+        if self.scheduler is not None:
+            s = self.scheduler.stats()
+            out.update(waves=s["waves"], decode_steps=s["decode_steps"],
+                       max_wave_size=s["max_wave_size"])
+        return out

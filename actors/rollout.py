@@ -1,0 +1,168 @@
+"""The rollout actor: plays environment episodes against the inference endpoint.
+
+For each batch it first gets a permit from the buffer (so it runs at most `max_staleness` weight
+versions ahead of the trainer), then plays `group_size` episodes for each of `groups_per_batch`
+tasks with at most `max_concurrency` episodes in flight, and streams each finished group to the
+buffer. `/generate` goes to the router (sticky per episode through `X-SMG-Routing-Key`). An
+episode whose environment raises becomes a `failed` sample, counted and passed on, never dropped.
+Every `eval_every` batches it scores the eval tasks of each domain greedily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import traceback
+
+import msgspec
+
+from actors.base import Actor
+from actors.rollout_session import HttpSession
+from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
+
+log = logging.getLogger(__name__)
+
+
+class EnvSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One environment of the task mix."""
+
+    cls: str  # "package.module:Class", a subclass of envs.base.Environment
+    weight: float = 1.0  # share of tasks drawn from it
+    options: dict = {}  # constructor keyword arguments
+
+
+class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Settings of the rollout actor."""
+
+    envs: list[EnvSpec]
+    model: str  # checkpoint the tokenizer comes from (the workers' model)
+    router: str = "router"  # peer whose http endpoint serves /generate
+    buffer: str = "buffer"  # peer that receives sample groups and grants permits
+    group_size: int = 8  # samples per task (GRPO group)
+    groups_per_batch: int = 8  # tasks per training batch
+    max_concurrency: int = 32  # episodes in flight at once
+    temperature: float = 1.0  # sampling temperature (the trainer must use the same)
+    top_p: float = 1.0
+    max_new_tokens: int = 32  # per turn, unless the environment sets its own
+    seed: int = 0  # task order
+    eval_every: int = 5  # score eval tasks every this many batches (0 = never)
+    eval_tasks: int = 64  # eval tasks per domain
+    num_batches: int = 0  # stop after this many batches (0 = until the run ends)
+    retries: int = 3  # attempts per turn after the first
+    request_timeout_s: float = 120.0
+    permit_timeout_s: float = 3600.0  # how long to wait for the trainer
+
+
+class RolloutActor(Actor):
+    Config = RolloutConfig
+    role = "rollout"
+
+    @classmethod
+    def check_config(cls, config: RolloutConfig) -> None:
+        from envs.loader import load_envs
+        from models.load import check_model_path
+
+        check_model_path(config.model)
+        load_envs([msgspec.to_builtins(e) for e in config.envs])
+
+    async def on_start(self) -> None:
+        from engine.client import SglangClient
+        from envs.loader import load_envs
+        from models.load import load_tokenizer
+
+        cfg = self.config
+        self.envs = load_envs([msgspec.to_builtins(e) for e in cfg.envs])
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.client = SglangClient(self.peer(cfg.router).http, timeout_s=cfg.request_timeout_s)
+        self._closers.append(self.client.close)
+        self.buffer = await self.connect(cfg.buffer)
+        self.out = self.stream_to(cfg.buffer)
+        self.gate = asyncio.Semaphore(cfg.max_concurrency)
+
+    def rpc_handlers(self):
+        return {EvalRequest: self.eval_request}
+
+    async def eval_request(self, msg: EvalRequest) -> EvalReply:
+        scores, counts = await self.evaluate(msg.step)
+        return EvalReply(scores=scores, num_tasks=counts)
+
+    async def run(self) -> None:
+        cfg = self.config
+        first = await self.buffer.call(RolloutPermit(batch_index=0), cfg.permit_timeout_s)
+        batch_index = first.start_batch
+        tasks = self.envs.tasks("train", cfg.seed)
+        tasks = itertools.islice(tasks, batch_index * cfg.groups_per_batch, None)
+        while cfg.num_batches == 0 or batch_index < cfg.num_batches:
+            permit = await self.buffer.call(RolloutPermit(batch_index=batch_index),
+                                            cfg.permit_timeout_s)
+            if cfg.eval_every and batch_index % cfg.eval_every == 0:
+                await self.evaluate(batch_index)
+            batch = [next(tasks) for _ in range(cfg.groups_per_batch)]
+            t0 = time.monotonic()
+            groups = await asyncio.gather(*(self.play_group(task, f"b{batch_index}-g{j}")
+                                            for j, task in enumerate(batch)))
+            self.report(batch_index, permit.trainer_version, groups, time.monotonic() - t0)
+            batch_index += 1
+
+    async def play_group(self, task, group_id: str) -> list:
+        cfg = self.config
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p}
+        samples = await asyncio.gather(*(self.play(task, sampling, group_id, i)
+                                         for i in range(cfg.group_size)))
+        await self.out.send(SampleGroup(samples=list(samples)))
+        return list(samples)
+
+    async def play(self, task, sampling: dict, group_id: str, index: int):
+        env = self.envs.env_for(task)
+        domain = task.domain or env.domain
+        session = HttpSession(self.client, self.tokenizer, task.prompt, sampling,
+                              routing_key=f"{group_id}-{index}",
+                              max_new_tokens=getattr(env, "max_new_tokens", 0)
+                              or self.config.max_new_tokens, retries=self.config.retries)
+        async with self.gate:
+            try:
+                reward = await env.episode(task, session)
+                self.counters["episodes"] += 1
+                self.counters["turn_retries"] += session.retried
+                return session.to_sample(group_id, index, domain, reward)
+            except Exception as e:  # an env or generation failure fails this sample only
+                self.counters["episodes_failed"] += 1
+                log.warning("%s: episode %s-%d failed: %s", self.name, group_id, index, e)
+                return session.to_sample(group_id, index, domain, 0.0, status="failed",
+                                         error="".join(traceback.format_exception_only(e)))
+
+    async def evaluate(self, batch_index: int) -> tuple[dict[str, float], dict[str, int]]:
+        """Greedy reward on the first `eval_tasks` eval tasks of each domain."""
+        cfg = self.config
+        by_domain: dict[str, list] = {}
+        for task in self.envs.tasks("eval", cfg.seed):
+            domain = task.domain or self.envs.env_for(task).domain
+            if len(by_domain.setdefault(domain, [])) < cfg.eval_tasks:
+                by_domain[domain].append(task)
+        greedy = {"temperature": 0.0}
+        scores: dict[str, float] = {}
+        for domain, tasks in by_domain.items():
+            samples = await asyncio.gather(*(self.play(t, greedy, f"eval{batch_index}-{i}", 0)
+                                             for i, t in enumerate(tasks)))
+            scores[domain] = sum(s.reward for s in samples) / max(1, len(samples))
+        if self.metrics:
+            self.metrics.publish({f"eval/{d}": v for d, v in scores.items()}, step=batch_index)
+        log.info("%s: eval at batch %d: %s", self.name, batch_index, scores)
+        return scores, {d: len(t) for d, t in by_domain.items()}
+
+    def report(self, batch_index: int, trainer_version: int, groups: list, wall_s: float) -> None:
+        samples = [s for g in groups for s in g]
+        tokens = sum(sum(s.loss_mask) for s in samples)
+        values: dict[str, float] = {"rollout/tokens_per_s": tokens / max(wall_s, 1e-9),
+                                    "rollout/batch_s": wall_s,
+                                    "rollout/failed": sum(s.status != "ok" for s in samples),
+                                    "rollout/trainer_version": trainer_version}
+        for domain in sorted({s.domain for s in samples}):
+            mine = [s for s in samples if s.domain == domain]
+            values[f"rollout/reward/{domain}"] = sum(s.reward for s in mine) / len(mine)
+            values[f"rollout/response_len/{domain}"] = sum(
+                len(s.response_ids) for s in mine) / len(mine)
+        if self.metrics:
+            self.metrics.publish(values, step=batch_index)

@@ -1,0 +1,188 @@
+"""The trainer actor (torch backend): GRPO with the PPO-clip loss on a transformers model.
+
+One optimizer step per batch from the buffer:
+1. recompute the old-policy log-probs on the *same* micro-batches that training uses (no grad),
+   and measure them against the rollout's log-probs (train-rollout mismatch);
+2. GRPO advantages per group; for each micro-batch the PPO-clip loss, backward (gradient
+   accumulation with sample-mean normalisation over the whole step), clip, AdamW;
+3. push the new weights to every inference worker (safetensors written once per version;
+   pause -> /update_weights_from_disk -> continue on each worker), tell the buffer the version.
+Checkpoints (model, optimizer, step, version) every `save_every` steps; with the run's `--resume`
+it continues from the latest. In `colocated` mode the workers release their memory while the
+trainer trains, and the trainer moves its weights and optimizer state off the device while the
+workers generate. Compute runs in a dedicated thread so the actor stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+
+from actors.base import Actor
+from actors.train_step import TrainState, train_on_batch
+from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
+
+log = logging.getLogger(__name__)
+
+
+class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Settings of the torch trainer."""
+
+    model: str  # initial checkpoint: an HF directory or a built-in tiny model name
+    workers: list[str]  # peer names of the inference workers that receive every version
+    buffer: str = "buffer"  # peer that hands out batches
+    rollout: str = ""  # peer asked for a final evaluation after the last step ("" = none)
+    num_steps: int = 20  # optimizer steps; the run completes after the last one
+    mode: Literal["decoupled", "colocated"] = "decoupled"  # colocated needs max_staleness = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
+    micro_batch_size: int = 16  # samples per forward/backward
+    temperature: float = 1.0  # must equal the rollout's sampling temperature
+    std_normalization: bool = True  # GRPO (True) or Dr.GRPO (False)
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # None = eps_clip
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
+    keep_versions: int = 2  # pushed weight versions kept on disk
+    seed: int = 0
+    batch_timeout_s: float = 3600.0  # how long to wait for the buffer
+
+
+class TrainerActor(Actor):
+    Config = TrainerConfig
+    role = "trainer"
+
+    @classmethod
+    def check_config(cls, config: TrainerConfig) -> None:
+        from models.load import check_model_path
+
+        check_model_path(config.model)
+        if not config.workers:
+            raise ValueError("`workers` must name the inference worker actors")
+
+    async def on_start(self) -> None:
+        from engine.client import SglangClient
+
+        cfg = self.config
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
+        self._closers.append(lambda: self.pool.shutdown(wait=True))
+        self.state = await self._in_thread(self._load_state)
+        self.clients = [SglangClient(self.peer(w).http) for w in cfg.workers]
+        for c in self.clients:
+            self._closers.append(c.close)
+        self.buffer = await self.connect(cfg.buffer)
+        self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
+        self.run_dir = Path(self.ctx.run_dir or ".")
+
+    def _load_state(self) -> TrainState:
+        from models.load import load_model
+
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        model, tokenizer = load_model(cfg.model, cfg.device, getattr(torch, cfg.dtype), cfg.seed)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        state = TrainState(model, tokenizer, opt)
+        latest = latest_checkpoint(Path(self.ctx.run_dir or ".") / "checkpoints")
+        if self.ctx.resume and latest is not None:
+            state.load(latest, cfg.device)
+            log.info("%s: resumed from %s (step %d)", self.name, latest, state.step)
+        return state
+
+    async def run(self) -> None:
+        cfg = self.config
+        await self.push_weights()  # workers serve exactly the trainer's weights from the start
+        while self.state.step < cfg.num_steps:
+            t0 = time.monotonic()
+            batch: TrainBatch = await self.buffer.call(
+                GetBatch(step=self.state.step, trainer_version=self.state.version),
+                cfg.batch_timeout_s)
+            t_wait = time.monotonic() - t0
+            await self._set_phase("train")
+            stats = await self._in_thread(train_on_batch, self.state, batch.samples, cfg)
+            t_train = time.monotonic() - t0 - t_wait
+            self.state.step += 1
+            self.state.version += 1
+            await self._set_phase("generate")
+            await self.push_weights()
+            t_sync = time.monotonic() - t0 - t_wait - t_train
+            if cfg.save_every and self.state.step % cfg.save_every == 0:
+                await self._in_thread(self.save_checkpoint)
+            stats.update({"time/wait_batch_s": t_wait, "time/train_s": t_train,
+                          "time/weight_sync_s": t_sync, "time/step_s": time.monotonic() - t0,
+                          "version": self.state.version})
+            if self.metrics:
+                self.metrics.publish(stats, step=self.state.step, total_steps=cfg.num_steps)
+        await self._in_thread(self.save_checkpoint)
+        if self.rollout is not None:
+            await self.final_eval()
+
+    async def final_eval(self) -> None:
+        """Ask the rollout to score the eval tasks with the final weights; record the result."""
+        reply = await self.rollout.call(EvalRequest(step=self.state.step),
+                                        self.config.batch_timeout_s)
+        (self.run_dir / "final_eval.json").write_text(json.dumps(
+            {"step": self.state.step, "version": self.state.version, "scores": reply.scores,
+             "num_tasks": reply.num_tasks}, indent=2))
+        log.info("%s: final eval %s", self.name, reply.scores)
+        if self.metrics:
+            self.metrics.publish({f"final_eval/{d}": v for d, v in reply.scores.items()},
+                                 step=self.state.step, total_steps=self.config.num_steps)
+
+    async def push_weights(self) -> None:
+        """Write this version once, load it on every worker, tell the buffer."""
+        version = self.state.version
+        path = self.run_dir / "weights" / f"v{version}"
+        await self._in_thread(self.state.save_weights, path)
+        await asyncio.gather(*(push_to_worker(c, path, version) for c in self.clients))
+        await self.buffer.call(VersionUpdate(version=version, step=self.state.step))
+        for old in sorted((self.run_dir / "weights").glob("v*"),
+                          key=lambda p: int(p.name[1:]))[:-self.config.keep_versions]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def _set_phase(self, phase: str) -> None:
+        """Colocated mode: one side's memory leaves the device while the other side works."""
+        if self.config.mode != "colocated":
+            return
+        if phase == "train":
+            await asyncio.gather(*(c.release_memory_occupation() for c in self.clients))
+            await self._in_thread(self.state.to_device, self.config.device)
+        else:
+            await self._in_thread(self.state.to_device, "cpu")
+            await asyncio.gather(*(c.resume_memory_occupation() for c in self.clients))
+        if self.metrics:
+            self.metrics.publish({f"memory/{phase}/trainer_device_bytes":
+                                  self.state.device_bytes(self.config.device)},
+                                 step=self.state.step)
+
+    def save_checkpoint(self) -> Path:
+        path = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"
+        self.state.save(path)
+        return path
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+async def push_to_worker(client, path: Path, version: int) -> None:
+    await client.pause_generation()
+    try:
+        await client.update_weights_from_disk(str(path), weight_version=str(version))
+    finally:
+        await client.continue_generation()
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    done = sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists())
+    return done[-1] if done else None

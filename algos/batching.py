@@ -1,0 +1,63 @@
+"""Turning samples into padded micro-batch tensors, response-aligned.
+
+Invariant: for a sample with P prompt tokens and R response tokens, `input_ids` holds the P + R
+tokens (right-padded), and the response-aligned tensors (`mask`, `rollout_logp`, and log-probs
+gathered with `response_slice`) have R valid columns: column j is the log-prob of response token
+j, which `token_logprobs(...)[:, P - 1 + j]` computes from the full sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from transport.schema import Sample
+
+
+@dataclass
+class MicroBatch:
+    samples: list[Sample]
+    input_ids: torch.Tensor  # [B, L] right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, L]
+    prompt_lens: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, R] float, 1 on policy tokens
+    rollout_logp: torch.Tensor  # [B, R]
+    rewards: torch.Tensor  # [B]
+
+    @property
+    def num_response_cols(self) -> int:
+        return self.mask.shape[1]
+
+
+def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    width = max(lengths)
+    resp = max(1, max(len(s.response_ids) for s in samples))
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    mask = torch.zeros((len(samples), resp))
+    rlp = torch.zeros((len(samples), resp))
+    for b, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        ids[b, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[b, :len(seq)] = 1
+        n = len(s.response_ids)
+        mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
+        rlp[b, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float)
+    return MicroBatch(samples, ids, attn, torch.tensor([len(s.prompt_ids) for s in samples]),
+                      mask, rlp, torch.tensor([s.reward for s in samples], dtype=torch.float))
+
+
+def response_slice(per_position: torch.Tensor, prompt_lens: torch.Tensor,
+                   num_cols: int) -> torch.Tensor:
+    """[B, L-1] values per next-token position -> [B, num_cols] values per response token."""
+    batch, width = per_position.shape
+    cols = prompt_lens[:, None] - 1 + torch.arange(num_cols)[None, :]
+    cols = cols.clamp(max=width - 1)
+    return per_position.gather(1, cols)
+
+
+def split_micro_batches(samples: list[Sample], micro_batch_size: int) -> list[list[Sample]]:
+    """Fixed-size micro-batches in order (the same split serves recompute and training)."""
+    return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]

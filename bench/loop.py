@@ -1,0 +1,131 @@
+"""End-to-end RL loop benchmark: staleness 0 (synchronous) vs 1 (rollout overlapped), one run.
+
+Runs the main job's cluster (two embedded workers behind sglang-router, rollout, buffer, torch
+trainer) twice on the same config, differing only in `max_staleness`, and reads every metrics
+record from each run directory. Reports samples/s and tokens/s of training, where the trainer's
+step time goes (waiting for a batch, training, weight sync), and the train-rollout log-prob
+mismatch. `python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu]`.
+Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... logprob_abs_diff=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HOSTS = """
+[run]
+name = "bench-loop"
+progress_interval_s = 30.0
+
+[[hosts]]
+name = "local"
+
+[actors.worker0]
+cls = "actors.inference:InferenceWorker"
+config = {{ model = "{model}", device = "{device}", dtype = "{dtype}", seed = 0 }}
+
+[actors.worker1]
+cls = "actors.inference:InferenceWorker"
+config = {{ model = "{model}", device = "{device}", dtype = "{dtype}", seed = 1 }}
+
+[actors.router]
+cls = "actors.router:RouterActor"
+after = ["worker0", "worker1"]
+
+[actors.buffer]
+cls = "actors.buffer:BufferActor"
+config = {{ group_size = {group}, groups_per_batch = {groups}, max_staleness = {staleness} }}
+
+[actors.rollout]
+cls = "actors.rollout:RolloutActor"
+after = ["router", "buffer"]
+[actors.rollout.config]
+model = "{model}"
+group_size = {group}
+groups_per_batch = {groups}
+eval_every = 0
+envs = [
+  {{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 29 }} }},
+  {{ cls = "envs.builtin.reverse:ReverseEnv", options = {{ partial = true }} }},
+]
+
+[actors.trainer]
+cls = "actors.trainer:TrainerActor"
+after = ["worker0", "worker1", "buffer"]
+primary = true
+[actors.trainer.config]
+model = "{model}"
+workers = ["worker0", "worker1"]
+num_steps = {steps}
+lr = 1e-3
+micro_batch_size = 64
+device = "{device}"
+dtype = "{dtype}"
+"""
+
+
+def run_once(args: argparse.Namespace, staleness: int, root: Path) -> dict:
+    hosts = root / f"staleness{staleness}.toml"
+    hosts.write_text(HOSTS.format(model=args.model, device=args.device, dtype=args.dtype,
+                                  group=args.group_size, groups=args.groups, steps=args.steps,
+                                  staleness=staleness))
+    run_dir = root / f"run-staleness{staleness}"
+    t0 = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if result.returncode != 0:
+        sys.exit(f"run with staleness {staleness} failed:\n{result.stdout[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summarize([r for r in records if r["actor"] == "trainer" and "time/step_s" in
+                      r["values"]], wall, args)
+
+
+def summarize(steps: list[dict], wall_s: float, args: argparse.Namespace) -> dict:
+    """Steady state: skip the first step (it includes start-up and the first batch)."""
+    steady = steps[1:] or steps
+    span = steady[-1]["time_s"] - steps[0]["time_s"] if len(steps) > 1 else wall_s
+    samples = sum(r["values"]["train/samples"] for r in steady)
+    tokens = sum(r["values"]["train/tokens"] for r in steady)
+
+    def mean(key: str) -> float:
+        return sum(r["values"][key] for r in steady) / len(steady)
+
+    return {"samples_per_s": samples / span, "tokens_per_s": tokens / span,
+            "step_s": mean("time/step_s"), "wait_batch_s": mean("time/wait_batch_s"),
+            "train_s": mean("time/train_s"), "weight_sync_s": mean("time/weight_sync_s"),
+            "logprob_abs_diff": mean("train/logprob_abs_diff"),
+            "staleness_mean": mean("train/staleness_mean"), "wall_s": wall_s,
+            "num_steps": len(steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--model", default="examples/base-tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=16)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    runs = {k: run_once(args, k, root) for k in (0, 1)}
+    keys = ["samples_per_s", "tokens_per_s", "step_s", "wait_batch_s", "train_s",
+            "weight_sync_s", "logprob_abs_diff", "staleness_mean", "wall_s"]
+    print(f"{'':20}{'staleness 0':>14}{'staleness 1':>14}")
+    for key in keys:
+        print(f"{key:20}{runs[0][key]:14.4g}{runs[1][key]:14.4g}")
+    sync, asy = runs[0]["samples_per_s"], runs[1]["samples_per_s"]
+    diff = max(runs[0]["logprob_abs_diff"], runs[1]["logprob_abs_diff"])
+    print(f"RESULT sync_sps={sync:.2f} async_sps={asy:.2f} async_vs_sync={asy / sync:.2f} "
+          f"logprob_abs_diff={diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""An asyncio client for SGLang's native HTTP API (real SGLang, sglang-router, or engine.server).
+
+Role: the one way the rest of the system talks to inference servers. Invariant: it only uses
+request/response shapes that real SGLang serves (see engine/server.py for the matched sources),
+so it works unchanged against SGLang; where SGLang versions differ it falls back (e.g. the weight
+version: `/get_weight_version`, then `/model_info`; server info: `/server_info`, then
+`/get_server_info`).
+
+Errors: a non-2xx answer raises `SglangHTTPError` (status, path, and the server's message taken
+from `{"error": {"message"}}`, `{"message"}`, `{"detail"}` or the raw text). Connection failures
+are retried with exponential backoff: refused/unreachable connections on every call (nothing was
+sent), dropped connections only on GET calls (a POST such as /generate may already have run);
+when retries run out, `SglangConnectionError`. A call that exceeds `timeout_s` raises
+`TimeoutError` and is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+ROUTING_HEADER = "X-SMG-Routing-Key"
+
+
+class SglangError(Exception):
+    """Base of this client's errors."""
+
+
+class SglangHTTPError(SglangError):
+    """The server answered with an HTTP error status."""
+
+    def __init__(self, status: int, path: str, message: str):
+        super().__init__(f"HTTP {status} from {path}: {message}")
+        self.status, self.path, self.message = status, path, message
+
+
+class SglangConnectionError(SglangError):
+    """The server could not be reached (after retries)."""
+
+
+def error_message(raw: bytes) -> str:
+    """The server's error text out of an SGLang (or FastAPI/OpenAI-style) error body."""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text or "(empty body)"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return text
+
+
+def _retryable(error: aiohttp.ClientError, method: str) -> bool:
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return True
+    return method == "GET" and isinstance(error, aiohttp.ClientConnectionError)
+
+
+class SglangClient:
+    """Async client of one SGLang-compatible server; create and use it inside the event loop."""
+
+    def __init__(self, base_url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
+                 retries: int = 3, backoff_s: float = 0.2):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ API
+    async def generate(self, input_ids: list[int] | list[list[int]],
+                       sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                       return_logprob: bool = True, rid: str | list[str] | None = None,
+                       routing_key: str | None = None, **extra: Any) -> Any:
+        """POST /generate with token ids (a list of lists is a batch: the answer is a list).
+
+        `extra` passes further GenerateReqInput fields (logprob_start_len, top_logprobs_num, ...).
+        """
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params or {},
+                                "return_logprob": return_logprob, **extra}
+        if rid is not None:
+            body["rid"] = rid
+        headers = {ROUTING_HEADER: routing_key} if routing_key is not None else None
+        return await self._call("POST", "/generate", body, headers)
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
+                                       **extra: Any) -> dict[str, Any]:
+        """Load new weights from a checkpoint directory; returns {"success", "message", ...}."""
+        body = {"model_path": path, **extra}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_disk", body)
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """Pause; mode "abort" (SGLang's default), "retract" or "in_place"."""
+        return await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._call("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def flush_cache(self) -> None:
+        """Flush the prefix cache; SglangHTTPError(400) when requests are running or queued."""
+        await self._call("POST", "/flush_cache", None)
+
+    async def get_weight_version(self) -> str:
+        try:
+            body = await self._call("GET", "/get_weight_version")
+        except SglangHTTPError as e:
+            if e.status != 404:
+                raise
+            body = await self._call("GET", "/model_info")
+        return body["weight_version"]
+
+    async def health(self) -> bool:
+        """True when GET /health answers 200; False on an error status or no connection."""
+        try:
+            await self._call("GET", "/health")
+        except SglangError:
+            return False
+        return True
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._call("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._call("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    async def server_info(self) -> dict[str, Any]:
+        try:
+            return await self._call("GET", "/server_info")
+        except SglangHTTPError as e:
+            if e.status != 404:
+                raise
+            return await self._call("GET", "/get_server_info")
+
+    async def model_info(self) -> dict[str, Any]:
+        try:
+            return await self._call("GET", "/model_info")
+        except SglangHTTPError as e:
+            if e.status != 404:
+                raise
+            return await self._call("GET", "/get_model_info")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "SglangClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ transport
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def _call(self, method: str, path: str, body: Any = None,
+                    headers: dict[str, str] | None = None) -> Any:
+        """One request with retries; the decoded JSON answer (None for an empty/non-JSON 2xx)."""
+        url = self.base_url + path
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._once(method, url, path, body, headers)
+            except TimeoutError:  # aiohttp's timeout errors are TimeoutErrors too: not retried
+                raise
+            except aiohttp.ClientError as e:
+                if isinstance(e, aiohttp.ClientResponseError) or not _retryable(e, method):
+                    raise SglangConnectionError(f"{method} {url} failed: {e}") from e
+                if attempt == self.retries:
+                    raise SglangConnectionError(f"{method} {url} failed after "
+                                                f"{self.retries + 1} attempts: {e}") from e
+                await asyncio.sleep(self.backoff_s * (2 ** attempt))
+        raise AssertionError("unreachable")
+
+    async def _once(self, method: str, url: str, path: str, body: Any,
+                    headers: dict[str, str] | None) -> Any:
+        kwargs: dict[str, Any] = {"headers": headers}
+        if body is not None:
+            kwargs["json"] = body
+        async with self._get_session().request(method, url, **kwargs) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                raise SglangHTTPError(resp.status, path, error_message(raw))
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode("utf-8", "replace")

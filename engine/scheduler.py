@@ -1,0 +1,700 @@
+"""The inference engine core: batched decoding with a KV cache, sampling, pause/abort, weight swaps.
+
+Role: owns one causal LM and turns `GenRequest`s into `GenResult`s; engine/server.py puts SGLang's
+HTTP API on top. No HTTP here.
+
+How a request runs:
+- `generate()` queues requests; the loop (`run()`) collects the queue for `batch_wait_ms`, takes
+  up to `max_batch_size` requests and decodes them TOGETHER as one *wave*: left-padded prefill into
+  a `transformers.DynamicCache`, then one decode step per token for the whole batch. Each
+  sequence stops on its own (length / eos / stop_token_ids / stop strings / abort); finished rows
+  are dropped from the batch and the cache (`batch_select_indices`). Requests that arrive during
+  a wave wait for the next wave (they never join a running one), so a wave's shapes only shrink.
+- Every forward pass, the sampling and the log-prob math run in one dedicated worker thread
+  (`ThreadPoolExecutor(1)`), so the event loop keeps serving HTTP while the model computes.
+  Prefill keeps the logits of every position only when a request of the wave asked for prompt
+  log-probs (logprob_start_len >= 0); otherwise only the last position's.
+
+Invariants:
+- The log-prob reported for a generated token is `models.logprobs.logits_to_logprobs(logits, T)`
+  at the request's sampling temperature T (T = 0, greedy, counts as 1), i.e. exactly what
+  `models.logprobs.token_logprobs(model, full_sequence, temperature=T)` gives for that position.
+  top_p / top_k / min_p change which token is drawn, never the reported log-prob.
+- A request with `sampling_seed` draws from its own `torch.Generator` seeded with it, so its
+  output does not depend on which other requests share its wave.
+- Control operations (weight update, release/resume) run on the loop task at a safe point:
+  between waves, or (weight update only) at a step boundary while generation is paused.
+
+Pause modes (SGLang's `PauseGenerationReqInput.mode`, default "abort"): new requests always wait
+until `continue_generation`. "abort": queued and running requests finish at once with
+finish_reason abort (partial output kept). "in_place": the running wave stops at the next step
+boundary and keeps its KV cache. "retract": it stops and drops its KV cache; on continue the
+sequences (prompt + tokens so far) are prefilled again. A weight update while paused is applied
+immediately, so a paused wave continues with the new weights (in_place keeps the KV entries
+computed with the old ones, as SGLang does).
+
+Memory release on CPU: `release(tags)` with tag "weights" (or no tags) frees every parameter's
+storage (parameters become 0-element tensors; buffers stay); "kv_cache" and "cuda_graph" have
+nothing to free here (the KV cache only lives during a wave). Any released tag makes `generate`
+raise `EngineUnavailable` until `resume`; resuming "weights" reallocates the parameters and
+reloads them from the last loaded source (the startup model, or the last weight-update path).
+Release/resume wait until no wave is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+import torch
+from transformers import DynamicCache
+
+from models.load import load_model
+from models.logprobs import effective_temperature, logits_to_logprobs, position_ids_from_mask
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve the request right now (the message says why)."""
+
+
+class EngineUnavailable(EngineError):
+    """Memory is released (see `release`): generation is refused until `resume`."""
+
+
+class EngineClosed(EngineError):
+    """The engine stopped; requests still queued or running were failed with this."""
+
+
+# ----------------------------------------------------------------------------- request / result
+@dataclasses.dataclass
+class SamplingParams:
+    """The subset of SGLang's sampling params this engine implements (validated by the server)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all tokens
+    min_p: float = 0.0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+
+@dataclasses.dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no input log-probs; k >= 0: from prompt token k on
+    top_logprobs_num: int = 0
+
+
+TopList = list[tuple[float, int]]
+
+
+@dataclasses.dataclass
+class GenResult:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: dict[str, Any]
+    weight_version: str
+    e2e_latency: float
+    output_logprobs: list[float]  # one per output token
+    output_top: list[TopList]  # one per output token (empty lists unless top_logprobs_num > 0)
+    input_logprobs: list[float | None]  # prompt tokens from logprob_start_len on; None: no context
+    input_top: list[TopList | None]
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    """A request's mutable state inside the engine."""
+
+    req: GenRequest
+    future: asyncio.Future
+    generator: torch.Generator
+    created: float
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top: list[TopList] = dataclasses.field(default_factory=list)
+    input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    input_top: list[TopList | None] = dataclasses.field(default_factory=list)
+    input_done: bool = False
+    abort_message: str | None = None
+    finish: dict[str, Any] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req.input_ids + self.output_ids
+
+
+@dataclasses.dataclass(eq=False)
+class _Wave:
+    """One batch decoded together; `cache` covers every row's tokens except its last one."""
+
+    seqs: list[_Seq]
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None
+    keep: list[int] | None = None  # rows to keep before the next forward (finished ones dropped)
+
+
+@dataclasses.dataclass
+class _RowOut:
+    """What one forward pass produced for one row (computed in the worker thread)."""
+
+    token: int | None = None
+    logprob: float = 0.0
+    top: TopList = dataclasses.field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top: list[TopList | None] | None = None
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids -> (ids [B, L], mask [B, L]) padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Zero out what top-k, then top-p, then min-p exclude (1-D probs); renormalised."""
+    sorted_p, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        keep &= (sorted_p.cumsum(0) - sorted_p) < top_p
+    if min_p > 0.0:
+        keep &= sorted_p >= min_p * sorted_p[0]
+    keep[0] = True
+    filtered = torch.zeros_like(probs)
+    filtered[order[keep]] = sorted_p[keep]
+    return filtered / filtered.sum()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF sample of one index from 1-D probs."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    cdf = probs.double().cumsum(0)
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    return min(idx, probs.numel() - 1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy when temperature is 0 or top_k is 1; else a draw from the filtered distribution."""
+    if params.temperature <= 0 or params.top_k == 1:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    return draw(filter_probs(probs, params.top_k, params.top_p, params.min_p), generator)
+
+
+def top_list(logprobs: torch.Tensor, k: int) -> TopList:
+    """The k most likely (logprob, token_id) pairs of a 1-D log-prob vector."""
+    if k <= 0:
+        return []
+    vals, ids = logprobs.topk(min(k, logprobs.numel()))
+    return list(zip(vals.tolist(), ids.tolist()))
+
+
+def input_logprobs(logits: torch.Tensor, tokens: list[int], start: int, temperature: float,
+                   top_k: int) -> tuple[list[float | None], list[TopList | None]]:
+    """Prompt log-probs from `start` on: entry j = log p(tokens[j] | tokens[:j]); token 0 has None.
+
+    `logits` are the row's logits over exactly `tokens` (padding removed).
+    """
+    logprobs = logits_to_logprobs(logits[:-1], temperature) if len(tokens) > 1 else None
+    values: list[float | None] = []
+    tops: list[TopList | None] = []
+    for j in range(start, len(tokens)):
+        if j == 0:
+            values.append(None)
+            tops.append(None)
+        else:
+            values.append(float(logprobs[j - 1, tokens[j]]))
+            tops.append(top_list(logprobs[j - 1], top_k))
+    return values, tops
+
+
+def finish_reason(seq: _Seq, eos_ids: set[int], text: str) -> dict[str, Any] | None:
+    """SGLang's check after a token was appended: length, then stop token, then stop string."""
+    p = seq.req.params
+    if len(seq.output_ids) >= p.max_new_tokens:
+        return {"type": "length", "length": p.max_new_tokens}
+    last = seq.output_ids[-1]
+    if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
+        return {"type": "stop", "matched": last}
+    for stop in p.stop:
+        if stop and stop in text:
+            return {"type": "stop", "matched": stop}
+    return None
+
+
+def abort_reason(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+def visible_text(tokenizer, seq: _Seq) -> str:
+    """The response text: decoded output with SGLang's trimming of the matched stop."""
+    p, finish = seq.req.params, seq.finish or {}
+    ids = seq.output_ids
+    matched = finish.get("matched") if finish.get("type") == "stop" else None
+    if isinstance(matched, int) and not p.no_stop_trim:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+    if isinstance(matched, str) and not p.no_stop_trim and matched in text:
+        text = text[:text.index(matched)]
+    return text
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that means end-of-sequence for this model (config, generation config, tokenizer)."""
+    ids: set[int] = set()
+    sources = [getattr(model.config, "eos_token_id", None), tokenizer.eos_token_id]
+    gen_config = getattr(model, "generation_config", None)
+    sources.append(getattr(gen_config, "eos_token_id", None))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+# ----------------------------------------------------------------------------- the engine
+class Scheduler:
+    """Batched generation over one model; every method is called from the event loop's thread."""
+
+    def __init__(self, model, tokenizer, *, source: str, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0, max_batch_size: int = 64,
+                 batch_wait_ms: float = 5.0, weight_version: str = "0",
+                 executor: ThreadPoolExecutor | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.source, self.device, self.dtype, self.seed = source, device, dtype, seed
+        self.max_batch_size = max(1, max_batch_size)
+        self.batch_wait_s = max(0.0, batch_wait_ms) / 1000.0
+        self.weight_version = weight_version
+        self.context_len = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(model.config.vocab_size)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.paused: str | None = None  # pause mode while paused
+        self.released: set[str] = set()
+        self.wave_sizes: list[int] = []  # batch size of every wave started, in order
+        self.decode_steps = 0  # forward passes over all waves
+        self.step_hooks: list[Callable[[int], Awaitable[None] | None]] = []  # after each step
+        self._pool = executor or ThreadPoolExecutor(1, thread_name_prefix="engine-forward")
+        self._queue: collections.deque[_Seq] = collections.deque()
+        self._ops: collections.deque[tuple[Callable[[], Awaitable[Any]], bool, asyncio.Future]] = (
+            collections.deque())
+        self._active: list[_Seq] = []
+        self._wake = asyncio.Event()
+        self._quiet = asyncio.Event()  # set while no forward pass is running
+        self._quiet.set()
+        self._seed_rng = random.Random(seed)
+        self._param_shapes: dict[str, torch.Size] = {}
+        self._closed = False
+
+    @classmethod
+    async def create(cls, source: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                     seed: int = 0, **kw) -> "Scheduler":
+        """Load `source` (tiny name or HF dir) in the engine's own thread, then build the engine."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="engine-forward")
+        try:
+            loop = asyncio.get_running_loop()
+            model, tokenizer = await loop.run_in_executor(pool, load_model, source, device,
+                                                          dtype, seed)
+        except BaseException:
+            pool.shutdown(wait=True)
+            raise
+        return cls(model, tokenizer, source=source, device=device, dtype=dtype, seed=seed,
+                   executor=pool, **kw)
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Queue the requests, wait for all of them; cancelling aborts those still running."""
+        if self._closed:
+            raise EngineClosed("the engine is stopped")
+        if self.released:
+            raise EngineUnavailable(f"memory is released ({', '.join(sorted(self.released))}); "
+                                    f"call /resume_memory_occupation before generating")
+        seqs = [self._new_seq(r) for r in requests]
+        self._queue.extend(seqs)
+        self._wake.set()
+        try:
+            return list(await asyncio.gather(*(s.future for s in seqs)))
+        except asyncio.CancelledError:
+            for s in seqs:
+                self._abort_seq(s, "client disconnected")
+            raise
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "Abort by user") -> int:
+        """Abort queued/running requests whose rid is `rid` (or starts with `rid_`); or all."""
+        targets = [s for s in list(self._queue) + self._active
+                   if abort_all or (rid and (s.req.rid == rid or s.req.rid.startswith(rid + "_")))]
+        for s in targets:
+            self._abort_seq(s, message)
+        return len(targets)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop decoding until `continue_generation` (modes: see the module docstring)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        self.paused = mode
+        if mode == "abort":
+            self.abort(abort_all=True, message="Abort by pause_generation")
+        self._wake.set()
+        while True:
+            await self._quiet.wait()
+            if mode != "abort" or not self._active:
+                return
+            await asyncio.sleep(0.001)
+
+    async def continue_generation(self) -> None:
+        self.paused = None
+        self._wake.set()
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
+                                       abort_all_requests: bool = False) -> tuple[bool, str, int]:
+        """Load `path` into the running model in place; (success, message, num_paused_requests)."""
+        if abort_all_requests:
+            self.abort(abort_all=True, message="Abort by update_weights_from_disk")
+
+        async def op():
+            held = len(self._active)
+            if "weights" in self.released:
+                return False, "weights are released; call /resume_memory_occupation first", held
+            try:
+                await self._in_thread(self._load_into_model, path)
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
+                return False, f"Failed to update weights from {path!r}: {e}", held
+            self.source = path
+            message = "Succeeded to update model weights."
+            if weight_version is not None:
+                self.weight_version = weight_version
+                message += f" Weight version updated to {weight_version}."
+            return True, message, held
+
+        return await self._submit_op(op, needs_idle=False)
+
+    async def release(self, tags: list[str] | None = None) -> None:
+        tags = self._check_tags(tags)
+
+        async def op():
+            if "weights" in tags and "weights" not in self.released:
+                await self._in_thread(self._free_weights)
+            self.released.update(tags)
+
+        await self._submit_op(op, needs_idle=True)
+
+    async def resume(self, tags: list[str] | None = None) -> None:
+        tags = self._check_tags(tags)
+
+        async def op():
+            if "weights" in tags and "weights" in self.released:
+                await self._in_thread(self._restore_weights)
+            self.released.difference_update(tags)
+
+        await self._submit_op(op, needs_idle=True)
+
+    def flush_cache(self) -> bool:
+        """True when idle (there is no prefix cache to flush); False while requests are queued or
+        running, where SGLang refuses to flush too."""
+        return not self._queue and not self._active
+
+    def stats(self) -> dict[str, Any]:
+        return {"waves": len(self.wave_sizes), "max_wave_size": max(self.wave_sizes, default=0),
+                "decode_steps": self.decode_steps, "queued": len(self._queue),
+                "running": len(self._active), "paused": self.paused,
+                "released": sorted(self.released), "weight_version": self.weight_version}
+
+    async def close(self) -> None:
+        """Fail what is left and stop the worker thread (run() must be cancelled first)."""
+        self._closed = True
+        self._fail_all(EngineClosed("the engine stopped"))
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        """The scheduling loop; runs until cancelled."""
+        try:
+            while True:
+                await self._run_ops(idle=True)
+                if self.paused or not self._queue:
+                    await self._wait()
+                    continue
+                if len(self._queue) < self.max_batch_size and self.batch_wait_s > 0:
+                    await asyncio.sleep(self.batch_wait_s)
+                    await self._run_ops(idle=True)
+                if self.paused:
+                    continue
+                seqs = self._take_batch()
+                if seqs:
+                    await self._run_wave(_Wave(seqs))
+        finally:
+            self._fail_all(EngineClosed("the engine stopped"))
+
+    async def _wait(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
+
+    def _take_batch(self) -> list[_Seq]:
+        if self.released:
+            error = EngineUnavailable("memory was released before this request started")
+            while self._queue:
+                s = self._queue.popleft()
+                if not s.future.done():
+                    s.future.set_exception(error)
+            return []
+        batch = []
+        while self._queue and len(batch) < self.max_batch_size:
+            s = self._queue.popleft()
+            if not s.future.done():
+                batch.append(s)
+        return batch
+
+    async def _run_wave(self, wave: _Wave) -> None:
+        self.wave_sizes.append(len(wave.seqs))
+        self._active = wave.seqs
+        try:
+            while True:
+                await self._boundary(wave)
+                if not wave.seqs:
+                    return
+                outs = await self._in_thread(self._forward, wave)
+                self.decode_steps += 1
+                self._apply(wave, outs)
+                for hook in list(self.step_hooks):
+                    result = hook(self.decode_steps)
+                    if asyncio.iscoroutine(result):
+                        await result
+        except BaseException as e:  # stopped or broken mid-wave: its requests must not hang
+            error = e if isinstance(e, Exception) else EngineClosed("the engine stopped")
+            for s in wave.seqs:
+                if not s.future.done():
+                    s.future.set_exception(EngineError(f"generation failed: {error!r}")
+                                           if error is e else error)
+            raise
+        finally:
+            self._active = []
+
+    async def _boundary(self, wave: _Wave) -> None:
+        """Between two steps: finish aborted rows; while paused, hold here (running ops)."""
+        self._drop_aborted(wave)
+        while self.paused and wave.seqs:
+            if self.paused == "retract":
+                wave.cache, wave.mask, wave.keep = None, None, None
+            await self._run_ops(idle=False)
+            if not self.paused:
+                break
+            await self._wait()
+            self._drop_aborted(wave)
+
+    def _drop_aborted(self, wave: _Wave) -> None:
+        for s in wave.seqs:
+            if s.abort_message is not None and s.finish is None:
+                s.finish = abort_reason(s.abort_message)
+                self._complete(s)
+        self._compact(wave)
+
+    def _apply(self, wave: _Wave, outs: list[_RowOut]) -> None:
+        """Record one step's tokens and log-probs, check stops, finish rows that are done."""
+        for s, out in zip(wave.seqs, outs):
+            if out.input_logprobs is not None:
+                s.input_logprobs, s.input_top = out.input_logprobs, out.input_top
+                s.input_done = True
+            if out.token is None:  # max_new_tokens == 0: only the prefill was wanted
+                s.finish = {"type": "length", "length": 0}
+            else:
+                s.output_ids.append(out.token)
+                s.output_logprobs.append(out.logprob)
+                s.output_top.append(out.top)
+                text = (self.tokenizer.decode(s.output_ids, skip_special_tokens=s.req.params
+                                              .skip_special_tokens) if s.req.params.stop else "")
+                s.finish = finish_reason(s, self.eos_ids, text)
+            if s.finish is not None:
+                self._complete(s)
+        self._compact(wave)
+
+    def _compact(self, wave: _Wave) -> None:
+        keep = [i for i, s in enumerate(wave.seqs) if s.finish is None]
+        if len(keep) == len(wave.seqs):
+            return
+        wave.keep = [wave.keep[i] for i in keep] if wave.keep is not None else keep
+        wave.seqs = [wave.seqs[i] for i in keep]
+        self._active = wave.seqs
+
+    # ------------------------------------------------------------------ worker-thread work
+    async def _in_thread(self, fn, *args):
+        self._quiet.clear()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._quiet.set()
+
+    def _forward(self, wave: _Wave) -> list[_RowOut]:
+        """One forward pass of the wave (prefill when it has no cache), then sampling per row."""
+        with torch.no_grad():
+            prefill = wave.cache is None
+            if prefill:
+                ids, mask = left_pad([s.tokens for s in wave.seqs], self.pad_id)
+                wave.cache = DynamicCache(config=self.model.config)
+                position_ids = position_ids_from_mask(mask)
+            else:
+                if wave.keep is not None:
+                    index = torch.tensor(wave.keep, dtype=torch.long)
+                    wave.cache.batch_select_indices(index.to(self.device))
+                    wave.mask = wave.mask[index]
+                ids = torch.tensor([[s.tokens[-1]] for s in wave.seqs], dtype=torch.long)
+                mask = torch.cat([wave.mask, torch.ones((len(wave.seqs), 1), dtype=torch.long)], 1)
+                position_ids = mask.sum(-1, keepdim=True) - 1
+            wave.keep, wave.mask = None, mask
+            keep_all = prefill and any(self._wants_input_logprobs(s) for s in wave.seqs)
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=position_ids.to(self.device), cache=wave.cache,
+                             use_cache=True, logits_to_keep=0 if keep_all else 1)
+            logits = out.logits.float().cpu()
+            return [self._row(s, logits[b], int(mask[b].sum()), prefill)
+                    for b, s in enumerate(wave.seqs)]
+
+    def _row(self, s: _Seq, logits: torch.Tensor, real: int, prefill: bool) -> _RowOut:
+        """Sample row `s` from its last-position logits; prompt log-probs on its first prefill."""
+        req, out = s.req, _RowOut()
+        temperature = effective_temperature(req.params.temperature)
+        if prefill and self._wants_input_logprobs(s):
+            prompt_logits = logits[logits.shape[0] - real:][:len(req.input_ids)]
+            out.input_logprobs, out.input_top = input_logprobs(
+                prompt_logits, req.input_ids, req.logprob_start_len, temperature,
+                req.top_logprobs_num)
+        if req.params.max_new_tokens == 0:
+            return out
+        last = logits[-1]
+        out.token = sample_token(last, req.params, s.generator)
+        logprobs = logits_to_logprobs(last, temperature)
+        out.logprob = float(logprobs[out.token])
+        out.top = top_list(logprobs, req.top_logprobs_num)
+        return out
+
+    @staticmethod
+    def _wants_input_logprobs(s: _Seq) -> bool:
+        return not s.input_done and s.req.return_logprob and s.req.logprob_start_len >= 0
+
+    def _load_into_model(self, source: str) -> None:
+        """Copy the weights of `source` into the live model (same names and shapes required)."""
+        new_model, _ = load_model(source, self.device, self.dtype, self.seed)
+        new_state, state = new_model.state_dict(), self.model.state_dict()
+        if set(new_state) != set(state):
+            missing, extra = set(state) - set(new_state), set(new_state) - set(state)
+            raise ValueError(f"checkpoint does not match the model: missing "
+                             f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
+        for name, tensor in state.items():
+            if tensor.shape != new_state[name].shape:
+                raise ValueError(f"shape of {name}: model {tuple(tensor.shape)}, checkpoint "
+                                 f"{tuple(new_state[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                tensor.copy_(new_state[name])
+
+    def _free_weights(self) -> None:
+        self._param_shapes = {}
+        for name, p in self.model.named_parameters():
+            self._param_shapes[name] = p.shape
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _restore_weights(self) -> None:
+        for name, p in self.model.named_parameters():
+            p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
+        self._load_into_model(self.source)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _new_seq(self, req: GenRequest) -> _Seq:
+        seed = req.params.sampling_seed
+        if seed is None:
+            seed = self._seed_rng.getrandbits(63)
+        generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        future = asyncio.get_running_loop().create_future()
+        return _Seq(req=req, future=future, generator=generator, created=time.monotonic())
+
+    def _abort_seq(self, s: _Seq, message: str) -> None:
+        if s.finish is not None:
+            return
+        if s in self._queue:
+            self._queue.remove(s)
+            s.finish = abort_reason(message)
+            self._complete(s)
+        else:
+            s.abort_message = message
+            self._wake.set()
+
+    def _complete(self, s: _Seq) -> None:
+        if s.future.done():
+            return
+        s.future.set_result(GenResult(
+            rid=s.req.rid, prompt_ids=s.req.input_ids, output_ids=list(s.output_ids),
+            text=visible_text(self.tokenizer, s), finish_reason=s.finish,
+            weight_version=self.weight_version, e2e_latency=time.monotonic() - s.created,
+            output_logprobs=s.output_logprobs, output_top=s.output_top,
+            input_logprobs=s.input_logprobs, input_top=s.input_top))
+
+    def _fail_all(self, error: Exception) -> None:
+        for s in list(self._queue) + list(self._active):
+            if not s.future.done():
+                s.future.set_exception(error)
+        self._queue.clear()
+        for _, _, fut in self._ops:
+            if not fut.done():
+                fut.set_exception(error)
+        self._ops.clear()
+
+    async def _submit_op(self, fn: Callable[[], Awaitable[Any]], needs_idle: bool) -> Any:
+        if self._closed:
+            raise EngineClosed("the engine is stopped")
+        fut = asyncio.get_running_loop().create_future()
+        self._ops.append((fn, needs_idle, fut))
+        self._wake.set()
+        return await fut
+
+    async def _run_ops(self, idle: bool) -> None:
+        deferred: collections.deque = collections.deque()
+        while self._ops:
+            fn, needs_idle, fut = self._ops.popleft()
+            if fut.done():
+                continue
+            if needs_idle and not idle:
+                deferred.append((fn, needs_idle, fut))
+                continue
+            try:
+                result = await fn()
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                if not fut.done():
+                    fut.set_exception(e)
+            else:
+                if not fut.done():
+                    fut.set_result(result)
+        self._ops.extend(deferred)
+
+    @staticmethod
+    def _check_tags(tags: list[str] | None) -> list[str]:
+        tags = list(MEMORY_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; expected some of {list(MEMORY_TAGS)}")
+        return tags

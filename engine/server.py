@@ -1,0 +1,536 @@
+"""SGLang's native HTTP API over the engine (engine/scheduler.py), served with aiohttp.
+
+Role: lets everything that talks to SGLang (our `engine.client.SglangClient`, slime-style rollout
+code, sglang-router) talk to this CPU engine unchanged. Invariant: request fields, response
+fields and their shapes are SGLang's; a malformed request gets HTTP 400 with SGLang's error body
+`{"error": {"message": ...}}` and never disturbs the engine.
+
+Matched against (read in the public sglang sources, no server was run):
+- `python/sglang/srt/entrypoints/http_server.py` (sgl-project/sglang, 2025-2026 main branch,
+  v0.5.x era): routes, methods, response bodies, `_create_error_response`;
+- `python/sglang/srt/managers/io_struct.py`: `GenerateReqInput` (text / input_ids / sampling_params
+  / return_logprob / logprob_start_len / top_logprobs_num / return_text_in_logprobs / rid / stream),
+  `PauseGenerationReqInput` (mode "abort" | "retract" | "in_place", default "abort"),
+  `UpdateWeightFromDiskReqInput` (model_path, load_format, abort_all_requests, weight_version, ...),
+  `Release/ResumeMemoryOccupationReqInput` (tags), `AbortReq` (rid, abort_all);
+- `tokenizer_manager.py`: meta_info keys (id, finish_reason, prompt_tokens, weight_version,
+  completion_tokens, cached_tokens, e2e_latency, input/output_token_logprobs as
+  [logprob, token_id, text-or-null] triples, input/output_top_logprobs lists of triples per
+  position with null where a position has none) and the pause logic (new requests wait while
+  paused; "abort" aborts everything in flight);
+- `schedule_batch.py`: finish reasons {"type": "stop", "matched": id|str}, {"type": "length",
+  "length": n}, {"type": "abort", "message", "status_code", "err_type"};
+- `sampling_params.py` `verify()`: the range checks and their messages.
+
+Deliberate differences / not confirmed:
+- Unknown top-level /generate fields are rejected with 400 (SGLang's pydantic model ignores them);
+  fields SGLang has but this engine does not implement (streaming, images, LoRA, ...) are 400
+  unless left at their defaults; so are penalties, min_new_tokens, n > 1 and grammars.
+- `/get_weight_version` answers {"weight_version": v} as SGLang ~0.5.x does; the newest SGLang
+  answers 404 there and reports it in `/model_info` only (both are served here).
+- With logprob_start_len = -1 (the default) `input_token_logprobs` is `[]`; what SGLang returns
+  in that case (possibly one entry) was not confirmed.
+- Log-probs are those of the temperature-scaled distribution, log_softmax(logits / T) (T = 0
+  counts as 1), for output and input tokens alike; top_p / top_k / min_p never renormalise them
+  (stock SGLang; slime's top-p patch is not implemented). That SGLang scales input-token
+  log-probs by the temperature too was not confirmed.
+- Weight updates wait for the running wave to end unless generation is paused (SGLang's
+  tokenizer manager likewise waits for in-flight requests under its model-update lock).
+- /health_generate answers 200 at once while paused (SGLang would time out), 503 while memory is
+  released; generate while released answers 503 (SGLang has no defined behaviour there).
+- A string rid on a batch request becomes "<rid>_<i>" per item (the exact SGLang format was not
+  confirmed); /abort_request with rid "x" also aborts "x_<i>".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from engine.scheduler import (DEFAULT_MAX_NEW_TOKENS, EngineError, GenRequest, GenResult,
+                              SamplingParams, Scheduler)
+
+VERSION = "rlx-engine-0.1 (SGLang native API subset)"
+HEALTH_TIMEOUT_S = 20.0
+
+# Top-level /generate fields: accepted, or accepted only at SGLang's default value.
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_text_in_logprobs", "rid", "stream"}
+IGNORED_FIELDS = {"log_metrics", "priority", "custom_labels", "no_logs", "routing_key",
+                  "conversation_id", "extra_key", "session_id", "external_trace_header",
+                  "received_time", "routed_dp_rank", "data_parallel_rank", "background",
+                  "model"}  # sglang-router adds model (null) and several defaults below
+DEFAULT_ONLY_FIELDS = {"input_embeds": None, "image_data": None, "video_data": None,
+                       "audio_data": None, "lora_path": None, "lora_id": None,
+                       "session_params": None, "custom_logit_processor": None,
+                       "token_ids_logprob": None, "return_hidden_states": False,
+                       "return_routed_experts": False, "modalities": None,
+                       "return_entropy": False, "require_reasoning": False,
+                       "return_bytes": False}
+# sampling_params keys: implemented ones, and ones accepted only at their default value.
+SAMPLING_DEFAULT_ONLY = {"n": 1, "min_new_tokens": 0, "frequency_penalty": 0.0,
+                         "presence_penalty": 0.0, "repetition_penalty": 1.0, "regex": None,
+                         "json_schema": None, "ebnf": None, "structural_tag": None,
+                         "custom_params": None, "logit_bias": None, "stop_regex": None}
+SAMPLING_IGNORED = {"spaces_between_special_tokens", "stream_interval"}
+
+
+class RequestError(ValueError):
+    """A malformed request; the message tells the caller what to change."""
+
+
+# ----------------------------------------------------------------------------- pure parsing
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _token_list(x: Any, vocab_size: int, what: str) -> list[int]:
+    if not isinstance(x, list) or not x or not all(_is_int(t) for t in x):
+        raise RequestError(f"{what} must be a non-empty list of integer token ids")
+    bad = [t for t in x if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    return x
+
+
+def parse_prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """(token ids per prompt, is_batch) from `text` or `input_ids` (exactly one of them)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+    if ids is not None:
+        if isinstance(ids, list) and ids and all(isinstance(r, list) for r in ids):
+            return [_token_list(r, vocab_size, f"input_ids[{i}]") for i, r in enumerate(ids)], True
+        return [_token_list(ids, vocab_size, "input_ids")], False
+    if isinstance(text, str):
+        prompts, batch = [text], False
+    elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        prompts, batch = text, True
+    else:
+        raise RequestError("text must be a string or a non-empty list of strings")
+    encoded = [tokenizer.encode(t) for t in prompts]  # as SGLang: the tokenizer's defaults
+    if any(not e for e in encoded):
+        raise RequestError("text must not be empty")
+    return encoded, batch
+
+
+def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
+    """A scalar applies to every item; a list must have one entry per item."""
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _check_range(ok: bool, message: str) -> None:
+    if not ok:
+        raise RequestError(message)
+
+
+def parse_sampling_params(sp: Any, prompt_len: int, context_len: int) -> SamplingParams:
+    """SGLang sampling_params -> SamplingParams, with SGLang's checks (`verify()`)."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise RequestError("sampling_params must be a JSON object (or a list of them)")
+    known = set(dataclass_fields(SamplingParams)) | set(SAMPLING_DEFAULT_ONLY) | SAMPLING_IGNORED
+    unknown = sorted(set(sp) - known)
+    if unknown:
+        raise RequestError(f"unknown sampling_params {unknown}")
+    for key, default in SAMPLING_DEFAULT_ONLY.items():
+        if key in sp and sp[key] is not None and sp[key] != default:
+            raise RequestError(f"sampling_params.{key}={sp[key]!r} is not supported by this "
+                               f"engine (only {default!r})")
+    p = _checked_numbers(sp)
+    _check_range(prompt_len < context_len, f"The input ({prompt_len} tokens) is longer than the "
+                 f"model's context length ({context_len} tokens).")
+    p.max_new_tokens = min(p.max_new_tokens, context_len - prompt_len)
+    p.stop = _stop_strings(sp.get("stop"))
+    p.stop_token_ids = _int_list(sp.get("stop_token_ids"), "stop_token_ids")
+    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        setattr(p, key, _boolean(sp, key, getattr(p, key)))
+    seed = sp.get("sampling_seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("sampling_params.sampling_seed must be an integer")
+    p.sampling_seed = seed
+    return p
+
+
+def _checked_numbers(sp: dict) -> SamplingParams:
+    """The numeric sampling params, with SGLang's range checks and messages."""
+    p = SamplingParams()
+    p.temperature = _number(sp, "temperature", p.temperature)
+    p.top_p = _number(sp, "top_p", p.top_p)
+    p.min_p = _number(sp, "min_p", p.min_p)
+    p.top_k = _integer(sp, "top_k", p.top_k)
+    p.max_new_tokens = _integer(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    _check_range(p.temperature >= 0, f"temperature must be non-negative, got {p.temperature}.")
+    _check_range(0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}.")
+    _check_range(0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}.")
+    _check_range(p.top_k == -1 or p.top_k >= 1,
+                 f"top_k must be -1 (disable), or at least 1, got {p.top_k}.")
+    _check_range(p.max_new_tokens >= 0,
+                 f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
+    return p
+
+
+def dataclass_fields(cls) -> list[str]:
+    return list(cls.__dataclass_fields__)
+
+
+def _number(sp: dict, key: str, default: float) -> float:
+    value = sp.get(key)
+    if value is None:
+        return default
+    if not _is_num(value):
+        raise RequestError(f"sampling_params.{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(sp: dict, key: str, default: int) -> int:
+    value = sp.get(key)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise RequestError(f"sampling_params.{key} must be an integer, got {value!r}")
+    return value
+
+
+def _boolean(sp: dict, key: str, default: bool) -> bool:
+    value = sp.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"sampling_params.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise RequestError("sampling_params.stop must be a string or a list of strings")
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list) and all(_is_int(v) for v in value):
+        return value
+    raise RequestError(f"sampling_params.{name} must be a list of integers")
+
+
+def _rids(value: Any, n: int, batch: bool) -> list[str]:
+    if value is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(value, str):
+        return [value] if not batch else [f"{value}_{i}" for i in range(n)]
+    if isinstance(value, list) and len(value) == n and all(isinstance(r, str) for r in value):
+        if len(set(value)) != n:
+            raise RequestError(f"Duplicate request IDs detected within the request: {value}")
+        return value
+    raise RequestError("rid must be a string or a list of strings, one per prompt")
+
+
+def _check_fields(body: dict) -> None:
+    unknown = sorted(set(body) - GENERATE_FIELDS - IGNORED_FIELDS - set(DEFAULT_ONLY_FIELDS))
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown} in the /generate request")
+    for key, default in DEFAULT_ONLY_FIELDS.items():
+        if body.get(key, default) not in (default, [], {}):
+            raise RequestError(f"{key} is not supported by this engine")
+    if body.get("stream", False) not in (False, None):
+        raise RequestError("stream=true is not supported by this engine")
+    if not isinstance(body.get("return_text_in_logprobs", False), bool):
+        raise RequestError("return_text_in_logprobs must be true or false")
+
+
+def parse_generate(body: Any, tokenizer, vocab_size: int,
+                   context_len: int) -> tuple[list[GenRequest], bool]:
+    """A /generate JSON body -> (engine requests, is_batch); RequestError if malformed."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    _check_fields(body)
+    prompts, batch = parse_prompts(body, tokenizer, vocab_size)
+    n = len(prompts)
+    sps = _per_item(body.get("sampling_params"), n, "sampling_params", {})
+    want_lp = _per_item(body.get("return_logprob"), n, "return_logprob", False)
+    starts = _per_item(body.get("logprob_start_len"), n, "logprob_start_len", -1)
+    tops = _per_item(body.get("top_logprobs_num"), n, "top_logprobs_num", 0)
+    rids = _rids(body.get("rid"), n, batch)
+    requests = []
+    for i, ids in enumerate(prompts):
+        _check_logprob_args(want_lp[i], starts[i], tops[i], len(ids))
+        requests.append(GenRequest(
+            rid=rids[i], input_ids=ids, params=parse_sampling_params(sps[i], len(ids), context_len),
+            return_logprob=want_lp[i], logprob_start_len=starts[i], top_logprobs_num=tops[i]))
+    return requests, batch
+
+
+def _check_logprob_args(want: Any, start: Any, top: Any, prompt_len: int) -> None:
+    if not isinstance(want, bool):
+        raise RequestError("return_logprob must be true or false")
+    if not _is_int(start) or not -1 <= start < prompt_len:
+        raise RequestError(f"logprob_start_len must be -1 or in [0, {prompt_len}) for a prompt of "
+                           f"{prompt_len} tokens, got {start!r}")
+    if not _is_int(top) or top < 0:
+        raise RequestError(f"top_logprobs_num must be a non-negative integer, got {top!r}")
+
+
+# ----------------------------------------------------------------------------- pure formatting
+def _lp(value: float | None) -> float | None:
+    """JSON-safe log-prob (SGLang clamps -inf the same way)."""
+    if value is None:
+        return None
+    return -999999999.0 if value == float("-inf") else value
+
+
+def _triples(pairs: list[tuple[float | None, int]], tokenizer, with_text: bool) -> list[list]:
+    texts = [tokenizer.decode([t]) for _, t in pairs] if with_text else [None] * len(pairs)
+    return [[_lp(lp), t, text] for (lp, t), text in zip(pairs, texts)]
+
+
+def _top_triples(tops: list, tokenizer, with_text: bool) -> list:
+    return [None if top is None else _triples(top, tokenizer, with_text) for top in tops]
+
+
+def format_result(result: GenResult, req: GenRequest, tokenizer, with_text: bool) -> dict:
+    """One SGLang /generate response object."""
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": len(result.prompt_ids),
+        "weight_version": result.weight_version,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "e2e_latency": result.e2e_latency,
+    }
+    if req.return_logprob:
+        start = max(req.logprob_start_len, 0)
+        in_ids = result.prompt_ids[start:] if req.logprob_start_len >= 0 else []
+        meta["input_token_logprobs"] = _triples(list(zip(result.input_logprobs, in_ids)),
+                                                tokenizer, with_text)
+        meta["output_token_logprobs"] = _triples(
+            list(zip(result.output_logprobs, result.output_ids)), tokenizer, with_text)
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = _top_triples(result.input_top, tokenizer, with_text)
+            meta["output_top_logprobs"] = _top_triples(result.output_top, tokenizer, with_text)
+    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+# ----------------------------------------------------------------------------- HTTP
+def error_response(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _json_body(request: web.Request, required: bool) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise RequestError("the request body is empty; send a JSON object")
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise RequestError(f"Invalid JSON in the request body: {e}") from None
+
+
+class EngineServer:
+    """aiohttp handlers over one Scheduler; `app` is the web.Application to run."""
+
+    def __init__(self, scheduler: Scheduler, info: dict[str, Any]):
+        self.scheduler = scheduler
+        self.info = info  # model_path, tokenizer_path, host, port, ... for /server_info
+        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self._routes()
+
+    def _routes(self) -> None:
+        add = self.app.router.add_route
+        for method in ("POST", "PUT"):
+            add(method, "/generate", self.generate)
+        add("GET", "/health", self.health)
+        add("GET", "/health_generate", self.health_generate)
+        for path in ("/server_info", "/get_server_info"):
+            add("GET", path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            add("GET", path, self.model_info)
+        for path in ("/get_weight_version", "/weight_version"):
+            add("GET", path, self.weight_version)
+        for method in ("GET", "POST"):
+            add(method, "/flush_cache", self.flush_cache)
+            add(method, "/release_memory_occupation", self.release_memory)
+            add(method, "/resume_memory_occupation", self.resume_memory)
+        add("POST", "/abort_request", self.abort_request)
+        add("POST", "/update_weights_from_disk", self.update_weights_from_disk)
+        add("POST", "/pause_generation", self.pause_generation)
+        add("POST", "/continue_generation", self.continue_generation)
+
+    # ------------------------------------------------------------------ generate
+    async def generate(self, request: web.Request) -> web.Response:
+        s = self.scheduler
+        try:
+            body = await _json_body(request, required=True)
+            reqs, batch = parse_generate(body, s.tokenizer, s.vocab_size, s.context_len)
+        except RequestError as e:
+            return error_response(str(e))
+        try:
+            results = await s.generate(reqs)
+        except EngineError as e:  # memory released, or the engine stopped / failed
+            return error_response(str(e), status=503)
+        with_text = bool(body.get("return_text_in_logprobs", False))
+        out = [format_result(r, q, s.tokenizer, with_text) for r, q in zip(results, reqs)]
+        return web.json_response(out if batch else out[0])
+
+    # ------------------------------------------------------------------ health / info
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        s = self.scheduler
+        if s.released:
+            return web.Response(status=503)
+        if s.paused:
+            return web.Response(status=200)
+        probe = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                           params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await s.generate([probe])
+        except (EngineError, TimeoutError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s = self.scheduler
+        return web.json_response({
+            **self.info,
+            "max_running_requests": s.max_batch_size,
+            "context_length": s.context_len,
+            "weight_version": s.weight_version,
+            "internal_states": [s.stats()],
+            "version": VERSION,
+        })
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        config = self.scheduler.model.config
+        return web.json_response({
+            "model_path": self.info.get("model_path"),
+            "tokenizer_path": self.info.get("tokenizer_path"),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        })
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.scheduler.weight_version})
+
+    # ------------------------------------------------------------------ control
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = self.scheduler.flush_cache()
+        text = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
+                "running or waiting requests, the operation will not be performed.)\n")
+        return web.Response(text=text, status=200 if ok else 400)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request, required=True)
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+            if not isinstance(rid, str) or not isinstance(abort_all, bool):
+                raise RequestError("abort_request takes {\"rid\": str, \"abort_all\": bool}")
+        except RequestError as e:
+            return error_response(str(e))
+        self.scheduler.abort(rid=rid, abort_all=abort_all)
+        return web.Response(status=200)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request, required=True)
+            path, version, abort_all = _weights_args(body)
+        except RequestError as e:
+            return web.json_response({"success": False, "message": str(e),
+                                      "num_paused_requests": 0}, status=400)
+        ok, message, held = await self.scheduler.update_weights_from_disk(path, version, abort_all)
+        return web.json_response({"success": ok, "message": message,
+                                  "num_paused_requests": held}, status=200 if ok else 400)
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        return await self._memory(request, self.scheduler.release)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        return await self._memory(request, self.scheduler.resume)
+
+    async def _memory(self, request: web.Request, action) -> web.Response:
+        try:
+            body = await _json_body(request, required=False)
+            tags = body.get("tags") if isinstance(body, dict) else None
+            if tags is not None and not (isinstance(tags, list)
+                                         and all(isinstance(t, str) for t in tags)):
+                raise RequestError("tags must be a list of strings")
+            await action(tags)
+        except (RequestError, ValueError) as e:
+            return error_response(str(e))
+        return web.json_response(None)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request, required=False)
+            mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+            await self.scheduler.pause(mode)
+        except (RequestError, ValueError) as e:
+            return error_response(str(e))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.scheduler.continue_generation()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+def _weights_args(body: Any) -> tuple[str, str | None, bool]:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    path, version = body.get("model_path"), body.get("weight_version")
+    fmt, abort_all = body.get("load_format"), body.get("abort_all_requests", False)
+    if not isinstance(path, str) or not path:
+        raise RequestError("model_path (a checkpoint directory) is required")
+    if version is not None and not isinstance(version, str):
+        raise RequestError("weight_version must be a string")
+    if fmt not in (None, "auto", "safetensors"):
+        raise RequestError(f"load_format {fmt!r} is not supported (auto or safetensors)")
+    if not isinstance(abort_all, bool):
+        raise RequestError("abort_all_requests must be true or false")
+    return path, version, abort_all
+
+
+async def start_server(server: EngineServer, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Bind and start; returns the runner (call `cleanup()` to stop) and the bound port."""
+    runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=1.0,
+                           handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])

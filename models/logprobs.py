@@ -1,0 +1,65 @@
+"""Per-token log-probabilities: the one definition shared by inference and training.
+
+Role: the inference engine (engine/scheduler.py) and the trainer both call these functions, so
+the log-probs a rollout reports and the ones the trainer recomputes agree to float precision.
+Invariant: the log-prob of token y under logits z at temperature T is log_softmax(z / T)[y]
+(computed in float32), with temperature 0 (greedy) treated as 1; positions are counted from the
+first non-padding token (position_ids = cumsum(attention_mask) - 1, clamped at 0), so left-,
+right- and un-padded batches give the same values for the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at: 0 (greedy decoding) counts as 1."""
+    return 1.0 if temperature is None or temperature <= 0 else float(temperature)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only: cumsum(mask) - 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def logits_to_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) over the last dim, in float32."""
+    return torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / T) over the last dim, in float32."""
+    logp = logits_to_logprobs(logits, temperature)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logprobs[..., targets] elementwise: [..., V] x [...] -> [...]."""
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """[B, T] ids -> [B, T-1] float32: entry [b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1]).
+
+    Entries whose target is padding are meaningless (mask them with attention_mask[:, 1:]).
+    Gradients flow when called outside no_grad (the trainer's use).
+    """
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature,
+                                      with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy(model, input_ids: torch.Tensor,
+                               attention_mask: torch.Tensor | None = None,
+                               temperature: float = 1.0, with_entropy: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` and, from the same forward, the entropy [B, T-1] of each next-token
+    distribution at the same temperature (None when with_entropy is False)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    logprobs = logits_to_logprobs(out.logits[:, :-1], temperature)
+    entropy = -(logprobs.exp() * logprobs).sum(-1) if with_entropy else None
+    return gather_logprobs(logprobs, input_ids[:, 1:]), entropy
