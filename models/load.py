@@ -9,10 +9,11 @@ ValueError naming the reference and what was expected; it never downloads anythi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from models.tiny import TINY, build_tiny
@@ -59,6 +60,20 @@ def load_tokenizer(path: str):
         from models.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer()
+    return tokenizer_from_dir(path)
+
+
+def tokenizer_from_dir(path: str):
+    """The checkpoint's own tokenizer. A plain tokenizers-library tokenizer (ours) is loaded as
+    such: AutoTokenizer would pick the model family's class (Qwen2Tokenizer), whose
+    pre-tokenizer silently drops the spaces our character tokenizer encodes."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    cls = ""
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            cls = json.load(f).get("tokenizer_class", "")
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -70,7 +85,7 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         check_model_path(path)
         with quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = tokenizer_from_dir(path)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 

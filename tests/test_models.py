@@ -119,3 +119,15 @@ def test_logits_helpers():
     peaked = torch.tensor([[100.0, 0.0, 0.0]])
     assert entropy_from_logits(peaked).item() < 1e-6
     assert logits_to_logprobs(torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_saved_char_tokenizer_keeps_spaces_and_the_base_model_is_weak_but_not_broken(tmp_path):
+    """Regression: AutoTokenizer loads the model family's tokenizer class for a Qwen2 checkpoint,
+    which drops spaces; our loader must return the checkpoint's own character tokenizer."""
+    from models.load import load_model, load_tokenizer
+
+    tok = load_tokenizer("examples/base-tiny")
+    ids = tok.encode("rev ab c=", add_special_tokens=False)
+    assert len(ids) == 9 and tok.decode(ids) == "rev ab c="
+    model, tok2 = load_model("examples/base-tiny")
+    assert tok2.decode(tok2.encode("a b", add_special_tokens=False)) == "a b"
