@@ -122,7 +122,7 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
         terms.loss.backward()
         offset += n
         tokens = float(mb.mask.sum())
-        totals["loss"] += float(terms.loss)
+        totals["loss"] += float(terms.loss.detach())
         totals["clipfrac"] += terms.clipfrac * tokens
         totals["ppo_kl"] += terms.ppo_kl * tokens
         totals["entropy"] += float((ent.detach() * mb.mask).sum())
@@ -133,8 +133,14 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
     state.optimizer.step()
     with torch.no_grad():
         new = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
-    kl = sum(float(((o - n_) * mb.mask).sum()) for o, n_, mb in zip(old, new, mbs))
+    kl = sum(float((k3(o, n_) * mb.mask).sum()) for o, n_, mb in zip(old, new, mbs))
     return summarize(samples, totals, float(grad_norm), kl, state.version)
+
+
+def k3(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
+    """Non-negative per-token estimate of KL(old || new) on tokens sampled from old."""
+    log_ratio = new_logp - old_logp
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float, kl_sum: float,

@@ -51,7 +51,7 @@ group_size = {group}
 groups_per_batch = {groups}
 eval_every = 0
 envs = [
-  {{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 29 }} }},
+  {{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }},
   {{ cls = "envs.builtin.reverse:ReverseEnv", options = {{ partial = true }} }},
 ]
 
@@ -63,7 +63,7 @@ primary = true
 model = "{model}"
 workers = ["worker0", "worker1"]
 num_steps = {steps}
-lr = 1e-3
+lr = 1e-4
 micro_batch_size = 64
 device = "{device}"
 dtype = "{dtype}"

@@ -81,11 +81,11 @@ def accuracy(model, tokenizer, env, n: int = 200) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="examples/base-tiny")
-    parser.add_argument("--steps", type=int, default=175)
+    parser.add_argument("--steps", type=int, default=125)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--max-operand", type=int, default=29)
+    parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--reverse-every", type=int, default=2,
                         help="one sample in this many is a reversal task (they learn faster)")
     args = parser.parse_args()

@@ -40,7 +40,7 @@ groups_per_batch = 4
 eval_every = 0
 eval_tasks = 8
 envs = [
-  {{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 29 }} }},
+  {{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }},
   {{ cls = "envs.builtin.reverse:ReverseEnv", options = {{ partial = true }} }},
 ]
 
