@@ -147,8 +147,8 @@ class TrainerActor(Actor):
         await self._in_thread(self.state.save_weights, path)
         await asyncio.gather(*(push_to_worker(c, path, version) for c in self.clients))
         await self.buffer.call(VersionUpdate(version=version, step=self.state.step))
-        for old in sorted((self.run_dir / "weights").glob("v*"),
-                          key=lambda p: int(p.name[1:]))[:-self.config.keep_versions]:
+        versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+        for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-self.config.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)
 
     async def _set_phase(self, phase: str) -> None:

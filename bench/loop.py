@@ -67,24 +67,61 @@ lr = 1e-4
 micro_batch_size = 64
 device = "{device}"
 dtype = "{dtype}"
+mode = "{mode}"
 """
 
 
-def run_once(args: argparse.Namespace, staleness: int, root: Path) -> dict:
-    hosts = root / f"staleness{staleness}.toml"
+def run_once(args: argparse.Namespace, staleness: int, root: Path,
+             mode: str = "decoupled") -> dict:
+    hosts = root / f"{mode}-staleness{staleness}.toml"
     hosts.write_text(HOSTS.format(model=args.model, device=args.device, dtype=args.dtype,
                                   group=args.group_size, groups=args.groups, steps=args.steps,
-                                  staleness=staleness))
-    run_dir = root / f"run-staleness{staleness}"
+                                  staleness=staleness, mode=mode))
+    run_dir = root / f"run-{mode}-staleness{staleness}"
     t0 = time.monotonic()
+    gpu = GpuMemory() if args.device.startswith("cuda") else None
     result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
                              str(run_dir)], capture_output=True, text=True)
     wall = time.monotonic() - t0
+    if gpu is not None:
+        gpu.stop()
+        print(f"{mode}, staleness {staleness}: device memory per actor (min..max MiB over the "
+              f"run): {gpu.by_actor(run_dir)}")
     if result.returncode != 0:
         sys.exit(f"run with staleness {staleness} failed:\n{result.stdout[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summarize([r for r in records if r["actor"] == "trainer" and "time/step_s" in
                       r["values"]], wall, args)
+
+
+class GpuMemory:
+    """Samples nvidia-smi's per-process device memory every 0.2 s while a run is going."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: dict[int, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True).stdout
+            for line in out.splitlines():
+                pid, mib = (int(x) for x in line.split(","))
+                self.samples.setdefault(pid, []).append(mib)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def by_actor(self, run_dir: Path) -> dict[str, str]:
+        pids = {a["pid"]: n for n, a in json.loads((run_dir / "exit.json").read_text())
+                ["actors"].items()}
+        return {pids.get(pid, str(pid)): f"{min(v)}..{max(v)}" for pid, v in self.samples.items()}
 
 
 def summarize(steps: list[dict], wall_s: float, args: argparse.Namespace) -> dict:
@@ -113,9 +150,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--colocated", action="store_true",
+                        help="also run colocated mode (staleness 0) and report it")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
     runs = {k: run_once(args, k, root) for k in (0, 1)}
+    if args.colocated:
+        colo = run_once(args, 0, root, "colocated")
+        print(f"colocated: samples/s {colo['samples_per_s']:.3g}, step {colo['step_s']:.3g} s "
+              f"(train {colo['train_s']:.3g} s, weight sync {colo['weight_sync_s']:.3g} s)")
     keys = ["samples_per_s", "tokens_per_s", "step_s", "wait_batch_s", "train_s",
             "weight_sync_s", "logprob_abs_diff", "staleness_mean", "wall_s"]
     print(f"{'':20}{'staleness 0':>14}{'staleness 1':>14}")

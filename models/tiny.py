@@ -31,6 +31,12 @@ _COMMON = dict(
 TINY: dict[str, PretrainedConfig] = {
     "tiny-qwen2": Qwen2Config(**_COMMON),
     "tiny-qwen3": Qwen3Config(head_dim=16, **_COMMON),
+    # Qwen2-0.5B's layer shapes with the character vocabulary (358M parameters): for GPU
+    # throughput benchmarks of the whole loop, random init
+    "qwen2-0.5b-shape": Qwen2Config(**{**_COMMON, "hidden_size": 896, "num_hidden_layers": 24,
+                                       "num_attention_heads": 14, "num_key_value_heads": 2,
+                                       "intermediate_size": 4864,
+                                       "max_position_embeddings": 512}),
 }
 
 

@@ -72,22 +72,25 @@ def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, stalene
 
 def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    result, steps = run(tmp_path, run_dir, steps=4)
+    result, steps = run(tmp_path, run_dir, steps=4, staleness=0)
     assert result.returncode == 0, result.stdout[-3000:]
     assert [r["values"]["version"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         v = r["values"]
+        assert v["train/staleness_max"] == 0  # synchronous: every sample is fresh
+        assert v["train/fresh_tokens"] == v["train/tokens"] > 0
         assert v["train/logprob_abs_diff"] < 1e-5, v  # fp32: worker and trainer agree
-        assert v["train/staleness_max"] <= 1
+        assert v["train/engine_logprob_abs_diff"] < 1e-5, v
         assert v["train/samples"] == 16
         assert {"reward/math", "reward/reverse"} <= set(v)
     final = json.loads((run_dir / "final_eval.json").read_text())
     assert final["version"] == 4 and set(final["scores"]) == {"math", "reverse"}
     assert (run_dir / "checkpoints" / "step_000004" / "trainer_state.pt").exists()
-    # resume: continue the same run to 6 steps from the step-4 checkpoint
-    result, steps = run(tmp_path, run_dir, steps=6, resume=True)
+    # resume: continue the same run to 6 steps from the step-4 checkpoint, now overlapped
+    result, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1)
     assert result.returncode == 0, result.stdout[-3000:]
     assert [r["values"]["version"] for r in steps][-2:] == [5, 6]
+    assert all(r["values"]["train/staleness_max"] <= 1 for r in steps[-2:])
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log and "step_000004" in trainer_log
 
