@@ -53,7 +53,7 @@ def response_slice(per_position: torch.Tensor, prompt_lens: torch.Tensor,
                    num_cols: int) -> torch.Tensor:
     """[B, L-1] values per next-token position -> [B, num_cols] values per response token."""
     batch, width = per_position.shape
-    cols = prompt_lens[:, None] - 1 + torch.arange(num_cols)[None, :]
+    cols = prompt_lens[:, None] - 1 + torch.arange(num_cols, device=prompt_lens.device)[None, :]
     cols = cols.clamp(max=width - 1)
     return per_position.gather(1, cols)
 

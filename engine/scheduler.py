@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import inspect
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -232,6 +233,14 @@ def input_logprobs(logits: torch.Tensor, tokens: list[int], start: int, temperat
             values.append(float(logprobs[j - 1, tokens[j]]))
             tops.append(top_list(logprobs[j - 1], top_k))
     return values, tops
+
+
+def cache_kwarg(model) -> str:
+    """The forward() keyword of the KV cache: `cache` in newer transformers 5.x releases,
+    `past_key_values` before. A wrong name is swallowed by **kwargs and silently disables the
+    cache, so it is looked up rather than assumed."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def finish_reason(seq: _Seq, eos_ids: set[int], text: str) -> dict[str, Any] | None:
@@ -569,7 +578,8 @@ class Scheduler:
             wave.keep, wave.mask = None, mask
             keep_all = prefill and any(self._wants_input_logprobs(s) for s in wave.seqs)
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=position_ids.to(self.device), cache=wave.cache,
+                             position_ids=position_ids.to(self.device),
+                             **{cache_kwarg(self.model): wave.cache},
                              use_cache=True, logits_to_keep=0 if keep_all else 1)
             logits = out.logits.float().cpu()
             return [self._row(s, logits[b], int(mask[b].sum()), prefill)

@@ -197,6 +197,7 @@ class Supervisor:
             ap.context.endpoints = ap.endpoints or ap.context.endpoints  # keep the bound ports
             spec = json.loads(ap.spec_path.read_text())
             spec["context"]["endpoints"] = msgspec.to_builtins(ap.context.endpoints)
+            spec["context"]["resume"] = True  # a restarted actor continues from its checkpoint
             ap.spec_path.write_text(json.dumps(spec, indent=2))
             await self.start_one(ap)
 
