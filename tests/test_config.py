@@ -107,3 +107,69 @@ def test_cli_exit_code_2_and_dry_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "examples.demo:Producer" in result.stdout and "nothing was started" in result.stdout
     assert not (tmp_path / "runs").exists()
+
+
+LOOP = """
+[run]
+name = "t"
+
+[[hosts]]
+name = "local"
+
+[actors.buffer]
+cls = "actors.buffer:BufferActor"
+config = { group_size = 4, groups_per_batch = 2 }
+
+[actors.trainer]
+cls = "actors.trainer:TrainerActor"
+after = ["buffer"]
+config = { model = "MODEL", workers = ["w"] }
+
+[actors.rollout]
+cls = "actors.rollout:RolloutActor"
+after = ["buffer"]
+config = { model = "examples/base-tiny", envs = [{ cls = "ENV" }] }
+"""
+
+
+def test_missing_checkpoint_and_bad_env_fail_before_anything_starts(tmp_path):
+    ok = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.builtin.arith:ArithEnv")
+    load(write(tmp_path, ok))
+    message = error_of(tmp_path, ok.replace('model = "examples/base-tiny", workers',
+                                            'model = "ckpt/nowhere", workers'))
+    assert "table [actors.trainer.config]" in message and "'ckpt/nowhere'" in message
+    assert "config.json" in message  # says what a checkpoint directory must hold
+    message = error_of(tmp_path, ok.replace("envs.builtin.arith:ArithEnv", "envs.nope:Env"))
+    assert "table [actors.rollout.config]" in message and "envs.nope:Env" in message
+
+
+README_ENV = '''
+import itertools, random
+from envs.base import SingleTurnEnv, Task
+
+class Capitals(SingleTurnEnv):
+    domain = "geo"
+    max_new_tokens = 8
+    PAIRS = [("france", "paris"), ("italy", "rome"), ("spain", "madrid"), ("peru", "lima")]
+
+    def tasks(self, split="train", seed=0):      # deterministic for (split, seed)
+        rng = random.Random(f"{split}-{seed}")
+        for i in itertools.count() if split == "train" else range(20):
+            country, city = rng.choice(self.PAIRS)
+            yield Task(id=f"{split}-{i}", prompt=f"capital of {country}:", answer=city)
+
+    def reward(self, task, response):            # the verifier
+        return float(response.strip() == task.answer)
+'''
+
+
+def test_the_readme_environment_passes_the_contract_check():
+    """The README's example must keep working as written."""
+    from envs.contract import check_env
+
+    readme = (ROOT / "README.md").read_text()
+    assert README_ENV.strip() in readme
+    namespace: dict = {}
+    exec(README_ENV, namespace)  # noqa: S102 - the README's own code
+    report = check_env(namespace["Capitals"]())
+    assert report.ok, report.format()

@@ -55,3 +55,37 @@ def test_router_command_passes_options_through():
     assert "--disable-retries" in cmd
     rr = router_command(RouterConfig(policy="round_robin"), ["http://a:1"], 1)
     assert rr[rr.index("--policy") + 1] == "round_robin"
+
+
+async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
+    """In-flight turns on a worker that stops are retried through the router; none is lost."""
+    from actors.rollout_session import HttpSession
+    from models.tokenizer import build_char_tokenizer
+
+    cfg = InferenceWorker.Config(model="tiny-qwen2", batch_wait_ms=1.0)
+    w0 = InferenceWorker(context("w0", ipc), cfg)
+    w1 = InferenceWorker(context("w1", ipc), cfg)
+    async with running(w0, 30), running(w1, 30):
+        router = RouterActor(context("router", ipc, peers={"w0": w0.bound, "w1": w1.bound}),
+                             RouterConfig(router_args={"log_level": "warn",
+                                                       "health_check_interval_secs": 1}))
+        async with running(router, 60):
+            client = SglangClient(router.bound.http)
+            tok = build_char_tokenizer()
+            params = {"temperature": 1.0, "ignore_eos": True}
+            sessions = [HttpSession(client, tok, "1+2=", params, f"k{i}", 48, retries=10)
+                        for i in range(12)]
+            try:
+                turns = [asyncio.ensure_future(s.generate()) for s in sessions]
+                while w0.scheduler.stats()["running"] == 0:  # w0 has turns in flight
+                    await asyncio.sleep(0.005)
+                in_flight = w0.scheduler.stats()["running"]
+                w0.stop("killed mid-generation")
+                await asyncio.gather(*turns)
+            finally:
+                await client.close()
+    assert in_flight > 0
+    # every turn completed in full exactly once: the router re-sent w0's failed requests to w1
+    # (and a session re-sends a turn itself when the router cannot)
+    assert all(len(s.response_ids) == 48 == len(s.logprobs) for s in sessions)
+    assert all(len(s.versions) == 1 for s in sessions)
