@@ -9,7 +9,10 @@ engine's forward thread are all closed, whatever point start-up had reached.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
+import torch
 
 from actors.base import Actor
 from engine.scheduler import Scheduler
@@ -27,6 +30,7 @@ class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     batch_wait_ms: float = 5.0  # how long requests are collected before a wave starts
     seed: int = 0  # tiny-model init seed; also seeds requests that carry no sampling_seed
     weight_version: str = "0"  # weight version reported until the first weight update
+    metrics_interval_s: float = 1.0  # how often device memory and engine counters are published
 
 
 class InferenceWorker(Actor):
@@ -54,6 +58,18 @@ class InferenceWorker(Actor):
         info["port"] = port
         self.bound.http = f"http://{cfg.host}:{port}"
 
+    async def run(self) -> None:
+        """Publish what the worker holds on its device, and whether its memory is released, so
+        that colocated runs show each side's memory per phase."""
+        while True:
+            await asyncio.sleep(self.config.metrics_interval_s)
+            if self.metrics and self.scheduler is not None:
+                s = self.scheduler.stats()
+                self.metrics.publish({"memory/device_bytes": device_bytes(self.scheduler.model,
+                                                                          self.config.device),
+                                      "memory/released": float(bool(s["released"])),
+                                      "engine/waves": s["waves"], "engine/running": s["running"]})
+
     async def on_stop(self, reason: str) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -67,3 +83,10 @@ class InferenceWorker(Actor):
             out.update(waves=s["waves"], decode_steps=s["decode_steps"],
                        max_wave_size=s["max_wave_size"])
         return out
+
+
+def device_bytes(model, device: str) -> int:
+    """Bytes the process holds on its device (CUDA allocator) or in the model's parameters."""
+    if device.startswith("cuda"):
+        return torch.cuda.memory_allocated(torch.device(device))
+    return sum(p.numel() * p.element_size() for p in model.parameters())

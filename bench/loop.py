@@ -90,13 +90,31 @@ def run_once(args: argparse.Namespace, staleness: int, root: Path,
     wall = time.monotonic() - t0
     if gpu is not None:
         gpu.stop()
-        print(f"{mode}, staleness {staleness}: device memory per actor (min..max MiB over the "
-              f"run): {gpu.by_actor(run_dir)}")
+        print(f"{mode}, staleness {staleness}: device memory per process (min..max MiB over "
+              f"the run, nvidia-smi): {gpu.by_actor(run_dir)}")
     if result.returncode != 0:
         sys.exit(f"run with staleness {staleness} failed:\n{result.stdout[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if mode == "colocated":
+        print(f"colocated memory by phase (MiB): {memory_by_phase(records)}")
     return summarize([r for r in records if r["actor"] == "trainer" and "time/step_s" in
                       r["values"]], wall, args)
+
+
+def memory_by_phase(records: list[dict]) -> dict[str, float]:
+    """Largest device memory each side reported in each phase of a colocated run."""
+    out: dict[str, float] = {}
+    for r in records:
+        v = r["values"]
+        for phase in ("train", "generate"):
+            key = f"memory/{phase}/trainer_device_bytes"
+            if key in v:
+                name = f"trainer while {'training' if phase == 'train' else 'generating'}"
+                out[name] = max(out.get(name, 0.0), v[key] / 2**20)
+        if "memory/released" in v:
+            name = f"{r['actor']} {'released' if v['memory/released'] else 'serving'}"
+            out[name] = max(out.get(name, 0.0), v["memory/device_bytes"] / 2**20)
+    return {k: round(v, 1) for k, v in sorted(out.items())}
 
 
 class GpuMemory:

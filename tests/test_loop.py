@@ -19,7 +19,7 @@ name = "local"
 
 [actors.worker0]
 cls = "actors.inference:InferenceWorker"
-config = {{ model = "examples/base-tiny" }}
+config = {{ model = "examples/base-tiny", metrics_interval_s = 0.05 }}
 
 [actors.router]
 cls = "actors.router:RouterActor"
@@ -102,5 +102,11 @@ def test_colocated_synchronous_run(tmp_path):
     assert [r["values"]["version"] for r in steps] == [1, 2]
     assert all(r["values"]["train/staleness_max"] == 0 for r in steps)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    phases = {k for r in records for k in r["values"] if k.startswith("memory/")}
+    phases = {k for r in records if r["actor"] == "trainer" for k in r["values"]
+              if k.startswith("memory/")}
     assert phases == {"memory/train/trainer_device_bytes", "memory/generate/trainer_device_bytes"}
+    worker = [r["values"] for r in records if r["actor"] == "worker0"]
+    released = {v["memory/device_bytes"] for v in worker if v["memory/released"] == 1.0}
+    held = {v["memory/device_bytes"] for v in worker if v["memory/released"] == 0.0}
+    assert 0.0 in released  # the worker gave its weights up while the trainer trained
+    assert held and min(held) > 0
