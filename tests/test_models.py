@@ -31,7 +31,7 @@ def test_char_tokenizer_one_token_per_char_and_round_trip(tmp_path):
     assert loaded.eos_token_id == 2 and loaded.pad_token_id == 0
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", sorted(n for n in TINY if n.startswith("tiny-")))
 def test_build_tiny_is_deterministic_per_seed(name):
     a, tok = build_tiny(name, seed=0)
     b, _ = build_tiny(name, seed=0)
