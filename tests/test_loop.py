@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = """
 [run]
@@ -70,6 +72,7 @@ def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, stalene
     return result, [r for r in records if r["actor"] == "trainer" and "version" in r["values"]]
 
 
+@pytest.mark.timeout(480)  # two cluster runs of ~30-60 s each on 2 cores
 def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path):
     run_dir = tmp_path / "run"
     result, steps = run(tmp_path, run_dir, steps=4, staleness=0)
@@ -95,6 +98,7 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     assert "resumed from" in trainer_log and "step_000004" in trainer_log
 
 
+@pytest.mark.timeout(300)
 def test_colocated_synchronous_run(tmp_path):
     run_dir = tmp_path / "run"
     result, steps = run(tmp_path, run_dir, steps=2, staleness=0, mode="colocated")
