@@ -1,0 +1,31 @@
+"""KL estimators between a policy and a reference on tokens sampled from the policy.
+
+With `log_ratio = logp - logp_ref` (per token):
+- k1 = log_ratio (unbiased, high variance, can be negative);
+- k2 = log_ratio**2 / 2;
+- k3 = exp(-log_ratio) - 1 + log_ratio (unbiased for KL(policy || ref), never negative, low
+  variance; "low_var_kl").
+Invariant: pure elementwise tensor functions in float32; masking and reduction are the caller's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ESTIMATORS = ("k1", "k2", "k3")
+
+
+def approx_kl(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    log_ratio = logp.float() - logp_ref.float()
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return log_ratio.pow(2) / 2
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}; use one of {ESTIMATORS}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.float()
+    return (values * mask).sum() / mask.sum().clamp(min=1)
