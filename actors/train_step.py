@@ -23,6 +23,7 @@ import torch
 
 from algos.batching import MicroBatch, make_micro_batch, response_slice, split_micro_batches
 from algos.grpo import grpo_advantages, ppo_clip_loss
+from algos.mismatch import mismatch_metrics
 from transport.schema import Sample
 
 
@@ -147,7 +148,16 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
     with torch.no_grad():
         new = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
     kl = sum(float((k3(o, n_) * mb.mask).sum()) for o, n_, mb in zip(old, new, mbs))
-    return summarize(samples, totals, float(grad_norm), kl, state.version)
+    stats = summarize(samples, totals, float(grad_norm), kl, state.version)
+    return stats | mismatch_metrics(*_stack([(o, mb.rollout_logp, mb.mask)
+                                              for o, mb in zip(old, mbs)]))
+
+
+def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """Concatenate [B_i, T_i] tensors along B, right-padding to the widest T with zeros."""
+    width = max(p[0].shape[1] for p in parts)
+    return [torch.cat([torch.nn.functional.pad(p[k], (0, width - p[k].shape[1])) for p in parts])
+            for k in range(len(parts[0]))]
 
 
 def k3(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""Train-rollout mismatch: metrics and corrections, as pure tensor functions.
+
+Notation per policy token t of sample i: `rollout_logp` from the inference engine (behaviour
+policy), `train_logp` recomputed by the trainer (the policy the loss assumes), mask m (1 = policy
+token), token log-ratio `d = train_logp - rollout_logp`, token importance weight `w = exp(d)`,
+sequence log-ratio `D_i = sum_t d_t m_t`, sequence weight `W_i = exp(D_i)`.
+
+Metrics (`mismatch_metrics`), each a float:
+- `mismatch/abs_diff_mean`, `mismatch/abs_diff_max`: mean and max |d| over policy tokens;
+- `mismatch/token_ratio_mean|min|max`: of w over policy tokens;
+- `mismatch/seq_ratio_mean|min|max`: of W over sequences (with at least one policy token);
+- `mismatch/kl_k1`: mean of -d (k1 estimate of KL(rollout || train) on rollout samples);
+- `mismatch/kl_k3`: mean of exp(d) - 1 - d (non-negative estimate of the same KL);
+- `mismatch/token_outside_frac`, `mismatch/seq_outside_frac`: share of tokens (sequences)
+  whose weight lies outside [low, high].
+
+Corrections (`correction_weights`), returning per-token loss weights and a per-token mask:
+- `tis`: truncated importance sampling, weight `min(w, high)` (mode "truncate") or
+  `clamp(w, low, high)` (mode "clip"), no gradient through it;
+- `rejection_token`: mask tokens whose w is outside [low, high];
+- `rejection_seq`: mask whole sequences whose W is outside [low, high], and veto (mask) any
+  sequence containing a token with w < veto_threshold.
+Invariant: no function changes its inputs; weights are detached.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+CORRECTIONS = ("none", "tis", "rejection_token", "rejection_seq")
+
+
+class MismatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How the trainer treats rollout log-probs that differ from its own."""
+
+    correction: str = "none"  # none | tis | rejection_token | rejection_seq
+    tis_mode: str = "truncate"  # truncate: min(w, high); clip: clamp(w, low, high)
+    low: float = 0.5  # lower bound on the importance weight (clip, rejection)
+    high: float = 2.0  # upper bound on the importance weight
+    veto_threshold: float = 0.0  # rejection_seq: drop a sequence with any token w below this
+    bypass: bool = False  # use rollout log-probs as the old policy and skip the recompute
+
+    def __post_init__(self) -> None:
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction = {self.correction!r}; use one of {CORRECTIONS}")
+        if self.tis_mode not in ("truncate", "clip"):
+            raise ValueError(f"tis_mode = {self.tis_mode!r}; use 'truncate' or 'clip'")
+        if not 0 <= self.low < 1 < self.high:
+            raise ValueError(f"need 0 <= low < 1 < high, got low = {self.low}, high = {self.high}")
+        if self.bypass and self.correction != "none":
+            raise ValueError(f"bypass = true and correction = {self.correction!r} conflict: with "
+                             "bypass the rollout log-probs are the old policy, so there is no "
+                             "mismatch left to correct; set one of them off")
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    if x.numel() == 0:
+        return {f"{prefix}_mean": 1.0, f"{prefix}_min": 1.0, f"{prefix}_max": 1.0}
+    return {f"{prefix}_mean": float(x.mean()), f"{prefix}_min": float(x.min()),
+            f"{prefix}_max": float(x.max())}
+
+
+def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                     low: float = 0.5, high: float = 2.0) -> dict[str, float]:
+    m = mask.bool()
+    d = (train_logp.float() - rollout_logp.float())
+    tok = d[m]
+    w = torch.exp(tok)
+    has = m.any(dim=1)
+    seq_w = torch.exp((d * mask.float()).sum(dim=1))[has]
+    out = {"mismatch/abs_diff_mean": float(tok.abs().mean()) if tok.numel() else 0.0,
+           "mismatch/abs_diff_max": float(tok.abs().max()) if tok.numel() else 0.0,
+           "mismatch/kl_k1": float((-tok).mean()) if tok.numel() else 0.0,
+           "mismatch/kl_k3": float((w - 1 - tok).mean()) if tok.numel() else 0.0,
+           "mismatch/token_outside_frac": float(((w < low) | (w > high)).float().mean())
+           if tok.numel() else 0.0,
+           "mismatch/seq_outside_frac": float(((seq_w < low) | (seq_w > high)).float().mean())
+           if seq_w.numel() else 0.0}
+    out |= _stats("mismatch/token_ratio", w) | _stats("mismatch/seq_ratio", seq_w)
+    return out
+
+
+def correction_weights(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                       cfg: MismatchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss weights, per-token mask), both [B, T], detached."""
+    with torch.no_grad():
+        d = train_logp.float() - rollout_logp.float()
+        w = torch.exp(d)
+        mask = mask.float()
+        ones = torch.ones_like(w)
+        if cfg.correction == "tis":
+            weights = w.clamp(max=cfg.high) if cfg.tis_mode == "truncate" \
+                else w.clamp(cfg.low, cfg.high)
+            return weights * mask, mask
+        if cfg.correction == "rejection_token":
+            keep = ((w >= cfg.low) & (w <= cfg.high)).float()
+            return ones * mask * keep, mask * keep
+        if cfg.correction == "rejection_seq":
+            seq_w = torch.exp((d * mask).sum(dim=1))
+            keep = (seq_w >= cfg.low) & (seq_w <= cfg.high)
+            veto = ((w < cfg.veto_threshold) & (mask > 0)).any(dim=1)
+            keep = (keep & ~veto).float()[:, None]
+            return ones * mask * keep, mask * keep
+        return ones * mask, mask
