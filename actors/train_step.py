@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from algos.batching import MicroBatch, make_micro_batch, response_slice, split_micro_batches
-from algos.grpo import grpo_advantages, ppo_clip_loss
-from algos.mismatch import mismatch_metrics
+from algos.grpo import grpo_advantages, masked_sample_sum, ppo_clip_loss
+from algos.kl import approx_kl
+from algos.mismatch import correction_weights, mismatch_metrics
 from transport.schema import Sample
 
 
@@ -118,17 +119,26 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
         samples, cfg.micro_batch_size)]
     mbs = [_to(mb, device) for mb in mbs]
     adv = group_advantages(samples, cfg.std_normalization).to(device)
-    with torch.no_grad():
-        old = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
+    fix = cfg.mismatch
+    if fix.bypass:  # the rollout's log-probs are the old policy: no recompute
+        old = [mb.rollout_logp for mb in mbs]
+    else:
+        with torch.no_grad():
+            old = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
     totals: dict[str, float] = defaultdict(float)
+    current: list[torch.Tensor] = []
     state.optimizer.zero_grad(set_to_none=True)
     offset = 0
     for mb, old_lp in zip(mbs, old):
         n = len(mb.samples)
         logp, ent = forward(state, mb, cfg.temperature)
-        terms = ppo_clip_loss(logp, old_lp, adv[offset:offset + n], mb.mask, len(samples),
-                              cfg.eps_clip, cfg.eps_clip_high)
-        terms.loss.backward()
+        current.append(logp.detach())
+        weights, keep = correction_weights(old_lp, mb.rollout_logp, mb.mask, fix)
+        terms = ppo_clip_loss(logp, old_lp, adv[offset:offset + n], keep, len(samples),
+                              cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip_c, weights)
+        loss = terms.loss - cfg.entropy_coef * masked_sample_sum(ent, keep) / len(samples)
+        loss.backward()
+        totals["kept_tokens"] += float(keep.sum())
         offset += n
         tokens = float(mb.mask.sum())
         totals["loss"] += float(terms.loss.detach())
@@ -136,7 +146,7 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
         totals["ppo_kl"] += terms.ppo_kl * tokens
         totals["entropy"] += float((ent.detach() * mb.mask).sum())
         totals["tokens"] += tokens
-        diff = (old_lp - mb.rollout_logp).abs() * mb.mask
+        diff = (current[-1] - mb.rollout_logp).abs() * mb.mask
         totals["logprob_abs_diff"] += float(diff.sum())
         fresh = torch.tensor([s.weight_version == state.version for s in mb.samples],
                              device=diff.device)
@@ -147,10 +157,11 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
     state.optimizer.step()
     with torch.no_grad():
         new = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
-    kl = sum(float((k3(o, n_) * mb.mask).sum()) for o, n_, mb in zip(old, new, mbs))
+    kl = sum(float((approx_kl(c, n_, "k3") * mb.mask).sum())
+             for c, n_, mb in zip(current, new, mbs))
     stats = summarize(samples, totals, float(grad_norm), kl, state.version)
-    return stats | mismatch_metrics(*_stack([(o, mb.rollout_logp, mb.mask)
-                                              for o, mb in zip(old, mbs)]))
+    return stats | mismatch_metrics(*_stack([(c, mb.rollout_logp, mb.mask)
+                                              for c, mb in zip(current, mbs)]))
 
 
 def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
@@ -158,12 +169,6 @@ def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
     width = max(p[0].shape[1] for p in parts)
     return [torch.cat([torch.nn.functional.pad(p[k], (0, width - p[k].shape[1])) for p in parts])
             for k in range(len(parts[0]))]
-
-
-def k3(old_logp: torch.Tensor, new_logp: torch.Tensor) -> torch.Tensor:
-    """Non-negative per-token estimate of KL(old || new) on tokens sampled from old."""
-    log_ratio = new_logp - old_logp
-    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float, kl_sum: float,
@@ -181,7 +186,8 @@ def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float,
              "train/engine_logprob_abs_diff": totals["fresh_logprob_abs_diff"]
              / max(totals["fresh_tokens"], 1.0),
              "train/fresh_tokens": totals["fresh_tokens"],
-             "train/tokens": totals["tokens"], "train/samples": len(samples)}
+             "train/tokens": totals["tokens"], "train/samples": len(samples),
+             "train/kept_token_frac": totals["kept_tokens"] / tokens}
     stale = [version - s.weight_version for s in samples]
     stats["train/staleness_mean"] = sum(stale) / len(stale)
     stats["train/staleness_max"] = max(stale)

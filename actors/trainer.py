@@ -29,6 +29,7 @@ import torch
 
 from actors.base import Actor
 from actors.train_step import TrainState, train_on_batch
+from algos.mismatch import MismatchConfig
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     std_normalization: bool = True  # GRPO (True) or Dr.GRPO (False)
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None = eps_clip
+    dual_clip_c: float | None = None  # > 1: cap the loss of negative-advantage tokens at -c*A
+    entropy_coef: float = 0.0  # entropy bonus weight
+    mismatch: MismatchConfig = MismatchConfig()  # TIS / rejection sampling / bypass
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     save_every: int = 0  # checkpoint every this many steps (0 = only at the end)

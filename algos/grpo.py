@@ -48,10 +48,11 @@ def masked_sample_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, num_samples_in_step: int, eps_clip: float = 0.2,
-                  eps_clip_high: float | None = None,
-                  dual_clip_c: float | None = None) -> LossTerms:
+                  eps_clip_high: float | None = None, dual_clip_c: float | None = None,
+                  token_weights: torch.Tensor | None = None) -> LossTerms:
     """logp, old_logp, mask: [B, T] (response positions); advantages: [B] or [B, T].
-    `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c*A (dual clip)."""
+    `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c*A (dual clip);
+    `token_weights` [B, T] scales each token's loss (importance-sampling corrections)."""
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     if dual_clip_c is not None and dual_clip_c <= 1:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
@@ -64,6 +65,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip_c is not None:
         per_token = torch.where(adv < 0, torch.minimum(-dual_clip_c * adv, per_token), per_token)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     loss = masked_sample_sum(per_token, mask) / num_samples_in_step
     with torch.no_grad():
         n = mask.sum().clamp(min=1)

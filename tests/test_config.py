@@ -173,3 +173,12 @@ def test_the_readme_environment_passes_the_contract_check():
     exec(README_ENV, namespace)  # noqa: S102 - the README's own code
     report = check_env(namespace["Capitals"]())
     assert report.ok, report.format()
+
+
+def test_incompatible_trainer_options_fail_at_load_naming_both(tmp_path):
+    ok = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.builtin.arith:ArithEnv")
+    bad = ok.replace('workers = ["w"] }',
+                     'workers = ["w"], mismatch = { bypass = true, correction = "tis" } }')
+    message = error_of(tmp_path, bad)
+    assert "table [actors.trainer.config], field `mismatch`" in message, message
+    assert "bypass = true and correction = 'tis' conflict" in message

@@ -1,0 +1,54 @@
+"""One trainer step with the mismatch options: recompute, bypass, rejection, entropy bonus."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.train_step import TrainState, train_on_batch
+from actors.trainer import TrainerConfig
+from algos.mismatch import MismatchConfig
+from models.tiny import build_tiny
+from transport.schema import Sample
+
+
+def batch(tok) -> list[Sample]:
+    out = []
+    for g, (prompt, answers) in enumerate([("1+2=", ["3", "4"]), ("rev ab=", ["ba", "ab"])]):
+        for i, (ans, r) in enumerate(zip(answers, [1.0, 0.0])):
+            ids = tok.encode(ans, add_special_tokens=False) + [tok.eos_token_id]
+            out.append(Sample(group_id=f"g{g}", index=i, domain="d",
+                              prompt_ids=[tok.bos_token_id] + tok.encode(prompt,
+                                                                         add_special_tokens=False),
+                              response_ids=ids, loss_mask=[1] * len(ids),
+                              rollout_logprobs=[0.0] * len(ids), reward=r))
+    return out
+
+
+def step(**overrides) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, tok = build_tiny("tiny-qwen2", seed=0)
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=3, **overrides)
+    return train_on_batch(state, batch(tok), cfg)
+
+
+def test_recompute_bypass_and_rejection_differ_as_they_should():
+    base = step()
+    # rollout log-probs are 0 (probability 1): every token mismatches by -logp
+    assert base["train/ppo_kl"] == 0.0  # old policy = the trainer's own recompute
+    assert base["mismatch/abs_diff_mean"] == pytest.approx(base["train/logprob_abs_diff"])
+    assert base["mismatch/abs_diff_mean"] > 1.0 and base["train/kept_token_frac"] == 1.0
+    bypass = step(mismatch=MismatchConfig(bypass=True))
+    # old = rollout (0): ppo_kl = mean(old - logp) = mean |logp| over the same tokens
+    assert bypass["train/ppo_kl"] == pytest.approx(base["mismatch/abs_diff_mean"], rel=1e-5)
+    assert bypass["train/clipfrac"] > 0  # ratios exp(logp) << 0.8 are clipped
+    rejected = step(mismatch=MismatchConfig(correction="rejection_token", low=0.5, high=2.0))
+    assert rejected["train/kept_token_frac"] == 0.0  # every w = exp(logp) < 0.5
+    assert rejected["train/grad_norm"] == 0.0 and rejected["train/policy_kl"] == 0.0
+    assert base["train/grad_norm"] > 0
+
+
+def test_entropy_bonus_changes_the_update():
+    plain, bonus = step(), step(entropy_coef=0.5)
+    assert bonus["train/grad_norm"] != pytest.approx(plain["train/grad_norm"], rel=1e-4)
