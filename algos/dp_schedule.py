@@ -86,8 +86,8 @@ def _sample_flops(flops: FlopsModel, lengths: np.ndarray) -> np.ndarray:
 # Step 1: packing
 # ---------------------------------------------------------------------------------------------
 
-def _first_fit_bins(sizes: list[int], cap: int) -> tuple[list[int], int]:
-    """First-fit of `sizes` (each <= cap) in the given order; returns (bin of each item, #bins).
+def _first_fit(items: list[int], sizes: list[int], cap: int) -> list[list[int]]:
+    """First-fit of `items` (with `sizes`, each <= cap) in the given order, into micro-batches.
 
     A max segment tree over bin remaining capacities; unopened bins hold `cap`, so the leftmost
     bin that fits is either an open bin or the next fresh one. First-fit leaves at most one bin
@@ -96,19 +96,16 @@ def _first_fit_bins(sizes: list[int], cap: int) -> tuple[list[int], int]:
     bound = min(len(sizes), 2 * math.ceil(sum(sizes) / cap) + 1)
     size = 1 << max(0, bound - 1).bit_length()
     tree = [cap] * (2 * size)
-    out = [0] * len(sizes)
-    used = 0
-    for k, x in enumerate(sizes):
+    bins: list[list[int]] = [[] for _ in range(size)]
+    for p, x in zip(items, sizes):
         i = 1
         while i < size:
             i <<= 1
             if tree[i] < x:
                 i += 1
+        bins[i - size].append(p)
         v = tree[i] - x
         tree[i] = v
-        out[k] = i - size
-        if i - size >= used:
-            used = i - size + 1
         while i > 1:  # raise the new maximum towards the root; stop when a node is unchanged
             s = tree[i ^ 1]
             if s > v:
@@ -117,7 +114,10 @@ def _first_fit_bins(sizes: list[int], cap: int) -> tuple[list[int], int]:
             if tree[i] == v:
                 break
             tree[i] = v
-    return out, used
+    used = len(bins)
+    while used and not bins[used - 1]:
+        used -= 1
+    return bins[:used]
 
 
 def _fixed_chunks(lengths: np.ndarray, positions: np.ndarray, cap: int, mbs: int) -> list[list[int]]:
@@ -154,13 +154,11 @@ def pack(lengths: Sequence[int], max_tokens_per_mb: int, mode: str = "first_fit_
     oversized = np.flatnonzero(~fits).tolist()
     order = np.flatnonzero(fits)
     if mode == "fixed":
-        return _fixed_chunks(lens, order, max_tokens_per_mb, micro_batch_size) + [[p] for p in oversized], oversized
+        mbs = _fixed_chunks(lens, order, max_tokens_per_mb, micro_batch_size)
+        return mbs + [[p] for p in oversized], oversized
     if mode == "first_fit_decreasing":
         order = order[np.argsort(-lens[order], kind="stable")]
-    bins, used = _first_fit_bins(lens[order].tolist(), max_tokens_per_mb)
-    mbs: list[list[int]] = [[] for _ in range(used)]
-    for p, b in zip(order.tolist(), bins):
-        mbs[b].append(p)
+    mbs = _first_fit(order.tolist(), lens[order].tolist(), max_tokens_per_mb)
     return mbs + [[p] for p in oversized], oversized
 
 
@@ -173,14 +171,14 @@ def required_micro_batches(count: int, num_ranks: int) -> int:
     return max(1, -(-count // num_ranks)) * num_ranks
 
 
-def _halve(mb: list[int], lengths: np.ndarray) -> tuple[list[int], list[int]]:
+def _halve(mb: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
     """Split a multi-sample micro-batch into two token-balanced halves (longest first, lighter side)."""
     halves: tuple[list[int], list[int]] = ([], [])
     loads = [0, 0]
-    for p in sorted(mb, key=lambda q: -int(lengths[q])):
+    for p in sorted(mb, key=lens.__getitem__, reverse=True):
         side = 0 if loads[0] <= loads[1] else 1
         halves[side].append(p)
-        loads[side] += int(lengths[p])
+        loads[side] += lens[p]
     assert halves[0] and halves[1], "halving a multi-sample micro-batch left a side empty"
     return halves
 
@@ -190,23 +188,23 @@ def equalise(micro_batches: list[list[int]], lengths: Sequence[int], num_ranks: 
 
     Halves never hold more tokens than the original, so the cap stays respected.
     """
-    lens = np.asarray(lengths, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64).tolist()
     n = sum(len(mb) for mb in micro_batches)
     target = required_micro_batches(len(micro_batches), num_ranks)
     if n < target:
         raise ValueError(f"{n} samples cannot fill {target} micro-batches ({target // num_ranks} on "
                          f"each of {num_ranks} ranks); give the step >= {target} samples or use fewer ranks")
     mbs = list(micro_batches)
-    heap = [(-int(lens[mb].sum()), i) for i, mb in enumerate(mbs) if len(mb) > 1]
+    tokens = lambda j: -sum(map(lens.__getitem__, mbs[j]))  # noqa: E731 (heap key: largest first)
+    heap = [(tokens(i), i) for i, mb in enumerate(mbs) if len(mb) > 1]
     heapq.heapify(heap)
     while len(mbs) < target:
-        _, i = heapq.heappop(heap)
-        a, b = _halve(mbs[i], lens)
-        mbs[i] = a
-        mbs.append(b)
+        i = heapq.heappop(heap)[1]
+        mbs[i], half = _halve(mbs[i], lens)
+        mbs.append(half)
         for j in (i, len(mbs) - 1):
             if len(mbs[j]) > 1:
-                heapq.heappush(heap, (-int(lens[mbs[j]].sum()), j))
+                heapq.heappush(heap, (tokens(j), j))
     return mbs
 
 
@@ -249,22 +247,33 @@ def karmarkar_karp(weights: Sequence[float], num_parts: int) -> list[list[int]]:
 
 
 def _best_swap(hi: list[int], lo: list[int], w: np.ndarray, gap: float) -> tuple[int, int, float] | None:
-    """The swap (i in hi, j in lo) whose weight difference d in (0, gap) is closest to gap/2."""
-    d = w[hi][:, None] - w[lo][None, :]
+    """The swap (i in hi, j in lo) whose weight difference d in (0, gap) is closest to gap/2.
+
+    O(m log m): for each i only the two lo weights nearest to w_i - gap/2 can be best.
+    """
+    lo_order = np.argsort(w[lo], kind="stable")
+    lo_w, hi_w = w[lo][lo_order], w[hi]
+    at = np.searchsorted(lo_w, hi_w - gap / 2)
+    cand = np.stack([np.clip(at - 1, 0, len(lo) - 1), np.clip(at, 0, len(lo) - 1)])
+    d = hi_w[None, :] - lo_w[cand]
     score = np.where((d > 0) & (d < gap), np.abs(d - gap / 2), np.inf)
     k = int(np.argmin(score))
     if not np.isfinite(score.flat[k]):
         return None
-    a, b = divmod(k, len(lo))
-    return a, b, float(d.flat[k])
+    row, a = divmod(k, len(hi))
+    return a, int(lo_order[cand[row, a]]), float(d[row, a])
 
 
-def _polish(parts: list[list[int]], w: np.ndarray, max_rounds: int) -> None:
-    """Swap single micro-batches between the heaviest and lightest rank while that lowers the max."""
-    loads = np.array([w[p].sum() for p in parts]) if parts else np.zeros(0)
+def _polish(parts: list[list[int]], w: np.ndarray, max_rounds: int, tol: float = 1e-4) -> None:
+    """Swap single micro-batches between the heaviest and lightest rank while that lowers the max.
+
+    Stops after max_rounds, when no such swap exists, or once max load <= (1 + tol) * mean.
+    """
+    loads = np.array([w[p].sum() for p in parts])
+    limit = loads.mean() * (1 + tol)
     for _ in range(max_rounds):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
-        found = _best_swap(parts[hi], parts[lo], w, loads[hi] - loads[lo]) if hi != lo else None
+        found = _best_swap(parts[hi], parts[lo], w, loads[hi] - loads[lo]) if loads[hi] > limit else None
         if found is None:
             return
         a, b, d = found
@@ -273,11 +282,16 @@ def _polish(parts: list[list[int]], w: np.ndarray, max_rounds: int) -> None:
         loads[lo] += d
 
 
-def distribute(weights: Sequence[float], num_ranks: int, polish_rounds: int = 256) -> list[list[int]]:
-    """Equal-count assignment of micro-batch indices to ranks: KK, then a bounded swap polish."""
+def distribute(weights: Sequence[float], num_ranks: int, polish_rounds: int = 4096) -> list[list[int]]:
+    """Equal-count assignment of micro-batch indices to ranks: KK, then a bounded swap polish.
+
+    A polish swap never raises the max load, so the KK bound (max <= mean + w_max - w_min)
+    still holds.
+    """
     w = np.asarray(weights, dtype=np.float64)
     parts = karmarkar_karp(w, num_ranks)
-    _polish(parts, w, polish_rounds)
+    if len(w):
+        _polish(parts, w, polish_rounds)
     return parts
 
 
@@ -294,6 +308,7 @@ class Schedule:
     max_tokens_per_mb: int
     rank_flops: list[list[float]] = field(default_factory=list)  # [step][rank] estimated FLOPs
     total_tokens: int = 0
+    oversized_tokens: int = 0
 
     @property
     def num_micro_batches(self) -> int:
@@ -320,9 +335,13 @@ class Schedule:
 
     @property
     def token_utilisation(self) -> float:
-        """Tokens / (micro-batches x cap); oversized micro-batches count with their full length."""
-        n = self.num_micro_batches
-        return self.total_tokens / (n * self.max_tokens_per_mb) if n else 0.0
+        """Tokens / (micro-batches x cap) over capped micro-batches; always <= 1.
+
+        Oversized single-sample micro-batches are left out of both sides (they would exceed 1).
+        """
+        n = self.num_micro_batches - len(self.oversized)
+        tokens = self.total_tokens - self.oversized_tokens
+        return tokens / (n * self.max_tokens_per_mb) if n else 0.0
 
 
 def _validated_lengths(lengths: Sequence[int]) -> np.ndarray:
@@ -363,11 +382,13 @@ def _schedule_step(s: int, pos: np.ndarray, lens: np.ndarray, sample_flops: np.n
                          "give each step more samples (fewer steps) or use fewer ranks")
     local = equalise(local, lens[pos], num_ranks)
     flat = pos[np.fromiter(chain.from_iterable(local), dtype=np.int64, count=len(pos))]
-    mb_id = np.repeat(np.arange(len(local)), [len(mb) for mb in local])
-    weights = np.bincount(mb_id, weights=sample_flops[flat], minlength=len(local))
-    gl = [g.tolist() for g in np.split(flat, np.cumsum([len(mb) for mb in local])[:-1])]
+    counts = [len(mb) for mb in local]
+    weights = np.bincount(np.repeat(np.arange(len(local)), counts), weights=sample_flops[flat])
+    flat_list, ends = flat.tolist(), np.cumsum(counts).tolist()
+    gl = [flat_list[e - c:e] for c, e in zip(counts, ends)]
     parts = distribute(weights, num_ranks)
-    return [[gl[i] for i in part] for part in parts], [float(weights[p].sum()) for p in parts], pos[over].tolist()
+    loads = [float(weights[p].sum()) for p in parts]
+    return [[gl[i] for i in part] for part in parts], loads, pos[over].tolist()
 
 
 def build_schedule(lengths: Sequence[int], group_ids: Sequence | None = None, *, num_ranks: int,
@@ -393,6 +414,7 @@ def build_schedule(lengths: Sequence[int], group_ids: Sequence | None = None, *,
         out.steps.append(ranks)
         out.rank_flops.append(loads)
         out.oversized.extend(over)
+    out.oversized_tokens = int(lens[out.oversized].sum()) if out.oversized else 0
     return out
 
 
