@@ -117,7 +117,7 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[s
     state.model.eval()  # no dropout: training and recompute see the same function
     mbs = [make_micro_batch(mb, state.pad_id) for mb in split_micro_batches(
         samples, cfg.micro_batch_size)]
-    mbs = [_to(mb, device) for mb in mbs]
+    mbs = [mb.to(device) for mb in mbs]
     adv = group_advantages(samples, cfg.std_normalization).to(device)
     fix = cfg.mismatch
     if fix.bypass:  # the rollout's log-probs are the old policy: no recompute
@@ -195,10 +195,3 @@ def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float,
         mine = [s for s in samples if s.domain == domain]
         stats[f"response_len/{domain}"] = sum(len(s.response_ids) for s in mine) / len(mine)
     return stats
-
-
-def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    if device.type == "cpu":
-        return mb
-    return MicroBatch(mb.samples, *(t.to(device) for t in (
-        mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.mask, mb.rollout_logp, mb.rewards)))

@@ -29,6 +29,12 @@ class MicroBatch:
     def num_response_cols(self) -> int:
         return self.mask.shape[1]
 
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """The same micro-batch with its tensors on `device`."""
+        return MicroBatch(self.samples, *(t.to(device) for t in (
+            self.input_ids, self.attention_mask, self.prompt_lens, self.mask,
+            self.rollout_logp, self.rewards)))
+
 
 def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]

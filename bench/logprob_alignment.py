@@ -50,9 +50,7 @@ def measure(model: str, device: str, dtype: str, temperature: float, max_new: in
     samples = asyncio.run(sample(model, device, dtype, temperature, max_new))
     net, tokenizer = load_model(model, device, getattr(torch, dtype))
     state = TrainState(net, tokenizer, torch.optim.SGD(net.parameters(), lr=0.0))
-    mb = make_micro_batch(samples, tokenizer.pad_token_id or 0)
-    mb = type(mb)(mb.samples, *(t.to(device) for t in (mb.input_ids, mb.attention_mask,
-                  mb.prompt_lens, mb.mask, mb.rollout_logp, mb.rewards)))
+    mb = make_micro_batch(samples, tokenizer.pad_token_id or 0).to(device)
     with torch.no_grad():
         logp, _ = forward(state, mb, temperature)
     diff = (logp - mb.rollout_logp).abs() * mb.mask
