@@ -304,6 +304,7 @@ class Scheduler:
         self.context_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(model.config.vocab_size)
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self._cache_kw = cache_kwarg(model)  # looked up once, not per decode step
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.paused: str | None = None  # pause mode while paused
         self.released: set[str] = set()
@@ -579,7 +580,7 @@ class Scheduler:
             keep_all = prefill and any(self._wants_input_logprobs(s) for s in wave.seqs)
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=position_ids.to(self.device),
-                             **{cache_kwarg(self.model): wave.cache},
+                             **{self._cache_kw: wave.cache},
                              use_cache=True, logits_to_keep=0 if keep_all else 1)
             logits = out.logits.float().cpu()
             return [self._row(s, logits[b], int(mask[b].sum()), prefill)

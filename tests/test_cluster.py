@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from transport.metrics import MetricsSubscriber
 from transport.sockets import SocketFactory

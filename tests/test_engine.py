@@ -447,3 +447,20 @@ async def test_client_errors_and_routing_header():
         assert not await dead.health()
     finally:
         await dead.close()
+
+
+def test_cache_keyword_follows_the_installed_transformers_signature():
+    """transformers renamed forward(past_key_values=) to forward(cache=) within 5.x; a wrong
+    name is swallowed by **kwargs and silently disables the KV cache."""
+    from engine.scheduler import cache_kwarg
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            pass
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            pass
+
+    assert cache_kwarg(Old()) == "past_key_values"
+    assert cache_kwarg(New()) == "cache"

@@ -15,7 +15,7 @@ from envs.builtin.arith import ArithEnv
 from envs.builtin.calc_tool import CalcToolEnv, calculate
 from envs.builtin.reverse import ReverseEnv
 from envs.contract import check_env, check_env_async, main
-from envs.loader import EnvMix, load_env, load_envs
+from envs.loader import load_env, load_envs
 from envs.scripted import ScriptedSession
 
 ARITH = "envs.builtin.arith:ArithEnv"
