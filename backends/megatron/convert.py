@@ -1,0 +1,228 @@
+"""Hugging Face <-> megatron-core state dicts for the Qwen2, Qwen3 and Llama families.
+
+Role: pure tensor re-layout, no torch.distributed and no megatron import, so every rule is tested
+on one CPU process. `hf_to_megatron` gives the state dict of one (tensor rank, pipeline stage)
+shard of a megatron GPTModel built with the local layer spec; `megatron_to_hf` merges the tensor
+shards of one stage back. Invariant: converting HF -> megatron (any TP size, any stage split) and
+back returns bit-identical tensors under the original HF names (`lm_head.weight` is omitted when
+the embeddings are tied, as `save_pretrained` does), and any HF tensor no rule consumes is refused
+rather than dropped.
+
+Megatron layouts, per tensor rank r of tp:
+- linear_qkv: rows grouped by query group g: [q of the heads of g; k of g; v of g], the groups
+  split contiguously over ranks (num_query_groups / tp groups each); same for its bias.
+- linear_fc1: [gate rows of rank r; up rows of rank r] (gate and up each split in tp chunks).
+- linear_proj, linear_fc2: split along the input (column) dim; embeddings and output_layer along
+  the vocabulary (row) dim; layer norms (and q/k norms) are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "llama": "LlamaForCausalLM"}
+# megatron's llama3 RoPE scaling has fixed low/high frequency factors and original context
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape facts the conversion needs, read from an HF config."""
+
+    num_layers: int  # transformer layers in the whole model
+    num_heads: int  # query heads
+    num_query_groups: int  # key/value heads
+    head_dim: int  # channels per head
+    hidden_size: int  # model width
+    ffn_hidden_size: int  # MLP intermediate width (each of gate and up)
+    vocab_size: int  # rows of the embedding and of the output layer
+    tied_embeddings: bool  # output layer shares the input embedding
+    qkv_bias: bool  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+
+
+def check_supported(hf_config) -> None:
+    """ValueError unless the HF config is of a supported family and uses only converted features."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"the megatron backend cannot convert model_type {kind!r} "
+                         f"(architectures {getattr(hf_config, 'architectures', None)}); supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES.values())}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; expected 'silu'")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported by the megatron backend; "
+                         "set use_sliding_window=false or use the torch backend")
+    if kind == "llama" and (getattr(hf_config, "attention_bias", False)
+                            or getattr(hf_config, "mlp_bias", False)):
+        raise ValueError("Llama configs with attention_bias or mlp_bias are not supported")
+    rope_scaling_factor(hf_config)
+
+
+def rope_parameters(hf_config) -> dict:
+    """The HF RoPE parameters as one dict (transformers 5 `rope_parameters`, older `rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if legacy and "rope_type" not in params:
+        params.update(legacy)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_scaling_factor(hf_config) -> float | None:
+    """None for plain RoPE, the factor for llama3 scaling; ValueError for other scalings."""
+    params = rope_parameters(hf_config)
+    kind = params["rope_type"]
+    if kind == "default":
+        return None
+    fixed_ok = all(float(params.get(k, v)) == v for k, v in _LLAMA3_FIXED.items())
+    if kind == "llama3" and fixed_ok:
+        return float(params["factor"])
+    raise ValueError(f"RoPE scaling {params} is not supported by the megatron backend; supported: "
+                     f"none, or llama3 with {_LLAMA3_FIXED}")
+
+
+def layout_from_hf(hf_config) -> Layout:
+    check_supported(hf_config)
+    heads = hf_config.num_attention_heads
+    return Layout(
+        num_layers=hf_config.num_hidden_layers, num_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        hidden_size=hf_config.hidden_size, ffn_hidden_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size, tied_embeddings=bool(hf_config.tie_word_embeddings),
+        qkv_bias=hf_config.model_type == "qwen2", qk_norm=hf_config.model_type == "qwen3")
+
+
+def check_tensor_parallel(layout: Layout, tp: int) -> None:
+    """ValueError unless heads, groups, MLP width and vocabulary divide evenly over tp ranks."""
+    for name in ("num_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        if getattr(layout, name) % tp:
+            raise ValueError(f"{name}={getattr(layout, name)} is not divisible by the tensor "
+                             f"parallel size {tp}; choose a tensor_model_parallel_size dividing it")
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rank: int,
+             tp: int) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> rank's rows of megatron's linear_qkv."""
+    g, d = layout.num_query_groups, layout.head_dim
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(g, -1, *rest), k.reshape(g, d, *rest),
+                         v.reshape(g, d, *rest)], dim=1)
+    return grouped.chunk(tp)[rank].reshape(-1, *rest).clone()
+
+
+def unpack_qkv(shards: list[torch.Tensor], layout: Layout) -> tuple[torch.Tensor, ...]:
+    """Megatron linear_qkv shards of all ranks -> HF (q, k, v)."""
+    g, d = layout.num_query_groups, layout.head_dim
+    per_group = layout.num_heads // g * d
+    full = torch.cat(shards)
+    rest = full.shape[1:]
+    grouped = full.reshape(g, per_group + 2 * d, *rest)
+    q, k, v = grouped.split([per_group, d, d], dim=1)
+    return tuple(t.reshape(-1, *rest).clone() for t in (q, k, v))
+
+
+def _layer_rules(layout: Layout) -> list[tuple[str, str, int | None]]:
+    """(HF suffix, megatron suffix, split dim or None = replicated) for one-to-one tensors."""
+    rules = [("input_layernorm.weight", "input_layernorm.weight", None),
+             ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
+             ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", 1),
+             ("mlp.down_proj.weight", "mlp.linear_fc2.weight", 1)]
+    if layout.qk_norm:
+        rules += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
+                  ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None)]
+    return rules
+
+
+def _split(t: torch.Tensor, dim: int | None, rank: int, tp: int) -> torch.Tensor:
+    return t.clone() if dim is None else t.chunk(tp, dim=dim)[rank].clone()
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], layout: Layout, rank: int = 0, tp: int = 1,
+                   layers: range | None = None, first: bool = True, last: bool = True
+                   ) -> dict[str, torch.Tensor]:
+    """State dict of tensor rank `rank` of the stage holding global `layers` (first/last: whether
+    it holds the embedding / the final norm and output layer)."""
+    check_tensor_parallel(layout, tp)
+    layers = range(layout.num_layers) if layers is None else layers
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        used.add(key)
+        return hf[key]
+
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out["embedding.word_embeddings.weight"] = _split(take("model.embed_tokens.weight"), 0,
+                                                         rank, tp)
+    for local, i in enumerate(layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{local}."
+        for hf_name, mg_name, dim in _layer_rules(layout):
+            out[dst + mg_name] = _split(take(src + hf_name), dim, rank, tp)
+        attn = src + "self_attn."
+        for part in ("weight", "bias") if layout.qkv_bias else ("weight",):
+            qkv = [take(f"{attn}{p}_proj.{part}") for p in "qkv"]
+            out[f"{dst}self_attention.linear_qkv.{part}"] = pack_qkv(*qkv, layout, rank, tp)
+        gate, up = take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[rank],
+                                                        up.chunk(tp)[rank]]).clone()
+    if last:
+        out["decoder.final_layernorm.weight"] = take("model.norm.weight").clone()
+        head = "model.embed_tokens.weight" if layout.tied_embeddings else "lm_head.weight"
+        if not (layout.tied_embeddings and first):  # a tied single stage reuses the embedding
+            out["output_layer.weight"] = _split(take(head), 0, rank, tp)
+    _refuse_unused(hf, used, layout, layers, first, last)
+    return out
+
+
+def _refuse_unused(hf: dict, used: set[str], layout: Layout, layers: range, first: bool,
+                   last: bool) -> None:
+    """ValueError naming an HF tensor of this stage that no rule converted."""
+    mine = tuple(f"model.layers.{i}." for i in layers)
+    top = {"model.embed_tokens.weight": first, "model.norm.weight": last,
+           "lm_head.weight": last and not layout.tied_embeddings}
+    for key in hf:
+        if key in used:
+            continue
+        ours = top[key] if key in top else (
+            key.startswith(mine) if key.startswith("model.layers.") else True)
+        if ours:
+            raise ValueError(f"HF tensor {key!r} has no megatron conversion rule")
+
+
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], layout: Layout,
+                   layers: range | None = None, first: bool = True, last: bool = True
+                   ) -> dict[str, torch.Tensor]:
+    """Merge the tensor-rank state dicts (in rank order) of one stage into HF tensors."""
+    layers = range(layout.num_layers) if layers is None else layers
+    out: dict[str, torch.Tensor] = {}
+
+    def cat(key: str, dim: int | None) -> torch.Tensor:
+        parts = [s[key] for s in shards]
+        return parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
+
+    if first:
+        out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)
+    for local, i in enumerate(layers):
+        src, dst = f"decoder.layers.{local}.", f"model.layers.{i}."
+        for hf_name, mg_name, dim in _layer_rules(layout):
+            out[dst + hf_name] = cat(src + mg_name, dim)
+        for part in ("weight", "bias") if layout.qkv_bias else ("weight",):
+            qkv = unpack_qkv([s[f"{src}self_attention.linear_qkv.{part}"] for s in shards],
+                             layout)
+            for p, t in zip("qkv", qkv):
+                out[f"{dst}self_attn.{p}_proj.{part}"] = t
+        halves = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+        out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+    if last:
+        out["model.norm.weight"] = cat("decoder.final_layernorm.weight", None)
+        if not layout.tied_embeddings:
+            out["lm_head.weight"] = cat("output_layer.weight", 0)
+    return out
