@@ -1,4 +1,17 @@
-"""One GRPO optimizer step on a batch of samples, and the trainer state it updates.
+"""One optimizer step on a batch of samples (policy, and the critic for PPO), on one or more ranks.
+
+Phases of `train_on_batch`:
+1. plan: this rank's micro-batches from `algos.dp_schedule` (`actors.dp_train`); a sample longer
+   than `max_tokens_per_mb` is trained alone and counted in `train/oversized_samples`;
+2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (or the
+   rollout's with `mismatch.bypass`), reference log-probs (KL), critic values (ppo), then token
+   advantages by `advantage_estimator` (`algos.estimators`), whitened over the whole step;
+3. policy: per micro-batch the PPO-clip loss with the mismatch correction's token weights, minus
+   the entropy bonus, plus `kl_coef * KL(policy || ref)` with `use_kl_loss`; gradients
+   accumulate, are summed over ranks, clipped, one optimizer step;
+4. critic (ppo): clipped value loss against the GAE returns, its own optimizer step.
+Every loss is divided by the number of samples in the whole step, so the summed gradient of R
+ranks equals the one-process gradient of the same batch.
 
 Mismatch metrics: `train/logprob_abs_diff` is mean |trainer log-prob - rollout log-prob| over
 all policy tokens (with staleness >= 1 it includes the policy lag of older samples);
@@ -8,160 +21,174 @@ current weights, so it measures the inference engine against the trainer alone.
 Invariant: the old-policy log-probs are recomputed on exactly the micro-batches that training
 then uses (same split, same padding, same temperature), with the same function the inference
 worker uses for its log-probs (`models.logprobs`), so the train-rollout mismatch measures the
-engines, not the bookkeeping.
+engines, not the bookkeeping. With `forward_by_length` the forward runs once per distinct
+sequence length inside a micro-batch, without padding: the key length of every attention sum is
+then the sequence's own, as in an unpadded forward (padding changes fp32 reduction order).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
-from collections import defaultdict
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from algos.batching import MicroBatch, make_micro_batch, response_slice, split_micro_batches
-from algos.grpo import grpo_advantages, masked_sample_sum, ppo_clip_loss
+from actors.aux_models import micro_batch_logprobs
+from actors.dp_train import SingleProcess, plan_micro_batches
+from actors.train_state import TrainState
+from algos.batching import MicroBatch, make_micro_batch
+from algos.estimators import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
+from algos.grpo import masked_sample_sum, ppo_clip_loss
 from algos.kl import approx_kl
 from algos.mismatch import correction_weights, mismatch_metrics
+from algos.value import value_loss
 from transport.schema import Sample
 
+__all__ = ["TrainState", "forward", "train_on_batch"]
 
-class TrainState:
-    """Model, tokenizer, optimizer and counters: everything a checkpoint holds."""
-
-    def __init__(self, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer):
-        self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
-        self.step = 0
-        self.version = 0
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id or 0
-
-    def save_weights(self, path: Path) -> None:
-        from models.load import save_checkpoint
-
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_checkpoint(self.model, self.tokenizer, tmp)
-        shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites its current version
-        tmp.replace(path)
-
-    def save(self, path: Path) -> None:
-        """Model as an HF directory plus optimizer/step/version; the state file is written last,
-        so a directory without it is an incomplete checkpoint and is never resumed from."""
-        from models.load import save_checkpoint
-
-        path.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(self.model, self.tokenizer, path)
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "version": self.version, "rng": torch.get_rng_state()},
-                   path / "trainer_state.pt.tmp")
-        (path / "trainer_state.pt.tmp").replace(path / "trainer_state.pt")
-
-    def load(self, path: Path, device: str) -> None:
-        from safetensors.torch import load_file
-
-        weights = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(f), device=device))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        if unexpected or [m for m in missing if "lm_head" not in m]:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, "
-                             f"unexpected {unexpected}")
-        state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.version = state["step"], state["version"]
-        torch.set_rng_state(state["rng"].cpu())
-
-    def to_device(self, device: str) -> None:
-        """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
-        self.model.to(device)
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[k] = v.to(device)
-
-    def device_bytes(self, device: str) -> int:
-        if device.startswith("cuda"):
-            return torch.cuda.memory_allocated(torch.device(device))
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+TOTALS = ("loss", "clipfrac", "ppo_kl", "entropy", "tokens", "kept_tokens", "kl_loss",
+          "logprob_abs_diff", "fresh_logprob_abs_diff", "fresh_tokens", "policy_kl",
+          "value_loss", "value_clipfrac")
 
 
-def group_advantages(samples: list[Sample], std_normalization: bool) -> torch.Tensor:
-    """GRPO advantages per sample, groups by group_id (groups may have lost failed samples)."""
-    by_group: dict[str, list[int]] = defaultdict(list)
-    for i, s in enumerate(samples):
-        by_group[s.group_id].append(i)
-    adv = torch.zeros(len(samples))
-    for idx in by_group.values():
-        rewards = torch.tensor([samples[i].reward for i in idx])
-        adv[idx] = grpo_advantages(rewards, len(idx), std_normalization)
-    return adv
+@dataclass
+class Prepared:
+    """Per micro-batch inputs of the losses, computed before any update."""
+
+    old: torch.Tensor  # [B, R] old-policy (proximal) log-probs
+    adv: torch.Tensor  # [B, R] token advantages, whitened where the estimator says so
+    ref: torch.Tensor | None = None  # [B, R] reference log-probs
+    values: torch.Tensor | None = None  # [B, R] critic values before the step
+    returns: torch.Tensor | None = None  # [B, R] critic targets
 
 
-def forward(state: TrainState, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, ...]:
+def forward(state: TrainState, mb: MicroBatch, temperature: float,
+            by_length: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Response-aligned (log-probs, entropies) of a micro-batch."""
-    from models.logprobs import token_logprobs_and_entropy
-
-    logp, ent = token_logprobs_and_entropy(state.model, mb.input_ids, mb.attention_mask,
-                                           temperature)
-    cols = mb.num_response_cols
-    return response_slice(logp, mb.prompt_lens, cols), response_slice(ent, mb.prompt_lens, cols)
+    return micro_batch_logprobs(state.model, mb, temperature, by_length)
 
 
-def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any) -> dict[str, float]:
+def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
+                   dp: Any = None) -> dict[str, float]:
+    """One optimizer step; with `dp` (actors.dp_train.DataParallel) this rank's share of it."""
+    dp = dp or SingleProcess()
     device = next(state.model.parameters()).device
     state.model.eval()  # no dropout: training and recompute see the same function
-    mbs = [make_micro_batch(mb, state.pad_id) for mb in split_micro_batches(
-        samples, cfg.micro_batch_size)]
-    mbs = [mb.to(device) for mb in mbs]
-    adv = group_advantages(samples, cfg.std_normalization).to(device)
-    fix = cfg.mismatch
-    if fix.bypass:  # the rollout's log-probs are the old policy: no recompute
-        old = [mb.rollout_logp for mb in mbs]
-    else:
-        with torch.no_grad():
-            old = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
-    totals: dict[str, float] = defaultdict(float)
-    current: list[torch.Tensor] = []
-    state.optimizer.zero_grad(set_to_none=True)
-    offset = 0
-    for mb, old_lp in zip(mbs, old):
-        n = len(mb.samples)
-        logp, ent = forward(state, mb, cfg.temperature)
-        current.append(logp.detach())
-        weights, keep = correction_weights(old_lp, mb.rollout_logp, mb.mask, fix)
-        terms = ppo_clip_loss(logp, old_lp, adv[offset:offset + n], keep, len(samples),
-                              cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip_c, weights)
-        loss = terms.loss - cfg.entropy_coef * masked_sample_sum(ent, keep) / len(samples)
-        loss.backward()
-        totals["kept_tokens"] += float(keep.sum())
-        offset += n
-        tokens = float(mb.mask.sum())
-        totals["loss"] += float(terms.loss.detach())
-        totals["clipfrac"] += terms.clipfrac * tokens
-        totals["ppo_kl"] += terms.ppo_kl * tokens
-        totals["entropy"] += float((ent.detach() * mb.mask).sum())
-        totals["tokens"] += tokens
-        diff = (current[-1] - mb.rollout_logp).abs() * mb.mask
-        totals["logprob_abs_diff"] += float(diff.sum())
-        fresh = torch.tensor([s.weight_version == state.version for s in mb.samples],
-                             device=diff.device)
-        totals["fresh_logprob_abs_diff"] += float(diff[fresh].sum())
-        totals["fresh_tokens"] += float(mb.mask[fresh].sum())
+    plan = plan_micro_batches(samples, cfg.micro_batch_size, cfg.max_tokens_per_mb, dp.rank,
+                              dp.world_size)
+    mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id).to(device)
+           for idx in plan.micro_batches]
+    prep = prepare(state, samples, plan.micro_batches, mbs, cfg, dp)
+    totals = dict.fromkeys(TOTALS, 0.0)
+    current = policy_pass(state, mbs, prep, cfg, len(samples), totals)
     params = [p for p in state.model.parameters() if p.requires_grad]
+    dp.sum_grads(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
     state.optimizer.step()
+    stats: dict[str, float] = {}
+    if state.critic is not None:
+        stats["train/critic_grad_norm"] = critic_pass(state, mbs, prep, cfg, len(samples),
+                                                      totals, dp)
     with torch.no_grad():
-        new = [forward(state, mb, cfg.temperature)[0] for mb in mbs]
-    kl = sum(float((approx_kl(c, n_, "k3") * mb.mask).sum())
-             for c, n_, mb in zip(current, new, mbs))
-    stats = summarize(samples, totals, float(grad_norm), kl, state.version)
-    return stats | mismatch_metrics(*_stack([(c, mb.rollout_logp, mb.mask)
-                                              for c, mb in zip(current, mbs)]))
+        for c, mb in zip(current, mbs):
+            new = forward(state, mb, cfg.temperature, _by_length(cfg, device))[0]
+            totals["policy_kl"] += float((approx_kl(c, new, "k3") * mb.mask).sum())
+    summed = dp.sum_tensor(torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64))
+    totals = dict(zip(TOTALS, summed.tolist()))
+    stats |= summarize(samples, totals, float(grad_norm), state.version, cfg)
+    stats["train/oversized_samples"] = float(len(plan.oversized))
+    parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
+                                                 for c, mb in zip(current, mbs)])])
+    return stats | mismatch_metrics(*_stack(parts))
+
+
+def _by_length(cfg: Any, device: torch.device) -> bool:
+    flag = getattr(cfg, "forward_by_length", False)
+    if flag is None:
+        return device.type == "cpu" and cfg.dtype == "float32"
+    return bool(flag)
+
+
+def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
+            mbs: list[MicroBatch], cfg: Any, dp: Any) -> list[Prepared]:
+    device = next(state.model.parameters()).device
+    by_length = _by_length(cfg, device)
+    est = cfg.estimator
+    scores = sample_scores(est, [s.reward for s in samples], [s.group_id for s in samples])
+    with torch.no_grad():
+        old = [mb.rollout_logp if cfg.mismatch.bypass
+               else forward(state, mb, cfg.temperature, by_length)[0] for mb in mbs]
+        ref = [state.ref.logprobs(mb, cfg.temperature, by_length) if state.ref is not None else None
+               for mb in mbs]
+        values: list[Any] = [None] * len(mbs)
+        if state.critic is not None:
+            with state.critic.resident():
+                values = [state.critic.values(mb) for mb in mbs]
+    out = []
+    for idx, mb, o, r, v in zip(plan, mbs, old, ref, values):
+        kl = approx_kl(o, r, cfg.kl_estimator) if cfg.kl_in_reward else None
+        adv, ret = token_advantages(est, scores[idx].to(device), mb.mask, kl, cfg.kl_coef, v,
+                                    cfg.gamma, cfg.gae_lambda)
+        out.append(Prepared(o, adv, r, v, ret))
+    if est in WHITENED:
+        sums = dp.sum_tensor(sum(whiten_sums(p.adv, mb.mask) for p, mb in zip(out, mbs)).cpu())
+        for p, mb in zip(out, mbs):
+            p.adv = whiten_with(p.adv, mb.mask, sums)
+    return out
+
+
+def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
+                num_samples: int, totals: dict[str, float]) -> list[torch.Tensor]:
+    """Backward of every micro-batch's policy loss; returns the log-probs before the update."""
+    by_length = _by_length(cfg, next(state.model.parameters()).device)
+    current: list[torch.Tensor] = []
+    state.optimizer.zero_grad(set_to_none=True)
+    for mb, p in zip(mbs, prep):
+        logp, ent = forward(state, mb, cfg.temperature, by_length)
+        current.append(logp.detach())
+        weights, keep = correction_weights(p.old, mb.rollout_logp, mb.mask, cfg.mismatch)
+        terms = ppo_clip_loss(logp, p.old, p.adv, keep, num_samples, cfg.eps_clip,
+                              cfg.eps_clip_high, cfg.dual_clip_c, weights)
+        loss = terms.loss - cfg.entropy_coef * masked_sample_sum(ent, keep) / num_samples
+        if cfg.use_kl_loss:
+            kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl_estimator), keep) / num_samples
+            loss = loss + cfg.kl_coef * kl
+            totals["kl_loss"] += float(kl.detach())
+        loss.backward()
+        _accumulate(totals, mb, terms, ent, current[-1], state.version)
+    return current
+
+
+def _accumulate(totals: dict[str, float], mb: MicroBatch, terms: Any, ent: torch.Tensor,
+                logp: torch.Tensor, version: int) -> None:
+    tokens = float(mb.mask.sum())
+    totals["loss"] += float(terms.loss.detach())
+    totals["kept_tokens"] += float(terms.num_tokens)
+    totals["clipfrac"] += terms.clipfrac * tokens
+    totals["ppo_kl"] += terms.ppo_kl * tokens
+    totals["entropy"] += float((ent.detach() * mb.mask).sum())
+    totals["tokens"] += tokens
+    diff = (logp - mb.rollout_logp).abs() * mb.mask
+    totals["logprob_abs_diff"] += float(diff.sum())
+    fresh = torch.tensor([s.weight_version == version for s in mb.samples], device=diff.device)
+    totals["fresh_logprob_abs_diff"] += float(diff[fresh].sum())
+    totals["fresh_tokens"] += float(mb.mask[fresh].sum())
+
+
+def critic_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
+                num_samples: int, totals: dict[str, float], dp: Any) -> float:
+    """Clipped value loss on every micro-batch, summed over ranks, one critic step."""
+    critic = state.critic
+    with critic.resident():
+        critic.optimizer.zero_grad(set_to_none=True)
+        for mb, p in zip(mbs, prep):
+            loss, frac = value_loss(critic.values(mb), p.values, p.returns, mb.mask,
+                                    num_samples, cfg.critic.value_clip)
+            loss.backward()
+            totals["value_loss"] += float(loss.detach())
+            totals["value_clipfrac"] += frac * float(mb.mask.sum())
+        return critic.step(dp.sum_grads)
 
 
 def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
@@ -171,23 +198,29 @@ def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
             for k in range(len(parts[0]))]
 
 
-def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float, kl_sum: float,
-              version: int) -> dict[str, float]:
+def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float, version: int,
+              cfg: Any) -> dict[str, float]:
     tokens = max(totals["tokens"], 1.0)
     stats: dict[str, float] = {}
     for domain in sorted({s.domain for s in samples}):
         mine = [s for s in samples if s.domain == domain]
         stats[f"reward/{domain}"] = sum(s.reward for s in mine) / len(mine)
     stats |= {"train/loss": totals["loss"], "train/clipfrac": totals["clipfrac"] / tokens,
-             "train/ppo_kl": totals["ppo_kl"] / tokens, "train/entropy": totals["entropy"] / tokens,
-             "train/policy_kl": kl_sum / tokens, "train/grad_norm": grad_norm,
-             "train/logprob_abs_diff": totals["logprob_abs_diff"] / tokens,
-             # the engines alone: samples generated by exactly the trainer's current weights
-             "train/engine_logprob_abs_diff": totals["fresh_logprob_abs_diff"]
-             / max(totals["fresh_tokens"], 1.0),
-             "train/fresh_tokens": totals["fresh_tokens"],
-             "train/tokens": totals["tokens"], "train/samples": len(samples),
-             "train/kept_token_frac": totals["kept_tokens"] / tokens}
+              "train/ppo_kl": totals["ppo_kl"] / tokens,
+              "train/entropy": totals["entropy"] / tokens,
+              "train/policy_kl": totals["policy_kl"] / tokens, "train/grad_norm": grad_norm,
+              "train/logprob_abs_diff": totals["logprob_abs_diff"] / tokens,
+              # the engines alone: samples generated by exactly the trainer's current weights
+              "train/engine_logprob_abs_diff": totals["fresh_logprob_abs_diff"]
+              / max(totals["fresh_tokens"], 1.0),
+              "train/fresh_tokens": totals["fresh_tokens"],
+              "train/tokens": totals["tokens"], "train/samples": len(samples),
+              "train/kept_token_frac": totals["kept_tokens"] / tokens}
+    if cfg.use_kl_loss:
+        stats["train/kl_loss"] = totals["kl_loss"]
+    if cfg.estimator == "ppo":
+        stats["train/value_loss"] = totals["value_loss"]
+        stats["train/value_clipfrac"] = totals["value_clipfrac"] / tokens
     stale = [version - s.weight_version for s in samples]
     stats["train/staleness_mean"] = sum(stale) / len(stale)
     stats["train/staleness_max"] = max(stale)

@@ -1,9 +1,11 @@
-"""The trainer actor (torch backend): GRPO with the PPO-clip loss on a transformers model.
+"""The trainer actor (torch backend): PPO-clip policy training on a transformers model.
 
-One optimizer step per batch from the buffer:
+One optimizer step per batch from the buffer (actors.train_step):
 1. recompute the old-policy log-probs on the *same* micro-batches that training uses (no grad),
    and measure them against the rollout's log-probs (train-rollout mismatch);
-2. GRPO advantages per group; for each micro-batch the PPO-clip loss, backward (gradient
+2. advantages by `advantage_estimator` (GRPO, Dr.GRPO, REINFORCE++(-baseline), PPO with GAE and
+   a critic), optionally a KL to a frozen reference (loss term or reward shaping); for each
+   micro-batch the PPO-clip loss with the configured mismatch correction, backward (gradient
    accumulation with sample-mean normalisation over the whole step), clip, AdamW;
 3. push the new weights to every inference worker (safetensors written once per version;
    pause -> /update_weights_from_disk -> continue on each worker), tell the buffer the version.
@@ -27,8 +29,11 @@ from typing import Literal
 import msgspec
 import torch
 
+from actors.aux_models import AuxModel, CriticConfig, CriticModel
 from actors.base import Actor
 from actors.train_step import TrainState, train_on_batch
+from algos.estimators import TOKEN_REWARDS, check_estimator
+from algos.kl import ESTIMATORS as KL_ESTIMATORS
 from algos.mismatch import MismatchConfig
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 
@@ -36,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Settings of the torch trainer."""
+    """Settings of the torch trainer (incompatible options fail at load, naming both)."""
 
     model: str  # initial checkpoint: an HF directory or a built-in tiny model name
     workers: list[str]  # peer names of the inference workers that receive every version
@@ -44,23 +49,91 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     rollout: str = ""  # peer asked for a final evaluation after the last step ("" = none)
     num_steps: int = 20  # optimizer steps; the run completes after the last one
     mode: Literal["decoupled", "colocated"] = "decoupled"  # colocated needs max_staleness = 0
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    lr: float = 1e-4  # policy AdamW learning rate
+    weight_decay: float = 0.0  # policy AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
-    micro_batch_size: int = 16  # samples per forward/backward
+    micro_batch_size: int = 16  # samples per forward/backward (when max_tokens_per_mb = 0)
+    max_tokens_per_mb: int = 0  # token cap per micro-batch, first-fit-decreasing packing (0 = off)
+    forward_by_length: bool | None = None  # unpadded forward per length; None = fp32 on CPU only
     temperature: float = 1.0  # must equal the rollout's sampling temperature
-    std_normalization: bool = True  # GRPO (True) or Dr.GRPO (False)
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # None = eps_clip
+    # grpo | dr_grpo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (GAE + critic)
+    advantage_estimator: str = "grpo"
+    std_normalization: bool = True  # grpo only: false = Dr.GRPO (same as estimator "dr_grpo")
+    gamma: float = 1.0  # per-token discount (reinforce_plus_plus, ppo)
+    gae_lambda: float = 0.95  # GAE lambda (ppo)
+    critic: CriticConfig | None = None  # the value model; required by (only by) "ppo"
+    kl_coef: float = 0.0  # weight of KL(policy || reference); 0 = no reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (algos.kl)
+    use_kl_loss: bool = False  # the KL as a loss term: + kl_coef * sample-mean KL
+    kl_in_reward: bool = False  # the KL as reward shaping: token reward -kl_coef * KL_t
+    ref_model: str = ""  # reference checkpoint ("" = a frozen copy of `model`'s initial weights)
+    offload_aux_models: bool = True  # reference/critic weights on the CPU between uses (on GPU)
+    eps_clip: float = 0.2  # PPO clip: ratio bounded below by 1 - eps_clip
+    eps_clip_high: float | None = None  # upper bound 1 + eps_clip_high (None = eps_clip)
     dual_clip_c: float | None = None  # > 1: cap the loss of negative-advantage tokens at -c*A
     entropy_coef: float = 0.0  # entropy bonus weight
-    mismatch: MismatchConfig = MismatchConfig()  # TIS / rejection sampling / bypass
+    mismatch: MismatchConfig = MismatchConfig()  # TIS / rejection / decoupled PPO / bypass
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
     keep_versions: int = 2  # pushed weight versions kept on disk
     seed: int = 0
     batch_timeout_s: float = 3600.0  # how long to wait for the buffer
+
+    def __post_init__(self) -> None:
+        check_algorithm(self)
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator in effect (grpo with std_normalization = false is dr_grpo)."""
+        if self.advantage_estimator == "grpo" and not self.std_normalization:
+            return "dr_grpo"
+        return self.advantage_estimator
+
+
+def check_algorithm(cfg: TrainerConfig) -> None:
+    """ValueError naming both options of any incompatible pair."""
+    check_estimator(cfg.advantage_estimator)
+    est = cfg.advantage_estimator
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator = {cfg.kl_estimator!r}; use one of {KL_ESTIMATORS}")
+    if cfg.micro_batch_size < 1 or cfg.max_tokens_per_mb < 0:
+        raise ValueError("micro_batch_size must be >= 1 and max_tokens_per_mb >= 0 (0 = no cap)")
+    if not cfg.std_normalization and est not in ("grpo", "dr_grpo"):
+        raise ValueError(f"std_normalization = false and advantage_estimator = {est!r} conflict: "
+                         "std_normalization only applies to grpo; remove it")
+    if est == "ppo" and cfg.critic is None:
+        raise ValueError("advantage_estimator = 'ppo' needs a critic: add critic = {} (a value "
+                         "model from the policy's checkpoint) or critic = { model = ..., lr = ... }")
+    if est != "ppo" and cfg.critic is not None:
+        raise ValueError(f"critic is set but advantage_estimator = {est!r} uses no value model; "
+                         "use advantage_estimator = 'ppo' or remove critic")
+    if not (0 < cfg.gamma <= 1 and 0 <= cfg.gae_lambda <= 1):
+        raise ValueError(f"need 0 < gamma <= 1 and 0 <= gae_lambda <= 1, got gamma = {cfg.gamma},"
+                         f" gae_lambda = {cfg.gae_lambda}")
+    _check_kl(cfg, est)
+
+
+def _check_kl(cfg: TrainerConfig, est: str) -> None:
+    if cfg.use_kl_loss and cfg.kl_in_reward:
+        raise ValueError("use_kl_loss = true and kl_in_reward = true conflict: the KL is either a "
+                         "loss term or reward shaping; set one of them false")
+    if cfg.kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
+    if cfg.kl_coef > 0 and not (cfg.use_kl_loss or cfg.kl_in_reward):
+        raise ValueError(f"kl_coef = {cfg.kl_coef} needs use_kl_loss = true or kl_in_reward = "
+                         "true (how the KL enters the update)")
+    if (cfg.use_kl_loss or cfg.kl_in_reward) and cfg.kl_coef == 0:
+        which = "use_kl_loss" if cfg.use_kl_loss else "kl_in_reward"
+        raise ValueError(f"{which} = true and kl_coef = 0 conflict: set kl_coef > 0 or {which} "
+                         "= false")
+    if cfg.kl_in_reward and est not in TOKEN_REWARDS:
+        raise ValueError(f"kl_in_reward = true and advantage_estimator = {est!r} conflict: "
+                         f"{est} ignores token rewards; use use_kl_loss = true or one of "
+                         f"{TOKEN_REWARDS}")
+    if cfg.ref_model and cfg.kl_coef == 0:
+        raise ValueError(f"ref_model = {cfg.ref_model!r} is unused with kl_coef = 0; set kl_coef "
+                         "(and use_kl_loss or kl_in_reward) or remove ref_model")
 
 
 class TrainerActor(Actor):
@@ -72,6 +145,9 @@ class TrainerActor(Actor):
         from models.load import check_model_path
 
         check_model_path(config.model)
+        for path in (config.ref_model, config.critic.model if config.critic else ""):
+            if path:
+                check_model_path(path)
         if not config.workers:
             raise ValueError("`workers` must name the inference worker actors")
 
@@ -97,7 +173,8 @@ class TrainerActor(Actor):
         model, tokenizer = load_model(cfg.model, cfg.device, getattr(torch, cfg.dtype), cfg.seed)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        state = TrainState(model, tokenizer, opt)
+        ref, critic = build_aux_models(cfg, model)  # before resuming: from the initial weights
+        state = TrainState(model, tokenizer, opt, ref, critic)
         latest = latest_checkpoint(Path(self.ctx.run_dir or ".") / "checkpoints")
         if self.ctx.resume and latest is not None:
             state.load(latest, cfg.device)
@@ -177,6 +254,22 @@ class TrainerActor(Actor):
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+def build_aux_models(cfg: TrainerConfig, policy: torch.nn.Module):
+    """(reference, critic) weight sets the configured algorithm needs, or None each."""
+    from models.load import load_model
+
+    def source(path: str) -> torch.nn.Module:
+        if not path:
+            return policy
+        return load_model(path, cfg.device, getattr(torch, cfg.dtype), cfg.seed)[0]
+
+    ref = (AuxModel.frozen_copy(source(cfg.ref_model), cfg.device, cfg.offload_aux_models)
+           if cfg.kl_coef > 0 else None)
+    critic = (CriticModel(source(cfg.critic.model), cfg.device, cfg.critic, cfg.offload_aux_models)
+              if cfg.critic is not None else None)
+    return ref, critic
 
 
 async def push_to_worker(client, path: Path, version: int) -> None:

@@ -20,6 +20,13 @@ Corrections (`correction_weights`), returning per-token loss weights and a per-t
 - `rejection_token`: mask tokens whose w is outside [low, high];
 - `rejection_seq`: mask whole sequences whose W is outside [low, high], and veto (mask) any
   sequence containing a token with w < veto_threshold.
+- `decoupled`: decoupled PPO with three policies: behaviour pi_b (the rollout's log-probs),
+  proximal pi_prox (the old actor: the trainer's weights at the start of the step, recomputed on
+  the training micro-batches) and target pi_theta (the weights being trained). Per token,
+  `L_t = w_t * max(-r_t A_t, -clamp(r_t, 1 - eps, 1 + eps_high) A_t)` with the trust-region
+  ratio `r_t = pi_theta / pi_prox` and the behaviour weight `w_t = pi_prox / pi_b` (detached).
+  A token whose w exceeds `high` is masked out (not truncated: its sample came from a policy too
+  far from the proximal one); w below 1 is kept as is. Here `train_logp` is log pi_prox.
 Invariant: no function changes its inputs; weights are detached.
 """
 
@@ -28,16 +35,16 @@ from __future__ import annotations
 import msgspec
 import torch
 
-CORRECTIONS = ("none", "tis", "rejection_token", "rejection_seq")
+CORRECTIONS = ("none", "tis", "rejection_token", "rejection_seq", "decoupled")
 
 
 class MismatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How the trainer treats rollout log-probs that differ from its own."""
 
-    correction: str = "none"  # none | tis | rejection_token | rejection_seq
+    correction: str = "none"  # none | tis | rejection_token | rejection_seq | decoupled
     tis_mode: str = "truncate"  # truncate: min(w, high); clip: clamp(w, low, high)
     low: float = 0.5  # lower bound on the importance weight (clip, rejection)
-    high: float = 2.0  # upper bound on the importance weight
+    high: float = 2.0  # upper bound on the importance weight (decoupled: mask above it)
     veto_threshold: float = 0.0  # rejection_seq: drop a sequence with any token w below this
     bypass: bool = False  # use rollout log-probs as the old policy and skip the recompute
 
@@ -50,8 +57,9 @@ class MismatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"need 0 <= low < 1 < high, got low = {self.low}, high = {self.high}")
         if self.bypass and self.correction != "none":
             raise ValueError(f"bypass = true and correction = {self.correction!r} conflict: with "
-                             "bypass the rollout log-probs are the old policy, so there is no "
-                             "mismatch left to correct; set one of them off")
+                             "bypass the rollout log-probs are the old policy and nothing is "
+                             "recomputed, so there is no mismatch left to correct (and no "
+                             "proximal policy for decoupled PPO); set one of them off")
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -102,4 +110,7 @@ def correction_weights(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
             veto = ((w < cfg.veto_threshold) & (mask > 0)).any(dim=1)
             keep = (keep & ~veto).float()[:, None]
             return ones * mask * keep, mask * keep
+        if cfg.correction == "decoupled":
+            keep = (w <= cfg.high).float() * mask
+            return w * keep, keep
         return ones * mask, mask

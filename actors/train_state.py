@@ -1,0 +1,89 @@
+"""The trainer's state: the policy, its optimizer and counters, plus the auxiliary weight sets.
+
+Role: everything a checkpoint holds. `ref` (the frozen reference policy) and `critic` (the value
+model with its optimizer) are `actors.aux_models` weight sets, present only when the configured
+algorithm needs them. Invariant: a checkpoint directory is complete only once
+`trainer_state.pt` exists (written last); the critic's weights and optimizer go in `critic.pt`
+before it. The reference is never saved: it is rebuilt from its source (`ref_model`, or the
+initial checkpoint), so a resumed run keeps the same reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class TrainState:
+    """Model, tokenizer, optimizer and counters: everything a checkpoint holds."""
+
+    def __init__(self, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
+                 ref: Any = None, critic: Any = None):
+        self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
+        self.ref, self.critic = ref, critic  # actors.aux_models.AuxModel / CriticModel or None
+        self.step = 0
+        self.version = 0
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+    def save_weights(self, path: Path) -> None:
+        from models.load import save_checkpoint
+
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.model, self.tokenizer, tmp)
+        shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites its current version
+        tmp.replace(path)
+
+    def save(self, path: Path) -> None:
+        """Model as an HF directory plus optimizer/step/version; the state file is written last,
+        so a directory without it is an incomplete checkpoint and is never resumed from."""
+        from models.load import save_checkpoint
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(self.model, self.tokenizer, path)
+        if self.critic is not None:
+            torch.save(self.critic.checkpoint(), path / "critic.pt")
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step,
+                    "version": self.version, "rng": torch.get_rng_state()},
+                   path / "trainer_state.pt.tmp")
+        (path / "trainer_state.pt.tmp").replace(path / "trainer_state.pt")
+
+    def load(self, path: Path, device: str) -> None:
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(str(f), device=device))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, "
+                             f"unexpected {unexpected}")
+        if self.critic is not None:
+            if not (path / "critic.pt").exists():
+                raise ValueError(f"checkpoint {path} has no critic.pt but the trainer uses a "
+                                 "critic; resume with the estimator it was written with")
+            self.critic.restore(torch.load(path / "critic.pt", map_location="cpu",
+                                           weights_only=True))
+        state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.version = state["step"], state["version"]
+        torch.set_rng_state(state["rng"].cpu())
+
+    def to_device(self, device: str) -> None:
+        """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
+        self.model.to(device)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.to(device)
+
+    def device_bytes(self, device: str) -> int:
+        if device.startswith("cuda"):
+            return torch.cuda.memory_allocated(torch.device(device))
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())

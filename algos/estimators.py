@@ -1,0 +1,103 @@
+"""Advantage estimators by name: per-sample scores, token advantages, distributed whitening.
+
+Role: one entry point the trainer uses for every estimator, so that single-process and
+data-parallel training compute the same advantages. `advantage_estimator` is one of:
+- `grpo`: `A_i = (r_i - mean_g) / (std_g + 1e-6)` over the samples of a prompt, broadcast to
+  every token (no whitening, no token rewards);
+- `dr_grpo`: `A_i = r_i - mean_g` (Dr.GRPO: no std normalisation), broadcast;
+- `reinforce_plus_plus`: token rewards `-kl_coef * kl_t` plus `r_i` on the last policy token,
+  discounted returns `G_t = sum_k gamma^k rew_{t+k}`, whitened over the whole batch;
+- `reinforce_plus_plus_baseline`: `A_t = (r_i - mean_g) - kl_coef * kl_t`, whitened;
+- `ppo`: GAE on the critic's values (`algos.advantages.gae`), `returns = A + V` (the critic's
+  targets, before whitening), advantages whitened.
+`kl_t` is the reward-shaping KL (`kl_in_reward`); with the KL as a loss term it is absent here.
+
+Whitening spans every policy token of the optimizer step, across micro-batches and ranks:
+`whiten_sums` gives (N, sum a, sum a^2) in float64 per micro-batch; the caller adds them up
+(all-reduce over ranks) and `whiten_with` applies `(a - mean) / sqrt(var + 1e-8)` with
+`var = (sum a^2 / N - mean^2) * N / (N - 1)`, the same value `algos.advantages.whiten` gives on
+the concatenated batch.
+Invariant: pure tensor functions; the per-sample scores only depend on the whole batch's rewards
+and group ids, so every rank derives the same ones.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from algos.advantages import discounted_returns, gae, token_rewards
+from algos.grpo import grpo_advantages
+
+ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+TOKEN_REWARDS = WHITENED  # estimators that accept KL reward shaping
+
+
+def check_estimator(name: str) -> None:
+    if name not in ESTIMATORS:
+        raise ValueError(f"advantage_estimator = {name!r}; use one of {', '.join(ESTIMATORS)}")
+
+
+def sample_scores(estimator: str, rewards: Sequence[float], group_ids: Sequence) -> torch.Tensor:
+    """[N] per-sample scalar: group-normalised (grpo), group-centred (dr_grpo,
+    reinforce_plus_plus_baseline) or the raw reward (reinforce_plus_plus, ppo). Groups are the
+    samples sharing a group id (a group may have lost failed samples)."""
+    check_estimator(estimator)
+    r = torch.tensor(list(rewards), dtype=torch.float32)
+    if estimator in ("reinforce_plus_plus", "ppo"):
+        return r
+    by_group: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        by_group[g].append(i)
+    out = torch.zeros_like(r)
+    for idx in by_group.values():
+        out[idx] = grpo_advantages(r[idx], len(idx), std_normalization=estimator == "grpo")
+    return out
+
+
+def token_advantages(estimator: str, scores: torch.Tensor, mask: torch.Tensor,
+                     kl: torch.Tensor | None = None, kl_coef: float = 0.0,
+                     values: torch.Tensor | None = None, gamma: float = 1.0,
+                     lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages [B, T] before whitening, returns [B, T] for ppo else None) of a micro-batch.
+
+    scores: [B] from `sample_scores`; mask: [B, T] policy tokens; kl: [B, T] reward-shaping KL.
+    """
+    mask = mask.float()
+    if estimator in ("grpo", "dr_grpo"):
+        return scores[:, None].expand_as(mask) * mask, None
+    if estimator == "reinforce_plus_plus":
+        return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask, None
+    if estimator == "reinforce_plus_plus_baseline":
+        adv = scores[:, None].expand_as(mask).clone()
+        if kl is not None:
+            adv = adv - kl_coef * kl.float()
+        return adv * mask, None
+    if estimator == "ppo":
+        if values is None:
+            raise ValueError("advantage_estimator = 'ppo' needs the critic's values")
+        adv, returns = gae(scores, values, mask, kl, kl_coef, gamma, lam)
+        return adv * mask, returns
+    check_estimator(estimator)
+    raise AssertionError("unreachable")
+
+
+def whiten_sums(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 [3]: (number of policy tokens, sum a, sum a^2) over the mask."""
+    m = mask.double()
+    a = adv.double() * m
+    return torch.stack([m.sum(), a.sum(), (a * a).sum()])
+
+
+def whiten_with(adv: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor,
+                eps: float = 1e-8) -> torch.Tensor:
+    """Whiten `adv` with the batch-wide sums (see the module docstring); 0 off the mask."""
+    n, s1, s2 = (float(x) for x in sums)
+    if n < 2:
+        raise ValueError("whitening needs at least 2 policy tokens in the optimizer step")
+    mean = s1 / n
+    var = max(s2 / n - mean * mean, 0.0) * n / (n - 1)
+    return ((adv.double() - mean) / (var + eps) ** 0.5 * mask.double()).to(adv.dtype)
