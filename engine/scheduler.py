@@ -37,7 +37,10 @@ Memory release on CPU: `release(tags)` with tag "weights" (or no tags) frees eve
 storage (parameters become 0-element tensors; buffers stay); "kv_cache" and "cuda_graph" have
 nothing to free here (the KV cache only lives during a wave). Any released tag makes `generate`
 raise `EngineUnavailable` until `resume`; resuming "weights" reallocates the parameters and
-reloads them from the last loaded source (the startup model, or the last weight-update path).
+reloads them from the last loaded source (the startup model, or the last weight-update path); when
+the last update came as tensors (a process group, /update_weights_from_tensor) there is no such
+source: the parameters come back zeroed and the trainer pushes weights before generation resumes
+(SGLang without a CPU weight backup behaves the same way).
 Release/resume wait until no wave is running.
 """
 
@@ -46,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import inspect
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,12 +57,17 @@ from typing import Any, Awaitable, Callable
 import torch
 from transformers import DynamicCache
 
+from engine.sampling import (DEFAULT_MAX_NEW_TOKENS, GenRequest, GenResult, SamplingParams, TopList,
+                             cache_kwarg, eos_token_ids, input_logprobs, left_pad, sample_token,
+                             top_list)
 from models.load import load_model
 from models.logprobs import effective_temperature, logits_to_logprobs, position_ids_from_mask
 
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineClosed", "EngineError", "EngineUnavailable",
+           "GenRequest", "GenResult", "SamplingParams", "Scheduler", "cache_kwarg"]
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class EngineError(RuntimeError):
@@ -73,52 +80,6 @@ class EngineUnavailable(EngineError):
 
 class EngineClosed(EngineError):
     """The engine stopped; requests still queued or running were failed with this."""
-
-
-# ----------------------------------------------------------------------------- request / result
-@dataclasses.dataclass
-class SamplingParams:
-    """The subset of SGLang's sampling params this engine implements (validated by the server)."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = all tokens
-    min_p: float = 0.0
-    stop: list[str] = dataclasses.field(default_factory=list)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-
-@dataclasses.dataclass
-class GenRequest:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: no input log-probs; k >= 0: from prompt token k on
-    top_logprobs_num: int = 0
-
-
-TopList = list[tuple[float, int]]
-
-
-@dataclasses.dataclass
-class GenResult:
-    rid: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: dict[str, Any]
-    weight_version: str
-    e2e_latency: float
-    output_logprobs: list[float]  # one per output token
-    output_top: list[TopList]  # one per output token (empty lists unless top_logprobs_num > 0)
-    input_logprobs: list[float | None]  # prompt tokens from logprob_start_len on; None: no context
-    input_top: list[TopList | None]
 
 
 @dataclasses.dataclass(eq=False)
@@ -164,85 +125,7 @@ class _RowOut:
     input_top: list[TopList | None] | None = None
 
 
-# ----------------------------------------------------------------------------- pure helpers
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of token ids -> (ids [B, L], mask [B, L]) padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids, mask
-
-
-def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Zero out what top-k, then top-p, then min-p exclude (1-D probs); renormalised."""
-    sorted_p, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        keep &= (sorted_p.cumsum(0) - sorted_p) < top_p
-    if min_p > 0.0:
-        keep &= sorted_p >= min_p * sorted_p[0]
-    keep[0] = True
-    filtered = torch.zeros_like(probs)
-    filtered[order[keep]] = sorted_p[keep]
-    return filtered / filtered.sum()
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Inverse-CDF sample of one index from 1-D probs."""
-    u = torch.rand((), generator=generator, dtype=torch.float64)
-    cdf = probs.double().cumsum(0)
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    return min(idx, probs.numel() - 1)
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Greedy when temperature is 0 or top_k is 1; else a draw from the filtered distribution."""
-    if params.temperature <= 0 or params.top_k == 1:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    return draw(filter_probs(probs, params.top_k, params.top_p, params.min_p), generator)
-
-
-def top_list(logprobs: torch.Tensor, k: int) -> TopList:
-    """The k most likely (logprob, token_id) pairs of a 1-D log-prob vector."""
-    if k <= 0:
-        return []
-    vals, ids = logprobs.topk(min(k, logprobs.numel()))
-    return list(zip(vals.tolist(), ids.tolist()))
-
-
-def input_logprobs(logits: torch.Tensor, tokens: list[int], start: int, temperature: float,
-                   top_k: int) -> tuple[list[float | None], list[TopList | None]]:
-    """Prompt log-probs from `start` on: entry j = log p(tokens[j] | tokens[:j]); token 0 has None.
-
-    `logits` are the row's logits over exactly `tokens` (padding removed).
-    """
-    logprobs = logits_to_logprobs(logits[:-1], temperature) if len(tokens) > 1 else None
-    values: list[float | None] = []
-    tops: list[TopList | None] = []
-    for j in range(start, len(tokens)):
-        if j == 0:
-            values.append(None)
-            tops.append(None)
-        else:
-            values.append(float(logprobs[j - 1, tokens[j]]))
-            tops.append(top_list(logprobs[j - 1], top_k))
-    return values, tops
-
-
-def cache_kwarg(model) -> str:
-    """The forward() keyword of the KV cache: `cache` in newer transformers 5.x releases,
-    `past_key_values` before. A wrong name is swallowed by **kwargs and silently disables the
-    cache, so it is looked up rather than assumed."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
+# ----------------------------------------------------------------------------- step helpers
 def finish_reason(seq: _Seq, eos_ids: set[int], text: str) -> dict[str, Any] | None:
     """SGLang's check after a token was appended: length, then stop token, then stop string."""
     p = seq.req.params
@@ -274,18 +157,6 @@ def visible_text(tokenizer, seq: _Seq) -> str:
     return text
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """Every id that means end-of-sequence for this model (config, generation config, tokenizer)."""
-    ids: set[int] = set()
-    sources = [getattr(model.config, "eos_token_id", None), tokenizer.eos_token_id]
-    gen_config = getattr(model, "generation_config", None)
-    sources.append(getattr(gen_config, "eos_token_id", None))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -297,7 +168,8 @@ class Scheduler:
                  batch_wait_ms: float = 5.0, weight_version: str = "0",
                  executor: ThreadPoolExecutor | None = None):
         self.model, self.tokenizer = model, tokenizer
-        self.source, self.device, self.dtype, self.seed = source, device, dtype, seed
+        self.source: str | None = source  # checkpoint the weights equal (None: pushed tensors)
+        self.device, self.dtype, self.seed = device, dtype, seed
         self.max_batch_size = max(1, max_batch_size)
         self.batch_wait_s = max(0.0, batch_wait_ms) / 1000.0
         self.weight_version = weight_version
@@ -385,18 +257,28 @@ class Scheduler:
     async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
                                        abort_all_requests: bool = False) -> tuple[bool, str, int]:
         """Load `path` into the running model in place; (success, message, num_paused_requests)."""
+        return await self.update_weights(lambda: self._load_into_model(path), path,
+                                         weight_version, abort_all_requests, "disk")
+
+    async def update_weights(self, load: Callable[[], Any], source: str | None,
+                             weight_version: str | None = None, abort_all_requests: bool = False,
+                             what: str = "tensors") -> tuple[bool, str, int]:
+        """Run `load()` (it changes the model's weights) in the engine thread at a safe point;
+        `source` is the checkpoint the weights now equal (None: none on disk, e.g. tensors
+        received over a process group). (success, message, num_paused_requests)."""
         if abort_all_requests:
-            self.abort(abort_all=True, message="Abort by update_weights_from_disk")
+            self.abort(abort_all=True, message=f"Abort by update_weights_from_{what}")
 
         async def op():
             held = len(self._active)
             if "weights" in self.released:
                 return False, "weights are released; call /resume_memory_occupation first", held
             try:
-                await self._in_thread(self._load_into_model, path)
+                await self._in_thread(load)
             except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
-                return False, f"Failed to update weights from {path!r}: {e}", held
-            self.source = path
+                where = source or "memory"
+                return False, f"Failed to update weights from {what} ({where}): {e}", held
+            self.source = source
             message = "Succeeded to update model weights."
             if weight_version is not None:
                 self.weight_version = weight_version
@@ -632,8 +514,9 @@ class Scheduler:
 
     def _restore_weights(self) -> None:
         for name, p in self.model.named_parameters():
-            p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
-        self._load_into_model(self.source)
+            p.data = torch.zeros(self._param_shapes[name], dtype=p.dtype, device=p.device)
+        if self.source is not None:  # else, like SGLang without a CPU backup: push weights next
+            self._load_into_model(self.source)
 
     # ------------------------------------------------------------------ bookkeeping
     def _new_seq(self, req: GenRequest) -> _Seq:
