@@ -4,7 +4,10 @@ The router process is a child of this actor: started in on_start with the worker
 (from the peers listed in `after`), waited for until it answers /health, stopped in on_stop. Its
 URL is reported as this actor's `http` endpoint. `/generate` goes through the router; control
 calls (weight updates, pause/continue) must go to each worker directly, since the router does not
-forward them. Options in the `router_args` table pass through to sglang-router as `--key value`.
+forward them. Every option of the `router` table (and `--router-<option>` on the launcher's
+command line, see launch/passthrough.py) passes through to sglang-router: `key = value` becomes
+`--key value`, `true` a bare flag. With `dynamic_workers = true` the router may start with no
+worker: SGLang workers register themselves at run time (actors/sglang_worker.py, POST /workers).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import aiohttp
 import msgspec
 
 from actors.base import Actor
+from launch.passthrough import refuse_owned, render
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -30,7 +35,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
     health_timeout_s: float = 60.0  # the router must answer /health within this
-    router_args: dict[str, str | int | float | bool] = {}  # passed as --key value to sglang-router
+    dynamic_workers: bool = False  # workers register themselves (POST /workers); may start empty
+    router: dict[str, Any] = {}  # sglang-router options, passed through as --key value
+    router_args: dict[str, Any] = {}  # older name of `router`; `router` wins on a shared key
 
 
 def free_port(host: str) -> int:
@@ -41,34 +48,39 @@ def free_port(host: str) -> int:
 
 
 def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "engine.router_main", "--worker-urls", *worker_urls,
-           "--host", cfg.host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "engine.router_main", "--host", cfg.host, "--port", str(port)]
+    if worker_urls:
+        cmd += ["--worker-urls", *worker_urls]
     cli_policies = {"random", "round_robin", "cache_aware", "power_of_two"}
     if cfg.policy in cli_policies:
         cmd += ["--policy", cfg.policy]
     else:
         cmd += ["--then-policy", cfg.policy]
-    if "prometheus_port" not in cfg.router_args:  # its fixed default collides between routers
+    options = {**cfg.router_args, **cfg.router}
+    if "prometheus_port" not in options:  # its fixed default collides between routers
         cmd += ["--prometheus-port", str(free_port(cfg.host))]
-    for key, value in cfg.router_args.items():
-        flag = f"--{key.replace('_', '-')}"
-        if value is True:
-            cmd.append(flag)
-        elif value is not False:
-            cmd += [flag, str(value)]
-    return cmd
+    return cmd + render(options)
+
+
+# Options the router actor sets itself -> the config field that sets each.
+OWNED = {"host": "host", "port": "port", "worker_urls": "workers", "policy": "policy"}
 
 
 class RouterActor(Actor):
     Config = RouterConfig
     role = "router"
 
+    @classmethod
+    def check_config(cls, config: RouterConfig) -> None:
+        refuse_owned({**config.router_args, **config.router}, OWNED, "router")
+
     async def on_start(self) -> None:
         cfg = self.config
         names = cfg.workers or [n for n, ep in self.ctx.peers.items() if ep.http]
         urls = [self.peer(n).http for n in names]
-        if not urls:
-            raise ValueError(f"{self.name}: no inference workers; list them in `after`")
+        if not urls and not cfg.dynamic_workers:
+            raise ValueError(f"{self.name}: no inference workers; list them in `after`, or set "
+                             f"dynamic_workers = true for workers that register themselves")
         port = cfg.port or free_port(cfg.host)
         self.proc = await asyncio.create_subprocess_exec(
             *router_command(cfg, urls, port), start_new_session=True,

@@ -2,10 +2,17 @@
 
 Exit codes: 0 when a primary actor completed or on Ctrl-C (after an orderly stop of everything);
 1 when an actor failed past its restart budget or never became READY (its error is printed);
-2 for a bad hosts.toml (nothing was started). The run directory holds config.json (the resolved
-config), endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (every
-metrics record the launcher received), logs/<actor>.log,
-specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of every actor).
+2 for a bad hosts.toml or command line (nothing was started).
+
+Engine options pass through natively (launch/passthrough.py): `--sglang-<option> [value]`,
+`--router-<option> [value]` and `--megatron-<option> [value]` land in the `sglang`, `router` and
+`megatron` tables of every actor that has one, over the hosts.toml values. Give the hosts file
+first (or write `--sglang-flag=true`), since a flag takes the next non-option token as its value.
+
+The run directory holds config.json (the resolved config, pass-through tables merged in),
+endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (every metrics
+record the launcher received), logs/<actor>.log, specs/<actor>.json and, at the end,
+exit.json (exit code and shutdown step of every actor).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from launch import passthrough
 from launch.config import ClusterConfig, ConfigError, load, start_order
 from launch.supervisor import RunFailed, Supervisor
 from transport.metrics import MetricsSubscriber
@@ -155,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", help="use this run directory instead of <dir>/<name>-<time>")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its latest checkpoint")
-    args = parser.parse_args(argv)
+    tables, rest = passthrough.parse(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
     if args.resume:
         if not (Path(args.resume) / "config.json").is_file():
             print(f"error: --resume {args.resume}: not a run directory (no config.json)",
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.run_dir = args.resume
     try:
-        cfg = load(args.hosts)
+        cfg = load(args.hosts, tables)
         order = start_order(cfg, args.hosts)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -78,7 +78,10 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     shm: ShmConfig = ShmConfig()
 
 
-def load(path: str | Path) -> ClusterConfig:
+def load(path: str | Path,
+         passthrough: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:
+    """Load and check hosts.toml; `passthrough` holds `--<prefix>-<option>` command-line tables
+    (launch/passthrough.py), merged over the actors' hosts.toml tables before any check."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
@@ -87,6 +90,8 @@ def load(path: str | Path) -> ClusterConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     actors = raw.get("actors")
+    if passthrough:
+        _merge_passthrough(actors, passthrough, path)
     for name, entry in (actors.items() if isinstance(actors, dict) else ()):
         try:  # one by one: msgspec's error path does not name dict keys
             msgspec.convert(entry, ActorEntry)
@@ -98,6 +103,22 @@ def load(path: str | Path) -> ClusterConfig:
         raise ConfigError(f"{path}: {_describe(str(e))}") from None
     _check(cfg, path)
     return cfg
+
+
+def _merge_passthrough(actors: Any, tables: dict[str, dict[str, Any]], path: Path) -> None:
+    from launch import passthrough as pt
+
+    takes: dict[str, set[str]] = {}
+    for name, entry in (actors.items() if isinstance(actors, dict) else ()):
+        if isinstance(entry, dict) and isinstance(entry.get("cls"), str):
+            cls = import_actor(entry["cls"], f"{path}: table [actors.{name}], field `cls`")
+            takes[name] = set(pt.PREFIXES) & set(cls.Config.__struct_fields__)
+    unused = pt.merge(actors, tables, takes)
+    if unused:
+        raise ConfigError(f"{path}: command-line options {', '.join(f'--{p}-*' for p in unused)}"
+                          f" were given, but no actor in this file takes a "
+                          f"{' / '.join(f'`{p}`' for p in unused)} table; remove them or add "
+                          f"an actor of that kind")
 
 
 def _describe(err: str, prefix: list[str] | None = None) -> str:

@@ -1,0 +1,90 @@
+"""A stand-in for `python -m sglang.launch_server` in tests (SGLang itself needs a GPU).
+
+`install(folder)` writes a package `sglang` with a `launch_server` module into `folder`; with
+`folder` first on PYTHONPATH, `python -m sglang.launch_server ARGS` runs `main()` here, which:
+- parses ARGS with argparse the way SGLang's server does for the options declared below (an
+  unknown option exits with code 2 and argparse's `error: unrecognized arguments: ...` line,
+  exactly the failure a real SGLang gives for an option that does not exist);
+- records its argv (then also the parsed options) as JSON in $FAKE_SGLANG_RECORD (when set);
+- with `--fake-hang`, never answers (for health timeouts); otherwise serves the embedded engine
+  (engine/server.py) for `--model-path` on `--host`/`--port`, plus `GET /test/weights` (the
+  model's parameters as a safetensors blob) so tests compare weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def install(folder: Path) -> Path:
+    package = folder / "sglang"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(
+        "from tests.fake_sglang_server import main\n\nif __name__ == '__main__':\n    main()\n")
+    return folder
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch_server.py")
+    p.add_argument("--model-path", "--model", dest="model_path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--enable-torch-compile", action="store_true")
+    p.add_argument("--cuda-graph-bs", type=int, nargs="+")
+    p.add_argument("--json-model-override-args", type=str, default="{}")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--fake-hang", action="store_true")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+    from safetensors.torch import save
+
+    from engine.scheduler import Scheduler
+    from engine.server import EngineServer, start_server
+
+    scheduler = await Scheduler.create(args.model_path, batch_wait_ms=1.0)
+    loop_task = asyncio.ensure_future(scheduler.run())
+    server = EngineServer(scheduler, {"model_path": args.model_path, "tp_size": args.tp_size})
+
+    async def weights(request: web.Request) -> web.Response:
+        state = {n: p.detach().contiguous() for n, p in scheduler.model.named_parameters()}
+        return web.Response(body=save(state), content_type="application/octet-stream")
+
+    server.app.router.add_get("/test/weights", weights)
+    runner, port = await start_server(server, args.host, args.port)
+    print(f"serving {args.model_path} on {args.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await server.weights.close()
+    loop_task.cancel()
+    await asyncio.gather(loop_task, return_exceptions=True)
+    await scheduler.close()
+
+
+def main() -> None:
+    record = os.environ.get("FAKE_SGLANG_RECORD")
+    if record:  # argv first: argparse may exit on it
+        Path(record).write_text(json.dumps({"argv": sys.argv[1:]}))
+    args = parser().parse_args()
+    if record:
+        Path(record).write_text(json.dumps({"argv": sys.argv[1:], "parsed": vars(args)}))
+    if args.fake_hang:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        print("loading the model (never finishes)", flush=True)
+        signal.sigwait({signal.SIGTERM})
+        return
+    asyncio.run(serve(args))
