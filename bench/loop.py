@@ -102,19 +102,23 @@ def run_once(args: argparse.Namespace, staleness: int, root: Path,
 
 
 def memory_by_phase(records: list[dict]) -> dict[str, float]:
-    """Largest device memory each side reported in each phase of a colocated run."""
-    out: dict[str, float] = {}
+    """Median device memory each side reported in each phase of a colocated run. Medians, not
+    maxima: a worker's 1 s sample can land inside a release/resume transition, where the bytes
+    already belong to the next phase while the flag still names the previous one."""
+    import statistics
+
+    seen: dict[str, list[float]] = {}
     for r in records:
         v = r["values"]
         for phase in ("train", "generate"):
             key = f"memory/{phase}/trainer_device_bytes"
             if key in v:
                 name = f"trainer while {'training' if phase == 'train' else 'generating'}"
-                out[name] = max(out.get(name, 0.0), v[key] / 2**20)
+                seen.setdefault(name, []).append(v[key] / 2**20)
         if "memory/released" in v:
             name = f"{r['actor']} {'released' if v['memory/released'] else 'serving'}"
-            out[name] = max(out.get(name, 0.0), v["memory/device_bytes"] / 2**20)
-    return {k: round(v, 1) for k, v in sorted(out.items())}
+            seen.setdefault(name, []).append(v["memory/device_bytes"] / 2**20)
+    return {k: round(statistics.median(v), 1) for k, v in sorted(seen.items())}
 
 
 class GpuMemory:
@@ -166,6 +170,12 @@ def summarize(steps: list[dict], wall_s: float, args: argparse.Namespace) -> dic
             "num_steps": len(steps)}
 
 
+def run_colocated(args, root: Path) -> None:
+    colo = run_once(args, 0, root, "colocated")
+    print(f"colocated: samples/s {colo['samples_per_s']:.3g}, step {colo['step_s']:.3g} s "
+          f"(train {colo['train_s']:.3g} s, weight sync {colo['weight_sync_s']:.3g} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
@@ -178,13 +188,15 @@ def main() -> None:
                         help="torch threads per worker/trainer process (OMP_NUM_THREADS)")
     parser.add_argument("--colocated", action="store_true",
                         help="also run colocated mode (staleness 0) and report it")
+    parser.add_argument("--only-colocated", action="store_true",
+                        help="run only colocated mode and report its memory per phase")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    if args.only_colocated:
+        return run_colocated(args, root)
     runs = {k: run_once(args, k, root) for k in (0, 1)}
     if args.colocated:
-        colo = run_once(args, 0, root, "colocated")
-        print(f"colocated: samples/s {colo['samples_per_s']:.3g}, step {colo['step_s']:.3g} s "
-              f"(train {colo['train_s']:.3g} s, weight sync {colo['weight_sync_s']:.3g} s)")
+        run_colocated(args, root)
     keys = ["samples_per_s", "tokens_per_s", "step_s", "wait_batch_s", "train_s",
             "weight_sync_s", "logprob_abs_diff", "engine_logprob_abs_diff", "staleness_mean",
             "wall_s"]
