@@ -3,7 +3,8 @@
 Starts an embedded inference worker in-process, samples responses over HTTP exactly as the
 rollout does (HttpSession), then recomputes their log-probs with the trainer's batching and
 forward (actors.train_step.forward) on the same weights. Prints mean and max |Δ log p| over the
-policy tokens for each dtype.
+policy tokens for each dtype, the trainer forwarding the whole batch as one right-padded
+micro-batch.
 
 Attribution (`--attribute`, float32 only): the same tokens are also scored by a float64 copy of
 the model, one unpadded sequence at a time, and each side's error is reported against it:
@@ -12,6 +13,9 @@ trainer's right-padded batched forward) and `trainer_solo_vs_f64` (the trainer's
 sample alone, no padding). The logit scale (mean max |logit|) is printed too: an fp32 error is
 relative, so a trained model with sharp, large logits shows a larger absolute |Δ log p| than a
 random-init one on the same code path.
+
+`by_length_mean_abs_diff` is the same comparison with the trainer's `forward_by_length` (one
+unpadded forward per distinct length in the micro-batch, the trainer's default for fp32 on CPU).
 
 `python -m bench.logprob_alignment [--model tiny-qwen2] [--device cpu] [--dtypes float32,bfloat16]
 [--num-prompts 8] [--attribute]`. Final line: RESULT <dtype>_mean_abs_diff=... ...
@@ -114,8 +118,11 @@ def measure(model: str, device: str, dtype: str, temperature: float, max_new: in
     mb = make_micro_batch(samples, tokenizer.pad_token_id or 0).to(device)
     with torch.no_grad():
         logp, _ = forward(state, mb, temperature)
+        unpadded, _ = forward(state, mb, temperature, by_length=True)
     diff = (logp - mb.rollout_logp).abs() * mb.mask
     extra = attribute(net, samples, mb, logp, temperature) if with_attribution else {}
+    extra["by_length_mean_abs_diff"] = float(((unpadded - mb.rollout_logp).abs() * mb.mask).sum()
+                                             / mb.mask.sum())
     return float(diff.sum() / mb.mask.sum()), float(diff.max()), int(mb.mask.sum()), extra
 
 

@@ -156,3 +156,17 @@ def test_incompatible_options_fail_naming_both(options, names):
         msgspec.convert({"model": "tiny-qwen2", "workers": ["w"], **options}, TrainerConfig)
     for name in names or ("bypass = true", "correction = 'decoupled'"):
         assert name in str(info.value), str(info.value)
+
+
+def test_checkpoint_keeps_the_critic_and_rebuilds_the_reference(tmp_path):
+    state, cfg, samples = setup(advantage_estimator="ppo", critic=CriticConfig(), kl_coef=0.1,
+                                use_kl_loss=True)
+    initial_ref = {k: v.clone() for k, v in state.ref.state().items()}
+    train_on_batch(state, samples, cfg)
+    state.save(tmp_path / "ckpt")
+    resumed, _, _ = setup(advantage_estimator="ppo", critic=CriticConfig(), kl_coef=0.1, use_kl_loss=True)
+    resumed.load(tmp_path / "ckpt", "cpu")
+    assert max_diff(resumed.critic.state(), state.critic.state()) == 0.0
+    assert max_diff(resumed.model.state_dict(), state.model.state_dict()) == 0.0
+    assert max_diff(resumed.ref.state(), initial_ref) == 0.0  # the initial weights, not step 1
+    assert resumed.critic.optimizer.state_dict()["state"]  # Adam moments came back too
