@@ -73,6 +73,8 @@ class InferenceWorker(Actor):
     async def on_stop(self, reason: str) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.server is not None:
+            await self.server.weights.close()
         if self.scheduler is not None:
             await self.scheduler.close()
 

@@ -98,6 +98,45 @@ class SglangClient:
             body["weight_version"] = weight_version
         return await self._call("POST", "/update_weights_from_disk", body)
 
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict[str, Any]:
+        """Make the server join a torch.distributed group (it blocks until rank 0 joins too)."""
+        return await self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: str | None = None,
+                                              flush_cache: bool = True,
+                                              **extra: Any) -> dict[str, Any]:
+        """Receive these tensors by broadcast from rank 0 of the group, in this order."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache, **extra}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_distributed", body)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str],
+                                         weight_version: str | None = None,
+                                         flush_cache: bool = True,
+                                         **extra: Any) -> dict[str, Any]:
+        """Load serialized named tensors (one entry per TP rank; see engine/weight_sync.py)."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "flush_cache": flush_cache,
+                **extra}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_tensor", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group"
+                                           ) -> dict[str, Any]:
+        return await self._call("POST", "/destroy_weights_update_group",
+                                {"group_name": group_name})
+
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """Pause; mode "abort" (SGLang's default), "retract" or "in_place"."""
         return await self._call("POST", "/pause_generation", {"mode": mode})

@@ -11,7 +11,7 @@ Matched against (read in the public sglang sources, no server was run):
 - `python/sglang/srt/managers/io_struct.py`: `GenerateReqInput` (text / input_ids / sampling_params
   / return_logprob / logprob_start_len / top_logprobs_num / return_text_in_logprobs / rid / stream),
   `PauseGenerationReqInput` (mode "abort" | "retract" | "in_place", default "abort"),
-  `UpdateWeightFromDiskReqInput` (model_path, load_format, abort_all_requests, weight_version, ...),
+  `UpdateWeightFromDiskReqInput` and the other weight updates: engine/weights.py,
   `Release/ResumeMemoryOccupationReqInput` (tags), `AbortReq` (rid, abort_all);
 - `tokenizer_manager.py`: meta_info keys (id, finish_reason, prompt_tokens, weight_version,
   completion_tokens, cached_tokens, e2e_latency, input/output_token_logprobs as
@@ -54,6 +54,7 @@ from aiohttp import web
 
 from engine.scheduler import (DEFAULT_MAX_NEW_TOKENS, EngineError, GenRequest, GenResult,
                               SamplingParams, Scheduler)
+from engine.weights import WeightEndpoints
 
 VERSION = "rlx-engine-0.1 (SGLang native API subset)"
 HEALTH_TIMEOUT_S = 20.0
@@ -357,6 +358,7 @@ class EngineServer:
         self.scheduler = scheduler
         self.info = info  # model_path, tokenizer_path, host, port, ... for /server_info
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self.weights = WeightEndpoints(scheduler)  # the /update_weights_* family
         self._routes()
 
     def _routes(self) -> None:
@@ -376,7 +378,7 @@ class EngineServer:
             add(method, "/release_memory_occupation", self.release_memory)
             add(method, "/resume_memory_occupation", self.resume_memory)
         add("POST", "/abort_request", self.abort_request)
-        add("POST", "/update_weights_from_disk", self.update_weights_from_disk)
+        self.weights.add_routes(self.app)
         add("POST", "/pause_generation", self.pause_generation)
         add("POST", "/continue_generation", self.continue_generation)
 
@@ -463,17 +465,6 @@ class EngineServer:
         self.scheduler.abort(rid=rid, abort_all=abort_all)
         return web.Response(status=200)
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        try:
-            body = await _json_body(request, required=True)
-            path, version, abort_all = _weights_args(body)
-        except RequestError as e:
-            return web.json_response({"success": False, "message": str(e),
-                                      "num_paused_requests": 0}, status=400)
-        ok, message, held = await self.scheduler.update_weights_from_disk(path, version, abort_all)
-        return web.json_response({"success": ok, "message": message,
-                                  "num_paused_requests": held}, status=200 if ok else 400)
-
     async def release_memory(self, request: web.Request) -> web.Response:
         return await self._memory(request, self.scheduler.release)
 
@@ -504,22 +495,6 @@ class EngineServer:
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self.scheduler.continue_generation()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-
-def _weights_args(body: Any) -> tuple[str, str | None, bool]:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    path, version = body.get("model_path"), body.get("weight_version")
-    fmt, abort_all = body.get("load_format"), body.get("abort_all_requests", False)
-    if not isinstance(path, str) or not path:
-        raise RequestError("model_path (a checkpoint directory) is required")
-    if version is not None and not isinstance(version, str):
-        raise RequestError("weight_version must be a string")
-    if fmt not in (None, "auto", "safetensors"):
-        raise RequestError(f"load_format {fmt!r} is not supported (auto or safetensors)")
-    if not isinstance(abort_all, bool):
-        raise RequestError("abort_all_requests must be true or false")
-    return path, version, abort_all
 
 
 async def start_server(server: EngineServer, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -1,0 +1,281 @@
+"""SGLang's weight-update endpoints on the embedded engine: from disk, from a process group,
+from serialized tensors; plus the group's init/destroy.
+
+Role: `WeightEndpoints(scheduler).add_routes(app)` serves `/update_weights_from_disk`,
+`/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`
+and `/update_weights_from_tensor` with SGLang's request fields (io_struct.py:
+`UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput` {master_address, master_port,
+rank_offset, world_size, group_name = "weight_update_group", backend = "nccl"},
+`UpdateWeightsFromDistributedReqInput` {names, dtypes, shapes, group_name, flush_cache,
+abort_all_requests, weight_version, load_format}, `UpdateWeightsFromTensorReqInput`
+{serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version}) and
+its answers (`{"success", "message"}`, HTTP 200 or 400).
+
+Invariants:
+- A weight update is all or nothing: every tensor of a request is received and checked (name,
+  shape) before any parameter changes; it runs at the scheduler's safe point (between waves, or
+  at once while generation is paused) and `weight_version` changes only with a success.
+- The group is joined with engine/dist_group.py (SGLang's way), this worker's rank being
+  `rank_offset` (one rank: no tensor parallelism here); gloo receives on CPU, nccl on the GPU.
+- Never unpickles. Differs from SGLang on purpose: `serialized_named_tensors` entries are
+  base64 of a safetensors blob (name -> tensor), where SGLang's are base64 of its
+  MultiprocessingSerializer pickle of [(name, tensor)] with CUDA IPC handles; unpickling what
+  arrives over HTTP would run arbitrary code. A pickle payload is refused with a 400 that says so.
+  Only the first entry is read (SGLang has one per TP rank; this engine has one rank).
+  `load_format` must be null (SGLang's "direct" / "flattened_bucket" are refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from engine import dist_group
+from engine.scheduler import Scheduler
+
+
+class WeightRequestError(ValueError):
+    """A malformed weight-update request; the message says what to change."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise WeightRequestError(message)
+
+
+def _common(body: dict) -> tuple[str | None, bool]:
+    version, abort_all = body.get("weight_version"), body.get("abort_all_requests", False)
+    _require(version is None or isinstance(version, str), "weight_version must be a string")
+    _require(isinstance(abort_all, bool), "abort_all_requests must be true or false")
+    _require(isinstance(body.get("flush_cache", True), bool), "flush_cache must be true or false")
+    return version, abort_all
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    text = name.removeprefix("torch.") if isinstance(name, str) else ""
+    dtype = getattr(torch, text, None)
+    _require(isinstance(dtype, torch.dtype), f"unknown dtype {name!r} (e.g. 'bfloat16')")
+    return dtype
+
+
+def parse_init_group(body: Any) -> dict[str, Any]:
+    _require(isinstance(body, dict), "the request body must be a JSON object")
+    out = {"master_address": body.get("master_address"), "master_port": body.get("master_port"),
+           "rank_offset": body.get("rank_offset"), "world_size": body.get("world_size"),
+           "group_name": body.get("group_name", dist_group.DEFAULT_GROUP_NAME),
+           "backend": body.get("backend", "nccl")}
+    _require(isinstance(out["master_address"], str), "master_address (a host) is required")
+    for key in ("master_port", "rank_offset", "world_size"):
+        _require(isinstance(out[key], int) and not isinstance(out[key], bool),
+                 f"{key} must be an integer")
+    _require(0 < out["rank_offset"] < out["world_size"],
+             "rank_offset must be in [1, world_size): rank 0 is the trainer")
+    _require(isinstance(out["group_name"], str) and out["group_name"], "group_name is required")
+    return out
+
+
+def parse_update_distributed(body: Any) -> dict[str, Any]:
+    _require(isinstance(body, dict), "the request body must be a JSON object")
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    _require(isinstance(names, list) and all(isinstance(n, str) for n in names) and names,
+             "names must be a non-empty list of parameter names")
+    _require(isinstance(dtypes, list) and len(dtypes) == len(names),
+             "dtypes must have one entry per name")
+    _require(isinstance(shapes, list) and len(shapes) == len(names) and all(
+        isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes),
+        "shapes must have one list of non-negative integers per name")
+    _require(body.get("load_format") is None, "load_format must be null on this engine")
+    version, abort_all = _common(body)
+    return {"names": names, "dtypes": [parse_dtype(d) for d in dtypes], "shapes": shapes,
+            "group_name": body.get("group_name", dist_group.DEFAULT_GROUP_NAME),
+            "weight_version": version, "abort_all_requests": abort_all}
+
+
+def decode_tensors(payload: Any) -> dict[str, torch.Tensor]:
+    """base64 text of a safetensors blob -> {name: tensor}; anything else is refused."""
+    from safetensors.torch import load
+
+    _require(isinstance(payload, str), "serialized_named_tensors entries must be base64 text")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise WeightRequestError("serialized_named_tensors[0] is not valid base64") from None
+    header_len = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else -1
+    _require(0 < header_len <= len(raw) - 8 and raw[8:9] == b"{",
+             "serialized_named_tensors[0] is not a safetensors blob; this engine never "
+             "unpickles (SGLang's MultiprocessingSerializer payloads are refused): send "
+             "base64(safetensors.torch.save(named_tensors))")
+    try:
+        return load(raw)
+    except Exception as e:  # noqa: BLE001 - a corrupt blob is the caller's mistake
+        raise WeightRequestError(f"serialized_named_tensors[0]: bad safetensors blob: {e}") \
+            from None
+
+
+def parse_update_tensor(body: Any) -> dict[str, Any]:
+    _require(isinstance(body, dict), "the request body must be a JSON object")
+    entries = body.get("serialized_named_tensors")
+    _require(isinstance(entries, list) and entries,
+             "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+    _require(body.get("load_format") is None,
+             f"load_format {body.get('load_format')!r} is not supported here (only null)")
+    version, abort_all = _common(body)
+    return {"tensors": decode_tensors(entries[0]), "weight_version": version,
+            "abort_all_requests": abort_all}
+
+
+def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into the model's parameters/buffers by name; checks every name and shape
+    first, so a bad request changes nothing. Tied weights may be sent under either name."""
+    targets = {**dict(model.named_buffers()),
+               **dict(model.named_parameters(remove_duplicate=False))}
+    unknown = sorted(set(tensors) - set(targets))
+    _require(not unknown, f"unknown parameter names {unknown[:5]}")
+    for name, t in tensors.items():
+        _require(tuple(t.shape) == tuple(targets[name].shape),
+                 f"shape of {name}: model {tuple(targets[name].shape)}, sent {tuple(t.shape)}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            targets[name].copy_(t.to(dtype=targets[name].dtype, device=targets[name].device))
+
+
+def _answer(ok: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": ok, "message": message, **extra},
+                             status=200 if ok else 400)
+
+
+async def _json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except ValueError as e:
+        raise WeightRequestError(f"Invalid JSON in the request body: {e}") from None
+
+
+class WeightEndpoints:
+    """The weight-update HTTP handlers of one engine; `close()` leaves every group."""
+
+    def __init__(self, scheduler: Scheduler, group_timeout_s: float = 600.0):
+        self.scheduler = scheduler
+        self.group_timeout_s = group_timeout_s  # rendezvous and each collective must finish
+        self.groups: dict[str, tuple[Any, str]] = {}  # group name -> (process group, backend)
+        # group joins and receives block; they run here, off the event loop and the engine thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-group")
+
+    def add_routes(self, app: web.Application) -> None:
+        add = app.router.add_route
+        add("POST", "/update_weights_from_disk", self.update_from_disk)
+        add("POST", "/init_weights_update_group", self.init_group)
+        add("POST", "/update_weights_from_distributed", self.update_from_distributed)
+        add("POST", "/destroy_weights_update_group", self.destroy_group)
+        add("POST", "/update_weights_from_tensor", self.update_from_tensor)
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            path, version, abort_all = _disk_args(await _json(request))
+        except WeightRequestError as e:
+            return _answer(False, str(e), num_paused_requests=0)
+        ok, message, held = await self.scheduler.update_weights_from_disk(path, version, abort_all)
+        return _answer(ok, message, num_paused_requests=held)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        try:
+            args = parse_init_group(await _json(request))
+        except WeightRequestError as e:
+            return _answer(False, str(e))
+        name, backend = args["group_name"], args["backend"]
+        if name in self.groups:
+            return _answer(False, f"group {name!r} exists; call /destroy_weights_update_group "
+                                  f"first")
+        if backend == "nccl" and not str(self.scheduler.device).startswith("cuda"):
+            return _answer(False, "backend nccl needs a CUDA device; this worker runs on "
+                                  f"{self.scheduler.device}: use backend gloo")
+        try:
+            group = await self._in_pool(
+                lambda: dist_group.new_group(backend, args["master_address"], args["master_port"],
+                                             args["rank_offset"], args["world_size"], name,
+                                             self.group_timeout_s))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            return _answer(False, f"Failed to init the weight update group {name!r}: {e}")
+        self.groups[name] = (group, backend)
+        return _answer(True, "Succeeded to initialize custom process group.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            args = parse_update_distributed(await _json(request))
+        except WeightRequestError as e:
+            return _answer(False, str(e))
+        if args["group_name"] not in self.groups:
+            return _answer(False, f"no weight update group {args['group_name']!r}; call "
+                                  f"/init_weights_update_group first")
+        group, backend = self.groups[args["group_name"]]
+        device = self.scheduler.device if backend == "nccl" else "cpu"
+        try:  # receive everything first: the sender's broadcasts must always complete
+            tensors = await self._in_pool(_receive, args, group, device)
+        except Exception as e:  # noqa: BLE001 - a broken group is reported, the engine goes on
+            return _answer(False, f"Failed to receive weights: {e}")
+        ok, message, _ = await self.scheduler.update_weights(
+            lambda: load_named_tensors(self.scheduler.model, tensors), None,
+            args["weight_version"], args["abort_all_requests"], "distributed")
+        return _answer(ok, message)
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json(request)
+            args = await self._in_pool(parse_update_tensor, body)
+        except WeightRequestError as e:
+            return _answer(False, str(e))
+        ok, message, _ = await self.scheduler.update_weights(
+            lambda: load_named_tensors(self.scheduler.model, args["tensors"]), None,
+            args["weight_version"], args["abort_all_requests"], "tensor")
+        return _answer(ok, message)
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json(request)
+        except WeightRequestError as e:
+            return _answer(False, str(e))
+        name = body.get("group_name", dist_group.DEFAULT_GROUP_NAME) \
+            if isinstance(body, dict) else None
+        if name not in self.groups:
+            return _answer(False, f"no weight update group {name!r}")
+        group, _ = self.groups.pop(name)
+        await self._in_pool(dist_group.destroy, group)
+        return _answer(True, "Succeeded to destroy custom process group.")
+
+    async def close(self) -> None:
+        for group, _ in self.groups.values():
+            await self._in_pool(dist_group.destroy, group)
+        self.groups.clear()
+        self._pool.shutdown(wait=True)
+
+
+def _receive(args: dict[str, Any], group, device: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, dtype, shape in zip(args["names"], args["dtypes"], args["shapes"]):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist_group.broadcast(tensor, group)
+        out[name] = tensor
+    return out
+
+
+def _disk_args(body: Any) -> tuple[str, str | None, bool]:
+    _require(isinstance(body, dict), "the request body must be a JSON object")
+    path, fmt = body.get("model_path"), body.get("load_format")
+    _require(isinstance(path, str) and bool(path),
+             "model_path (a checkpoint directory) is required")
+    _require(fmt in (None, "auto", "safetensors"),
+             f"load_format {fmt!r} is not supported (auto or safetensors)")
+    version, abort_all = _common(body)
+    return path, version, abort_all
