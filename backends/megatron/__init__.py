@@ -1,0 +1,9 @@
+"""The megatron-core trainer backend (optional extra `megatron`).
+
+Role: `convert` (HF <-> megatron tensors, pure), `model` (GPTModel from an HF config behind the
+trainer's forward contract, native option pass-through), `parallel` (gathers and gradient norms
+over the TP/PP groups), `pipeline` (a pipeline-parallel step through megatron's schedules),
+`checkpoint` (distributed checkpoints and HF export for weight sync).
+Invariant: importing this package does not import megatron-core; the submodules other than
+`convert` do.
+"""

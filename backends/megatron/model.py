@@ -1,0 +1,248 @@
+"""A megatron-core GPTModel built from a Hugging Face config, behind the trainer's model contract.
+
+Role: `build_model` turns an HF config (Qwen2/Qwen3/Llama) plus the user's `megatron` option table
+into a GPTModel on the tensor/pipeline parallel layout of `megatron.core.parallel_state`, and
+`MegatronCausalLM` wraps it so `models.logprobs` and `actors.train_step` use it unchanged:
+forward(input_ids, attention_mask=..., position_ids=...) returns `.logits` [B, T, V] gathered
+over the tensor-parallel ranks. Native pass-through: every key of the option table that is a
+TransformerConfig field or a GPTModel keyword is passed as given; keys describing the model's
+shape (they come from the HF config) or unknown keys are refused.
+
+Invariant: on the same weights and batch the wrapper's logits equal the transformers model's to
+float precision. Megatron applies RoPE at positions 0..T-1 of the padded row; scores depend only
+on position differences and padding keys are masked, so for left- or right-padded rows this is
+the same function as HF's position_ids = cumsum(mask) - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from backends.megatron.convert import Layout, check_tensor_parallel, layout_from_hf
+from backends.megatron.convert import rope_parameters, rope_scaling_factor
+
+try:
+    with warnings.catch_warnings():  # megatron warns at import that Apex/TE are absent
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("the megatron backend needs megatron-core: pip install 'rlx[megatron]'"
+                      ) from exc
+
+# TransformerConfig fields read from the HF config: setting them would break weight conversion
+SHAPE_FIELDS = frozenset({
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "kv_channels", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
+    "gated_linear_unit", "activation_func", "qk_layernorm"})
+# GPTModel keywords the backend owns (shape, RoPE, stage role, spec)
+OWNED_MODEL_KWARGS = frozenset({
+    "config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process",
+    "post_process", "share_embeddings_and_output_weights", "position_embedding_type",
+    "rotary_base", "rope_scaling", "rope_scaling_factor", "pg_collection", "vp_stage",
+    "mtp_block_spec"})
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+MODEL_KWARGS = frozenset(inspect.signature(GPTModel.__init__).parameters) - {"self"}
+# defaults chosen for running on any device without fused kernels; each can be overridden
+PORTABLE_DEFAULTS = dict(
+    bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+    persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+    use_cpu_initialization=True, perform_initialization=False,
+    cuda_graph_scope=[])  # the default "full" is deprecated (and warns) in megatron-core 0.16
+
+
+@dataclass
+class CausalLMOutput:
+    """What the trainer reads from a forward: the logits [B, T, V]."""
+
+    logits: torch.Tensor
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The `megatron` option table -> (TransformerConfig kwargs, GPTModel kwargs); ValueError for
+    keys that are owned by the backend or unknown (with the closest known names)."""
+    config_kw, model_kw = {}, {}
+    for key, value in options.items():
+        if key in SHAPE_FIELDS or key in OWNED_MODEL_KWARGS:
+            raise ValueError(f"megatron option {key!r} is set from the HF config / parallel "
+                             f"layout by the backend; remove it from the megatron table")
+        if key in CONFIG_FIELDS:
+            config_kw[key] = _coerce(key, value)
+        elif key in MODEL_KWARGS:
+            model_kw[key] = value
+        else:
+            close = difflib.get_close_matches(key, sorted(CONFIG_FIELDS | MODEL_KWARGS), n=5)
+            raise ValueError(f"unknown megatron option {key!r}: not a TransformerConfig field "
+                             f"nor a GPTModel argument; did you mean one of {close}?")
+    return config_kw, model_kw
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Dtype fields accept 'bfloat16' / 'float16' / 'float32' from TOML or the command line."""
+    default = next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)
+    if isinstance(default, torch.dtype) and isinstance(value, str):
+        if not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(f"megatron option {key}={value!r} is not a torch dtype name")
+        return getattr(torch, value)
+    return value
+
+
+def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
+                       ) -> TransformerConfig:
+    """The TransformerConfig of `hf_config` on the current parallel layout, options applied."""
+    layout = layout_from_hf(hf_config)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    check_tensor_parallel(layout, tp)
+    for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if key in options and options[key] != size:
+            raise ValueError(f"megatron option {key}={options[key]} differs from the "
+                             f"initialized parallel state ({size}); initialize_parallel sets it")
+    shape = dict(
+        num_layers=layout.num_layers, hidden_size=layout.hidden_size,
+        num_attention_heads=layout.num_heads, num_query_groups=layout.num_query_groups,
+        ffn_hidden_size=layout.ffn_hidden_size, kv_channels=layout.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
+        add_bias_linear=False, add_qkv_bias=layout.qkv_bias, gated_linear_unit=True,
+        activation_func=F.silu, qk_layernorm=layout.qk_norm)
+    precision = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                     fp16=dtype == torch.float16, pipeline_dtype=dtype,
+                     hidden_dropout=0.0,
+                     attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)))
+    config_kw, _ = split_options(options)
+    return TransformerConfig(**(PORTABLE_DEFAULTS | precision | config_kw | shape),
+                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTModel:
+    """The GPTModel stage of this rank (random or no init: load weights after)."""
+    config = transformer_config(hf_config, options, dtype)
+    layout = layout_from_hf(hf_config)
+    _, model_kw = split_options(options)
+    factor = rope_scaling_factor(hf_config)
+    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+    return GPTModel(
+        config, spec, vocab_size=layout.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=layout.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(rope_parameters(hf_config)["rope_theta"]),
+        rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0, **model_kw)
+
+
+def initialize_parallel(tensor_model_parallel_size: int = 1,
+                        pipeline_model_parallel_size: int = 1, seed: int = 0) -> None:
+    """Megatron's parallel state and RNG tracker on the already-initialized default group."""
+    if not torch.distributed.is_initialized():
+        raise ValueError("torch.distributed must be initialized before the megatron backend "
+                         "(torchrun, or init_process_group with a store)")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size,
+                                             pipeline_model_parallel_size,
+                                             create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_model(hf_config, options: dict[str, Any] | None = None,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                ) -> "MegatronCausalLM":
+    """A MegatronCausalLM for this rank's stage on `device` (weights uninitialized)."""
+    options = dict(options or {})
+    gpt = build_gpt(hf_config, options, dtype).to(device)
+    module = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
+    return MegatronCausalLM(module, hf_config)
+
+
+def from_hf_model(hf_model, options: dict[str, Any] | None = None,
+                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                  ) -> "MegatronCausalLM":
+    """Build the megatron model of `hf_model`'s config and load its weights."""
+    model = build_model(hf_model.config, options, dtype, device)
+    model.load_hf_state_dict(hf_model.state_dict())
+    return model.eval()
+
+
+class MegatronCausalLM(torch.nn.Module):
+    """A GPTModel stage (optionally in Float16Module) with the transformers-style forward."""
+
+    def __init__(self, module: torch.nn.Module, hf_config):
+        super().__init__()
+        self.module = module
+        self.config = hf_config  # the HF config: written next to converted weights
+        self.layout: Layout = layout_from_hf(hf_config)
+
+    @property
+    def core(self) -> GPTModel:
+        """The GPTModel itself (unwrapped from Float16Module)."""
+        return self.module.module if isinstance(self.module, Float16Module) else self.module
+
+    @property
+    def layers(self) -> range:
+        """Global indices of the transformer layers this stage holds."""
+        offset = get_transformer_layer_offset(self.core.config)
+        return range(offset, offset + len(self.core.decoder.layers))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False
+                ) -> CausalLMOutput:
+        if not (self.core.pre_process and self.core.post_process):
+            raise ValueError("with pipeline parallelism a stage has no whole forward: use "
+                             "backends.megatron.pipeline.pipeline_logprobs")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        logits = self.module(input_ids, positions.expand_as(input_ids),
+                             blocked_attention(attention_mask), runtime_gather_output=True)
+        return CausalLMOutput(logits=logits)
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load HF-named full tensors: this rank keeps its tensor shard of its stage."""
+        from backends.megatron.convert import hf_to_megatron
+
+        own = hf_to_megatron(hf, self.layout, parallel_state.get_tensor_model_parallel_rank(),
+                             parallel_state.get_tensor_model_parallel_world_size(), self.layers,
+                             self.core.pre_process, self.core.post_process)
+        missing, unexpected = self.core.load_state_dict(own, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"converted weights do not fit the megatron model: missing "
+                             f"{missing}, unexpected {unexpected}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's HF tensors (CPU), identical on every rank."""
+        from backends.megatron.parallel import gather_hf_state_dict
+
+        return gather_hf_state_dict(self)
+
+    def save_pretrained(self, directory: str) -> None:
+        """HF checkpoint directory (safetensors + config.json), written by global rank 0."""
+        from backends.megatron.checkpoint import save_hf
+
+        save_hf(self, directory)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip to a global gradient norm over all tensor/pipeline shards; returns the norm."""
+        from backends.megatron.parallel import clip_grad_norm
+
+        return clip_grad_norm(self, max_norm)
+
+
+def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 1 = token -> [B, 1, T, T] bool, True where a query may not attend: future keys and
+    padding keys (megatron's mask convention)."""
+    t = attention_mask.shape[1]
+    future = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).triu(1)
+    return future[None, None] | ~attention_mask.bool()[:, None, None, :]
