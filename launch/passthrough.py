@@ -31,9 +31,10 @@ PREFIXES = ("sglang", "router", "megatron")  # command-line prefix == config fie
 def parse_value(text: str) -> Any:
     """A command-line value as a TOML value where possible, else the string itself."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    return value if isinstance(value, (str, int, float, bool, list, dict)) else text  # dates
 
 
 def _split(token: str) -> tuple[str, str, str | None] | None:

@@ -55,6 +55,11 @@ def test_router_command_passes_options_through():
     assert "--disable-retries" in cmd
     rr = router_command(RouterConfig(policy="round_robin"), ["http://a:1"], 1)
     assert rr[rr.index("--policy") + 1] == "round_robin"
+    both = router_command(RouterConfig(router_args={"log_level": "info", "retries": 2},
+                                       router={"log_level": "warn"}), [], 1)
+    assert "--worker-urls" not in both  # workers register themselves later
+    assert both[both.index("--log-level") + 1] == "warn" and both.count("--log-level") == 1
+    assert both[both.index("--retries") + 1] == "2"
 
 
 async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
