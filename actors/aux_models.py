@@ -93,8 +93,9 @@ class AuxModel:
         """Copy `tensors` in; names and shapes must match the module's."""
         own = self.module.state_dict()
         if set(own) != set(tensors):
-            raise ValueError(f"weight set does not match: missing {sorted(set(own) - set(tensors))[:5]}"
-                             f", unexpected {sorted(set(tensors) - set(own))[:5]}")
+            missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+            raise ValueError(f"weight set does not match: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
         with torch.no_grad():
             for name, t in own.items():
                 if t.shape != tensors[name].shape:

@@ -9,8 +9,8 @@ than the cap gets a micro-batch of its own and is reported (`oversized`), never 
 `DataParallel` wraps a torch.distributed process group (gloo on CPU, NCCL on GPUs) with the
 reductions the step needs: gradients (summed: every rank's loss is already divided by the number
 of samples in the whole step, so the sum is the one-process gradient), float64 statistics
-(whitening sums, metric totals), and a gather of the mismatch-metric tensors. `SingleProcess` is the same interface for one
-process, doing nothing.
+(whitening sums, metric totals), and a gather of the mismatch-metric tensors. `SingleProcess`
+is the same interface for one process, doing nothing.
 Invariant: every rank calls the reductions in the same order with the same shapes; each rank
 holds the whole step's sample list, so per-sample quantities (rewards, group baselines) are
 computed identically everywhere without communication.
@@ -73,6 +73,9 @@ class DataParallel(SingleProcess):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == "nccl"  # NCCL reduces device tensors only
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl \
+            else torch.device("cpu")
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum every parameter's gradient over ranks in one flat all-reduce (missing = zero)."""
@@ -88,9 +91,10 @@ class DataParallel(SingleProcess):
             offset += n
 
     def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
+        """The sum over ranks, on the CPU."""
+        out = tensor.to(self.device, copy=True)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
+        return out.cpu()
 
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

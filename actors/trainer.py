@@ -104,7 +104,8 @@ def check_algorithm(cfg: TrainerConfig) -> None:
                          "std_normalization only applies to grpo; remove it")
     if est == "ppo" and cfg.critic is None:
         raise ValueError("advantage_estimator = 'ppo' needs a critic: add critic = {} (a value "
-                         "model from the policy's checkpoint) or critic = { model = ..., lr = ... }")
+                         "model from the policy's checkpoint) or critic = { model = ..., "
+                         "lr = ... }")
     if est != "ppo" and cfg.critic is not None:
         raise ValueError(f"critic is set but advantage_estimator = {est!r} uses no value model; "
                          "use advantage_estimator = 'ppo' or remove critic")

@@ -164,7 +164,8 @@ def test_checkpoint_keeps_the_critic_and_rebuilds_the_reference(tmp_path):
     initial_ref = {k: v.clone() for k, v in state.ref.state().items()}
     train_on_batch(state, samples, cfg)
     state.save(tmp_path / "ckpt")
-    resumed, _, _ = setup(advantage_estimator="ppo", critic=CriticConfig(), kl_coef=0.1, use_kl_loss=True)
+    resumed, _, _ = setup(advantage_estimator="ppo", critic=CriticConfig(), kl_coef=0.1,
+                          use_kl_loss=True)
     resumed.load(tmp_path / "ckpt", "cpu")
     assert max_diff(resumed.critic.state(), state.critic.state()) == 0.0
     assert max_diff(resumed.model.state_dict(), state.model.state_dict()) == 0.0
