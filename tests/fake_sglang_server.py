@@ -47,32 +47,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+def add_test_routes(server) -> None:
+    """GET /test/weights: the model's parameters as one safetensors blob."""
     from aiohttp import web
     from safetensors.torch import save
 
-    from engine.scheduler import Scheduler
-    from engine.server import EngineServer, start_server
-
-    scheduler = await Scheduler.create(args.model_path, batch_wait_ms=1.0)
-    loop_task = asyncio.ensure_future(scheduler.run())
-    server = EngineServer(scheduler, {"model_path": args.model_path, "tp_size": args.tp_size})
-
     async def weights(request: web.Request) -> web.Response:
-        state = {n: p.detach().contiguous() for n, p in scheduler.model.named_parameters()}
+        state = {n: p.detach().contiguous()
+                 for n, p in server.scheduler.model.named_parameters()}
         return web.Response(body=save(state), content_type="application/octet-stream")
 
     server.app.router.add_get("/test/weights", weights)
-    runner, port = await start_server(server, args.host, args.port)
-    print(f"serving {args.model_path} on {args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    await server.weights.close()
-    loop_task.cancel()
-    await asyncio.gather(loop_task, return_exceptions=True)
-    await scheduler.close()
 
 
 def main() -> None:
@@ -87,4 +72,9 @@ def main() -> None:
         print("loading the model (never finishes)", flush=True)
         signal.sigwait({signal.SIGTERM})
         return
-    asyncio.run(serve(args))
+    from engine.serve import serve
+
+    engine_args = argparse.Namespace(model_path=args.model_path, host=args.host, port=args.port,
+                                     device="cpu", dtype="float32", seed=0, max_batch_size=64,
+                                     batch_wait_ms=1.0)
+    asyncio.run(serve(engine_args, add_test_routes))
