@@ -73,11 +73,11 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     dual_clip_c: float | None = None  # > 1: cap the loss of negative-advantage tokens at -c*A
     entropy_coef: float = 0.0  # entropy bonus weight
     mismatch: MismatchConfig = MismatchConfig()  # TIS / rejection / decoupled PPO / bypass
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"  # torch device of the policy (and of the reference/critic while in use)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
     save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
     keep_versions: int = 2  # pushed weight versions kept on disk
-    seed: int = 0
+    seed: int = 0  # torch seed (and the initialisation of built-in tiny models)
     batch_timeout_s: float = 3600.0  # how long to wait for the buffer
 
     def __post_init__(self) -> None:
