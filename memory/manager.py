@@ -1,0 +1,416 @@
+"""WeightMemory: tagged weight sets across three tiers (GPU slots, pinned host arena, NVMe).
+
+Operations, with the meaning of slime's TensorBackuper where the names match:
+- `backup(tag)`: GPU slot -> host region (D2H); `backup(tag, no_copy=True)` keeps only a
+  checksum of the GPU tensors, and the next `restore(tag)` verifies it (raises naming the tensor);
+- `restore(tag)`: host -> GPU slot (H2D); `copy(src, dst)`: host -> host, no GPU traffic;
+- `spill(tag)`: host -> NVMe (checksummed); `prefetch(tag, "host" | "gpu")`: returns a Future at
+  once; NVMe -> host runs on reader threads or in the prefetcher process (`remote_read`), and
+  NVMe -> GPU is pipelined per chunk (the H2D of chunk i runs while chunk i+1 is read);
+- `acquire(tag)` / `release(tag)`: use a set for compute (the compute stream waits on the set's
+  copy event only, never on the whole device); `run(order, fn)` runs a declared switch order with
+  the planner's Belady eviction and prefetch one or more switches ahead.
+
+On CUDA, H2D and D2H run on two dedicated streams ordered by events: a slot is overwritten only
+after the compute that last read it (its release event), and compute on a set starts only after
+its copy event. On a CPU-only machine the "GPU" tier is the CPU device and copies run on a thread,
+so every path runs in CI. Every copy and compute phase goes on the timeline.
+
+Invariant: a tier never holds more than its budget (slots: count; host: arena bytes), and a set
+always has a canonical copy somewhere (host region, NVMe file, or source checkpoint) before its
+GPU slot is reused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memory.checksum import ChecksumMismatch, tensor_checksums
+from memory.host import PinnedArena, Region
+from memory.layout import FlatLayout, bind, module_tensors, pack
+from memory.nvme import NvmeStore
+from memory.planner import Plan, check_sizes, plan_switches
+from memory.timeline import Timeline
+
+log = logging.getLogger(__name__)
+Future = concurrent.futures.Future
+
+
+@dataclass
+class WeightSet:
+    tag: str
+    layout: FlatLayout
+    source: str = ""  # checkpoint to reload from ("" = none)
+    slot: int | None = None  # GPU slot index while resident there
+    region: Region | None = None  # host region while resident there
+    ready: Any = None  # CUDA event after which the slot holds the set (None on CPU)
+    copy_future: Future | None = None  # completes when the copy into the slot is issued (CUDA)
+                                       # or done (CPU)
+    host_ready: Future | None = None  # completes when the host region holds the set
+    checksums: dict[str, tuple[int, int]] | None = None  # no-copy backup
+    module: torch.nn.Module | None = None  # a module whose parameters view the slot
+    dirty: bool = False  # GPU copy newer than host/NVMe (adopted, trained)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class WeightMemory:
+    def __init__(self, device: str = "cpu", gpu_slots: int = 2, slot_bytes: int = 1 << 26,
+                 host_budget_bytes: int = 1 << 27, nvme_dir: str | None = None,
+                 chunk_bytes: int = 16 << 20, num_readers: int = 4, lookahead: int = 1,
+                 timeline: Timeline | None = None, arena: PinnedArena | None = None,
+                 remote_read: Callable[[str, Region], Future] | None = None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.slot_bytes, self.lookahead = slot_bytes, lookahead
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(gpu_slots)]
+        self.slot_tag: list[str | None] = [None] * gpu_slots
+        self.slot_free: list[Any] = [None] * gpu_slots  # event: last compute on the slot done
+        self.arena = arena or PinnedArena.create(host_budget_bytes)
+        self.store = NvmeStore(nvme_dir, chunk_bytes, num_readers) if nvme_dir else None
+        self.timeline = timeline or Timeline()
+        self.remote_read = remote_read
+        self.sets: dict[str, WeightSet] = {}
+        self.counters = {"sync_fallbacks": 0, "gpu_loads": 0, "host_loads": 0,
+                         "checksum_reloads": 0}
+        # two pools, so that a copy waiting for its disk read never holds the thread the read needs
+        self._disk = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightmem-disk")
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-h2d")
+        self._lock = threading.RLock()
+        if self.cuda:
+            self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+
+    # ---- registration --------------------------------------------------------------------
+    def register(self, tag: str, layout: FlatLayout, source: str = "") -> WeightSet:
+        if tag in self.sets:
+            raise ValueError(f"weight set {tag!r} is already registered")
+        check_sizes({tag: layout.total_bytes}, self.slot_bytes, self.arena.nbytes)
+        self.sets[tag] = WeightSet(tag, layout, source)
+        return self.sets[tag]
+
+    def adopt(self, tag: str, module: torch.nn.Module) -> WeightSet:
+        """Move a live module's tensors into a GPU slot and make its parameters view it (the
+        student / actor): later backups and restores are one flat copy."""
+        tensors = module_tensors(module)
+        ws = self.register(tag, FlatLayout.from_state_dict(tensors))
+        slot = self._free_slot()
+        pack(tensors, self.slots[slot], ws.layout)
+        views = bind(self.slots[slot], ws.layout)
+        for name, t in tensors.items():
+            t.data = views[name]
+        self._occupy(ws, slot)
+        ws.module, ws.dirty = module, True
+        return ws
+
+    def load_tensors(self, tag: str, tensors: Mapping[str, torch.Tensor], source: str = "",
+                     ) -> WeightSet:
+        """Register a set from a state dict and place it on the host tier."""
+        ws = self.register(tag, FlatLayout.from_state_dict(tensors), source)
+        ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
+        pack(tensors, self.arena.view(ws.region), ws.layout)
+        ws.host_ready = _done()
+        return ws
+
+    # ---- slime's operations --------------------------------------------------------------
+    def backup(self, tag: str, no_copy: bool = False) -> None:
+        ws = self._need(tag, on_gpu=True)
+        if no_copy:
+            ws.checksums = tensor_checksums(self.gpu_tensors(tag))
+            return
+        if ws.region is None:
+            ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
+        self._copy(self.slots[ws.slot], self.arena.view(ws.region), ws, "d2h")
+        ws.dirty = False
+        ws.host_ready = _done()
+
+    def restore(self, tag: str) -> None:
+        ws = self.sets[tag]
+        if ws.checksums is not None and ws.slot is not None:
+            ChecksumMismatch.check(tag, ws.checksums, tensor_checksums(self.gpu_tensors(tag)))
+            return
+        if ws.slot is not None and self.slot_tag[ws.slot] == tag:  # overwrite in place
+            self._need(tag, on_host=True)
+            self._copy(self.arena.view(ws.region), self.slots[ws.slot], ws, "h2d", ws.slot)
+        else:
+            self._to_gpu(ws, prefetch=False).result()
+        self._wait_ready(ws)
+
+    def copy(self, src: str, dst: str) -> None:
+        s, d = self._need(src, on_host=True), self.sets[dst]
+        if s.layout.fingerprint() != d.layout.fingerprint():
+            raise ValueError(f"cannot copy {src!r} into {dst!r}: different layouts")
+        if d.region is None:
+            d.region = self.arena.alloc(dst, d.layout.total_bytes)
+        t0 = self.timeline.now()
+        self.arena.view(d.region).copy_(self.arena.view(s.region))
+        self.timeline.add("h2h", dst, "host", t0, nbytes=d.layout.total_bytes, src=src)
+        d.host_ready = _done()
+
+    def spill(self, tag: str, free_host: bool = False) -> None:
+        ws = self._need(tag, on_host=True)
+        if self.store is None:
+            raise ValueError("spill needs an NVMe directory (nvme_dir)")
+        t0 = self.timeline.now()
+        self.store.write(tag, self.arena.view(ws.region), ws.layout, ws.source)
+        self.timeline.add("disk", tag, "disk", t0, nbytes=ws.layout.total_bytes, src="host",
+                          dst="nvme")
+        if free_host:
+            self._drop_host(ws)
+
+    def prefetch(self, tag: str, to_tier: str = "gpu") -> Future:
+        """Start moving a set up to `to_tier` ("host" or "gpu"); returns at once."""
+        ws = self.sets[tag]
+        if to_tier == "host":
+            return self._to_host(ws)
+        if to_tier == "gpu":
+            return self._to_gpu(ws, prefetch=True)
+        raise ValueError(f"to_tier = {to_tier!r}; use 'host' or 'gpu'")
+
+    # ---- compute -------------------------------------------------------------------------
+    def acquire(self, tag: str) -> dict[str, torch.Tensor]:
+        """The set's tensors on the device; the compute stream waits for its copy, nothing else."""
+        ws = self.sets[tag]
+        t0 = self.timeline.now()
+        self._to_gpu(ws, prefetch=False).result()
+        self._wait_ready(ws)
+        self.timeline.add("wait", tag, "compute", t0)
+        return self.gpu_tensors(tag)
+
+    def release(self, tag: str) -> None:
+        """Compute on the set is issued: its slot may be overwritten once that compute is done."""
+        ws = self.sets[tag]
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.slot_free[ws.slot] = ev
+
+    def plan(self, order: Sequence[str]) -> Plan:
+        gpu = [t for t in self.slot_tag if t is not None and self.sets[t].module is None]
+        host = [t for t, ws in self.sets.items() if ws.region is not None]
+        free_slots = len(self.slots) - sum(ws.module is not None for ws in self.sets.values())
+        return plan_switches(order, {t: self.sets[t].layout.total_bytes for t in self.sets},
+                             free_slots, self.arena.nbytes - self._adopted_host_bytes(),
+                             gpu, host, self.lookahead)
+
+    def run(self, order: Sequence[str], fn: Callable[[str, dict[str, torch.Tensor]], Any]
+            ) -> list[Any]:
+        """Run `fn(tag, tensors)` for each switch of `order`, prefetching per the plan."""
+        plan = self.plan(order)
+        out = []
+        for step in plan.steps:
+            for a in step.demand:
+                self._apply(a)
+            tensors = self.acquire(step.tag)
+            for a in step.prefetch:  # issued now: they overlap this compute
+                self._apply(a)
+            out.append(fn(step.tag, tensors))
+            self.release(step.tag)
+        return out
+
+    def gpu_tensors(self, tag: str) -> dict[str, torch.Tensor]:
+        ws = self._need(tag, on_gpu=True)
+        return bind(self.slots[ws.slot], ws.layout)
+
+    def host_tensors(self, tag: str) -> dict[str, torch.Tensor]:
+        ws = self._need(tag, on_host=True)
+        return bind(self.arena.view(ws.region), ws.layout)
+
+    def residency(self) -> dict[str, list[str]]:
+        return {"gpu": [t for t in self.slot_tag if t is not None],
+                "host": sorted(t for t, ws in self.sets.items() if ws.region is not None),
+                "nvme": sorted(t for t in self.sets if self.store and self.store.has(t))}
+
+    def close(self) -> None:
+        self._disk.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
+        self.slots = []
+        self.arena.close()
+
+    # ---- moves ---------------------------------------------------------------------------
+    def _apply(self, a) -> None:
+        ws = self.sets[a.tag]
+        if a.op == "evict":
+            self._evict_gpu(ws) if a.tier == "gpu" else self._drop_host(ws)
+        elif a.tier == "host":
+            self._to_host(ws)
+        else:
+            fut = self._to_gpu(ws, prefetch=a.prefetch)
+            if not a.prefetch:
+                fut.result()
+
+    def _to_host(self, ws: WeightSet) -> Future:
+        with self._lock:
+            if ws.host_ready is not None:
+                return ws.host_ready
+            ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
+            ws.host_ready = self._disk.submit(self._read_host, ws)
+            return ws.host_ready
+
+    def _read_host(self, ws: WeightSet, on_chunk: Callable[[int, int], None] | None = None
+                   ) -> None:
+        from memory.sources import read_source
+
+        t0 = self.timeline.now()
+        if self.store is not None and self.store.has(ws.tag):
+            self._read_nvme(ws, on_chunk)
+        else:
+            read_source(ws.source, self.arena.view(ws.region), ws.layout)
+        self.timeline.add("disk", ws.tag, "disk", t0, nbytes=ws.layout.total_bytes,
+                          src="nvme", dst="host")
+        self.counters["host_loads"] += 1
+
+    def _read_nvme(self, ws: WeightSet, on_chunk: Callable[[int, int], None] | None) -> None:
+        from memory.nvme import ChecksumError
+        from memory.sources import read_source
+
+        try:
+            if self.remote_read is not None:
+                try:
+                    return self.remote_read(ws.tag, ws.region).result()
+                except Exception as e:  # noqa: BLE001 - any prefetcher failure: read here
+                    if isinstance(e, ChecksumError):
+                        raise
+                    self.counters["sync_fallbacks"] += 1
+                    log.warning("prefetcher failed reading %s (%s); reading synchronously",
+                                ws.tag, e)
+            self.store.read_into(ws.tag, self.arena.view(ws.region), on_chunk=on_chunk)
+        except ChecksumError as e:
+            if not ws.source:
+                raise
+            log.warning("%s; reloading %r from %s", e, ws.tag, ws.source)
+            self.counters["checksum_reloads"] += 1
+            read_source(ws.source, self.arena.view(ws.region), ws.layout)
+            self.store.write(ws.tag, self.arena.view(ws.region), ws.layout, ws.source)
+
+    def _to_gpu(self, ws: WeightSet, prefetch: bool) -> Future:
+        with self._lock:
+            if ws.slot is not None and self.slot_tag[ws.slot] == ws.tag:
+                return ws.copy_future or _done()
+            slot = self._free_slot()
+            self._occupy(ws, slot)
+            if (self.cuda and ws.host_ready is None and self.remote_read is None
+                    and self.store is not None and self.store.has(ws.tag)):
+                ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
+                ws.host_ready = ws.copy_future = self._disk.submit(self._pipelined, ws, slot)
+                return ws.copy_future
+            host = self._to_host(ws)
+            ws.copy_future = self._copier.submit(self._h2d_after, ws, slot, host)
+            return ws.copy_future
+
+    def _h2d_after(self, ws: WeightSet, slot: int, host: Future) -> None:
+        host.result()
+        self._copy(self.arena.view(ws.region), self.slots[slot], ws, "h2d", slot)
+        self.counters["gpu_loads"] += 1
+
+    def _pipelined(self, ws: WeightSet, slot: int) -> None:
+        """NVMe -> host -> GPU by chunks: each chunk's H2D is issued as soon as it is read,
+        so the read of the next chunks overlaps it."""
+        host, dev = self.arena.view(ws.region), self.slots[slot]
+        if self.slot_free[slot] is not None:
+            self.h2d.wait_event(self.slot_free[slot])
+
+        def h2d_chunk(off: int, n: int) -> None:
+            with torch.cuda.stream(self.h2d):
+                dev[off:off + n].copy_(host[off:off + n], non_blocking=True)
+
+        span = self.timeline.cuda_span(self.h2d)
+        reloads = self.counters["checksum_reloads"]
+        self._read_host(ws, on_chunk=h2d_chunk)
+        if self.counters["checksum_reloads"] != reloads:  # chunks came from a bad read: redo
+            h2d_chunk(0, ws.layout.total_bytes)
+        span.end("h2d", ws.tag, "h2d", ws.layout.total_bytes, src="nvme")
+        ev = torch.cuda.Event()
+        ev.record(self.h2d)
+        ws.ready = ev
+        self.counters["gpu_loads"] += 1
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, ws: WeightSet, kind: str,
+              slot: int | None = None) -> None:
+        n = ws.layout.total_bytes
+        if not self.cuda:
+            t0 = self.timeline.now()
+            dst[:n].copy_(src[:n])
+            self.timeline.add(kind, ws.tag, kind, t0, nbytes=n)
+            ws.ready = None
+            return
+        stream = self.h2d if kind == "h2d" else self.d2h
+        if kind == "d2h":
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        elif slot is not None and self.slot_free[slot] is not None:
+            stream.wait_event(self.slot_free[slot])
+        span = self.timeline.cuda_span(stream)
+        with torch.cuda.stream(stream):
+            dst[:n].copy_(src[:n], non_blocking=True)
+        span.end(kind, ws.tag, kind, n)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        if kind == "h2d":
+            ws.ready = ev
+        else:
+            ev.synchronize()  # the host copy is what callers read next
+
+    def _wait_ready(self, ws: WeightSet) -> None:
+        if self.cuda and ws.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ws.ready)
+
+    def _free_slot(self) -> int:
+        for i, t in enumerate(self.slot_tag):
+            if t is None:
+                return i
+        raise ValueError(f"no free GPU slot (held by {self.slot_tag}); evict a set first")
+
+    def _occupy(self, ws: WeightSet, slot: int) -> None:
+        self.slot_tag[slot], ws.slot = ws.tag, slot
+
+    def _evict_gpu(self, ws: WeightSet) -> None:
+        if ws.module is not None:
+            raise ValueError(f"{ws.tag!r} is adopted by a live module; it stays on the device")
+        if ws.copy_future is not None:
+            ws.copy_future.result()
+        if ws.slot is not None:
+            self.slot_tag[ws.slot], ws.slot, ws.ready = None, None, None
+            ws.copy_future = None
+
+    def _drop_host(self, ws: WeightSet) -> None:
+        if ws.region is None:
+            return
+        if ws.host_ready is not None:
+            ws.host_ready.result()
+        if ws.copy_future is not None:
+            ws.copy_future.result()
+        if ws.ready is not None and self.cuda:
+            ws.ready.synchronize()  # an H2D may still be reading the region
+        has_copy = ws.source or (self.store is not None and self.store.has(ws.tag))
+        if not has_copy:
+            self.spill(ws.tag)
+        self.arena.free(ws.tag)
+        ws.region, ws.host_ready = None, None
+
+    def _adopted_host_bytes(self) -> int:
+        return sum(ws.region.nbytes for ws in self.sets.values()
+                   if ws.module is not None and ws.region is not None)
+
+    def _need(self, tag: str, on_gpu: bool = False, on_host: bool = False) -> WeightSet:
+        if tag not in self.sets:
+            raise KeyError(f"unknown weight set {tag!r}; registered: {sorted(self.sets)}")
+        ws = self.sets[tag]
+        if on_gpu and (ws.slot is None or self.slot_tag[ws.slot] != tag):
+            raise ValueError(f"{tag!r} is not on the device (restore or prefetch it first)")
+        if on_host:
+            if ws.host_ready is None:
+                raise ValueError(f"{tag!r} is not on the host tier (backup or prefetch it first)")
+            ws.host_ready.result()
+        return ws
+
+
+def _done() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
