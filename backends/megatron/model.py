@@ -55,11 +55,13 @@ OWNED_MODEL_KWARGS = frozenset({
     "mtp_block_spec"})
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 MODEL_KWARGS = frozenset(inspect.signature(GPTModel.__init__).parameters) - {"self"}
-# defaults chosen for running on any device without fused kernels; each can be overridden
+# defaults chosen for running on any device without fused kernels; each can be overridden.
+# Initialization stays on: only megatron's init marks the tensor-parallel weights
+# (`tensor_model_parallel`), which gradient norms and optimizers rely on.
 PORTABLE_DEFAULTS = dict(
     bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-    use_cpu_initialization=True, perform_initialization=False,
+    use_cpu_initialization=True,
     cuda_graph_scope=[])  # the default "full" is deprecated (and warns) in megatron-core 0.16
 
 

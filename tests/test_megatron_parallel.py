@@ -1,0 +1,125 @@
+"""The megatron backend on two gloo processes: TP=2 against TP=1 and transformers, resharding a
+distributed checkpoint, and a pipeline-parallel (PP=2) step through megatron's schedule.
+
+Each test spawns two ranks that report tensors to the parent (rank 0 writes them, the parent
+asserts), so a failure shows here with its values and any rank's traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("megatron.core")
+
+SPAWN_TIMEOUT_S = 100
+
+
+def run_ranks(target: str, tmp_path: Path, world: int = 2) -> dict:
+    """Run this module's `target`(rank, tmp_path) on `world` child processes; rank 0's report."""
+    code = (f"from tests.test_megatron_parallel import rank_main; "
+            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r})")
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for r in range(world)]
+    try:
+        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
+    assert not errors, "\n".join(errors)
+    assert codes == [0] * world
+    return torch.load(tmp_path / "report.pt", weights_only=True)
+
+
+def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
+    """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
+    warnings.simplefilter("ignore")
+    try:
+        from tests import megatron_cpu_shim as shim
+
+        shim.install()
+        store = torch.distributed.FileStore(f"{tmp}/store", world)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        report = globals()[target](rank, Path(tmp))
+        if rank == 0:
+            torch.save(report, f"{tmp}/report.pt")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        Path(tmp, f"error-{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def _step(name: str, grad_clip: float) -> dict:
+    """One train_on_batch with SGD (lr 1) on this rank's megatron shard of tiny `name`."""
+    from actors.train_step import TrainState, train_on_batch
+    from actors.trainer import TrainerConfig
+    from backends.megatron.model import from_hf_model
+    from models.tiny import build_char_tokenizer
+    from tests.test_megatron_convert import hf_model
+    from tests.test_train_step import batch
+
+    tok = build_char_tokenizer()
+    model = from_hf_model(hf_model(name))
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0))
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batch_size=3, grad_clip=grad_clip)
+    stats = train_on_batch(state, batch(tok), cfg)
+    return {"loss": stats["train/loss"], "model": model, "optimizer": state.optimizer,
+            "norm": model.clip_grad_norm(0.0), "weights": model.hf_state_dict()}
+
+
+def tensor_parallel_ranks(rank: int, tmp: Path) -> dict:
+    from backends.megatron import checkpoint
+    from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
+    from models.logprobs import token_logprobs_and_entropy
+    from tests.test_megatron_convert import hf_model
+    from tests.test_megatron_model import padded_batch
+
+    initialize_parallel(2, 1)
+    hf = hf_model("qwen2-untied")
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        want = token_logprobs_and_entropy(hf, ids, mask)[0]
+        got = token_logprobs_and_entropy(from_hf_model(hf), ids, mask)[0]
+    tp2 = _step("qwen2-untied", grad_clip=0.0)
+    checkpoint.save_distributed(tp2["model"], tmp / "ckpt", tp2["optimizer"], step=1, version=1)
+    shard_rows = tp2["model"].core.embedding.word_embeddings.weight.shape[0]
+    parallel_state.destroy_model_parallel()
+    initialize_parallel(1, 1)  # the same two ranks as TP=1 x DP=2
+    tp1 = _step("qwen2-untied", grad_clip=0.0)
+    resharded = from_hf_model(hf_model("qwen2-untied", seed=7))
+    meta = checkpoint.load_distributed(resharded, tmp / "ckpt")
+    resharded_weights = resharded.hf_state_dict()
+    parallel_state.destroy_model_parallel()
+    real = (mask[:, 1:] * mask[:, :-1]).bool()
+    return {"logprob_diff": (got - want).abs()[real].max(), "shard_rows": shard_rows,
+            "loss": torch.tensor([tp2["loss"], tp1["loss"]]),
+            "norm": torch.tensor([tp2["norm"], tp1["norm"]]),
+            "tp2": tp2["weights"], "tp1": tp1["weights"], "resharded": resharded_weights,
+            "step": meta["step"]}
+
+
+def test_tensor_parallel_two_ranks_equal_one(tmp_path):
+    report = run_ranks("tensor_parallel_ranks", tmp_path)
+    assert report["shard_rows"] == 27  # the 54-token vocabulary split over two ranks
+    assert report["logprob_diff"] < 1e-5
+    tp2_loss, tp1_loss = report["loss"].tolist()
+    assert tp2_loss == pytest.approx(tp1_loss, rel=1e-5)
+    tp2_norm, tp1_norm = report["norm"].tolist()
+    assert tp2_norm == pytest.approx(tp1_norm, rel=1e-5) and tp1_norm > 0.1
+    for key, want in report["tp1"].items():
+        assert (report["tp2"][key] - want).abs().max() < 1e-5, key
+        assert torch.equal(report["resharded"][key], report["tp2"][key]), key
+    assert report["step"] == 1
