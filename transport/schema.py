@@ -223,6 +223,45 @@ class EvalReply(Msg):
     num_tasks: dict[str, int] = {}
 
 
+# ----------------------------------------------------------------------------- weight memory
+class ReadToHost(Msg):
+    """Trainer -> prefetcher: read weight set `tag` from the NVMe tier into a region of the
+    shared pinned arena (`arena` name, byte `offset`, `nbytes`)."""
+
+    tag: str
+    arena: str
+    offset: int
+    nbytes: int
+    nvme_dir: str
+    verify: bool = True  # check every chunk's checksum
+
+
+class ReadToHostReply(Msg):
+    tag: str
+    nbytes: int
+    seconds: float
+    direct: bool  # False: O_DIRECT was refused and the read used the page cache
+
+
+class LoadCheckpoint(Msg):
+    """Trainer -> prefetcher: load a checkpoint (safetensors file/dir or torch file) into an arena
+    region in its flat layout (`layout_json`), then store it on the NVMe tier if `spill`."""
+
+    tag: str
+    path: str
+    arena: str
+    offset: int
+    layout_json: str
+    nvme_dir: str = ""
+    spill: bool = True
+
+
+class LoadCheckpointReply(Msg):
+    tag: str
+    nbytes: int
+    seconds: float
+
+
 # ----------------------------------------------------------------------------- demo cluster
 class Scale(Msg):
     """Demo request: multiply a tensor; the reply carries the product and its sum."""
@@ -255,7 +294,8 @@ class Blob(Msg):
 Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
     Endpoints, Ready, Heartbeat, Dead, Ack, Stopped, Metrics, Sample, SampleGroup, RolloutPermit,
-    Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, Scale, ScaleReply, WorkItem, Blob,
+    Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, ReadToHost,
+    ReadToHostReply, LoadCheckpoint, LoadCheckpointReply, Scale, ScaleReply, WorkItem, Blob,
 ]
 
 
