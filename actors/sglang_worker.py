@@ -9,6 +9,21 @@ registers with a router actor started with `dynamic_workers = true` (sglang-rout
 `GET /workers` lists it healthy; `DELETE /workers/<worker_id>` removes it), and reports its
 URL as this actor's `http` endpoint, so trainers and rollouts reach it like an embedded worker.
 
+    [actors.router]
+    cls = "actors.router:RouterActor"
+    config = { dynamic_workers = true, router = { log_level = "warn" } }
+
+    [actors.sg0]
+    cls = "actors.sglang_worker:SglangWorker"
+    after = ["router"]
+    start_timeout_s = 900        # above health_timeout_s: loading takes minutes
+    config = { model_path = "Qwen/Qwen3-8B", tp_size = 2, register_with = "router",
+               env = { CUDA_VISIBLE_DEVICES = "0,1" },
+               sglang = { mem_fraction_static = 0.7, enable_memory_saver = true } }
+
+`python -m launch.cluster hosts.toml --sglang-cuda-graph-max-bs 256` adds
+`--cuda-graph-max-bs 256` to every SGLang worker's command line.
+
 Invariants:
 - The server's output goes to `<run_dir>/logs/<actor>.sglang.log`. When the server exits during
   start (an SGLang option that does not exist: argparse exits at once), the start fails quoting
@@ -18,8 +33,9 @@ Invariants:
   processes) is stopped whatever point start-up had reached, after deregistering from the router;
   it also gets SIGTERM if this actor's process dies (PR_SET_PDEATHSIG).
 - Timeouts here raise RuntimeError (a TimeoutError escaping on_start would be reported as the
-  actor's own start_timeout_s). The actor entry's `start_timeout_s` (and the run's `ready_timeout_s`) must exceed
-  `health_timeout_s`: loading a large model takes minutes.
+  actor's own start_timeout_s, without the log). The health wait ends 2 s before the actor's
+  `start_timeout_s` if that comes first, saying so: raise `start_timeout_s` in the actor's table
+  (and the run's `ready_timeout_s`) above `health_timeout_s`, since loading takes minutes.
 """
 
 from __future__ import annotations
@@ -136,7 +152,13 @@ class SglangWorker(Actor):
 
     async def _wait_healthy(self) -> None:
         cfg = self.config
-        deadline = time.monotonic() + cfg.health_timeout_s
+        # the actor's own start deadline must not fire first: its message would lose the log
+        limit_s, limit = cfg.health_timeout_s, f"health_timeout_s = {cfg.health_timeout_s:g}"
+        if self.ctx.start_timeout_s - 2.0 < limit_s:
+            limit_s = max(self.ctx.start_timeout_s - 2.0, 1.0)
+            limit = (f"the actor's start_timeout_s = {self.ctx.start_timeout_s:g} (raise it in "
+                     f"the actor's table, above health_timeout_s)")
+        deadline = time.monotonic() + limit_s
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if self.proc.returncode is not None:
@@ -149,9 +171,9 @@ class SglangWorker(Actor):
                 except (aiohttp.ClientError, TimeoutError):
                     pass
                 await asyncio.sleep(0.2)
-        raise RuntimeError(f"sglang.launch_server did not answer /health within "
-                           f"health_timeout_s = {cfg.health_timeout_s:g}; log {self.log_path}, "
-                           f"last lines:\n{log_tail(self.log_path, cfg.log_tail_lines)}")
+        raise RuntimeError(f"sglang.launch_server did not answer /health within {limit}; log "
+                           f"{self.log_path}, last lines:\n"
+                           f"{log_tail(self.log_path, cfg.log_tail_lines)}")
 
     def _exit_message(self) -> str:
         code = self.proc.returncode

@@ -1,7 +1,8 @@
 """The inference engine core: batched decoding with a KV cache, sampling, pause/abort, weight swaps.
 
 Role: owns one causal LM and turns `GenRequest`s into `GenResult`s; engine/server.py puts SGLang's
-HTTP API on top. No HTTP here.
+HTTP API on top. No HTTP here. The request/result types and the per-token math (padding, sampling
+filters, draws, log-prob lists) live in engine/sampling.py.
 
 How a request runs:
 - `generate()` queues requests; the loop (`run()`) collects the queue for `batch_wait_ms`, takes

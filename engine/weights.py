@@ -94,8 +94,10 @@ def parse_update_distributed(body: Any) -> dict[str, Any]:
         "shapes must have one list of non-negative integers per name")
     _require(body.get("load_format") is None, "load_format must be null on this engine")
     version, abort_all = _common(body)
+    group_name = body.get("group_name", dist_group.DEFAULT_GROUP_NAME)
+    _require(isinstance(group_name, str), "group_name must be a string")
     return {"names": names, "dtypes": [parse_dtype(d) for d in dtypes], "shapes": shapes,
-            "group_name": body.get("group_name", dist_group.DEFAULT_GROUP_NAME),
+            "group_name": group_name,
             "weight_version": version, "abort_all_requests": abort_all}
 
 
@@ -248,7 +250,7 @@ class WeightEndpoints:
             return _answer(False, str(e))
         name = body.get("group_name", dist_group.DEFAULT_GROUP_NAME) \
             if isinstance(body, dict) else None
-        if name not in self.groups:
+        if not isinstance(name, str) or name not in self.groups:
             return _answer(False, f"no weight update group {name!r}")
         group, _ = self.groups.pop(name)
         await self._in_pool(dist_group.destroy, group)

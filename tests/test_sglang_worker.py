@@ -115,6 +115,15 @@ async def test_health_timeout_fails_with_log_path_and_tail(ipc, tmp_path, fake_e
     assert sg.proc.returncode is not None  # the server was stopped
 
 
+async def test_health_wait_ends_before_the_actor_start_deadline(ipc, tmp_path, fake_env):
+    sg = SglangWorker(context("sg1", ipc, run_dir=str(tmp_path), start_timeout_s=4.0),
+                      SglangWorkerConfig(model_path="tiny-qwen2", env=fake_env,
+                                         sglang={"fake_hang": True}))
+    assert await sg.serve() == 1
+    assert "within the actor's start_timeout_s = 4 (raise it" in sg._stop_reason
+    assert "loading the model (never finishes)" in sg._stop_reason
+
+
 def test_launcher_passes_sglang_options_and_fails_fast(tmp_path, fake_env):
     """`--sglang-<option>` on the launcher's command line reaches launch_server; an option SGLang
     does not have stops the run with argparse's message and the server's log path."""
