@@ -163,7 +163,7 @@ class DistributedSync:
         self.clients, self.backend, self.group_name = clients, backend, group_name
         self.master_address, self.master_port = master_address, master_port
         self.bucket_bytes, self.timeout_s, self.pause_mode = bucket_bytes, timeout_s, pause_mode
-        self.ranks = ranks_per_worker or [1] * len(clients)  # each server's TP size
+        self.ranks = ranks_per_worker  # each server's TP size; None = ask /server_info
         self.device = "cuda" if backend == "nccl" else "cpu"  # where broadcast tensors live
         self.group = None
         # the blocking rendezvous and broadcasts run here while the loop drives the HTTP calls
@@ -173,6 +173,9 @@ class DistributedSync:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def connect(self) -> None:
+        if self.ranks is None:  # SGLang reports tp_size; the embedded engine has one rank
+            infos = await asyncio.gather(*(c.server_info() for c in self.clients))
+            self.ranks = [int(info.get("tp_size", 1)) for info in infos]
         port = self.master_port or free_port(self.master_address)
         world = 1 + sum(self.ranks)
         offsets = [1 + sum(self.ranks[:i]) for i in range(len(self.clients))]
