@@ -112,7 +112,7 @@ def _merge_passthrough(actors: Any, tables: dict[str, dict[str, Any]], path: Pat
     for name, entry in (actors.items() if isinstance(actors, dict) else ()):
         if isinstance(entry, dict) and isinstance(entry.get("cls"), str):
             cls = import_actor(entry["cls"], f"{path}: table [actors.{name}], field `cls`")
-            takes[name] = set(pt.PREFIXES) & set(cls.Config.__struct_fields__)
+            takes[name] = pt.tables_of(cls.Config)
     unused = pt.merge(actors, tables, takes)
     if unused:
         raise ConfigError(f"{path}: command-line options {', '.join(f'--{p}-*' for p in unused)}"

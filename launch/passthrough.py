@@ -4,7 +4,7 @@ Role: lets a user hand any option to an engine the project wraps (SGLang's launc
 sglang-router, megatron-core) without this project keeping a list of those options. The mapping
 is generic, by prefix:
 
-    command line                          lands in every actor whose Config has the field
+    command line                          lands in every actor whose Config has the table
     --sglang-<option> [value]       ->    sglang     = { <option> = value }
     --router-<option> [value]       ->    router     = { <option> = value }
     --megatron-<option> [value]     ->    megatron   = { <option> = value }
@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import tomllib
+import typing
 from typing import Any
 
 PREFIXES = ("sglang", "router", "megatron")  # command-line prefix == config field name
@@ -76,6 +77,15 @@ def parse(argv: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
         else:
             table[option] = parsed
     return tables, rest
+
+
+def tables_of(config_type: type) -> set[str]:
+    """The prefixes a Config struct takes: fields named like a prefix whose type is a table
+    (a `router: str` peer name is not a pass-through table)."""
+    import msgspec
+
+    return {f.name for f in msgspec.structs.fields(config_type)
+            if f.name in PREFIXES and (f.type is dict or typing.get_origin(f.type) is dict)}
 
 
 def merge(raw_actors: dict[str, Any], tables: dict[str, dict[str, Any]],

@@ -22,6 +22,16 @@ class MegatronLike(Actor):
     Config = MegatronLikeConfig
 
 
+class PeerNamedConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A config whose `router` field names a peer: not a pass-through table."""
+
+    router: str = "router"  # peer name
+
+
+class PeerNamed(Actor):
+    Config = PeerNamedConfig
+
+
 HOSTS = """
 [run]
 name = "t"
@@ -39,6 +49,10 @@ config = { dynamic_workers = true, router = { log_level = "warn" } }
 
 [actors.plain]
 cls = "examples.demo:Scaler"
+
+[actors.rollout_like]
+cls = "tests.test_passthrough:PeerNamed"
+config = { router = "router" }
 """
 
 
@@ -93,6 +107,7 @@ def test_command_line_tables_merge_over_hosts_toml(tmp_path):
     assert cfg.actors["router"].config["router"] == {"log_level": "warn",
                                                      "health_check_interval_secs": 5}
     assert "megatron" not in cfg.actors["plain"].config
+    assert cfg.actors["rollout_like"].config == {"router": "router"}  # a str field, not a table
     assert load(path).actors["trainer"].config["megatron"]["tensor_model_parallel_size"] == 1
 
 
