@@ -1,8 +1,11 @@
 """CPU stand-ins for the few `torch.cuda` calls megatron-core makes, for tests only.
 
 Role: lets megatron-core build and run a GPTModel on a CPU-only torch (CI) without any change to
-the backend code. Invariant: `install()` is idempotent, and `uninstall()` restores every patched
-attribute exactly; the RNG tracker forks the CPU generator, so dropout-free forwards are unaffected.
+the backend code: `torch.cuda.current_device()` answers "cpu", `synchronize` / `manual_seed` do
+nothing, megatron's CUDA RNG tracker is replaced by one over CPU generator states, and the
+pipeline schedules' one hard-coded `device="cuda"` allocation (a token counter) lands on the CPU.
+Invariant: `install()` is idempotent, and `uninstall()` restores every patched attribute
+exactly; the RNG tracker forks the CPU generator, so dropout-free forwards are unaffected.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ class CpuRngTracker:
                 self.states_[name] = torch.get_rng_state()
 
 
+class _TorchOnCpu:
+    """The torch module as megatron's schedules see it: allocations asked on "cuda" go to CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs):
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 def _patch(owner: object, name: str, value: object) -> None:
     _saved.setdefault((owner, name), getattr(owner, name))
     setattr(owner, name, value)
@@ -60,6 +74,7 @@ def _patch(owner: object, name: str, value: object) -> None:
 
 def install() -> None:
     """Patch torch.cuda's current device / synchronize and megatron's RNG tracker for CPU."""
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
 
     _patch(torch.cuda, "current_device", lambda: "cpu")
@@ -67,6 +82,7 @@ def install() -> None:
     _patch(torch.cuda, "manual_seed", lambda seed: None)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    _patch(schedules, "torch", _TorchOnCpu())
 
 
 def uninstall() -> None:

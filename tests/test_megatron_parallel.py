@@ -123,3 +123,56 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path):
         assert (report["tp2"][key] - want).abs().max() < 1e-5, key
         assert torch.equal(report["resharded"][key], report["tp2"][key]), key
     assert report["step"] == 1
+
+
+def _pipeline_setup():
+    from actors.trainer import TrainerConfig
+    from models.tiny import build_char_tokenizer
+    from tests.test_megatron_convert import hf_model
+    from tests.test_train_step import batch
+
+    tok = build_char_tokenizer()
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batch_size=3, grad_clip=0.5)
+    return hf_model("qwen2-untied"), tok, batch(tok), cfg
+
+
+def pipeline_ranks(rank: int, tmp: Path) -> dict:
+    from algos.batching import make_micro_batch
+    from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
+    from backends.megatron.pipeline import pipeline_logprobs, pipeline_train_step
+
+    initialize_parallel(1, 2)
+    hf, tok, samples, cfg = _pipeline_setup()
+    model = from_hf_model(hf)
+    layers = list(model.layers)
+    logprobs = pipeline_logprobs(model, [make_micro_batch(samples, tok.pad_token_id)], 1.0)
+    stats = pipeline_train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples,
+                                cfg, tok.pad_token_id)
+    weights = model.hf_state_dict()
+    last = torch.empty(0) if logprobs is None else logprobs[0]
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, (layers, last))
+    parallel_state.destroy_model_parallel()
+    return {"layers": [g[0] for g in gathered], "logprobs": gathered[1][1],
+            "first_stage_logprobs": gathered[0][1], "stats": stats, "weights": weights}
+
+
+def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(tmp_path):
+    from actors.train_step import TrainState, forward, train_on_batch
+    from algos.batching import make_micro_batch
+
+    report = run_ranks("pipeline_ranks", tmp_path)
+    assert report["layers"] == [[0], [1]]  # one layer per stage
+    hf, tok, samples, cfg = _pipeline_setup()
+    state = TrainState(hf, tok, torch.optim.SGD(hf.parameters(), lr=1.0))
+    mb = make_micro_batch(samples, tok.pad_token_id)
+    with torch.no_grad():
+        want_logprobs = forward(state, mb, 1.0)[0]
+    assert report["first_stage_logprobs"].numel() == 0  # only the last stage has logits
+    assert ((report["logprobs"] - want_logprobs).abs() * mb.mask).max() < 1e-5
+    want = train_on_batch(state, samples, cfg)
+    assert report["stats"]["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5)
+    assert report["stats"]["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
+    assert want["train/grad_norm"] > cfg.grad_clip  # the clip was active on both
+    for key, value in hf.state_dict().items():
+        assert (report["weights"][key] - value).abs().max() < 1e-5, key
