@@ -10,7 +10,9 @@ of a forward (`offload=True`), or leaves it on the device.
 - `CriticModel`: a value model (a causal-LM backbone with a scalar head `Linear(hidden, 1)`) with
   its own AdamW optimizer. The value of response token j is read at position P - 1 + j (the state
   before the token is generated), the same column the token's log-prob comes from.
-Invariant: the reference never changes after construction; the critic changes only in `step`.
+- `OldActors`: the policy's weights by version, for the proximal policy of decoupled PPO.
+Invariant: the reference never changes after construction; the critic changes only in `step`;
+an old-actor set holds exactly the policy's weights of its version.
 """
 
 from __future__ import annotations
@@ -119,6 +121,29 @@ class AuxModel:
         """Response-aligned [B, R] log-probs of the micro-batch's tokens (no gradient)."""
         with torch.no_grad(), self.resident() as module:
             return micro_batch_logprobs(module, mb, temperature, by_length, False)[0]
+
+
+class OldActors:
+    """Snapshots of the policy by weight version: the proximal policies of decoupled PPO with
+    `proximal = "rollout_version"`. At most `keep` sets; the oldest is recycled (`load_state`)."""
+
+    def __init__(self, keep: int, device, offload: bool = True):
+        self.keep, self.device, self.offload = keep, device, offload
+        self.sets: dict[int, AuxModel] = {}
+
+    def snapshot(self, model: torch.nn.Module, version: int) -> None:
+        """Keep the live weights as `version` (no-op when already kept)."""
+        if version in self.sets:
+            return
+        if len(self.sets) >= self.keep:
+            aux = self.sets.pop(min(self.sets))
+            aux.load_state({k: v.detach() for k, v in model.state_dict().items()})
+        else:
+            aux = AuxModel.frozen_copy(model, self.device, self.offload)
+        self.sets[version] = aux
+
+    def get(self, version: int) -> AuxModel | None:
+        return self.sets.get(version)
 
 
 class ValueModel(torch.nn.Module):

@@ -24,6 +24,7 @@ class TrainState:
                  ref: Any = None, critic: Any = None):
         self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
         self.ref, self.critic = ref, critic  # actors.aux_models.AuxModel / CriticModel or None
+        self.old_actors: Any = None  # actors.aux_models.OldActors, made on first use
         self.step = 0
         self.version = 0
 

@@ -4,8 +4,9 @@ Phases of `train_on_batch`:
 1. plan: this rank's micro-batches from `algos.dp_schedule` (`actors.dp_train`); a sample longer
    than `max_tokens_per_mb` is trained alone and counted in `train/oversized_samples`;
 2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (or the
-   rollout's with `mismatch.bypass`), reference log-probs (KL), critic values (ppo), then token
-   advantages by `advantage_estimator` (`algos.estimators`), whitened over the whole step;
+   rollout's with `mismatch.bypass`; with decoupled PPO's `proximal = "rollout_version"` each
+   sample's from the old-actor weight set of its version), reference log-probs (KL), critic
+   values (ppo), then token advantages by `advantage_estimator` (`algos.estimators`), whitened over the whole step;
 3. policy: per micro-batch the PPO-clip loss with the mismatch correction's token weights, minus
    the entropy bonus, plus `kl_coef * KL(policy || ref)` with `use_kl_loss`; gradients
    accumulate, are summed over ranks, clipped, one optimizer step;
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from actors.aux_models import micro_batch_logprobs
+from actors.aux_models import OldActors, micro_batch_logprobs
 from actors.dp_train import SingleProcess, plan_micro_batches
 from actors.train_state import TrainState
 from algos.batching import MicroBatch, make_micro_batch
@@ -49,7 +50,7 @@ __all__ = ["TrainState", "forward", "train_on_batch"]
 
 TOTALS = ("loss", "clipfrac", "ppo_kl", "entropy", "tokens", "kept_tokens", "kl_loss",
           "logprob_abs_diff", "fresh_logprob_abs_diff", "fresh_tokens", "policy_kl",
-          "value_loss", "value_clipfrac")
+          "value_loss", "value_clipfrac", "proximal_fallback_samples")
 
 
 @dataclass
@@ -79,8 +80,8 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
                               dp.world_size)
     mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id).to(device)
            for idx in plan.micro_batches]
-    prep = prepare(state, samples, plan.micro_batches, mbs, cfg, dp)
     totals = dict.fromkeys(TOTALS, 0.0)
+    prep = prepare(state, samples, plan.micro_batches, mbs, cfg, dp, totals)
     current = policy_pass(state, mbs, prep, cfg, len(samples), totals)
     params = [p for p in state.model.parameters() if p.requires_grad]
     dp.sum_grads(params)
@@ -111,7 +112,7 @@ def _by_length(cfg: Any, device: torch.device) -> bool:
 
 
 def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
-            mbs: list[MicroBatch], cfg: Any, dp: Any) -> list[Prepared]:
+            mbs: list[MicroBatch], cfg: Any, dp: Any, totals: dict[str, float]) -> list[Prepared]:
     device = next(state.model.parameters()).device
     by_length = _by_length(cfg, device)
     est = cfg.estimator
@@ -119,6 +120,9 @@ def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
     with torch.no_grad():
         old = [mb.rollout_logp if cfg.mismatch.bypass
                else forward(state, mb, cfg.temperature, by_length)[0] for mb in mbs]
+        if cfg.mismatch.proximal == "rollout_version":
+            old = [rollout_version_logprobs(state, mb, o, cfg, by_length, totals)
+                   for mb, o in zip(mbs, old)]
         ref = [state.ref.logprobs(mb, cfg.temperature, by_length) if state.ref is not None else None
                for mb in mbs]
         values: list[Any] = [None] * len(mbs)
@@ -135,6 +139,30 @@ def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
         sums = dp.sum_tensor(sum(whiten_sums(p.adv, mb.mask) for p, mb in zip(out, mbs)).cpu())
         for p, mb in zip(out, mbs):
             p.adv = whiten_with(p.adv, mb.mask, sums)
+    return out
+
+
+def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.Tensor, cfg: Any,
+                             by_length: bool, totals: dict[str, float]) -> torch.Tensor:
+    """Each row's log-probs under the trainer's copy of the weights that generated it.
+
+    Rows of the current version keep `current`; a row whose version has no kept weight set
+    (after a resume, or staler than `proximal_versions`) keeps `current` too and is counted in
+    `proximal_fallback_samples`.
+    """
+    if state.old_actors is None:
+        state.old_actors = OldActors(cfg.mismatch.proximal_versions, current.device,
+                                     getattr(cfg, "offload_aux_models", True))
+    state.old_actors.snapshot(state.model, state.version)  # once per version, before updating
+    out = current.clone()
+    versions = [s.weight_version for s in mb.samples]
+    for version in sorted(set(versions) - {state.version}):
+        rows = [i for i, v in enumerate(versions) if v == version]
+        old = state.old_actors.get(version)
+        if old is None:
+            totals["proximal_fallback_samples"] += len(rows)
+            continue
+        out[rows] = old.logprobs(mb, cfg.temperature, by_length)[rows]
     return out
 
 
@@ -218,6 +246,8 @@ def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float,
               "train/kept_token_frac": totals["kept_tokens"] / tokens}
     if cfg.use_kl_loss:
         stats["train/kl_loss"] = totals["kl_loss"]
+    if cfg.mismatch.proximal == "rollout_version":
+        stats["train/proximal_fallback_samples"] = totals["proximal_fallback_samples"]
     if cfg.estimator == "ppo":
         stats["train/value_loss"] = totals["value_loss"]
         stats["train/value_clipfrac"] = totals["value_clipfrac"] / tokens

@@ -27,6 +27,12 @@ Corrections (`correction_weights`), returning per-token loss weights and a per-t
   ratio `r_t = pi_theta / pi_prox` and the behaviour weight `w_t = pi_prox / pi_b` (detached).
   A token whose w exceeds `high` is masked out (not truncated: its sample came from a policy too
   far from the proximal one); w below 1 is kept as is. Here `train_logp` is log pi_prox.
+  Which weights are the proximal policy (`proximal`): "current", the trainer's weights at the
+  start of the step (the trust region is around the policy being updated; w corrects both the
+  staleness and the engine mismatch), or "rollout_version", for each sample the trainer's copy
+  of the weights that generated it, kept as old-actor weight sets by version (w then corrects
+  the engine mismatch alone and r spans the staleness, so the clip bounds the update relative
+  to the behaviour weights).
 Invariant: no function changes its inputs; weights are detached.
 """
 
@@ -36,6 +42,7 @@ import msgspec
 import torch
 
 CORRECTIONS = ("none", "tis", "rejection_token", "rejection_seq", "decoupled")
+PROXIMAL = ("current", "rollout_version")
 
 
 class MismatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -47,6 +54,8 @@ class MismatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     high: float = 2.0  # upper bound on the importance weight (decoupled: mask above it)
     veto_threshold: float = 0.0  # rejection_seq: drop a sequence with any token w below this
     bypass: bool = False  # use rollout log-probs as the old policy and skip the recompute
+    proximal: str = "current"  # decoupled: "current" (weights at step start) | "rollout_version"
+    proximal_versions: int = 2  # rollout_version: old-actor weight sets kept (max_staleness + 1)
 
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:
@@ -60,6 +69,14 @@ class MismatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                              "bypass the rollout log-probs are the old policy and nothing is "
                              "recomputed, so there is no mismatch left to correct (and no "
                              "proximal policy for decoupled PPO); set one of them off")
+        if self.proximal not in PROXIMAL:
+            raise ValueError(f"proximal = {self.proximal!r}; use one of {PROXIMAL}")
+        if self.proximal != "current" and self.correction != "decoupled":
+            raise ValueError(f"proximal = {self.proximal!r} and correction = "
+                             f"{self.correction!r} conflict: the proximal policy belongs to "
+                             "decoupled PPO; set correction = 'decoupled' or remove proximal")
+        if self.proximal_versions < 1:
+            raise ValueError(f"proximal_versions must be >= 1, got {self.proximal_versions}")
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:

@@ -150,6 +150,8 @@ def test_decoupled_correction_masks_far_behaviour_tokens():
      ("std_normalization = false", "advantage_estimator = 'reinforce_plus_plus'")),
     ({"ref_model": "tiny-qwen2"}, ("ref_model", "kl_coef = 0")),
     ({"advantage_estimator": "gae"}, ("advantage_estimator = 'gae'",)),
+    ({"mismatch": {"proximal": "rollout_version", "correction": "tis"}},
+     ("proximal = 'rollout_version'", "correction = 'tis'")),
 ])
 def test_incompatible_options_fail_naming_both(options, names):
     with pytest.raises((ValueError, msgspec.ValidationError)) as info:  # as the launcher loads
@@ -171,3 +173,28 @@ def test_checkpoint_keeps_the_critic_and_rebuilds_the_reference(tmp_path):
     assert max_diff(resumed.model.state_dict(), state.model.state_dict()) == 0.0
     assert max_diff(resumed.ref.state(), initial_ref) == 0.0  # the initial weights, not step 1
     assert resumed.critic.optimizer.state_dict()["state"]  # Adam moments came back too
+
+
+def test_decoupled_rollout_version_proximal_is_the_generating_weights():
+    fix = MismatchConfig(correction="decoupled", proximal="rollout_version", high=1e9)
+    state, cfg, samples = setup(mismatch=fix)
+    initial = copy.deepcopy(state.model)
+    first = train_on_batch(state, samples, cfg)  # version 0 samples, trainer at version 0
+    assert first["train/ppo_kl"] == 0.0 and first["train/proximal_fallback_samples"] == 0
+    state.version = 1  # the samples are now one version stale
+    after_one = copy.deepcopy(state.model)
+    second = train_on_batch(state, samples, cfg)
+    expected, tokens = 0.0, 0
+    for s in samples:  # ppo_kl = mean(log pi_prox - log pi_theta), pi_prox = version 0
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        n, p = len(s.response_ids), len(s.prompt_ids)
+        with torch.no_grad():
+            a = token_logprobs(initial, ids)[0, p - 1:p - 1 + n].double()
+            b = token_logprobs(after_one, ids)[0, p - 1:p - 1 + n].double()
+        expected += float((a - b).sum())
+        tokens += n
+    assert abs(expected / tokens) > 1e-5
+    assert second["train/ppo_kl"] == pytest.approx(expected / tokens, rel=1e-3)
+    state.version = 2  # two sets kept (versions 1 and 2): version 0 is gone, counted
+    third = train_on_batch(state, samples, cfg)
+    assert third["train/proximal_fallback_samples"] == len(samples)
