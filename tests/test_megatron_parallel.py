@@ -1,8 +1,8 @@
 """The megatron backend on two gloo processes: TP=2 against TP=1 and transformers, resharding a
 distributed checkpoint, and a pipeline-parallel (PP=2) step through megatron's schedule.
 
-Each test spawns two ranks that report tensors to the parent (rank 0 writes them, the parent
-asserts), so a failure shows here with its values and any rank's traceback.
+One pair of child processes runs both layouts and reports tensors to the parent (rank 0 writes
+them, the tests assert), so a failure shows here with its values and any rank's traceback.
 """
 
 from __future__ import annotations
@@ -111,8 +111,18 @@ def tensor_parallel_ranks(rank: int, tmp: Path) -> dict:
             "step": meta["step"]}
 
 
-def test_tensor_parallel_two_ranks_equal_one(tmp_path):
-    report = run_ranks("tensor_parallel_ranks", tmp_path)
+def both_layouts(rank: int, tmp: Path) -> dict:
+    """TP=2 then PP=2 on the same two ranks (one process start-up for both tests)."""
+    return {"tp": tensor_parallel_ranks(rank, tmp), "pp": pipeline_ranks(rank, tmp)}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    return run_ranks("both_layouts", tmp_path_factory.mktemp("ranks"))
+
+
+def test_tensor_parallel_two_ranks_equal_one(reports):
+    report = reports["tp"]
     assert report["shard_rows"] == 27  # the 54-token vocabulary split over two ranks
     assert report["logprob_diff"] < 1e-5
     tp2_loss, tp1_loss = report["loss"].tolist()
@@ -157,11 +167,11 @@ def pipeline_ranks(rank: int, tmp: Path) -> dict:
             "first_stage_logprobs": gathered[0][1], "stats": stats, "weights": weights}
 
 
-def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(tmp_path):
+def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(reports):
     from actors.train_step import TrainState, forward, train_on_batch
     from algos.batching import make_micro_batch
 
-    report = run_ranks("pipeline_ranks", tmp_path)
+    report = reports["pp"]
     assert report["layers"] == [[0], [1]]  # one layer per stage
     hf, tok, samples, cfg = _pipeline_setup()
     state = TrainState(hf, tok, torch.optim.SGD(hf.parameters(), lr=1.0))
