@@ -65,7 +65,7 @@ class WeightMemory:
                  host_budget_bytes: int = 1 << 27, nvme_dir: str | None = None,
                  chunk_bytes: int = 16 << 20, num_readers: int = 4, lookahead: int = 1,
                  timeline: Timeline | None = None, arena: PinnedArena | None = None,
-                 remote_read: Callable[[str, Region], Future] | None = None):
+                 remote_read: Callable[[str, Region], Future] | None = None, gds: bool = False):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.slot_bytes, self.lookahead = slot_bytes, lookahead
@@ -84,8 +84,13 @@ class WeightMemory:
         self._disk = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightmem-disk")
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-h2d")
         self._lock = threading.RLock()
+        self.gds = None
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            if gds:
+                from memory.gds import GdsReader
+
+                self.gds = GdsReader.open(num_readers)
 
     # ---- registration --------------------------------------------------------------------
     def register(self, tag: str, layout: FlatLayout, source: str = "") -> WeightSet:
@@ -230,6 +235,8 @@ class WeightMemory:
     def close(self) -> None:
         self._disk.shutdown(wait=True)
         self._copier.shutdown(wait=True)
+        if self.gds is not None:
+            self.gds.close()
         self.slots = []
         self.arena.close()
 
@@ -295,6 +302,11 @@ class WeightMemory:
                 return ws.copy_future or _done()
             slot = self._free_slot()
             self._occupy(ws, slot)
+            on_nvme_only = ws.host_ready is None and self.store is not None and self.store.has(
+                ws.tag)
+            if self.gds is not None and on_nvme_only:
+                ws.copy_future = self._disk.submit(self._gds_to_gpu, ws, slot)
+                return ws.copy_future
             if (self.cuda and ws.host_ready is None and self.remote_read is None
                     and self.store is not None and self.store.has(ws.tag)):
                 ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
@@ -307,6 +319,18 @@ class WeightMemory:
     def _h2d_after(self, ws: WeightSet, slot: int, host: Future) -> None:
         host.result()
         self._copy(self.arena.view(ws.region), self.slots[slot], ws, "h2d", slot)
+        self.counters["gpu_loads"] += 1
+
+    def _gds_to_gpu(self, ws: WeightSet, slot: int) -> None:
+        """NVMe -> GPU slot through cuFile (no host staging; see memory/gds.py)."""
+        if self.slot_free[slot] is not None:
+            self.slot_free[slot].synchronize()  # cuFile writes outside any stream
+        t0 = self.timeline.now()
+        self.gds.read(str(self.store.data_path(ws.tag)), self.slots[slot],
+                      ws.layout.total_bytes, self.store.chunk_bytes)
+        self.timeline.add("disk", ws.tag, "gds", t0, nbytes=ws.layout.total_bytes, src="nvme",
+                          dst="gpu")
+        ws.ready = None
         self.counters["gpu_loads"] += 1
 
     def _pipelined(self, ws: WeightSet, slot: int) -> None:
