@@ -112,3 +112,15 @@ def test_indivisible_tensor_parallel_and_unconverted_tensors_are_refused():
         hf_to_megatron(hf, layout, 0, 4)
     with pytest.raises(ValueError, match="model.layers.0.self_attn.extra.weight"):
         hf_to_megatron(hf | {"model.layers.0.self_attn.extra.weight": torch.zeros(1)}, layout)
+
+
+def test_unsupported_checkpoint_is_refused_before_loading_weights(tmp_path):
+    from backends.megatron.convert import check_model_reference
+
+    MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(
+        tmp_path)
+    with pytest.raises(ValueError, match=r"model_type 'mistral'.*supported: Qwen2ForCausalLM"):
+        check_model_reference(str(tmp_path))  # no weights in the directory: config only
+    check_model_reference("tiny-qwen3")
+    hf_config("llama").save_pretrained(tmp_path)
+    check_model_reference(str(tmp_path))

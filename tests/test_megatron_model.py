@@ -103,7 +103,7 @@ def test_training_step_equals_the_torch_backend(tp1):
     from tests.test_train_step import batch
 
     hf, tok = build_tiny("tiny-qwen2", seed=0)
-    model = mg.from_hf_model(hf)
+    model, _ = mg.load_model("tiny-qwen2", seed=0)  # the trainer's entry: same weights as hf
     before = hf.model.embed_tokens.weight.detach().clone()
     cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=3, grad_clip=0.5)
     stats = {}

@@ -63,6 +63,21 @@ def check_supported(hf_config) -> None:
     rope_scaling_factor(hf_config)
 
 
+def check_model_reference(path: str) -> None:
+    """ValueError unless the model a trainer config names (a tiny name or an HF checkpoint
+    directory) is of a supported architecture: reads config.json only, no weights, no megatron."""
+    from models.load import check_model_path
+    from models.tiny import TINY, tiny_config
+
+    check_model_path(path)
+    if path in TINY:
+        check_supported(tiny_config(path))
+        return
+    from transformers import AutoConfig
+
+    check_supported(AutoConfig.from_pretrained(path))
+
+
 def rope_parameters(hf_config) -> dict:
     """The HF RoPE parameters as one dict (transformers 5 `rope_parameters`, older `rope_scaling`)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

@@ -129,7 +129,7 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
 
 
 def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTModel:
-    """The GPTModel stage of this rank (random or no init: load weights after)."""
+    """The GPTModel stage of this rank, randomly initialized by megatron (load weights after)."""
     config = transformer_config(hf_config, options, dtype)
     layout = layout_from_hf(hf_config)
     _, model_kw = split_options(options)
@@ -142,7 +142,7 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(rope_parameters(hf_config)["rope_theta"]),
+        rotary_base=rope_parameters(hf_config)["rope_theta"],
         rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0, **model_kw)
 
 
@@ -161,7 +161,7 @@ def initialize_parallel(tensor_model_parallel_size: int = 1,
 def build_model(hf_config, options: dict[str, Any] | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
                 ) -> "MegatronCausalLM":
-    """A MegatronCausalLM for this rank's stage on `device` (weights uninitialized)."""
+    """A MegatronCausalLM for this rank's stage on `device` (random weights)."""
     options = dict(options or {})
     gpt = build_gpt(hf_config, options, dtype).to(device)
     module = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
@@ -175,6 +175,18 @@ def from_hf_model(hf_model, options: dict[str, Any] | None = None,
     model = build_model(hf_model.config, options, dtype, device)
     model.load_hf_state_dict(hf_model.state_dict())
     return model.eval()
+
+
+def load_model(path: str, options: dict[str, Any] | None = None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(MegatronCausalLM, tokenizer) for what `models.load.load_model` accepts (a tiny name or an
+    HF checkpoint directory); the architecture is checked before any weight is read."""
+    from backends.megatron.convert import check_model_reference
+    from models.load import load_model as load_hf
+
+    check_model_reference(path)
+    hf, tokenizer = load_hf(path, "cpu", torch.float32, seed)
+    return from_hf_model(hf, options, dtype, device), tokenizer
 
 
 class MegatronCausalLM(torch.nn.Module):
@@ -200,6 +212,11 @@ class MegatronCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False
                 ) -> CausalLMOutput:
+        """Logits [B, T, V] (all tensor ranks' vocabulary shards gathered). `position_ids` is
+        accepted for the contract only: RoPE runs at 0..T-1, the same function for rows whose
+        real tokens are contiguous (module docstring); `use_cache` must stay False."""
+        if use_cache:
+            raise ValueError("the megatron backend has no KV cache (use_cache=True)")
         if not (self.core.pre_process and self.core.post_process):
             raise ValueError("with pipeline parallelism a stage has no whole forward: use "
                              "backends.megatron.pipeline.pipeline_logprobs")
