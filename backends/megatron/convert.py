@@ -79,7 +79,7 @@ def check_model_reference(path: str) -> None:
 
 
 def rope_parameters(hf_config) -> dict:
-    """The HF RoPE parameters as one dict (transformers 5 `rope_parameters`, older `rope_scaling`)."""
+    """HF RoPE parameters as one dict (transformers 5 `rope_parameters`, older `rope_scaling`)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     legacy = getattr(hf_config, "rope_scaling", None)
