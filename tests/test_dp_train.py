@@ -112,6 +112,6 @@ def test_two_process_step_equals_one_process_step(tmp_path: Path):
         torch.testing.assert_close(critic2[name], critic1[name], atol=1e-6, rtol=0)
     # Adam is nearly blind to a constant gradient scale: the norms catch a wrong normalisation
     for key in ("train/loss", "train/grad_norm", "train/critic_grad_norm", "train/value_loss",
-                "train/tokens",
-                "train/policy_kl", "mismatch/abs_diff_mean", "mismatch/token_ratio_max"):
+                "train/tokens", "train/policy_kl", "mismatch/abs_diff_mean",
+                "mismatch/token_ratio_max"):
         assert stats2[key] == pytest.approx(stats1[key], rel=1e-5, abs=1e-7), key
