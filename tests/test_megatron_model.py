@@ -74,7 +74,16 @@ def test_options_pass_through_natively_and_bad_ones_are_refused(tp1):
         mg.build_model(hf_config("qwen2"), {"num_layers": 3})
     with pytest.raises(ValueError, match="tensor_model_parallel_size=2 differs"):
         mg.build_model(hf_config("qwen2"), {"tensor_model_parallel_size": 2})
-    assert mg.split_options({"params_dtype": "bfloat16"})[0] == {"params_dtype": torch.bfloat16}
+    # command-line strings take the option's type
+    config_kw, model_kw = mg.split_options({"params_dtype": "bfloat16", "hidden_dropout": "0.5",
+                                            "recompute_num_layers": "2",
+                                            "fp16_lm_cross_entropy": "true",
+                                            "recompute_granularity": "selective"})
+    assert config_kw == {"params_dtype": torch.bfloat16, "hidden_dropout": 0.5,
+                         "recompute_num_layers": 2, "recompute_granularity": "selective"}
+    assert model_kw == {"fp16_lm_cross_entropy": True}
+    with pytest.raises(ValueError, match="hidden_dropout='x': expected float"):
+        mg.split_options({"hidden_dropout": "x"})
 
 
 def test_hf_export_loads_back_into_transformers(tp1, tmp_path):

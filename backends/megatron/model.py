@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import typing
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,9 @@ OWNED_MODEL_KWARGS = frozenset({
     "mtp_block_spec"})
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 MODEL_KWARGS = frozenset(inspect.signature(GPTModel.__init__).parameters) - {"self"}
+# declared types, to turn command-line strings into values
+CONFIG_TYPES = typing.get_type_hints(TransformerConfig)
+MODEL_TYPES = typing.get_type_hints(GPTModel.__init__)
 # defaults chosen for running on any device without fused kernels; each can be overridden.
 # Initialization stays on: only megatron's init marks the tensor-parallel weights
 # (`tensor_model_parallel`), which gradient norms and optimizers rely on.
@@ -81,9 +85,9 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
             raise ValueError(f"megatron option {key!r} is set from the HF config / parallel "
                              f"layout by the backend; remove it from the megatron table")
         if key in CONFIG_FIELDS:
-            config_kw[key] = _coerce(key, value)
+            config_kw[key] = _coerce(key, value, CONFIG_TYPES.get(key))
         elif key in MODEL_KWARGS:
-            model_kw[key] = value
+            model_kw[key] = _coerce(key, value, MODEL_TYPES.get(key))
         else:
             close = difflib.get_close_matches(key, sorted(CONFIG_FIELDS | MODEL_KWARGS), n=5)
             raise ValueError(f"unknown megatron option {key!r}: not a TransformerConfig field "
@@ -91,14 +95,25 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return config_kw, model_kw
 
 
-def _coerce(key: str, value: Any) -> Any:
-    """Dtype fields accept 'bfloat16' / 'float16' / 'float32' from TOML or the command line."""
-    default = next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)
-    if isinstance(default, torch.dtype) and isinstance(value, str):
+def _coerce(key: str, value: Any, declared: Any) -> Any:
+    """A string (a command-line value) becomes the option's declared type when that is a torch
+    dtype, bool, int or float (or Optional of one); anything else passes as given."""
+    kinds = [t for t in typing.get_args(declared) if t is not type(None)] or [declared]
+    kind = kinds[0] if len(kinds) == 1 else None
+    if not isinstance(value, str) or kind not in (torch.dtype, bool, int, float):
+        return value
+    if kind is torch.dtype:
         if not isinstance(getattr(torch, value, None), torch.dtype):
             raise ValueError(f"megatron option {key}={value!r} is not a torch dtype name")
         return getattr(torch, value)
-    return value
+    if kind is bool:
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"megatron option {key}={value!r}: expected true or false")
+        return value.lower() == "true"
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"megatron option {key}={value!r}: expected {kind.__name__}") from None
 
 
 def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
