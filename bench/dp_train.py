@@ -23,7 +23,7 @@ import torch.distributed as dist
 from actors.dp_train import DataParallel
 from actors.train_step import TrainState, train_on_batch
 from actors.trainer import TrainerConfig
-from models.load import load_model
+from models.load import load_model, load_tokenizer
 from transport.schema import Sample
 
 
@@ -69,7 +69,7 @@ def main() -> None:
         args.device = f"cuda:{local}"
     dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     try:
-        vocab = load_model(args.model, "cpu", torch.float32)[0].config.vocab_size
+        vocab = len(load_tokenizer(args.model))
         samples = make_batch(args.samples, 8, vocab, 120)
         single, t_single = one_step(args, samples) if dist.get_rank() == 0 else ({}, 0.0)
         dist.barrier()
