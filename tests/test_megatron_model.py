@@ -47,6 +47,21 @@ def padded_batch(vocab: int, left: bool = False) -> tuple[torch.Tensor, torch.Te
     return ids.masked_fill(mask == 0, 0), mask
 
 
+def batch(tok) -> list:
+    """Two GRPO groups of two answers (rewards 1 and 0), of different lengths."""
+    from transport.schema import Sample
+
+    out = []
+    for g, (prompt, answers) in enumerate([("1+2=", ["3", "4"]), ("rev ab=", ["ba", "ab"])]):
+        for i, (ans, reward) in enumerate(zip(answers, [1.0, 0.0])):
+            ids = tok.encode(ans, add_special_tokens=False) + [tok.eos_token_id]
+            prompt_ids = [tok.bos_token_id] + tok.encode(prompt, add_special_tokens=False)
+            out.append(Sample(group_id=f"g{g}", index=i, domain="d", prompt_ids=prompt_ids,
+                              response_ids=ids, loss_mask=[1] * len(ids),
+                              rollout_logprobs=[-1.0] * len(ids), reward=reward))
+    return out
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_logprobs_match_transformers(tp1, name):
     hf = hf_model(name)
@@ -109,7 +124,6 @@ def test_training_step_equals_the_torch_backend(tp1):
     from actors.train_step import TrainState, train_on_batch
     from actors.trainer import TrainerConfig
     from models.tiny import build_tiny
-    from tests.test_train_step import batch
 
     hf, tok = build_tiny("tiny-qwen2", seed=0)
     model, _ = mg.load_model("tiny-qwen2", seed=0)  # the trainer's entry: same weights as hf

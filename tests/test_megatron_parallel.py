@@ -69,7 +69,7 @@ def _step(name: str, grad_clip: float) -> dict:
     from backends.megatron.model import from_hf_model
     from models.tiny import build_char_tokenizer
     from tests.test_megatron_convert import hf_model
-    from tests.test_train_step import batch
+    from tests.test_megatron_model import batch
 
     tok = build_char_tokenizer()
     model = from_hf_model(hf_model(name))
@@ -139,7 +139,7 @@ def _pipeline_setup():
     from actors.trainer import TrainerConfig
     from models.tiny import build_char_tokenizer
     from tests.test_megatron_convert import hf_model
-    from tests.test_train_step import batch
+    from tests.test_megatron_model import batch
 
     tok = build_char_tokenizer()
     cfg = TrainerConfig(model="x", workers=["w"], micro_batch_size=3, grad_clip=0.5)
