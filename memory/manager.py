@@ -84,7 +84,7 @@ class WeightMemory:
         self._disk = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightmem-disk")
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-h2d")
         self._lock = threading.RLock()
-        self.gds = None
+        self.gds, self.gds_error = None, ""
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
             if gds:
@@ -326,8 +326,16 @@ class WeightMemory:
         if self.slot_free[slot] is not None:
             self.slot_free[slot].synchronize()  # cuFile writes outside any stream
         t0 = self.timeline.now()
-        self.gds.read(str(self.store.data_path(ws.tag)), self.slots[slot],
-                      ws.layout.total_bytes, self.store.chunk_bytes)
+        try:
+            self.gds.read(str(self.store.data_path(ws.tag)), self.slots[slot],
+                          ws.layout.total_bytes, self.store.chunk_bytes)
+        except Exception as e:  # noqa: BLE001 - cuFile refused: the host path for good
+            log.warning("cuFile read of %s failed (%s); using O_DIRECT -> pinned -> H2D from now "
+                        "on", ws.tag, e)
+            self.gds_error, self.gds = str(e), None
+            ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
+            ws.host_ready = _done_after(self._pipelined, ws, slot)
+            return
         self.timeline.add("disk", ws.tag, "gds", t0, nbytes=ws.layout.total_bytes, src="nvme",
                           dst="gpu")
         ws.ready = None
@@ -432,6 +440,16 @@ class WeightMemory:
                 raise ValueError(f"{tag!r} is not on the host tier (backup or prefetch it first)")
             ws.host_ready.result()
         return ws
+
+
+def _done_after(fn, *args) -> Future:
+    """Run `fn` now, in this thread; a Future holding its outcome."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - handed to whoever waits on the future
+        f.set_exception(e)
+    return f
 
 
 def _done() -> Future:
