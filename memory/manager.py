@@ -204,12 +204,14 @@ class WeightMemory:
                              free_slots, self.arena.nbytes - self._adopted_host_bytes(),
                              gpu, host, self.lookahead)
 
-    def run(self, order: Sequence[str], fn: Callable[[str, dict[str, torch.Tensor]], Any]
-            ) -> list[Any]:
-        """Run `fn(tag, tensors)` for each switch of `order`, prefetching per the plan."""
-        plan = self.plan(order)
+    def run(self, order: Sequence[str], fn: Callable[[str, dict[str, torch.Tensor]], Any],
+            next_order: Sequence[str] = ()) -> list[Any]:
+        """Run `fn(tag, tensors)` for each switch of `order`, prefetching per the plan.
+        `next_order` (a hint, e.g. the teachers of the buffer's next batch) extends the plan, so
+        the last switches already prefetch the next step's first sets."""
+        plan = self.plan(list(order) + list(next_order[:self.lookahead]))
         out = []
-        for step in plan.steps:
+        for step in plan.steps[:len(order)]:
             for a in step.demand:
                 self._apply(a)
             tensors = self.acquire(step.tag)
@@ -218,6 +220,17 @@ class WeightMemory:
             out.append(fn(step.tag, tensors))
             self.release(step.tag)
         return out
+
+    def hint(self, upcoming: Sequence[str]) -> list[Future]:
+        """Start loading the first sets of an upcoming step to the GPU where slots are free (a
+        hint from the buffer about the next batch's teachers); never evicts."""
+        futures = []
+        for tag in upcoming[:self.lookahead]:
+            ws = self.sets[tag]
+            resident = ws.slot is not None and self.slot_tag[ws.slot] == tag
+            if resident or None in self.slot_tag:
+                futures.append(self._to_gpu(ws, prefetch=True))
+        return futures
 
     def gpu_tensors(self, tag: str) -> dict[str, torch.Tensor]:
         ws = self._need(tag, on_gpu=True)

@@ -304,3 +304,21 @@ def test_run_switches_with_prefetch_equals_everything_resident(tmp_path):
         assert mem.counters["gpu_loads"] == planned == 6  # every switch but the first prefetched
     finally:
         mem.close()
+
+
+def test_hint_and_next_order_prefetch_the_next_step():
+    sets = {f"t{k}": state(k) for k in range(3)}
+    one = max(FlatLayout.from_state_dict(s).total_bytes for s in sets.values())
+    mem = WeightMemory(gpu_slots=2, slot_bytes=one, host_budget_bytes=3 * one)
+    try:
+        for tag, sd in sets.items():
+            mem.load_tensors(tag, sd)
+        [f.result() for f in mem.hint(["t1", "t2"])]  # lookahead 1: only the first
+        assert mem.residency()["gpu"] == ["t1"]
+        mem.run(["t1", "t0"], lambda t, ts: None, next_order=["t2"])
+        assert sorted(mem.residency()["gpu"]) == ["t0", "t2"]  # t2 came in during t0's compute
+        mem.sets["t2"].copy_future.result()
+        assert mem.counters["gpu_loads"] == 3
+        assert same(mem.acquire("t2"), sets["t2"])
+    finally:
+        mem.close()
