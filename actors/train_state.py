@@ -55,13 +55,26 @@ class TrainState:
                    path / "trainer_state.pt.tmp")
         (path / "trainer_state.pt.tmp").replace(path / "trainer_state.pt")
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """HF-named full weights (what the workers load), for the in-memory weight-sync paths."""
+        hf = getattr(self.model, "hf_state_dict", None)  # the megatron backend converts
+        if hf is not None:
+            return list(hf().items())
+        from memory.layout import module_tensors
+
+        return [(n, t.detach()) for n, t in module_tensors(self.model).items()]  # tied: once
+
     def load(self, path: Path, device: str) -> None:
         from safetensors.torch import load_file
 
         weights = {}
         for f in sorted(path.glob("*.safetensors")):
             weights.update(load_file(str(f), device=device))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if hasattr(self.model, "load_hf_state_dict"):  # megatron backend: HF names converted
+            self.model.load_hf_state_dict(weights)
+            missing, unexpected = [], []
+        else:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, "
                              f"unexpected {unexpected}")

@@ -85,7 +85,9 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     current = policy_pass(state, mbs, prep, cfg, len(samples), totals)
     params = [p for p in state.model.parameters() if p.requires_grad]
     dp.sum_grads(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
+    clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
+    grad_norm = (clip(cfg.grad_clip or math.inf) if clip is not None
+                 else torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))
     state.optimizer.step()
     stats: dict[str, float] = {}
     if state.critic is not None:

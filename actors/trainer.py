@@ -24,7 +24,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -79,6 +79,13 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     keep_versions: int = 2  # pushed weight versions kept on disk
     seed: int = 0  # torch seed (and the initialisation of built-in tiny models)
     batch_timeout_s: float = 3600.0  # how long to wait for the buffer
+    backend: Literal["torch", "megatron"] = "torch"  # megatron: megatron-core GPTModel (GPU)
+    megatron: dict[str, Any] = {}  # megatron TransformerConfig/GPTModel options, passed through
+    # how each version reaches the workers: disk (safetensors + /update_weights_from_disk),
+    # distributed (a torch.distributed group with every worker: NCCL on GPU, gloo on CPU),
+    # tensor (weights in the request body; colocated workers on the same host)
+    weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
+    weight_sync_bucket_mib: int = 512  # bucket size of the distributed and tensor paths
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -151,6 +158,18 @@ class TrainerActor(Actor):
                 check_model_path(path)
         if not config.workers:
             raise ValueError("`workers` must name the inference worker actors")
+        if config.backend == "megatron":
+            import importlib.util
+
+            if importlib.util.find_spec("megatron.core") is None:
+                raise ValueError("backend = 'megatron' needs megatron-core: pip install "
+                                 "'rlx[megatron]' (megatron-core 0.16.1)")
+            if not config.device.startswith("cuda"):
+                raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
+                                 "CPU path); use backend = 'torch' with device = 'cpu'")
+        elif config.megatron:
+            raise ValueError("`megatron` options are set but backend = 'torch'; set "
+                             "backend = 'megatron' or remove them")
 
     async def on_start(self) -> None:
         from engine.client import SglangClient
@@ -158,29 +177,17 @@ class TrainerActor(Actor):
         cfg = self.config
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._closers.append(lambda: self.pool.shutdown(wait=True))
-        self.state = await self._in_thread(self._load_state)
+        self.state = await self._in_thread(load_train_state, cfg, self.ctx.run_dir or ".",
+                                           self.ctx.resume)
         self.clients = [SglangClient(self.peer(w).http) for w in cfg.workers]
         for c in self.clients:
             self._closers.append(c.close)
+        self.sync = await make_weight_sync(cfg, self.clients)
+        if hasattr(self.sync, "close"):
+            self._closers.append(self.sync.close)
         self.buffer = await self.connect(cfg.buffer)
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
         self.run_dir = Path(self.ctx.run_dir or ".")
-
-    def _load_state(self) -> TrainState:
-        from models.load import load_model
-
-        cfg = self.config
-        torch.manual_seed(cfg.seed)
-        model, tokenizer = load_model(cfg.model, cfg.device, getattr(torch, cfg.dtype), cfg.seed)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        ref, critic = build_aux_models(cfg, model)  # before resuming: from the initial weights
-        state = TrainState(model, tokenizer, opt, ref, critic)
-        latest = latest_checkpoint(Path(self.ctx.run_dir or ".") / "checkpoints")
-        if self.ctx.resume and latest is not None:
-            state.load(latest, cfg.device)
-            log.info("%s: resumed from %s (step %d)", self.name, latest, state.step)
-        return state
 
     async def run(self) -> None:
         cfg = self.config
@@ -223,15 +230,20 @@ class TrainerActor(Actor):
                                  step=self.state.step, total_steps=self.config.num_steps)
 
     async def push_weights(self) -> None:
-        """Write this version once, load it on every worker, tell the buffer."""
+        """Send this version to every worker (`weight_sync`), then tell the buffer."""
         version = self.state.version
-        path = self.run_dir / "weights" / f"v{version}"
-        await self._in_thread(self.state.save_weights, path)
-        await asyncio.gather(*(push_to_worker(c, path, version) for c in self.clients))
+        if self.config.weight_sync == "disk":  # written once, loaded by every worker
+            path = self.run_dir / "weights" / f"v{version}"
+            await self._in_thread(self.state.save_weights, path)
+            await self.sync.push(str(path), str(version))
+            versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+            for old in sorted(versions, key=lambda p: int(p.name[1:]))[
+                    :-self.config.keep_versions]:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            named = await self._in_thread(self.state.named_weights)
+            await self.sync.push(named, str(version))
         await self.buffer.call(VersionUpdate(version=version, step=self.state.step))
-        versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
-        for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-self.config.keep_versions]:
-            shutil.rmtree(old, ignore_errors=True)
 
     async def _set_phase(self, phase: str) -> None:
         """Colocated mode: one side's memory leaves the device while the other side works."""
@@ -262,8 +274,10 @@ def build_aux_models(cfg: TrainerConfig, policy: torch.nn.Module):
     from models.load import load_model
 
     def source(path: str) -> torch.nn.Module:
-        if not path:
+        if not path and policy is not None:
             return policy
+        if not path:  # a megatron policy: the reference/critic are transformers models
+            path = cfg.model
         return load_model(path, cfg.device, getattr(torch, cfg.dtype), cfg.seed)[0]
 
     ref = (AuxModel.frozen_copy(source(cfg.ref_model), cfg.device, cfg.offload_aux_models)
@@ -273,12 +287,55 @@ def build_aux_models(cfg: TrainerConfig, policy: torch.nn.Module):
     return ref, critic
 
 
-async def push_to_worker(client, path: Path, version: int) -> None:
-    await client.pause_generation()
-    try:
-        await client.update_weights_from_disk(str(path), weight_version=str(version))
-    finally:
-        await client.continue_generation()
+def load_train_state(cfg: TrainerConfig, run_dir: str, resume: bool) -> TrainState:
+    """The policy (torch or megatron backend), optimizer, aux models; resumed when asked."""
+    from models.load import load_model
+
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.backend == "megatron":
+        model, tokenizer = load_megatron(cfg, dtype)
+    else:
+        model, tokenizer = load_model(cfg.model, cfg.device, dtype, cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    hf_policy = model if cfg.backend == "torch" else None
+    ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
+    state = TrainState(model, tokenizer, opt, ref, critic)
+    latest = latest_checkpoint(Path(run_dir) / "checkpoints")
+    if resume and latest is not None:
+        state.load(latest, cfg.device)
+        log.info("resumed from %s (step %d)", latest, state.step)
+    return state
+
+
+def load_megatron(cfg: TrainerConfig, dtype: torch.dtype):
+    """A one-rank megatron-core model (TP = PP = 1 inside the actor; multi-rank megatron runs
+    use backends.megatron directly under torchrun)."""
+    import torch.distributed as dist
+
+    from backends.megatron.model import initialize_parallel, load_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+        initialize_parallel(1, 1, cfg.seed)
+    return load_model(cfg.model, cfg.megatron, cfg.device, dtype, cfg.seed)
+
+
+async def make_weight_sync(cfg: TrainerConfig, clients):
+    """The configured weight-sync path (engine/weight_sync.py), connected."""
+    from engine.weight_sync import DiskSync, DistributedSync, TensorSync
+
+    bucket = cfg.weight_sync_bucket_mib << 20
+    if cfg.weight_sync == "disk":
+        return DiskSync(clients)
+    if cfg.weight_sync == "tensor":
+        return TensorSync(clients, bucket_bytes=bucket)
+    sync = DistributedSync(clients, "nccl" if cfg.device.startswith("cuda") else "gloo",
+                           bucket_bytes=bucket)
+    await sync.connect()
+    return sync
 
 
 def latest_checkpoint(folder: Path) -> Path | None:

@@ -58,13 +58,15 @@ num_steps = {steps}
 save_every = 2
 micro_batch_size = 8
 mode = "{mode}"
+weight_sync = "{sync}"
 """
 
 
 def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, staleness: int = 1,
-        mode: str = "decoupled") -> tuple[subprocess.CompletedProcess, list[dict]]:
+        mode: str = "decoupled", sync: str = "disk"
+        ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode))
+    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync))
     cmd = [sys.executable, "-m", "launch.cluster", str(hosts)]
     cmd += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -101,9 +103,12 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
 @pytest.mark.timeout(300)
 def test_colocated_synchronous_run(tmp_path):
     run_dir = tmp_path / "run"
-    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, mode="colocated")
+    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, mode="colocated", sync="tensor")
     assert result.returncode == 0, result.stdout[-3000:]
     assert [r["values"]["version"] for r in steps] == [1, 2]
+    # weights in the request body: nothing written per version, and the worker serves them exactly
+    assert not (run_dir / "weights").exists()
+    assert all(r["values"]["train/engine_logprob_abs_diff"] < 1e-5 for r in steps)
     assert all(r["values"]["train/staleness_max"] == 0 for r in steps)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     phases = {k for r in records if r["actor"] == "trainer" for k in r["values"]
@@ -114,3 +119,14 @@ def test_colocated_synchronous_run(tmp_path):
     held = {v["memory/device_bytes"] for v in worker if v["memory/released"] == 0.0}
     assert 0.0 in released  # the worker gave its weights up while the trainer trained
     assert held and min(held) > 0
+
+
+@pytest.mark.timeout(300)
+def test_weights_over_a_process_group(tmp_path):
+    run_dir = tmp_path / "run"
+    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, sync="distributed")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert [r["values"]["version"] for r in steps] == [1, 2]
+    assert not (run_dir / "weights").exists()  # broadcast over gloo, never written
+    for r in steps:  # the worker generated with exactly the trainer's broadcast weights
+        assert r["values"]["train/engine_logprob_abs_diff"] < 1e-5, r["values"]

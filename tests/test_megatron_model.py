@@ -143,3 +143,30 @@ def test_training_step_equals_the_torch_backend(tp1):
     for key, want in hf.state_dict().items():
         if key != "lm_head.weight":
             assert (after[key] - want).abs().max() < 1e-5, key
+
+
+def test_trainer_backend_megatron_state_checkpoint_and_weight_names(tp1, tmp_path):
+    from actors.trainer import TrainerActor, TrainerConfig, load_train_state
+    from models.tiny import build_tiny
+
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], backend="megatron",
+                        megatron={"hidden_dropout": 0.0})
+    state = load_train_state(cfg, str(tmp_path), resume=False)
+    hf, _ = build_tiny("tiny-qwen2", seed=0)
+    named = dict(state.named_weights())  # what the in-memory weight-sync paths send
+    assert sorted(named) == sorted(k for k in hf.state_dict() if k != "lm_head.weight" or
+                                   not hf.config.tie_word_embeddings)
+    assert torch.equal(named["model.embed_tokens.weight"], hf.model.embed_tokens.weight)
+    with torch.no_grad():
+        state.model.core.embedding.word_embeddings.weight.add_(0.5)
+    state.step = 3
+    state.save(tmp_path / "checkpoints" / "step_000003")
+    resumed = load_train_state(cfg, str(tmp_path), resume=True)
+    assert resumed.step == 3
+    assert torch.equal(dict(resumed.named_weights())["model.embed_tokens.weight"],
+                       hf.model.embed_tokens.weight + 0.5)
+    with pytest.raises(ValueError, match="runs on CUDA devices"):
+        TrainerActor.check_config(cfg)
+    with pytest.raises(ValueError, match="backend = 'torch'"):
+        TrainerActor.check_config(TrainerConfig(model="tiny-qwen2", workers=["w"],
+                                                megatron={"hidden_dropout": 0.0}))
