@@ -54,7 +54,7 @@ from models.logprobs import effective_temperature
 OPD_MODES = ("sampled", "top_p", "top_k", "full")
 TEACHER_LOGIT_MODES = ("top_p", "full")  # need teacher logits: colocated teachers only
 SERVER_MODES = ("sampled", "top_k")  # work from teacher server replies (or colocated)
-CHUNK_ELEMENTS = 1 << 24  # logits per chunk in the full / top_p KL (64 MiB per fp32 temporary)
+CHUNK_ELEMENTS = 1 << 22  # logits per chunk in the full / top_p KL (16 MiB per fp32 temporary)
 
 
 class OpdConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -131,9 +131,10 @@ def shaped_advantages(advantages: torch.Tensor, student_logp: torch.Tensor,
 
 def _set_logprobs(logits: torch.Tensor, keep: torch.Tensor | None, temperature: float,
                   dtype: torch.dtype) -> torch.Tensor:
-    z = logits.to(dtype) / temperature
+    """log_softmax(logits / T) over the kept tokens (-inf elsewhere); `logits` is a chunk copy."""
+    z = logits.to(dtype).div_(temperature)
     if keep is not None:
-        z = z.masked_fill(~keep, float("-inf"))
+        z.masked_fill_(~keep, float("-inf"))
     return torch.log_softmax(z, dim=-1)
 
 
@@ -154,11 +155,10 @@ def _nucleus_keep(logits: torch.Tensor, threshold: torch.Tensor, temperature: fl
 def _chunk_terms(student: torch.Tensor, teacher: torch.Tensor, keep: torch.Tensor | None,
                  temperature: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """(p_S, log p_S - log q_S with 0 where p_S = 0, KL [N]) of one chunk of rows."""
-    ls = _set_logprobs(student, keep, temperature, dtype)
-    lt = _set_logprobs(teacher, keep, temperature, dtype)
-    p = ls.exp()
-    diff = torch.where(p > 0, ls - lt, torch.zeros_like(ls))
-    return p, diff, (p * diff).sum(dim=-1)
+    diff = _set_logprobs(student, keep, temperature, dtype)
+    p = diff.exp()
+    diff.sub_(_set_logprobs(teacher, keep, temperature, dtype)).masked_fill_(p == 0, 0.0)
+    return p, diff, torch.linalg.vecdot(p, diff)
 
 
 class _SetReverseKL(torch.autograd.Function):
@@ -191,8 +191,8 @@ class _SetReverseKL(torch.autograd.Function):
             if ctx.top_p < 1:
                 keep = _nucleus_keep(nucleus[idx], ctx.thresholds[i], temperature, dtype)
             p, diff, kl = _chunk_terms(student[idx], teacher[idx], keep, temperature, dtype)
-            g = p * (diff - kl[:, None]) * (grad_out[idx].to(dtype)[:, None] / temperature)
-            grad[idx] = g.to(grad.dtype)
+            scale = grad_out[idx].to(dtype)[:, None] / temperature
+            grad[idx] = diff.sub_(kl[:, None]).mul_(p).mul_(scale).to(grad.dtype)
         return grad, None, None, None, None, None, None
 
 
