@@ -16,7 +16,9 @@ Modes (`OPD_MODES`):
   with p = pi_theta (gradient flows to the student logits), q = pi_T (detached). The loss adds
   `beta * sum_i (sum_t KL_t m_t / sum_t m_t) / num_samples_in_step` (the sample mean of
   `algos.grpo`, so micro-batches and DP ranks add up to the one-batch gradient).
-  The three are one loss at three set choices, so top_p = 1 and top_k = V are exactly `full`:
+  They are loss terms, not rewards, because the KL over a set is computed exactly: its gradient
+  needs no sampling (no variance) and no advantage whitening may rescale it. The three are one
+  loss at three set choices, so top_p = 1 and top_k = V are exactly `full`:
   * `full`: S_t = the whole vocabulary;
   * `top_p`: S_t = the rollout's nucleus at t: with the student probabilities at temperature T
     sorted descending, p_(1) >= p_(2) >= ..., S_t holds the first n tokens for the smallest n
@@ -26,7 +28,10 @@ Modes (`OPD_MODES`):
   * `top_k`: S_t = the teacher's k most likely tokens at t, as a teacher server returns them with
     `top_logprobs_num = k` (ids and teacher log-probs), so no teacher logits are needed; the
     teacher side is renormalised from those k log-probs alone, the student side from its logits
-    gathered at those ids.
+    gathered at those ids. Server log-probs computed at another temperature T' are rescaled
+    exactly (`teacher_temperature`): `log_softmax(lp' * T' / T)` over S_t, since the
+    renormalisation cancels the server's normaliser.
+Arithmetic is float32 (float64 when the student logits are float64).
 Gradient of the set KL (used by the chunked autograd function, z = student logits):
 `dKL_t / dz_v = p_S(v) * (log p_S(v) - log q_S(v) - KL_t) / T` for v in S_t, 0 outside.
 
