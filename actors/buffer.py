@@ -60,7 +60,8 @@ class BufferActor(Actor):
             self.changed.notify_all()  # the version may unblock a permit
             await self.changed.wait_for(ready)
         self._publish()
-        return TrainBatch(step=msg.step, samples=batch, counters=dict(self.logic.counters))
+        return TrainBatch(step=msg.step, samples=batch, counters=dict(self.logic.counters),
+                          next_teachers=self.logic.upcoming_teachers())
 
     async def version_update(self, msg: VersionUpdate) -> Ack:
         self.trainer_version, self.trainer_step = msg.version, msg.step

@@ -184,6 +184,16 @@ class RolloutBuffer:
         self._count("emitted", len(batch))
         return batch
 
+    def upcoming_teachers(self) -> list[str]:
+        """Teachers of the ready groups (the next batch's), in the order they will be trained:
+        a hint for the trainer's weight memory to load the first of them early."""
+        seen: dict[str, None] = {}
+        for group in itertools.islice(self._ready.values(), self.config.groups_per_batch):
+            for sample in group:
+                if sample.teacher:
+                    seen.setdefault(sample.teacher)
+        return list(seen)
+
     def may_start_batch(self, batch_index: int, trainer_version: int) -> bool:
         """The rollout's permit: generation of batch `batch_index` (0-based) may start."""
         if batch_index < 0:

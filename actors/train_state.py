@@ -25,6 +25,8 @@ class TrainState:
         self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
         self.ref, self.critic = ref, critic  # actors.aux_models.AuxModel / CriticModel or None
         self.old_actors: Any = None  # actors.aux_models.OldActors, made on first use
+        self.teachers: Any = None  # actors.teachers.ColocatedTeachers (colocated distillation)
+        self.next_teachers: list[str] = []  # the buffer's hint: teachers of the next batch
         self.step = 0
         self.version = 0
 

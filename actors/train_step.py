@@ -62,6 +62,7 @@ class Prepared:
     ref: torch.Tensor | None = None  # [B, R] reference log-probs
     values: torch.Tensor | None = None  # [B, R] critic values before the step
     returns: torch.Tensor | None = None  # [B, R] critic targets
+    opd: Any = None  # actors.teachers.OpdInputs (distillation runs)
 
 
 def forward(state: TrainState, mb: MicroBatch, temperature: float,
@@ -82,7 +83,10 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
            for idx in plan.micro_batches]
     totals = dict.fromkeys(TOTALS, 0.0)
     prep = prepare(state, samples, plan.micro_batches, mbs, cfg, dp, totals)
-    current = policy_pass(state, mbs, prep, cfg, len(samples), totals)
+    opd_sums: dict[str, list[float]] = {}
+    if getattr(cfg, "opd", None) is not None:
+        add_opd(state, mbs, prep, cfg, opd_sums)
+    current = policy_pass(state, mbs, prep, cfg, len(samples), totals, opd_sums)
     params = [p for p in state.model.parameters() if p.requires_grad]
     dp.sum_grads(params)
     clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
@@ -101,6 +105,12 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     totals = dict(zip(TOTALS, summed.tolist()))
     stats |= summarize(samples, totals, float(grad_norm), state.version, cfg)
     stats["train/oversized_samples"] = float(len(plan.oversized))
+    if opd_sums:
+        from algos.opd import teacher_kl_metrics
+
+        names = sorted(opd_sums)
+        summed_kl = dp.sum_tensor(torch.tensor([opd_sums[n] for n in names], dtype=torch.float64))
+        stats |= teacher_kl_metrics(dict(zip(names, summed_kl.tolist())))
     parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
                                                  for c, mb in zip(current, mbs)])])
     return stats | mismatch_metrics(*_stack(parts))
@@ -168,14 +178,39 @@ def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.T
     return out
 
 
+def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
+            sums: dict[str, list[float]]) -> None:
+    """Teacher signals per micro-batch; "sampled" shapes the (already whitened) advantages
+    A - kl_coef * coef * r, so the distillation term keeps its own scale."""
+    from actors.teachers import prepare_opd, sampled_ratio
+    from algos.opd import teacher_kl_sums
+
+    inputs = prepare_opd(mbs, [p.old for p in prep], cfg, state.teachers, state.next_teachers)
+    for mb, p, inp in zip(mbs, prep, inputs):
+        p.opd = inp
+        if cfg.opd.mode == "sampled":
+            r = sampled_ratio(p.old, inp)
+            p.adv = p.adv - cfg.opd.kl_coef * inp.coef[:, None] * r
+            teacher_kl_sums(r, inp.mask, [s.teacher for s in mb.samples], sums)
+
+
 def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
-                num_samples: int, totals: dict[str, float]) -> list[torch.Tensor]:
+                num_samples: int, totals: dict[str, float],
+                opd_sums: dict[str, list[float]] | None = None) -> list[torch.Tensor]:
     """Backward of every micro-batch's policy loss; returns the log-probs before the update."""
+    from algos.opd import is_loss_term
+
     by_length = _by_length(cfg, next(state.model.parameters()).device)
+    opd_term = getattr(cfg, "opd", None) is not None and is_loss_term(cfg.opd.mode)
     current: list[torch.Tensor] = []
     state.optimizer.zero_grad(set_to_none=True)
     for mb, p in zip(mbs, prep):
-        logp, ent = forward(state, mb, cfg.temperature, by_length)
+        if opd_term:  # the distribution terms need the student's logits: one forward for all
+            from actors.teachers import student_pass
+
+            logp, ent, logits = student_pass(state.model, mb, cfg.temperature)
+        else:
+            logp, ent = forward(state, mb, cfg.temperature, by_length)
         current.append(logp.detach())
         weights, keep = correction_weights(p.old, mb.rollout_logp, mb.mask, cfg.mismatch)
         terms = ppo_clip_loss(logp, p.old, p.adv, keep, num_samples, cfg.eps_clip,
@@ -185,9 +220,24 @@ def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], 
             kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl_estimator), keep) / num_samples
             loss = loss + cfg.kl_coef * kl
             totals["kl_loss"] += float(kl.detach())
+        if opd_term:
+            loss = loss + opd_term_loss(cfg, mb, p.opd, logits, num_samples, opd_sums)
         loss.backward()
         _accumulate(totals, mb, terms, ent, current[-1], state.version)
     return current
+
+
+def opd_term_loss(cfg: Any, mb: MicroBatch, inp: Any, logits: torch.Tensor, num_samples: int,
+                  sums: dict[str, list[float]] | None) -> torch.Tensor:
+    """kl_coef * sample-mean of the per-teacher-weighted reverse KL (algos/opd.py)."""
+    from algos.opd import distribution_reverse_kl, opd_loss, teacher_kl_sums
+
+    kl = distribution_reverse_kl(cfg.opd, logits, inp.mask, cfg.temperature,
+                                 teacher_logits=inp.teacher_logits, teacher_ids=inp.topk_ids,
+                                 teacher_logprobs=inp.topk_logp)
+    if sums is not None:
+        teacher_kl_sums(kl.detach(), inp.mask, [s.teacher for s in mb.samples], sums)
+    return opd_loss(kl * inp.coef[:, None], inp.mask, num_samples, cfg.opd.kl_coef)
 
 
 def _accumulate(totals: dict[str, float], mb: MicroBatch, terms: Any, ent: torch.Tensor,

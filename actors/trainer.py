@@ -31,6 +31,9 @@ import torch
 
 from actors.aux_models import AuxModel, CriticConfig, CriticModel
 from actors.base import Actor
+from actors.teacher_logic import TeacherSpec, check_vocab, route_table
+from actors.teachers import TeacherMemoryConfig
+from algos.opd import OpdConfig, check_placement
 from actors.train_step import TrainState, train_on_batch
 from algos.estimators import TOKEN_REWARDS, check_estimator
 from algos.kl import ESTIMATORS as KL_ESTIMATORS
@@ -86,6 +89,11 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # tensor (weights in the request body; colocated workers on the same host)
     weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
     weight_sync_bucket_mib: int = 512  # bucket size of the distributed and tensor paths
+    # on-policy distillation (algos/opd.py): None = off. With `teachers` the teachers run here,
+    # colocated on weight memory; without, their signal comes from the teacher pool's servers
+    opd: OpdConfig | None = None
+    teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
+    teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -120,6 +128,18 @@ def check_algorithm(cfg: TrainerConfig) -> None:
         raise ValueError(f"need 0 < gamma <= 1 and 0 <= gae_lambda <= 1, got gamma = {cfg.gamma},"
                          f" gae_lambda = {cfg.gae_lambda}")
     _check_kl(cfg, est)
+    _check_opd(cfg)
+
+
+def _check_opd(cfg: TrainerConfig) -> None:
+    if cfg.teachers and cfg.opd is None:
+        raise ValueError("teachers are set but opd is not: add opd = { mode = ..., kl_coef = ... }"
+                         " or remove teachers")
+    if cfg.opd is None:
+        return
+    route_table(cfg.teachers)
+    if not cfg.teachers:  # the signal comes from teacher servers through the teacher pool
+        check_placement(cfg.opd, "server")
 
 
 def _check_kl(cfg: TrainerConfig, est: str) -> None:
@@ -158,6 +178,13 @@ class TrainerActor(Actor):
                 check_model_path(path)
         if not config.workers:
             raise ValueError("`workers` must name the inference worker actors")
+        if config.teachers:
+            from models.load import load_tokenizer
+
+            student = load_tokenizer(config.model)
+            for t in config.teachers:
+                check_model_path(t.model)
+                check_vocab(student, load_tokenizer(t.model), t.name)
         if config.backend == "megatron":
             import importlib.util
 
@@ -182,6 +209,8 @@ class TrainerActor(Actor):
         self.clients = [SglangClient(self.peer(w).http) for w in cfg.workers]
         for c in self.clients:
             self._closers.append(c.close)
+        if self.state.teachers is not None:
+            self._closers.append(self.state.teachers.close)
         self.sync = await make_weight_sync(cfg, self.clients)
         if hasattr(self.sync, "close"):
             self._closers.append(self.sync.close)
@@ -198,6 +227,7 @@ class TrainerActor(Actor):
                 GetBatch(step=self.state.step, trainer_version=self.state.version),
                 cfg.batch_timeout_s)
             t_wait = time.monotonic() - t0
+            self.state.next_teachers = batch.next_teachers
             await self._set_phase("train")
             stats = await self._in_thread(train_on_batch, self.state, batch.samples, cfg)
             t_train = time.monotonic() - t0 - t_wait
@@ -302,6 +332,11 @@ def load_train_state(cfg: TrainerConfig, run_dir: str, resume: bool) -> TrainSta
     hf_policy = model if cfg.backend == "torch" else None
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     state = TrainState(model, tokenizer, opt, ref, critic)
+    if cfg.teachers:
+        from actors.teachers import ColocatedTeachers
+
+        state.teachers = ColocatedTeachers(cfg.teachers, cfg.device, dtype, cfg.teacher_memory,
+                                           run_dir, cfg.seed)
     latest = latest_checkpoint(Path(run_dir) / "checkpoints")
     if resume and latest is not None:
         state.load(latest, cfg.device)

@@ -232,6 +232,11 @@ class WeightMemory:
                 futures.append(self._to_gpu(ws, prefetch=True))
         return futures
 
+    def evict(self, tag: str, tier: str) -> None:
+        """Drop a set from "gpu" or "host" (spilled to NVMe first if nothing else holds it)."""
+        ws = self.sets[tag]
+        self._evict_gpu(ws) if tier == "gpu" else self._drop_host(ws)
+
     def gpu_tensors(self, tag: str) -> dict[str, torch.Tensor]:
         ws = self._need(tag, on_gpu=True)
         return bind(self.slots[ws.slot], ws.layout)

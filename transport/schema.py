@@ -173,6 +173,13 @@ class Sample(Msg):
     weight_version: int = 0  # oldest weight version that produced any of its tokens
     status: str = "ok"  # ok | failed | aborted
     error: str = ""
+    # distillation (set by the teacher pool): the teacher this sample is routed to ("" = none),
+    # and, in server mode, the teacher's log-probs of the response tokens (response-aligned) and
+    # its top-k (token ids, log-probs) per response position
+    teacher: str = ""
+    teacher_logprobs: list[float] = []
+    teacher_topk_ids: list[list[int]] = []
+    teacher_topk_logprobs: list[list[float]] = []
 
 
 class SampleGroup(Msg):
@@ -203,6 +210,7 @@ class TrainBatch(Msg):
     step: int
     samples: list[Sample]
     counters: dict[str, int] = {}  # buffer counters at the time of the batch
+    next_teachers: list[str] = []  # teachers of the groups already queued for the next batch
 
 
 class VersionUpdate(Msg):

@@ -1,0 +1,144 @@
+"""The teacher-pool actor: the teacher registry, routing by domain, and server-mode scoring.
+
+Sits between rollout and buffer (the rollout's `sink`): each SampleGroup arriving in the inbox
+gets every sample routed to its teacher (`Sample.teacher`, by domain, else the default teacher,
+else "" and counted in `opd/unrouted_samples`). Then:
+- mode "server": each sample is scored by its teacher's inference server (an embedded worker
+  named by `worker`, or any SGLang-compatible `url`) with `max_new_tokens = 0` and
+  `logprob_start_len = len(prompt)` (`top_logprobs_num = top_k` for top-k), requests batched per
+  teacher, with retries and a timeout; a sample whose teacher keeps failing is marked
+  (`teacher = ""`), counted in `opd/<teacher>/failed_samples`, and passed on: the run continues;
+- mode "colocated": samples are only routed; the trainer runs the teachers on its own device
+  from its weight memory (`actors/teachers.py`).
+The group then goes on to the buffer. Per teacher it publishes tokens scored, scoring time and
+the sampled reverse-KL estimate mean(log pi_student - log pi_teacher) over the rollout's tokens.
+Teachers whose tokenizer differs from the student's are refused before the run starts.
+Invariant: every group that arrives leaves, once, in arrival order per teacher batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Literal
+
+import msgspec
+
+from actors.base import Actor
+from actors.teacher_logic import (TeacherSpec, check_vocab, parse_scores, route, route_table,
+                                  score_request)
+from algos.opd import OpdConfig, check_placement
+from transport.schema import Msg, Sample, SampleGroup
+
+log = logging.getLogger(__name__)
+
+
+class TeacherPoolConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Settings of the teacher pool."""
+
+    student: str  # the student's checkpoint: teachers must share its vocabulary
+    teachers: list[TeacherSpec]  # the registry
+    default_teacher: str = ""  # for domains no teacher claims ("" = such samples get none)
+    mode: Literal["server", "colocated"] = "colocated"
+    opd: OpdConfig = OpdConfig()  # must match the trainer's (top_k decides what servers return)
+    buffer: str = "buffer"  # where routed (and scored) groups go
+    temperature: float = 1.0  # the rollout's sampling temperature: teachers score at it
+    request_timeout_s: float = 60.0  # one scoring request
+    max_retries: int = 3  # per request, then the samples are marked failed
+    max_batch: int = 64  # samples per scoring request
+
+
+class TeacherPool(Actor):
+    Config = TeacherPoolConfig
+    role = "teacher_pool"
+
+    @classmethod
+    def check_config(cls, config: TeacherPoolConfig) -> None:
+        from models.load import check_model_path, load_tokenizer
+
+        route_table(config.teachers, config.default_teacher)
+        student = load_tokenizer(config.student)
+        for t in config.teachers:
+            check_placement(config.opd, config.mode, t.name)
+            check_model_path(t.model)
+            check_vocab(student, load_tokenizer(t.model), t.name)
+            if config.mode == "server" and not (t.worker or t.url):
+                raise ValueError(f"teacher {t.name!r}: server mode needs `worker` (a peer name) "
+                                 "or `url` (a teacher server)")
+
+    async def on_start(self) -> None:
+        from engine.client import SglangClient
+
+        cfg = self.config
+        self.table = route_table(cfg.teachers, cfg.default_teacher)
+        self.clients: dict[str, SglangClient] = {}
+        if cfg.mode == "server":
+            for t in cfg.teachers:
+                url = t.url or self.peer(t.worker).http
+                self.clients[t.name] = SglangClient(url, timeout_s=cfg.request_timeout_s,
+                                                    retries=cfg.max_retries)
+                self._closers.append(self.clients[t.name].close)
+        self.out = self.stream_to(cfg.buffer)
+        self.stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    async def on_inbox(self, msg: Msg) -> None:
+        if not isinstance(msg, SampleGroup):
+            self.counters["inbox.unexpected"] += 1
+            return
+        for s in msg.samples:
+            s.teacher = route(s.domain, self.table, self.config.default_teacher)
+            if not s.teacher:
+                self.counters["unrouted_samples"] += 1
+        if self.clients:
+            by_teacher: dict[str, list[Sample]] = collections.defaultdict(list)
+            for s in msg.samples:
+                if s.teacher and s.status == "ok":
+                    by_teacher[s.teacher].append(s)
+            await asyncio.gather(*(self._score(name, samples)
+                                   for name, samples in by_teacher.items()))
+        await self.out.send(msg)
+        self._publish()
+
+    async def _score(self, name: str, samples: list[Sample]) -> None:
+        cfg = self.config
+        k = cfg.opd.top_k if cfg.opd.mode == "top_k" else 0
+        t0 = time.perf_counter()
+        for start in range(0, len(samples), cfg.max_batch):
+            part = samples[start:start + cfg.max_batch]
+            bodies = [score_request(s.prompt_ids, s.response_ids, cfg.temperature, k)
+                      for s in part]
+            try:
+                replies = await self.clients[name].generate(
+                    [b["input_ids"] for b in bodies], bodies[0]["sampling_params"],
+                    logprob_start_len=[b["logprob_start_len"] for b in bodies],
+                    **({"top_logprobs_num": k} if k else {}))
+                for s, reply in zip(part, replies):
+                    s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs = \
+                        parse_scores(reply, s.response_ids, k)
+            except Exception as e:  # noqa: BLE001 - the teacher failed: mark, count, go on
+                log.warning("teacher %s failed to score %d samples: %s", name, len(part), e)
+                for s in part:
+                    s.teacher = ""
+                self.stats[name]["failed_samples"] += len(part)
+                continue
+            st = self.stats[name]
+            for s in part:
+                for lp, tlp, m in zip(s.rollout_logprobs, s.teacher_logprobs, s.loss_mask):
+                    if m:
+                        st["tokens"] += 1
+                        st["kl_sum_1e6"] += round((lp - tlp) * 1e6)
+        self.stats[name]["time_ms"] += round((time.perf_counter() - t0) * 1e3)
+
+    def _publish(self) -> None:
+        if not self.metrics:
+            return
+        values = {"opd/unrouted_samples": float(self.counters["unrouted_samples"])}
+        for name, st in self.stats.items():
+            values[f"opd/{name}/tokens_scored"] = float(st["tokens"])
+            values[f"opd/{name}/failed_samples"] = float(st["failed_samples"])
+            values[f"opd/{name}/score_time_s"] = st["time_ms"] / 1e3
+            if st["tokens"]:
+                values[f"opd/{name}/sampled_reverse_kl"] = st["kl_sum_1e6"] / 1e6 / st["tokens"]
+        self.metrics.publish(values)

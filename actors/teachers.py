@@ -1,0 +1,247 @@
+"""Distillation inside the trainer: colocated teachers on weight memory, and the OPD terms.
+
+`ColocatedTeachers` holds every teacher as a weight set of `memory.WeightMemory` (tags
+`teacher:<name>`): the device tier has `gpu_slots` fixed slots (fewer than teachers forces
+switching), the host tier a byte budget, the rest waits on NVMe. A teacher computes through a
+skeleton of its architecture whose parameters live on the meta device: `torch.func.functional_call`
+runs it on the tensors of whatever slot holds that teacher, so teachers of another size or
+architecture than the student work. The step's micro-batches are grouped by teacher and the
+switch order is declared to the planner before the step (Belady eviction, the next teacher
+prefetched while the current one computes; the buffer's hint loads the next step's first teacher).
+
+`prepare_opd` turns teacher outputs (colocated forwards, or the teacher pool's server replies in
+`Sample.teacher_*`) into per micro-batch inputs of the OPD terms (`algos/opd.py`): shaped
+advantages for "sampled", teacher logits / top-k for the loss-term modes. Invariant: a sample
+with no teacher signal (unrouted, or its teacher failed) contributes nothing to any OPD term.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from actors.teacher_logic import TeacherSpec, teacher_order
+from algos.batching import MicroBatch
+from algos.opd import needs_teacher_logits, sampled_log_ratio
+from models.logprobs import gather_logprobs, logits_to_logprobs, position_ids_from_mask
+
+
+class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where colocated teachers live between uses."""
+
+    gpu_slots: int = 1  # device slots for teachers (the student stays resident apart)
+    host_budget_mib: int = 0  # pinned host budget for teachers (0 = all of them)
+    nvme_dir: str = ""  # teachers beyond the host budget ("" = <run_dir>/teachers-nvme)
+    lookahead: int = 1  # switches prefetched ahead
+
+
+@dataclass
+class OpdInputs:
+    """Per micro-batch inputs of the OPD terms."""
+
+    mask: torch.Tensor  # [B, R] policy tokens of samples with a teacher signal
+    coef: torch.Tensor  # [B] the teacher's coefficient per sample
+    teacher_logp: torch.Tensor | None = None  # [B, R] (sampled)
+    teacher_logits: torch.Tensor | None = None  # [B, R, V] (full, top_p)
+    topk_ids: torch.Tensor | None = None  # [B, R, k] (top_k)
+    topk_logp: torch.Tensor | None = None  # [B, R, k]
+
+
+def response_logits(logits: torch.Tensor, prompt_lens: torch.Tensor, cols: int) -> torch.Tensor:
+    """[B, L, V] next-token logits -> [B, cols, V] at the positions predicting response tokens."""
+    idx = prompt_lens[:, None] - 1 + torch.arange(cols, device=prompt_lens.device)[None, :]
+    idx = idx.clamp(max=logits.shape[1] - 1)
+    return logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+
+def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
+    """Next-token logits [B, L-1, V] of a micro-batch (optionally on `params` of a skeleton)."""
+    kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
+              "position_ids": position_ids_from_mask(mb.attention_mask), "use_cache": False}
+    if params is None:
+        out = model(**kwargs)
+    else:
+        out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    return out.logits[:, :-1]
+
+
+def student_pass(model: Any, mb: MicroBatch, temperature: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs [B, R], entropies [B, R], logits [B, R, V]) from one forward, the same
+    formulas as models.logprobs (used when an OPD loss term needs the student's logits)."""
+    logits = forward_logits(model, mb)
+    lp = logits_to_logprobs(logits, temperature)
+    ent = -(lp.exp() * lp).sum(-1)
+    tok = gather_logprobs(lp, mb.input_ids[:, 1:])
+    cols = mb.num_response_cols
+    from algos.batching import response_slice
+
+    return (response_slice(tok, mb.prompt_lens, cols), response_slice(ent, mb.prompt_lens, cols),
+            response_logits(logits, mb.prompt_lens, cols))
+
+
+class ColocatedTeachers:
+    """Teachers as weight sets of a WeightMemory on the trainer's device."""
+
+    def __init__(self, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
+                 cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0):
+        from memory.layout import FlatLayout, module_tensors
+        from memory.manager import WeightMemory
+        from models.load import load_model
+
+        self.specs = {t.name: t for t in specs}
+        self.skeletons: dict[str, torch.nn.Module] = {}  # architecture key -> meta skeleton
+        self.arch: dict[str, str] = {}
+        loaded = {}
+        for t in specs:
+            model, _ = load_model(t.model, "cpu", dtype, seed)
+            loaded[t.name] = module_tensors(model)
+            key = model.config.to_json_string()
+            self.arch[t.name] = key
+            if key not in self.skeletons:
+                self.skeletons[key] = _skeleton(model, device)
+            missing = set(dict(self.skeletons[key].named_parameters())) - set(loaded[t.name])
+            if missing:  # a parameter left on the meta device would compute garbage
+                raise ValueError(f"teacher {t.name!r}: weights missing for {sorted(missing)[:3]}")
+        sizes = [FlatLayout.from_state_dict(s).total_bytes for s in loaded.values()]
+        host = cfg.host_budget_mib << 20 or sum(sizes)
+        self.memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes),
+                                   host_budget_bytes=host, lookahead=cfg.lookahead,
+                                   nvme_dir=cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme"))
+        for name, tensors in loaded.items():  # staged one at a time; every teacher on NVMe, the
+            tag = f"teacher:{name}"              # host keeps what its budget holds
+            self.memory.load_tensors(tag, tensors)
+            self.memory.spill(tag)
+            if not self.memory.arena.fits(max(sizes)):
+                self.memory.evict(tag, "host")
+
+    def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool,
+                next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
+        """{(teacher, micro-batch index): [B, R] log-probs or [B, R, V] logits at temperature}
+        for every micro-batch holding samples of that teacher, one switch per teacher."""
+        wanted = {t: [i for i, mb in enumerate(mbs) if any(s.teacher == t for s in mb.samples)]
+                  for t in teacher_order([s.teacher for mb in mbs for s in mb.samples])
+                  if t in self.specs}
+        out: dict[tuple[str, int], torch.Tensor] = {}
+
+        def compute(tag: str, params: dict[str, torch.Tensor]) -> None:
+            name = tag.removeprefix("teacher:")
+            skeleton = self.skeletons[self.arch[name]]
+            with torch.no_grad():
+                for i in wanted[name]:
+                    lg = forward_logits(skeleton, mbs[i], params)
+                    cols = mbs[i].num_response_cols
+                    if logits:
+                        out[(name, i)] = response_logits(lg, mbs[i].prompt_lens, cols).float()
+                    else:
+                        from algos.batching import response_slice
+
+                        lp = gather_logprobs(logits_to_logprobs(lg, temperature),
+                                             mbs[i].input_ids[:, 1:])
+                        out[(name, i)] = response_slice(lp, mbs[i].prompt_lens, cols)
+
+        hint = [f"teacher:{t}" for t in next_teachers if t in self.specs]
+        self.memory.run([f"teacher:{t}" for t in wanted], compute, next_order=hint)
+        return out
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+def _skeleton(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The model with its parameters and persistent buffers on the meta device (they come from
+    a weight slot at call time); non-persistent buffers (rotary tables) stay real, on device."""
+    persistent = set(model.state_dict())
+    metas: dict[int, torch.nn.Parameter] = {}  # tied weights stay tied (functional_call ties)
+    for mod_name, mod in model.named_modules():
+        for p_name, p in list(mod.named_parameters(recurse=False)):
+            if id(p) not in metas:
+                metas[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                  requires_grad=False)
+            mod._parameters[p_name] = metas[id(p)]
+        for b_name, buf in list(mod.named_buffers(recurse=False)):
+            full = f"{mod_name}.{b_name}" if mod_name else b_name
+            mod._buffers[b_name] = (torch.empty_like(buf, device="meta") if full in persistent
+                                    else buf.to(device))
+    return model.eval()
+
+
+def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: Any,
+                teachers: ColocatedTeachers | None, next_teachers: list[str] = ()
+                ) -> list[OpdInputs]:
+    """OPD inputs per micro-batch, from colocated teachers or from server replies."""
+    opd = cfg.opd
+    coefs = {t.name: t.coef for t in (cfg.teachers or [])}
+    logits = needs_teacher_logits(opd.mode)
+    colocated = (teachers.outputs(mbs, cfg.temperature, logits, next_teachers)
+                 if teachers is not None else {})
+    out = []
+    for i, mb in enumerate(mbs):
+        has = torch.tensor([_has_signal(s, teachers, opd.mode) for s in mb.samples],
+                           device=mb.mask.device)
+        coef = torch.tensor([coefs.get(s.teacher, 1.0) for s in mb.samples],
+                            device=mb.mask.device)
+        inp = OpdInputs(mask=mb.mask * has[:, None], coef=coef)
+        if teachers is not None:
+            _fill_colocated(inp, mb, i, colocated, logits)
+        else:
+            _fill_server(inp, mb, opd.mode)
+        out.append(inp)
+    return out
+
+
+def _has_signal(s: Any, teachers: ColocatedTeachers | None, mode: str) -> bool:
+    if not s.teacher:
+        return False
+    if teachers is not None:
+        return s.teacher in teachers.specs
+    return bool(s.teacher_topk_ids) if mode == "top_k" else bool(s.teacher_logprobs)
+
+
+def _fill_colocated(inp: OpdInputs, mb: MicroBatch, i: int, outs: dict, logits: bool) -> None:
+    rows = {}
+    for b, s in enumerate(mb.samples):
+        if (s.teacher, i) in outs:
+            rows[b] = outs[(s.teacher, i)][b]
+    if not rows:
+        return
+    first = next(iter(rows.values()))
+    full = first.new_zeros((len(mb.samples),) + tuple(first.shape))
+    for b, row in rows.items():
+        full[b] = row
+    if logits:
+        inp.teacher_logits = full
+    else:
+        inp.teacher_logp = full
+
+
+def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
+    B, R = mb.mask.shape
+    dev = mb.mask.device
+    if mode == "top_k":
+        k = max((len(p) for s in mb.samples for p in s.teacher_topk_ids), default=1)
+        ids = torch.zeros(B, R, k, dtype=torch.long, device=dev)
+        lps = torch.full((B, R, k), -math.inf, device=dev)
+        for b, s in enumerate(mb.samples):
+            for j, (pi, pl) in enumerate(zip(s.teacher_topk_ids, s.teacher_topk_logprobs)):
+                ids[b, j, :len(pi)] = torch.tensor(pi)
+                lps[b, j, :len(pl)] = torch.tensor(pl)
+        inp.topk_ids, inp.topk_logp = ids, lps
+        return
+    lp = torch.zeros(B, R, device=dev)
+    for b, s in enumerate(mb.samples):
+        if s.teacher_logprobs:
+            lp[b, :len(s.teacher_logprobs)] = torch.tensor(s.teacher_logprobs)
+    inp.teacher_logp = lp
+
+
+def sampled_ratio(student_logp: torch.Tensor, inp: OpdInputs) -> torch.Tensor:
+    """r_t per token for "sampled" (0 where there is no teacher signal)."""
+    if inp.teacher_logp is None:
+        return torch.zeros_like(student_logp)
+    return sampled_log_ratio(student_logp, inp.teacher_logp, inp.mask)

@@ -1,0 +1,166 @@
+"""Multi-teacher distillation: routing, vocabulary checks, server scoring through the worker's
+HTTP API, colocated teachers under a budget that forces swaps, and distillation steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.teacher_logic import (TeacherSpec, check_vocab, parse_scores, route, route_table,
+                                  score_request)
+from actors.teachers import ColocatedTeachers, TeacherMemoryConfig
+from actors.train_state import TrainState
+from actors.train_step import train_on_batch
+from actors.trainer import TrainerConfig
+from algos.batching import make_micro_batch
+from algos.opd import OpdConfig
+from models.load import load_model
+from models.logprobs import token_logprobs
+from tests.test_engine import serve
+from transport.schema import Sample
+
+TEACHERS = [TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"]),
+            TeacherSpec(name="reverse", model="examples/teacher-reverse", domains=["reverse"])]
+
+
+def samples(tok, n_per_domain: int = 4) -> list[Sample]:
+    """Equal rewards (GRPO advantages 0): only the distillation signal can move the student."""
+    out = []
+    for g, (domain, prompt, ans) in enumerate([("math", "3+4=", "7"), ("reverse", "rev abc=",
+                                                                       "cba")]):
+        for i in range(n_per_domain):
+            ids = tok.encode(ans[: 1 + i % len(ans)], add_special_tokens=False)
+            ids = ids + [tok.eos_token_id]
+            out.append(Sample(group_id=f"g{g}", index=i, domain=domain,
+                              prompt_ids=[tok.bos_token_id] + tok.encode(
+                                  prompt, add_special_tokens=False),
+                              response_ids=ids, loss_mask=[1] * len(ids),
+                              rollout_logprobs=[-1.0] * len(ids), reward=0.0,
+                              teacher="arith" if domain == "math" else "reverse"))
+    return out
+
+
+def test_routing_and_bad_registries():
+    table = route_table(TEACHERS, default="arith")
+    assert route("math", table) == "arith" and route("reverse", table) == "reverse"
+    assert route("code", table, "arith") == "arith" and route("code", table) == ""
+    with pytest.raises(ValueError, match="routed to both"):
+        route_table(TEACHERS + [TeacherSpec(name="x", model="m", domains=["math"])])
+    with pytest.raises(ValueError, match="not a declared teacher"):
+        route_table(TEACHERS, default="nobody")
+    with pytest.raises(ValueError, match="unique"):
+        route_table(TEACHERS + TEACHERS[:1])
+
+
+def test_teacher_with_another_vocabulary_is_refused():
+    from models.load import load_tokenizer
+
+    student = load_tokenizer("examples/base-tiny")
+    check_vocab(student, load_tokenizer("examples/teacher-arith"), "arith")
+
+    class Shifted:  # the same tokens under other ids
+        def __init__(self, tok):
+            self.vocab = {t: (i + 1) % len(tok.get_vocab()) for t, i in tok.get_vocab().items()}
+            self.bos_token_id, self.eos_token_id = tok.bos_token_id, tok.eos_token_id
+            self.pad_token_id = tok.pad_token_id
+
+        def get_vocab(self):
+            return self.vocab
+
+    with pytest.raises(ValueError, match="'odd' has a different vocabulary from the student"):
+        check_vocab(student, Shifted(student), "odd")
+
+
+async def test_server_scores_equal_a_local_forward(ipc):
+    model, tok = load_model("examples/teacher-arith", "cpu", torch.float32)
+    s = samples(tok)[1]
+    async with serve(ipc, model="examples/teacher-arith") as (_, client):
+        body = score_request(s.prompt_ids, s.response_ids, 1.0, top_k=3)
+        reply = await client.generate([body["input_ids"]], body["sampling_params"],
+                                      logprob_start_len=[body["logprob_start_len"]],
+                                      top_logprobs_num=3)
+    lps, top_ids, top_lps = parse_scores(reply[0], s.response_ids, top_k=3)
+    with torch.no_grad():
+        ref = token_logprobs(model, torch.tensor([s.prompt_ids + s.response_ids]))[0]
+    ref = ref[len(s.prompt_ids) - 1:]
+    assert torch.allclose(torch.tensor(lps), ref, atol=1e-5, rtol=0)
+    assert len(top_ids) == len(s.response_ids) and all(len(t) == 3 for t in top_ids)
+    assert max(top_lps[0]) >= lps[0] - 1e-6  # the top-1 is at least the sampled token's
+    with pytest.raises(ValueError, match="other tokens"):
+        parse_scores(reply[0], [t + 1 for t in s.response_ids], top_k=0)
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_colocated_with_swaps_equals_everything_resident(tmp_path, logits):
+    _, tok = load_model("examples/base-tiny", "cpu", torch.float32)
+    batch = samples(tok)
+    mbs = [make_micro_batch(batch[i:i + 3], tok.pad_token_id or 0) for i in range(0, 8, 3)]
+    tight = ColocatedTeachers(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+        gpu_slots=1, host_budget_mib=0, nvme_dir=str(tmp_path / "a")), str(tmp_path))
+    roomy = ColocatedTeachers(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+        gpu_slots=2, nvme_dir=str(tmp_path / "b")), str(tmp_path))
+    try:
+        for _ in range(2):  # two steps: the tight one must swap teachers in and out each time
+            a = tight.outputs(mbs, 1.0, logits)
+            b = roomy.outputs(mbs, 1.0, logits)
+        assert a.keys() == b.keys() and len(a) == 4  # (teacher, micro-batch) pairs
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert tight.memory.counters["gpu_loads"] == 4 and roomy.memory.counters["gpu_loads"] == 2
+        # the teachers really differ: the same micro-batch scored by each
+        model, _ = load_model("examples/teacher-arith", "cpu", torch.float32)
+        with torch.no_grad():
+            ref = token_logprobs(model, mbs[0].input_ids, mbs[0].attention_mask)
+        if not logits:
+            from algos.batching import response_slice
+
+            want = response_slice(ref, mbs[0].prompt_lens, mbs[0].num_response_cols)
+            assert torch.allclose(a[("arith", 0)], want, atol=1e-6)
+    finally:
+        tight.close()
+        roomy.close()
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full", "top_k"])
+def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode):
+    """A = 0 (equal rewards): only the OPD term trains; the reverse KL to each sample's teacher
+    falls over a few steps."""
+    torch.manual_seed(0)
+    model, tok = load_model("examples/base-tiny", "cpu", torch.float32)
+    opd = OpdConfig(mode=mode, kl_coef=1.0, top_k=5 if mode == "top_k" else 0)
+    colocated = mode != "top_k"
+    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], opd=opd, lr=3e-3,
+                        micro_batch_size=4, teachers=TEACHERS if colocated else [])
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    batch = samples(tok)
+    if colocated:
+        state.teachers = ColocatedTeachers(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+            gpu_slots=1, nvme_dir=str(tmp_path)), str(tmp_path))
+    else:  # server replies: the teachers' top-k from a local forward, as a server computes it
+        attach_topk(batch, k=5)
+    try:
+        kls = []
+        for _ in range(6):
+            stats = train_on_batch(state, batch, cfg)
+            kls.append(stats["opd/arith/reverse_kl"] + stats["opd/reverse/reverse_kl"])
+        assert stats["opd/arith/tokens"] > 0 and stats["opd/reverse/tokens"] > 0
+        assert kls[-1] < 0.7 * kls[0], kls
+    finally:
+        if state.teachers is not None:
+            state.teachers.close()
+
+
+def attach_topk(batch: list[Sample], k: int) -> None:
+    from algos.batching import response_slice
+
+    for t in TEACHERS:
+        model, tok = load_model(t.model, "cpu", torch.float32)
+        for s in batch:
+            if s.teacher != t.name:
+                continue
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            rows = lp[len(s.prompt_ids) - 1:]
+            top = rows.topk(k, dim=-1)
+            s.teacher_topk_ids = top.indices.tolist()
+            s.teacher_topk_logprobs = top.values.tolist()
