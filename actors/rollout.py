@@ -39,7 +39,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     envs: list[EnvSpec]
     model: str  # checkpoint the tokenizer comes from (the workers' model)
     router: str = "router"  # peer whose http endpoint serves /generate
-    buffer: str = "buffer"  # peer that receives sample groups and grants permits
+    buffer: str = "buffer"  # peer that grants permits (and receives sample groups)
+    sink: str = ""  # peer that receives sample groups instead ("teachers": the teacher pool)
     group_size: int = 8  # samples per task (GRPO group)
     groups_per_batch: int = 8  # tasks per training batch
     max_concurrency: int = 32  # episodes in flight at once
@@ -78,7 +79,7 @@ class RolloutActor(Actor):
         self.client = SglangClient(self.peer(cfg.router).http, timeout_s=cfg.request_timeout_s)
         self._closers.append(self.client.close)
         self.buffer = await self.connect(cfg.buffer)
-        self.out = self.stream_to(cfg.buffer)
+        self.out = self.stream_to(cfg.sink or cfg.buffer)
         self.gate = asyncio.Semaphore(cfg.max_concurrency)
 
     def rpc_handlers(self):

@@ -88,37 +88,45 @@ def student_pass(model: Any, mb: MicroBatch, temperature: float
 class ColocatedTeachers:
     """Teachers as weight sets of a WeightMemory on the trainer's device."""
 
-    def __init__(self, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
-                 cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0):
+    def __init__(self, memory: Any, skeletons: dict[str, torch.nn.Module],
+                 specs: list[TeacherSpec]):
+        """`memory`: a WeightMemory holding `teacher:<name>` sets; `skeletons`: name -> a meta
+        skeleton of that teacher's architecture (teachers of one architecture share one)."""
+        self.memory, self.skeletons = memory, skeletons
+        self.specs = {t.name: t for t in specs}
+
+    @classmethod
+    def load(cls, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
+             cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0) -> ColocatedTeachers:
+        """Teachers from their checkpoints: all on NVMe, the host keeping what its budget holds."""
         from memory.layout import FlatLayout, module_tensors
         from memory.manager import WeightMemory
         from models.load import load_model
 
-        self.specs = {t.name: t for t in specs}
-        self.skeletons: dict[str, torch.nn.Module] = {}  # architecture key -> meta skeleton
-        self.arch: dict[str, str] = {}
-        loaded = {}
+        by_arch: dict[str, torch.nn.Module] = {}
+        skeletons, loaded = {}, {}
         for t in specs:
             model, _ = load_model(t.model, "cpu", dtype, seed)
             loaded[t.name] = module_tensors(model)
             key = model.config.to_json_string()
-            self.arch[t.name] = key
-            if key not in self.skeletons:
-                self.skeletons[key] = _skeleton(model, device)
-            missing = set(dict(self.skeletons[key].named_parameters())) - set(loaded[t.name])
+            if key not in by_arch:
+                by_arch[key] = _skeleton(model, device)
+            skeletons[t.name] = by_arch[key]
+            missing = set(dict(skeletons[t.name].named_parameters())) - set(loaded[t.name])
             if missing:  # a parameter left on the meta device would compute garbage
                 raise ValueError(f"teacher {t.name!r}: weights missing for {sorted(missing)[:3]}")
         sizes = [FlatLayout.from_state_dict(s).total_bytes for s in loaded.values()]
         host = cfg.host_budget_mib << 20 or sum(sizes)
-        self.memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes),
-                                   host_budget_bytes=host, lookahead=cfg.lookahead,
-                                   nvme_dir=cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme"))
-        for name, tensors in loaded.items():  # staged one at a time; every teacher on NVMe, the
-            tag = f"teacher:{name}"              # host keeps what its budget holds
-            self.memory.load_tensors(tag, tensors)
-            self.memory.spill(tag)
-            if not self.memory.arena.fits(max(sizes)):
-                self.memory.evict(tag, "host")
+        memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes),
+                              host_budget_bytes=host, lookahead=cfg.lookahead,
+                              nvme_dir=cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme"))
+        for name, tensors in loaded.items():  # staged one at a time
+            tag = f"teacher:{name}"
+            memory.load_tensors(tag, tensors)
+            memory.spill(tag)
+            if not memory.arena.fits(max(sizes)):
+                memory.evict(tag, "host")
+        return cls(memory, skeletons, specs)
 
     def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool,
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
@@ -131,7 +139,7 @@ class ColocatedTeachers:
 
         def compute(tag: str, params: dict[str, torch.Tensor]) -> None:
             name = tag.removeprefix("teacher:")
-            skeleton = self.skeletons[self.arch[name]]
+            skeleton = self.skeletons[name]
             with torch.no_grad():
                 for i in wanted[name]:
                     lg = forward_logits(skeleton, mbs[i], params)

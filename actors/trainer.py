@@ -60,6 +60,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     forward_by_length: bool | None = None  # unpadded forward per length; None = fp32 on CPU only
     temperature: float = 1.0  # must equal the rollout's sampling temperature
     # grpo | dr_grpo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (GAE + critic)
+    # | none (A = 0: pure distillation, needs opd)
     advantage_estimator: str = "grpo"
     std_normalization: bool = True  # grpo only: false = Dr.GRPO (same as estimator "dr_grpo")
     gamma: float = 1.0  # per-token discount (reinforce_plus_plus, ppo)
@@ -136,6 +137,9 @@ def _check_opd(cfg: TrainerConfig) -> None:
         raise ValueError("teachers are set but opd is not: add opd = { mode = ..., kl_coef = ... }"
                          " or remove teachers")
     if cfg.opd is None:
+        if cfg.advantage_estimator == "none":
+            raise ValueError("advantage_estimator = 'none' (A = 0) trains nothing without opd; "
+                             "set opd = { ... } or choose an estimator")
         return
     route_table(cfg.teachers)
     if not cfg.teachers:  # the signal comes from teacher servers through the teacher pool
@@ -335,8 +339,8 @@ def load_train_state(cfg: TrainerConfig, run_dir: str, resume: bool) -> TrainSta
     if cfg.teachers:
         from actors.teachers import ColocatedTeachers
 
-        state.teachers = ColocatedTeachers(cfg.teachers, cfg.device, dtype, cfg.teacher_memory,
-                                           run_dir, cfg.seed)
+        state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
+                                                cfg.teacher_memory, run_dir, cfg.seed)
     latest = latest_checkpoint(Path(run_dir) / "checkpoints")
     if resume and latest is not None:
         state.load(latest, cfg.device)

@@ -31,7 +31,8 @@ import torch
 from algos.advantages import discounted_returns, gae, token_rewards
 from algos.grpo import grpo_advantages
 
-ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+              "none")  # none: A = 0 (pure distillation: only the OPD signal trains)
 WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 TOKEN_REWARDS = WHITENED  # estimators that accept KL reward shaping
 
@@ -47,6 +48,8 @@ def sample_scores(estimator: str, rewards: Sequence[float], group_ids: Sequence)
     samples sharing a group id (a group may have lost failed samples)."""
     check_estimator(estimator)
     r = torch.tensor(list(rewards), dtype=torch.float32)
+    if estimator == "none":
+        return torch.zeros_like(r)
     if estimator in ("reinforce_plus_plus", "ppo"):
         return r
     by_group: dict = defaultdict(list)
@@ -67,7 +70,7 @@ def token_advantages(estimator: str, scores: torch.Tensor, mask: torch.Tensor,
     scores: [B] from `sample_scores`; mask: [B, T] policy tokens; kl: [B, T] reward-shaping KL.
     """
     mask = mask.float()
-    if estimator in ("grpo", "dr_grpo"):
+    if estimator in ("grpo", "dr_grpo", "none"):
         return scores[:, None].expand_as(mask) * mask, None
     if estimator == "reinforce_plus_plus":
         return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask, None

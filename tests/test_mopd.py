@@ -95,9 +95,9 @@ def test_colocated_with_swaps_equals_everything_resident(tmp_path, logits):
     _, tok = load_model("examples/base-tiny", "cpu", torch.float32)
     batch = samples(tok)
     mbs = [make_micro_batch(batch[i:i + 3], tok.pad_token_id or 0) for i in range(0, 8, 3)]
-    tight = ColocatedTeachers(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+    tight = ColocatedTeachers.load(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
         gpu_slots=1, host_budget_mib=0, nvme_dir=str(tmp_path / "a")), str(tmp_path))
-    roomy = ColocatedTeachers(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+    roomy = ColocatedTeachers.load(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
         gpu_slots=2, nvme_dir=str(tmp_path / "b")), str(tmp_path))
     try:
         for _ in range(2):  # two steps: the tight one must swap teachers in and out each time
@@ -133,7 +133,7 @@ def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode
     state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
     batch = samples(tok)
     if colocated:
-        state.teachers = ColocatedTeachers(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+        state.teachers = ColocatedTeachers.load(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
             gpu_slots=1, nvme_dir=str(tmp_path)), str(tmp_path))
     else:  # server replies: the teachers' top-k from a local forward, as a server computes it
         attach_topk(batch, k=5)
