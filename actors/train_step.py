@@ -30,6 +30,7 @@ then the sequence's own, as in an unpadded forward (padding changes fp32 reducti
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,11 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     if opd_sums:
         from algos.opd import teacher_kl_metrics
 
+        stats["opd/teacher_time_s"] = opd_sums.pop("\0time_s")[0]
+        if state.teachers is not None:
+            stats["opd/teacher_gpu_loads"] = float(state.teachers.memory.counters["gpu_loads"])
+            stats["opd/teacher_sync_fallbacks"] = float(
+                state.teachers.memory.counters["sync_fallbacks"])
         names = sorted(opd_sums)
         summed_kl = dp.sum_tensor(torch.tensor([opd_sums[n] for n in names], dtype=torch.float64))
         stats |= teacher_kl_metrics(dict(zip(names, summed_kl.tolist())))
@@ -185,7 +191,9 @@ def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg:
     from actors.teachers import prepare_opd, sampled_ratio
     from algos.opd import teacher_kl_sums
 
+    t0 = time.perf_counter()
     inputs = prepare_opd(mbs, [p.old for p in prep], cfg, state.teachers, state.next_teachers)
+    sums["\0time_s"] = [time.perf_counter() - t0, 0.0]  # teacher forwards or reply unpacking
     for mb, p, inp in zip(mbs, prep, inputs):
         p.opd = inp
         if cfg.opd.mode == "sampled":
