@@ -33,9 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memory.layout import PAGE_BYTES, FlatLayout
+from memory.layout import FlatLayout
 from memory.manager import WeightMemory, _done
-from memory.nvme import NvmeStore
 from memory.timeline import Timeline, plot
 
 MiB = 1 << 20

@@ -49,6 +49,13 @@ def make_batch(tokenizer, tasks, device="cpu"):
 @torch.no_grad()
 def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int = 6) -> list[str]:
     """Batched greedy decoding (left padding, no cache; the model is tiny)."""
+    return decode(model, tokenizer, prompts, max_new_tokens)
+
+
+@torch.no_grad()
+def decode(model, tokenizer, prompts: list[str], max_new_tokens: int,
+           temperature: float = 0.0, generator: torch.Generator | None = None) -> list[str]:
+    """Batched decoding: greedy at temperature 0, else ancestral sampling at `temperature`."""
     seqs = [[tokenizer.bos_token_id] + encode(tokenizer, p) for p in prompts]
     done = [False] * len(seqs)
     out: list[list[int]] = [[] for _ in seqs]
@@ -58,7 +65,11 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int = 6) -> lis
         attn = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
         logits = model(input_ids=ids, attention_mask=attn,
                        position_ids=position_ids_from_mask(attn)).logits[:, -1]
-        nxt = logits.argmax(-1).tolist()
+        if temperature > 0:
+            probs = torch.softmax(logits.double() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
+        else:
+            nxt = logits.argmax(-1).tolist()
         for i, tok in enumerate(nxt):
             if done[i]:
                 continue

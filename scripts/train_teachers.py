@@ -28,8 +28,7 @@ import torch
 from envs.builtin.arith import ArithEnv
 from envs.builtin.reverse import ReverseEnv
 from models.load import load_model, save_checkpoint
-from models.logprobs import position_ids_from_mask
-from scripts.train_base import DATA_SEED, accuracy, encode, make_batch
+from scripts.train_base import DATA_SEED, accuracy, decode, make_batch
 
 BASE_DIR = "examples/base-tiny"
 SAMPLE_TEMPERATURE = 1.0  # the rollout's default temperature
@@ -65,28 +64,7 @@ TEACHERS = [
 def sample(model, tokenizer, prompts: list[str], temperature: float, max_new_tokens: int,
            generator: torch.Generator) -> list[str]:
     """Batched ancestral sampling at `temperature` (left padding, no cache; the model is tiny)."""
-    seqs = [[tokenizer.bos_token_id] + encode(tokenizer, p) for p in prompts]
-    done = [False] * len(seqs)
-    out: list[list[int]] = [[] for _ in seqs]
-    for _ in range(max_new_tokens):
-        width = max(map(len, seqs))
-        ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs])
-        attn = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=attn,
-                       position_ids=position_ids_from_mask(attn)).logits[:, -1]
-        probs = torch.softmax(logits.double() / temperature, dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
-        for i, tok in enumerate(nxt):
-            if done[i]:
-                continue
-            if tok == tokenizer.eos_token_id:
-                done[i] = True
-            else:
-                out[i].append(tok)
-            seqs[i].append(tok)
-        if all(done):
-            break
-    return [tokenizer.decode(o) for o in out]
+    return decode(model, tokenizer, prompts, max_new_tokens, temperature, generator)
 
 
 def sampled_accuracy(model, tokenizer, env, n: int = NUM_EVAL_TASKS,

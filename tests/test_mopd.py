@@ -150,8 +150,6 @@ def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode
 
 
 def attach_topk(batch: list[Sample], k: int) -> None:
-    from algos.batching import response_slice
-
     for t in TEACHERS:
         model, tok = load_model(t.model, "cpu", torch.float32)
         for s in batch:
