@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from algos.opd import OpdConfig
+
 
 class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One teacher of a distillation run."""
@@ -30,6 +32,7 @@ class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     coef: float = 1.0  # multiplies the run's opd kl_coef for this teacher's samples
     worker: str = ""  # server mode: peer name of the inference worker serving this teacher
     url: str = ""  # server mode: base URL of an external teacher server (e.g. SGLang)
+    opd: OpdConfig | None = None  # this teacher's signal (colocated only; None = the run's opd)
 
 
 def route_table(teachers: Sequence[TeacherSpec], default: str = "") -> dict[str, str]:
@@ -49,6 +52,11 @@ def route_table(teachers: Sequence[TeacherSpec], default: str = "") -> dict[str,
                                  "give each domain one teacher")
             table[d] = t.name
     return table
+
+
+def opd_configs(teachers: Sequence[TeacherSpec], run: OpdConfig) -> dict[str, OpdConfig]:
+    """Each teacher's OPD config: its own, else the run's."""
+    return {t.name: t.opd or run for t in teachers}
 
 
 def route(domain: str, table: dict[str, str], default: str = "") -> str:

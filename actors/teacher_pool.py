@@ -61,6 +61,9 @@ class TeacherPool(Actor):
         route_table(config.teachers, config.default_teacher)
         student = load_tokenizer(config.student)
         for t in config.teachers:
+            if t.opd is not None and config.mode == "server":
+                raise ValueError(f"teacher {t.name!r} sets its own opd, which colocated teachers "
+                                 "support; in server mode every teacher uses the run's opd")
             check_placement(config.opd, config.mode, t.name)
             check_model_path(t.model)
             check_vocab(student, load_tokenizer(t.model), t.name)

@@ -35,7 +35,7 @@ class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     """Where colocated teachers live between uses."""
 
     gpu_slots: int = 1  # device slots for teachers (the student stays resident apart)
-    host_budget_mib: int = 0  # pinned host budget for teachers (0 = all of them)
+    host_budget_bytes: int = 0  # pinned host budget for teachers (0 = all of them)
     nvme_dir: str = ""  # teachers beyond the host budget ("" = <run_dir>/teachers-nvme)
     lookahead: int = 1  # switches prefetched ahead
 
@@ -46,6 +46,7 @@ class OpdInputs:
 
     mask: torch.Tensor  # [B, R] policy tokens of samples with a teacher signal
     coef: torch.Tensor  # [B] the teacher's coefficient per sample
+    configs: list[Any]  # [B] each sample's OpdConfig (its teacher's, else the run's)
     teacher_logp: torch.Tensor | None = None  # [B, R] (sampled)
     teacher_logits: torch.Tensor | None = None  # [B, R, V] (full, top_p)
     topk_ids: torch.Tensor | None = None  # [B, R, k] (top_k)
@@ -116,7 +117,7 @@ class ColocatedTeachers:
             if missing:  # a parameter left on the meta device would compute garbage
                 raise ValueError(f"teacher {t.name!r}: weights missing for {sorted(missing)[:3]}")
         sizes = [FlatLayout.from_state_dict(s).total_bytes for s in loaded.values()]
-        host = cfg.host_budget_mib << 20 or sum(sizes)
+        host = cfg.host_budget_bytes or sum(sizes)
         memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes),
                               host_budget_bytes=host, lookahead=cfg.lookahead,
                               nvme_dir=cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme"))
@@ -128,10 +129,11 @@ class ColocatedTeachers:
                 memory.evict(tag, "host")
         return cls(memory, skeletons, specs)
 
-    def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool,
+    def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool | set[str],
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
-        """{(teacher, micro-batch index): [B, R] log-probs or [B, R, V] logits at temperature}
-        for every micro-batch holding samples of that teacher, one switch per teacher."""
+        """{(teacher, micro-batch index): [B, R] log-probs, or [B, R, V] logits for the teachers
+        in `logits` (True = all), at temperature} for every micro-batch holding samples of that
+        teacher, one switch per teacher."""
         wanted = {t: [i for i, mb in enumerate(mbs) if any(s.teacher == t for s in mb.samples)]
                   for t in teacher_order([s.teacher for mb in mbs for s in mb.samples])
                   if t in self.specs}
@@ -144,7 +146,7 @@ class ColocatedTeachers:
                 for i in wanted[name]:
                     lg = forward_logits(skeleton, mbs[i], params)
                     cols = mbs[i].num_response_cols
-                    if logits:
+                    if logits is True or (logits and name in logits):
                         out[(name, i)] = response_logits(lg, mbs[i].prompt_lens, cols).float()
                     else:
                         from algos.batching import response_slice
@@ -183,22 +185,25 @@ def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: An
                 teachers: ColocatedTeachers | None, next_teachers: list[str] = ()
                 ) -> list[OpdInputs]:
     """OPD inputs per micro-batch, from colocated teachers or from server replies."""
-    opd = cfg.opd
+    from actors.teacher_logic import opd_configs
+
+    configs = opd_configs(cfg.teachers or [], cfg.opd)
     coefs = {t.name: t.coef for t in (cfg.teachers or [])}
-    logits = needs_teacher_logits(opd.mode)
-    colocated = (teachers.outputs(mbs, cfg.temperature, logits, next_teachers)
+    logit_teachers = {n for n, c in configs.items() if needs_teacher_logits(c.mode)}
+    colocated = (teachers.outputs(mbs, cfg.temperature, logit_teachers, next_teachers)
                  if teachers is not None else {})
     out = []
     for i, mb in enumerate(mbs):
-        has = torch.tensor([_has_signal(s, teachers, opd.mode) for s in mb.samples],
+        row_cfgs = [configs.get(s.teacher, cfg.opd) for s in mb.samples]
+        has = torch.tensor([_has_signal(s, teachers, c.mode) for s, c in zip(mb.samples, row_cfgs)],
                            device=mb.mask.device)
         coef = torch.tensor([coefs.get(s.teacher, 1.0) for s in mb.samples],
                             device=mb.mask.device)
-        inp = OpdInputs(mask=mb.mask * has[:, None], coef=coef)
+        inp = OpdInputs(mask=mb.mask * has[:, None], coef=coef, configs=row_cfgs)
         if teachers is not None:
-            _fill_colocated(inp, mb, i, colocated, logits)
+            _fill_colocated(inp, mb, i, colocated, logit_teachers)
         else:
-            _fill_server(inp, mb, opd.mode)
+            _fill_server(inp, mb, cfg.opd.mode)
         out.append(inp)
     return out
 
@@ -211,21 +216,22 @@ def _has_signal(s: Any, teachers: ColocatedTeachers | None, mode: str) -> bool:
     return bool(s.teacher_topk_ids) if mode == "top_k" else bool(s.teacher_logprobs)
 
 
-def _fill_colocated(inp: OpdInputs, mb: MicroBatch, i: int, outs: dict, logits: bool) -> None:
-    rows = {}
-    for b, s in enumerate(mb.samples):
-        if (s.teacher, i) in outs:
-            rows[b] = outs[(s.teacher, i)][b]
-    if not rows:
-        return
-    first = next(iter(rows.values()))
-    full = first.new_zeros((len(mb.samples),) + tuple(first.shape))
-    for b, row in rows.items():
-        full[b] = row
-    if logits:
-        inp.teacher_logits = full
-    else:
-        inp.teacher_logp = full
+def _fill_colocated(inp: OpdInputs, mb: MicroBatch, i: int, outs: dict,
+                    logit_teachers: set[str]) -> None:
+    """Teacher log-probs [B, R] and/or logits [B, R, V], rows of samples without them zero."""
+    for want_logits in (False, True):
+        rows = {b: outs[(s.teacher, i)][b] for b, s in enumerate(mb.samples)
+                if (s.teacher, i) in outs and (s.teacher in logit_teachers) == want_logits}
+        if not rows:
+            continue
+        first = next(iter(rows.values()))
+        full = first.new_zeros((len(mb.samples),) + tuple(first.shape))
+        for b, row in rows.items():
+            full[b] = row
+        if want_logits:
+            inp.teacher_logits = full
+        else:
+            inp.teacher_logp = full
 
 
 def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
@@ -248,8 +254,20 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
     inp.teacher_logp = lp
 
 
+def rows_with(inp: OpdInputs, config: Any) -> torch.Tensor:
+    """[B] 1.0 for the samples whose OPD config is `config`."""
+    return torch.tensor([float(c is config) for c in inp.configs], device=inp.mask.device)
+
+
 def sampled_ratio(student_logp: torch.Tensor, inp: OpdInputs) -> torch.Tensor:
-    """r_t per token for "sampled" (0 where there is no teacher signal)."""
-    if inp.teacher_logp is None:
+    """r_t per token for the samples in "sampled" mode (0 elsewhere and without a signal)."""
+    rows = torch.tensor([float(c.mode == "sampled") for c in inp.configs],
+                        device=inp.mask.device)
+    if inp.teacher_logp is None or not rows.any():
         return torch.zeros_like(student_logp)
-    return sampled_log_ratio(student_logp, inp.teacher_logp, inp.mask)
+    return sampled_log_ratio(student_logp, inp.teacher_logp, inp.mask * rows[:, None])
+
+
+def kl_coefs(inp: OpdInputs) -> torch.Tensor:
+    """[B] kl_coef of each sample's OPD config times its teacher's coefficient."""
+    return inp.coef * torch.tensor([c.kl_coef for c in inp.configs], device=inp.coef.device)

@@ -110,6 +110,7 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
         from algos.opd import teacher_kl_metrics
 
         stats["opd/teacher_time_s"] = opd_sums.pop("\0time_s")[0]
+        opd_sums.pop("", None)  # samples without a teacher
         if state.teachers is not None:
             stats["opd/teacher_gpu_loads"] = float(state.teachers.memory.counters["gpu_loads"])
             stats["opd/teacher_sync_fallbacks"] = float(
@@ -188,7 +189,7 @@ def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg:
             sums: dict[str, list[float]]) -> None:
     """Teacher signals per micro-batch; "sampled" shapes the (already whitened) advantages
     A - kl_coef * coef * r, so the distillation term keeps its own scale."""
-    from actors.teachers import prepare_opd, sampled_ratio
+    from actors.teachers import kl_coefs, prepare_opd, sampled_ratio
     from algos.opd import teacher_kl_sums
 
     t0 = time.perf_counter()
@@ -196,10 +197,13 @@ def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg:
     sums["\0time_s"] = [time.perf_counter() - t0, 0.0]  # teacher forwards or reply unpacking
     for mb, p, inp in zip(mbs, prep, inputs):
         p.opd = inp
-        if cfg.opd.mode == "sampled":
+        sampled = torch.tensor([float(c.mode == "sampled") for c in inp.configs],
+                               device=inp.mask.device)
+        if sampled.any():
             r = sampled_ratio(p.old, inp)
-            p.adv = p.adv - cfg.opd.kl_coef * inp.coef[:, None] * r
-            teacher_kl_sums(r, inp.mask, [s.teacher for s in mb.samples], sums)
+            p.adv = p.adv - kl_coefs(inp)[:, None] * r
+            teacher_kl_sums(r, inp.mask * sampled[:, None], [s.teacher for s in mb.samples],
+                            sums)
 
 
 def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
@@ -209,7 +213,8 @@ def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], 
     from algos.opd import is_loss_term
 
     by_length = _by_length(cfg, next(state.model.parameters()).device)
-    opd_term = getattr(cfg, "opd", None) is not None and is_loss_term(cfg.opd.mode)
+    opd_term = getattr(cfg, "opd", None) is not None and any(
+        is_loss_term(c.mode) for c in [cfg.opd] + [t.opd for t in cfg.teachers if t.opd])
     current: list[torch.Tensor] = []
     state.optimizer.zero_grad(set_to_none=True)
     for mb, p in zip(mbs, prep):
@@ -237,15 +242,21 @@ def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], 
 
 def opd_term_loss(cfg: Any, mb: MicroBatch, inp: Any, logits: torch.Tensor, num_samples: int,
                   sums: dict[str, list[float]] | None) -> torch.Tensor:
-    """kl_coef * sample-mean of the per-teacher-weighted reverse KL (algos/opd.py)."""
-    from algos.opd import distribution_reverse_kl, opd_loss, teacher_kl_sums
+    """Sum over the samples' distinct loss-term OPD configs of kl_coef * sample-mean of the
+    teacher-weighted reverse KL on those samples (algos/opd.py)."""
+    from actors.teachers import rows_with
+    from algos.opd import distribution_reverse_kl, is_loss_term, opd_loss, teacher_kl_sums
 
-    kl = distribution_reverse_kl(cfg.opd, logits, inp.mask, cfg.temperature,
-                                 teacher_logits=inp.teacher_logits, teacher_ids=inp.topk_ids,
-                                 teacher_logprobs=inp.topk_logp)
-    if sums is not None:
-        teacher_kl_sums(kl.detach(), inp.mask, [s.teacher for s in mb.samples], sums)
-    return opd_loss(kl * inp.coef[:, None], inp.mask, num_samples, cfg.opd.kl_coef)
+    total = logits.new_zeros(())
+    for config in {id(c): c for c in inp.configs if is_loss_term(c.mode)}.values():
+        mask = inp.mask * rows_with(inp, config)[:, None]
+        kl = distribution_reverse_kl(config, logits, mask, cfg.temperature,
+                                     teacher_logits=inp.teacher_logits,
+                                     teacher_ids=inp.topk_ids, teacher_logprobs=inp.topk_logp)
+        if sums is not None:
+            teacher_kl_sums(kl.detach(), mask, [s.teacher for s in mb.samples], sums)
+        total = total + opd_loss(kl * inp.coef[:, None], mask, num_samples, config.kl_coef)
+    return total
 
 
 def _accumulate(totals: dict[str, float], mb: MicroBatch, terms: Any, ent: torch.Tensor,

@@ -95,6 +95,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     opd: OpdConfig | None = None
     teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
     teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
+    prefetcher: str = ""  # peer (actors.prefetcher) doing the teachers' NVMe reads ("" = here)
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -215,6 +216,13 @@ class TrainerActor(Actor):
             self._closers.append(c.close)
         if self.state.teachers is not None:
             self._closers.append(self.state.teachers.close)
+            if cfg.prefetcher:  # NVMe -> pinned arena reads in the prefetcher's process
+                from actors.prefetcher import RemoteReader
+
+                mem = self.state.teachers.memory
+                mem.remote_read = RemoteReader(await self.connect(cfg.prefetcher),
+                                               asyncio.get_running_loop(), mem.arena,
+                                               str(mem.store.root))
         self.sync = await make_weight_sync(cfg, self.clients)
         if hasattr(self.sync, "close"):
             self._closers.append(self.sync.close)

@@ -96,7 +96,7 @@ def test_colocated_with_swaps_equals_everything_resident(tmp_path, logits):
     batch = samples(tok)
     mbs = [make_micro_batch(batch[i:i + 3], tok.pad_token_id or 0) for i in range(0, 8, 3)]
     tight = ColocatedTeachers.load(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
-        gpu_slots=1, host_budget_mib=0, nvme_dir=str(tmp_path / "a")), str(tmp_path))
+        gpu_slots=1, host_budget_bytes=400_000, nvme_dir=str(tmp_path / "a")), str(tmp_path))
     roomy = ColocatedTeachers.load(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
         gpu_slots=2, nvme_dir=str(tmp_path / "b")), str(tmp_path))
     try:
@@ -120,20 +120,26 @@ def test_colocated_with_swaps_equals_everything_resident(tmp_path, logits):
         roomy.close()
 
 
-@pytest.mark.parametrize("mode", ["sampled", "full", "top_k"])
+@pytest.mark.parametrize("mode", ["sampled", "full", "top_k", "per_teacher"])
 def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode):
     """A = 0 (equal rewards): only the OPD term trains; the reverse KL to each sample's teacher
-    falls over a few steps."""
+    falls over a few steps. per_teacher: arith in "full", reverse in "sampled", one run."""
     torch.manual_seed(0)
     model, tok = load_model("examples/base-tiny", "cpu", torch.float32)
-    opd = OpdConfig(mode=mode, kl_coef=1.0, top_k=5 if mode == "top_k" else 0)
+    opd = OpdConfig(mode="sampled" if mode == "per_teacher" else mode, kl_coef=1.0,
+                    top_k=5 if mode == "top_k" else 0)
     colocated = mode != "top_k"
+    teachers = TEACHERS
+    if mode == "per_teacher":
+        teachers = [TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"],
+                                opd=OpdConfig(mode="full", kl_coef=1.0)), TEACHERS[1]]
     cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], opd=opd, lr=3e-3,
-                        micro_batch_size=4, teachers=TEACHERS if colocated else [])
+                        advantage_estimator="none", micro_batch_size=4,
+                        teachers=teachers if colocated else [])
     state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
     batch = samples(tok)
     if colocated:
-        state.teachers = ColocatedTeachers.load(TEACHERS, "cpu", torch.float32, TeacherMemoryConfig(
+        state.teachers = ColocatedTeachers.load(teachers, "cpu", torch.float32, TeacherMemoryConfig(
             gpu_slots=1, nvme_dir=str(tmp_path)), str(tmp_path))
     else:  # server replies: the teachers' top-k from a local forward, as a server computes it
         attach_topk(batch, k=5)
@@ -162,3 +168,58 @@ def attach_topk(batch: list[Sample], k: int) -> None:
             top = rows.topk(k, dim=-1)
             s.teacher_topk_ids = top.indices.tolist()
             s.teacher_topk_logprobs = top.values.tolist()
+
+
+def test_per_teacher_mode_terms_equal_separate_runs(tmp_path):
+    """A mixed batch (arith: full, reverse: sampled) gives each teacher the same reverse-KL
+    metric as a run where that mode applies to everyone."""
+    _, tok = load_model("examples/base-tiny", "cpu", torch.float32)
+    stats = {}
+    for name, teachers, run_mode in [
+            ("mixed", [TeacherSpec(name="arith", model="examples/teacher-arith",
+                                   domains=["math"], opd=OpdConfig(mode="full")), TEACHERS[1]],
+             "sampled"),
+            ("full", TEACHERS, "full"), ("sampled", TEACHERS, "sampled")]:
+        model, _ = load_model("examples/base-tiny", "cpu", torch.float32)
+        cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], lr=0.0,
+                            advantage_estimator="none", opd=OpdConfig(mode=run_mode),
+                            micro_batch_size=8, teachers=teachers)
+        state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
+        state.teachers = ColocatedTeachers.load(teachers, "cpu", torch.float32,
+                                                TeacherMemoryConfig(nvme_dir=str(tmp_path / name)),
+                                                str(tmp_path))
+        try:
+            stats[name] = train_on_batch(state, samples(tok), cfg)
+        finally:
+            state.teachers.close()
+    assert stats["mixed"]["opd/arith/reverse_kl"] == pytest.approx(
+        stats["full"]["opd/arith/reverse_kl"], rel=1e-6)
+    assert stats["mixed"]["opd/reverse/reverse_kl"] == pytest.approx(
+        stats["sampled"]["opd/reverse/reverse_kl"], rel=1e-6)
+    assert stats["full"]["opd/reverse/reverse_kl"] != pytest.approx(
+        stats["sampled"]["opd/reverse/reverse_kl"], rel=1e-3)  # the modes really differ
+
+
+async def test_a_failing_teacher_server_marks_and_counts_its_samples(ipc):
+    from actors.teacher_pool import TeacherPool, TeacherPoolConfig
+    from engine.client import SglangClient
+    from tests.helpers import context
+
+    _, tok = load_model("examples/base-tiny", "cpu", torch.float32)
+    cfg = TeacherPoolConfig(student="examples/base-tiny", mode="server", max_retries=1,
+                            request_timeout_s=2.0, teachers=[TeacherSpec(
+                                name="arith", model="examples/teacher-arith", domains=["math"],
+                                url="http://127.0.0.1:9")])  # nothing listens there
+    pool = TeacherPool(context("teachers", ipc), cfg)
+    pool.clients = {"arith": SglangClient("http://127.0.0.1:9", timeout_s=2.0, retries=1,
+                                          backoff_s=0.01)}
+    import collections
+    pool.stats = collections.defaultdict(collections.Counter)
+    batch = [s for s in samples(tok) if s.domain == "math"]
+    try:
+        await pool._score("arith", batch)
+    finally:
+        await pool.clients["arith"].close()
+        pool.factory.close()
+    assert all(s.teacher == "" for s in batch)  # marked: no signal, trained without it
+    assert pool.stats["arith"]["failed_samples"] == len(batch)
