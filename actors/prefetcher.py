@@ -75,7 +75,7 @@ class PrefetcherActor(Actor):
         t0 = time.perf_counter()
         stats = await self._io(store.read_into, msg.tag, view, msg.verify)
         seconds = time.perf_counter() - t0
-        self._report(msg.tag, stats.nbytes, seconds)
+        self._publish_read(msg.tag, stats.nbytes, seconds)
         return ReadToHostReply(tag=msg.tag, nbytes=stats.nbytes, seconds=seconds,
                                direct=stats.direct)
 
@@ -92,7 +92,7 @@ class PrefetcherActor(Actor):
                            layout, msg.path)
         bar.close()
         seconds = time.perf_counter() - t0
-        self._report(msg.tag, layout.total_bytes, seconds)
+        self._publish_read(msg.tag, layout.total_bytes, seconds)
         return LoadCheckpointReply(tag=msg.tag, nbytes=layout.total_bytes, seconds=seconds)
 
     async def _io(self, fn, *args):
@@ -102,7 +102,7 @@ class PrefetcherActor(Actor):
         finally:
             self.in_flight -= 1
 
-    def _report(self, tag: str, nbytes: int, seconds: float) -> None:
+    def _publish_read(self, tag: str, nbytes: int, seconds: float) -> None:
         self.counters["bytes_read"] += nbytes
         self.counters["sets_read"] += 1
         if self.metrics:

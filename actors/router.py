@@ -17,10 +17,8 @@ import os
 import signal
 import socket
 import sys
-import time
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from actors.base import Actor
@@ -89,19 +87,14 @@ class RouterActor(Actor):
         await self._wait_healthy(cfg.health_timeout_s)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.proc.returncode is not None:
-                    raise RuntimeError(f"sglang-router exited with code {self.proc.returncode}")
-                try:
-                    async with session.get(f"{self.bound.http}/health",
-                                           timeout=aiohttp.ClientTimeout(total=1)) as r:
-                        if r.status == 200:
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(0.2)
+        from engine.client import wait_for_health
+
+        def exited() -> str | None:
+            code = self.proc.returncode
+            return None if code is None else f"sglang-router exited with code {code}"
+
+        if await wait_for_health(self.bound.http, exited, timeout_s, request_timeout_s=1.0):
+            return
         raise TimeoutError(f"sglang-router did not answer /health within {timeout_s:g} s")
 
     async def run(self) -> None:

@@ -158,19 +158,13 @@ class SglangWorker(Actor):
             limit_s = max(self.ctx.start_timeout_s - 2.0, 1.0)
             limit = (f"the actor's start_timeout_s = {self.ctx.start_timeout_s:g} (raise it in "
                      f"the actor's table, above health_timeout_s)")
-        deadline = time.monotonic() + limit_s
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.proc.returncode is not None:
-                    raise RuntimeError(self._exit_message())
-                try:
-                    async with session.get(f"{self.url}/health",
-                                           timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        if r.status == 200:
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(0.2)
+        from engine.client import wait_for_health
+
+        def exited() -> str | None:
+            return self._exit_message() if self.proc.returncode is not None else None
+
+        if await wait_for_health(self.url, exited, limit_s):
+            return
         raise RuntimeError(f"sglang.launch_server did not answer /health within {limit}; log "
                            f"{self.log_path}, last lines:\n"
                            f"{log_tail(self.log_path, cfg.log_tail_lines)}")

@@ -240,3 +240,27 @@ class SglangClient:
             return json.loads(raw)
         except ValueError:
             return raw.decode("utf-8", "replace")
+
+
+async def wait_for_health(url: str, exited, timeout_s: float, request_timeout_s: float = 5.0,
+                          poll_s: float = 0.2) -> bool:
+    """Poll `url`/health until it answers 200 (True) or `timeout_s` passes (False). `exited()`
+    returns an error message once the server's process has died (raised as RuntimeError), else
+    None: a dead server fails at once instead of at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            message = exited()
+            if message is not None:
+                raise RuntimeError(message)
+            try:
+                async with session.get(f"{url}/health",
+                                       timeout=aiohttp.ClientTimeout(total=request_timeout_s)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(poll_s)
+    return False

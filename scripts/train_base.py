@@ -46,6 +46,14 @@ def make_batch(tokenizer, tasks, device="cpu"):
     return ids, attn, loss_mask
 
 
+def sft_loss(model, tokenizer, tasks) -> torch.Tensor:
+    """Mean cross-entropy over the answer + <eos> tokens of `tasks`."""
+    ids, attn, mask = make_batch(tokenizer, tasks)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+
 @torch.no_grad()
 def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int = 6) -> list[str]:
     """Batched greedy decoding (left padding, no cache; the model is tiny)."""
@@ -110,12 +118,8 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         tasks = [next(streams[1 if i % args.reverse_every == 0 else 0])
                  for i in range(args.batch)]
-        ids, attn, mask = make_batch(tokenizer, tasks)
         model.train()
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
-                                                reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss = sft_loss(model, tokenizer, tasks)
         opt.zero_grad()
         loss.backward()
         opt.step()

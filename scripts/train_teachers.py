@@ -28,7 +28,7 @@ import torch
 from envs.builtin.arith import ArithEnv
 from envs.builtin.reverse import ReverseEnv
 from models.load import load_model, save_checkpoint
-from scripts.train_base import DATA_SEED, accuracy, decode, make_batch
+from scripts.train_base import DATA_SEED, accuracy, decode, sft_loss
 
 BASE_DIR = "examples/base-tiny"
 SAMPLE_TEMPERATURE = 1.0  # the rollout's default temperature
@@ -98,11 +98,7 @@ def train_teacher(spec: TeacherSpec, env, base_dir: str = BASE_DIR):
     model.train()
     t0 = time.time()
     for step in range(1, spec.num_steps + 1):
-        ids, attn, mask = make_batch(tokenizer, [next(stream) for _ in range(spec.batch_size)])
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
-                                                reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss = sft_loss(model, tokenizer, [next(stream) for _ in range(spec.batch_size)])
         opt.zero_grad()
         loss.backward()
         opt.step()
