@@ -131,8 +131,8 @@ class TeacherPool(Actor):
                 for lp, tlp, m in zip(s.rollout_logprobs, s.teacher_logprobs, s.loss_mask):
                     if m:
                         st["tokens"] += 1
-                        st["kl_sum_1e6"] += round((lp - tlp) * 1e6)
-        self.stats[name]["time_ms"] += round((time.perf_counter() - t0) * 1e3)
+                        st["kl_sum"] += lp - tlp
+        self.stats[name]["time_s"] += time.perf_counter() - t0
 
     def _publish(self) -> None:
         if not self.metrics:
@@ -141,7 +141,7 @@ class TeacherPool(Actor):
         for name, st in self.stats.items():
             values[f"opd/{name}/tokens_scored"] = float(st["tokens"])
             values[f"opd/{name}/failed_samples"] = float(st["failed_samples"])
-            values[f"opd/{name}/score_time_s"] = st["time_ms"] / 1e3
+            values[f"opd/{name}/score_time_s"] = st["time_s"]
             if st["tokens"]:
-                values[f"opd/{name}/sampled_reverse_kl"] = st["kl_sum_1e6"] / 1e6 / st["tokens"]
+                values[f"opd/{name}/sampled_reverse_kl"] = st["kl_sum"] / st["tokens"]
         self.metrics.publish(values)

@@ -99,7 +99,8 @@ class ColocatedTeachers:
     @classmethod
     def load(cls, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
              cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0) -> ColocatedTeachers:
-        """Teachers from their checkpoints: all on NVMe, the host keeping what its budget holds."""
+        """Teachers from their checkpoints: the host keeps what its budget holds, the rest is
+        written to NVMe (a teacher evicted from the host later is written on its first eviction)."""
         from memory.layout import FlatLayout, module_tensors
         from memory.manager import WeightMemory
         from models.load import load_model
@@ -111,7 +112,7 @@ class ColocatedTeachers:
             loaded[t.name] = module_tensors(model)
             key = model.config.to_json_string()
             if key not in by_arch:
-                by_arch[key] = _skeleton(model, device)
+                by_arch[key] = meta_skeleton(model, device)
             skeletons[t.name] = by_arch[key]
             missing = set(dict(skeletons[t.name].named_parameters())) - set(loaded[t.name])
             if missing:  # a parameter left on the meta device would compute garbage
@@ -121,10 +122,9 @@ class ColocatedTeachers:
         memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes),
                               host_budget_bytes=host, lookahead=cfg.lookahead,
                               nvme_dir=cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme"))
-        for name, tensors in loaded.items():  # staged one at a time
-            tag = f"teacher:{name}"
+        for name, tensors in loaded.items():  # staged one at a time; what the host budget
+            tag = f"teacher:{name}"              # cannot keep goes to NVMe (evict spills)
             memory.load_tensors(tag, tensors)
-            memory.spill(tag)
             if not memory.arena.fits(max(sizes)):
                 memory.evict(tag, "host")
         return cls(memory, skeletons, specs)
@@ -163,7 +163,7 @@ class ColocatedTeachers:
         self.memory.close()
 
 
-def _skeleton(model: torch.nn.Module, device: str) -> torch.nn.Module:
+def meta_skeleton(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """The model with its parameters and persistent buffers on the meta device (they come from
     a weight slot at call time); non-persistent buffers (rotary tables) stay real, on device."""
     persistent = set(model.state_dict())

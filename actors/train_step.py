@@ -85,8 +85,8 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     totals = dict.fromkeys(TOTALS, 0.0)
     prep = prepare(state, samples, plan.micro_batches, mbs, cfg, dp, totals)
     opd_sums: dict[str, list[float]] = {}
-    if getattr(cfg, "opd", None) is not None:
-        add_opd(state, mbs, prep, cfg, opd_sums)
+    opd_time_s = (add_opd(state, mbs, prep, cfg, opd_sums)
+                  if getattr(cfg, "opd", None) is not None else None)
     current = policy_pass(state, mbs, prep, cfg, len(samples), totals, opd_sums)
     params = [p for p in state.model.parameters() if p.requires_grad]
     dp.sum_grads(params)
@@ -106,18 +106,8 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     totals = dict(zip(TOTALS, summed.tolist()))
     stats |= summarize(samples, totals, float(grad_norm), state.version, cfg)
     stats["train/oversized_samples"] = float(len(plan.oversized))
-    if opd_sums:
-        from algos.opd import teacher_kl_metrics
-
-        stats["opd/teacher_time_s"] = opd_sums.pop("\0time_s")[0]
-        opd_sums.pop("", None)  # samples without a teacher
-        if state.teachers is not None:
-            stats["opd/teacher_gpu_loads"] = float(state.teachers.memory.counters["gpu_loads"])
-            stats["opd/teacher_sync_fallbacks"] = float(
-                state.teachers.memory.counters["sync_fallbacks"])
-        names = sorted(opd_sums)
-        summed_kl = dp.sum_tensor(torch.tensor([opd_sums[n] for n in names], dtype=torch.float64))
-        stats |= teacher_kl_metrics(dict(zip(names, summed_kl.tolist())))
+    if opd_time_s is not None:
+        stats |= opd_stats(state, opd_sums, opd_time_s, dp)
     parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
                                                  for c, mb in zip(current, mbs)])])
     return stats | mismatch_metrics(*_stack(parts))
@@ -186,15 +176,16 @@ def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.T
 
 
 def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
-            sums: dict[str, list[float]]) -> None:
+            sums: dict[str, list[float]]) -> float:
     """Teacher signals per micro-batch; "sampled" shapes the (already whitened) advantages
-    A - kl_coef * coef * r, so the distillation term keeps its own scale."""
+    A - kl_coef * coef * r, so the distillation term keeps its own scale. Returns the seconds
+    spent getting the teachers' outputs (forwards, or unpacking server replies)."""
     from actors.teachers import kl_coefs, prepare_opd, sampled_ratio
     from algos.opd import teacher_kl_sums
 
     t0 = time.perf_counter()
     inputs = prepare_opd(mbs, [p.old for p in prep], cfg, state.teachers, state.next_teachers)
-    sums["\0time_s"] = [time.perf_counter() - t0, 0.0]  # teacher forwards or reply unpacking
+    elapsed_s = time.perf_counter() - t0
     for mb, p, inp in zip(mbs, prep, inputs):
         p.opd = inp
         sampled = torch.tensor([float(c.mode == "sampled") for c in inp.configs],
@@ -204,6 +195,26 @@ def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg:
             p.adv = p.adv - kl_coefs(inp)[:, None] * r
             teacher_kl_sums(r, inp.mask * sampled[:, None], [s.teacher for s in mb.samples],
                             sums)
+    return elapsed_s
+
+
+def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
+              dp: Any) -> dict[str, float]:
+    """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency."""
+    from algos.opd import teacher_kl_metrics
+
+    stats = {"opd/teacher_time_s": time_s}
+    if state.teachers is not None:
+        counters = state.teachers.memory.counters
+        stats["opd/teacher_gpu_loads"] = float(counters["gpu_loads"])
+        stats["opd/teacher_sync_fallbacks"] = float(counters["sync_fallbacks"])
+    # every rank sums the same teachers, even one that had no samples on this rank
+    names = sorted({n for part in dp.gather(sorted(sums)) for n in part if n})  # "": none
+    if names:
+        summed = dp.sum_tensor(torch.tensor([sums.get(n, [0.0, 0.0]) for n in names],
+                                            dtype=torch.float64))
+        stats |= teacher_kl_metrics(dict(zip(names, summed.tolist())))
+    return stats
 
 
 def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from memory.layout import FlatLayout
-from memory.manager import WeightMemory, _done
+from memory.manager import WeightMemory
 from memory.timeline import Timeline, plot
 
 MiB = 1 << 20
@@ -65,16 +65,14 @@ def teacher_layout(nbytes: int, dim: int) -> FlatLayout:
 
 def fill_host(mem: WeightMemory, tag: str, layout: FlatLayout, seed: int) -> None:
     """Register a set and put random bytes straight into its arena region (no extra host copy)."""
-    ws = mem.register(tag, layout)
-    ws.region = mem.arena.alloc(tag, layout.total_bytes)
-    view = mem.arena.view(ws.region)
+    mem.register(tag, layout)
+    view = mem.reserve_host(tag)
     gen = torch.Generator(device=mem.device).manual_seed(seed)
     step = 256 * MiB
     for off in range(0, layout.total_bytes, step):
         n = min(step, layout.total_bytes - off)
         view[off:off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, device=mem.device,
                                               generator=gen))
-    ws.host_ready = _done()
 
 
 def raw_direct_read_gbps(path: Path, nbytes: int, chunk: int, readers: int) -> float:
@@ -123,7 +121,7 @@ def restore_and_disk(args, dev: torch.device, out: dict, workdir: Path) -> None:
         out["arena_h2d_gbps"] = best_copy_gbps(mem.arena.view(mem.sets["teacher"].region), slot)
         best = float("inf")
         for _ in range(5):
-            mem._evict_gpu(mem.sets["teacher"])
+            mem.evict("teacher", "gpu")
             sync(dev)
             t0 = time.perf_counter()
             mem.restore("teacher")
@@ -131,7 +129,7 @@ def restore_and_disk(args, dev: torch.device, out: dict, workdir: Path) -> None:
             best = min(best, time.perf_counter() - t0)
         out["restore_gbps"] = lay.total_bytes / best / 1e9
         out["restore_vs_peak"] = out["restore_gbps"] / out["h2d_peak_gbps"]
-        mem._evict_gpu(mem.sets["teacher"])
+        mem.evict("teacher", "gpu")
 
         fill_host(mem, "disk", disk_lay, 1)
         t0 = time.perf_counter()
@@ -156,9 +154,7 @@ def restore_and_disk(args, dev: torch.device, out: dict, workdir: Path) -> None:
 
 def nvme_to_gpu(mem: WeightMemory, lay: FlatLayout, dev: torch.device, out: dict) -> None:
     """The set only on NVMe -> GPU slot: cuFile if present, else pipelined by chunks."""
-    ws = mem.sets["disk"]
-    mem.arena.free("disk")
-    ws.region, ws.host_ready = None, None
+    mem.evict("disk", "host")  # on NVMe only now
     sync(dev)
     t0 = time.perf_counter()
     mem.acquire("disk")
@@ -167,9 +163,8 @@ def nvme_to_gpu(mem: WeightMemory, lay: FlatLayout, dev: torch.device, out: dict
     out[key] = lay.total_bytes / (time.perf_counter() - t0) / 1e9
     if mem.gds_error:
         out["gds_error"] = mem.gds_error
-    mem._evict_gpu(ws)
-    mem.arena.free("disk")  # the pipelined path staged it on the host
-    ws.region, ws.host_ready = None, None
+    mem.evict("disk", "gpu")
+    mem.evict("disk", "host")  # the pipelined path staged it on the host
     if mem.gds is not None:  # the same without cuFile, for comparison
         gds, mem.gds = mem.gds, None
         try:
@@ -220,7 +215,7 @@ def overlap(args, dev: torch.device, out: dict, workdir: Path) -> Timeline:
         mem.timeline = timeline = Timeline()  # the plot shows the two measured modes only
         for name, lookahead in (("sync", 0), ("prefetch", 1)):
             for tag in tags:  # each mode starts from the same residency: the first teacher
-                mem._evict_gpu(mem.sets[tag])  # only, as the previous step's hint left it
+                mem.evict(tag, "gpu")  # only, as the previous step's hint left it
             mem.lookahead = 1
             for f in mem.hint(order[:1]):
                 f.result()

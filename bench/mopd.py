@@ -23,13 +23,13 @@ import time
 import torch
 
 from actors.teacher_logic import TeacherSpec
-from actors.teachers import ColocatedTeachers, _skeleton
+from actors.teachers import ColocatedTeachers, meta_skeleton
 from actors.train_state import TrainState
 from actors.train_step import train_on_batch
 from actors.trainer import TrainerConfig
 from algos.opd import OpdConfig
 from memory.layout import FlatLayout, bind
-from memory.manager import WeightMemory, _done
+from memory.manager import WeightMemory
 from transport.schema import Sample
 
 
@@ -50,24 +50,22 @@ def teachers(args, names: list[str], slots: int, lookahead: int, dtype, device: 
     """Teachers with random weights in the host arena, `slots` device slots."""
     layout = FlatLayout.from_shapes((n, t.dtype, tuple(t.shape))
                                     for n, t in qwen2(args, dtype, "meta").state_dict().items())
-    skeleton = _skeleton(_rotary_ready(args, dtype), device)
+    skeleton = meta_skeleton(_rotary_ready(args, dtype), device)
     mem = WeightMemory(device, gpu_slots=slots, slot_bytes=layout.total_bytes,
                        host_budget_bytes=len(names) * layout.total_bytes, lookahead=lookahead)
     gen = torch.Generator(device=device).manual_seed(0)
     for name in names:
-        ws = mem.register(f"teacher:{name}", layout)
-        ws.region = mem.arena.alloc(ws.tag, layout.total_bytes)
-        for tname, view in bind(mem.arena.view(ws.region), layout).items():
+        mem.register(f"teacher:{name}", layout)
+        for view in bind(mem.reserve_host(f"teacher:{name}"), layout).values():
             view.copy_(torch.randn(view.shape, generator=gen, device=device, dtype=view.dtype)
                        * 0.02)
-        ws.host_ready = _done()
     specs = [TeacherSpec(name=n, model="random") for n in names]
     return ColocatedTeachers(mem, {n: skeleton for n in names}, specs)
 
 
 def _rotary_ready(args, dtype):
-    """A CPU model whose parameters are immediately replaced by meta tensors (the skeleton);
-    built small-first so 1B random weights are never materialised on the host."""
+    """The model built on the meta device (1B random weights are never materialised), with real
+    rotary tables (non-persistent buffers a skeleton keeps)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(hidden_size=args.hidden, num_hidden_layers=args.layers,

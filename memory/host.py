@@ -96,17 +96,22 @@ class PinnedArena:
         if tag in self.regions:
             raise ValueError(f"{tag!r} already has a host region")
         nbytes = _round_up(nbytes, PAGE_BYTES)
-        start = 0
-        for r in sorted(self.regions.values(), key=lambda r: r.offset):
-            if r.offset - start >= nbytes:
-                break
-            start = r.end
-        if start + nbytes > self.nbytes:
+        start = self._first_fit(nbytes)
+        if start is None:
             raise HostBudgetError(
                 f"host tier: {tag!r} needs {nbytes / 2**20:.1f} MiB, {self.free_bytes() / 2**20:.1f}"
                 f" MiB free of {self.nbytes / 2**20:.1f} MiB (held by {sorted(self.regions)})")
         self.regions[tag] = Region(start, nbytes)
         return self.regions[tag]
+
+    def _first_fit(self, nbytes: int) -> int | None:
+        """Offset of the first gap of `nbytes` (page-rounded), or None."""
+        start = 0
+        for r in sorted(self.regions.values(), key=lambda r: r.offset):
+            if r.offset - start >= nbytes:
+                return start
+            start = r.end
+        return start if start + nbytes <= self.nbytes else None
 
     def free(self, tag: str) -> None:
         self.regions.pop(tag, None)
@@ -116,12 +121,7 @@ class PinnedArena:
 
     def fits(self, nbytes: int) -> bool:
         """Whether a region of `nbytes` can be allocated now (first fit, as `alloc` does)."""
-        try:
-            self.alloc("\0probe", nbytes)
-        except HostBudgetError:
-            return False
-        self.free("\0probe")
-        return True
+        return self._first_fit(_round_up(nbytes, PAGE_BYTES)) is not None
 
     def view(self, region: Region, nbytes: int | None = None) -> torch.Tensor:
         return self.buffer[region.offset:region.offset + (nbytes or region.nbytes)]

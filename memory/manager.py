@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,8 +56,6 @@ class WeightSet:
     host_ready: Future | None = None  # completes when the host region holds the set
     checksums: dict[str, tuple[int, int]] | None = None  # no-copy backup
     module: torch.nn.Module | None = None  # a module whose parameters view the slot
-    dirty: bool = False  # GPU copy newer than host/NVMe (adopted, trained)
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 class WeightMemory:
@@ -111,17 +109,23 @@ class WeightMemory:
         for name, t in tensors.items():
             t.data = views[name]
         self._occupy(ws, slot)
-        ws.module, ws.dirty = module, True
+        ws.module = module
         return ws
 
     def load_tensors(self, tag: str, tensors: Mapping[str, torch.Tensor], source: str = "",
                      ) -> WeightSet:
         """Register a set from a state dict and place it on the host tier."""
         ws = self.register(tag, FlatLayout.from_state_dict(tensors), source)
-        ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
-        pack(tensors, self.arena.view(ws.region), ws.layout)
-        ws.host_ready = _done()
+        pack(tensors, self.reserve_host(tag), ws.layout)
         return ws
+
+    def reserve_host(self, tag: str) -> torch.Tensor:
+        """A host region for a registered set, counted as holding it: the caller fills the
+        returned buffer (in the set's layout) before anything reads it."""
+        ws = self.sets[tag]
+        ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
+        ws.host_ready = _done()
+        return self.arena.view(ws.region)
 
     # ---- slime's operations --------------------------------------------------------------
     def backup(self, tag: str, no_copy: bool = False) -> None:
@@ -132,7 +136,6 @@ class WeightMemory:
         if ws.region is None:
             ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
         self._copy(self.slots[ws.slot], self.arena.view(ws.region), ws, "d2h")
-        ws.dirty = False
         ws.host_ready = _done()
 
     def restore(self, tag: str) -> None:
@@ -144,7 +147,7 @@ class WeightMemory:
             self._need(tag, on_host=True)
             self._copy(self.arena.view(ws.region), self.slots[ws.slot], ws, "h2d", ws.slot)
         else:
-            self._to_gpu(ws, prefetch=False).result()
+            self._to_gpu(ws).result()
         self._wait_ready(ws)
 
     def copy(self, src: str, dst: str) -> None:
@@ -175,7 +178,7 @@ class WeightMemory:
         if to_tier == "host":
             return self._to_host(ws)
         if to_tier == "gpu":
-            return self._to_gpu(ws, prefetch=True)
+            return self._to_gpu(ws)
         raise ValueError(f"to_tier = {to_tier!r}; use 'host' or 'gpu'")
 
     # ---- compute -------------------------------------------------------------------------
@@ -183,7 +186,7 @@ class WeightMemory:
         """The set's tensors on the device; the compute stream waits for its copy, nothing else."""
         ws = self.sets[tag]
         t0 = self.timeline.now()
-        self._to_gpu(ws, prefetch=False).result()
+        self._to_gpu(ws).result()
         self._wait_ready(ws)
         self.timeline.add("wait", tag, "compute", t0)
         return self.gpu_tensors(tag)
@@ -229,13 +232,18 @@ class WeightMemory:
             ws = self.sets[tag]
             resident = ws.slot is not None and self.slot_tag[ws.slot] == tag
             if resident or None in self.slot_tag:
-                futures.append(self._to_gpu(ws, prefetch=True))
+                futures.append(self._to_gpu(ws))
         return futures
 
     def evict(self, tag: str, tier: str) -> None:
         """Drop a set from "gpu" or "host" (spilled to NVMe first if nothing else holds it)."""
         ws = self.sets[tag]
-        self._evict_gpu(ws) if tier == "gpu" else self._drop_host(ws)
+        if tier == "gpu":
+            self._evict_gpu(ws)
+        elif tier == "host":
+            self._drop_host(ws)
+        else:
+            raise ValueError(f"tier = {tier!r}; use 'gpu' or 'host'")
 
     def gpu_tensors(self, tag: str) -> dict[str, torch.Tensor]:
         ws = self._need(tag, on_gpu=True)
@@ -262,11 +270,11 @@ class WeightMemory:
     def _apply(self, a) -> None:
         ws = self.sets[a.tag]
         if a.op == "evict":
-            self._evict_gpu(ws) if a.tier == "gpu" else self._drop_host(ws)
+            self.evict(a.tag, a.tier)
         elif a.tier == "host":
             self._to_host(ws)
         else:
-            fut = self._to_gpu(ws, prefetch=a.prefetch)
+            fut = self._to_gpu(ws)
             if not a.prefetch:
                 fut.result()
 
@@ -314,7 +322,7 @@ class WeightMemory:
             read_source(ws.source, self.arena.view(ws.region), ws.layout)
             self.store.write(ws.tag, self.arena.view(ws.region), ws.layout, ws.source)
 
-    def _to_gpu(self, ws: WeightSet, prefetch: bool) -> Future:
+    def _to_gpu(self, ws: WeightSet) -> Future:
         with self._lock:
             if ws.slot is not None and self.slot_tag[ws.slot] == ws.tag:
                 return ws.copy_future or _done()
@@ -325,8 +333,7 @@ class WeightMemory:
             if self.gds is not None and on_nvme_only:
                 ws.copy_future = self._disk.submit(self._gds_to_gpu, ws, slot)
                 return ws.copy_future
-            if (self.cuda and ws.host_ready is None and self.remote_read is None
-                    and self.store is not None and self.store.has(ws.tag)):
+            if self.cuda and on_nvme_only and self.remote_read is None:
                 ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
                 ws.host_ready = ws.copy_future = self._disk.submit(self._pipelined, ws, slot)
                 return ws.copy_future

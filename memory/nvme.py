@@ -121,10 +121,6 @@ class NvmeStore:
         mtmp.write_text(man.to_json())
         mtmp.replace(self.manifest_path(tag))
 
-    def delete(self, tag: str) -> None:
-        self.manifest_path(tag).unlink(missing_ok=True)
-        self.data_path(tag).unlink(missing_ok=True)
-
     # ---- read ----------------------------------------------------------------------------
     def read_into(self, tag: str, buffer: torch.Tensor, verify: bool = True,
                   on_chunk: Callable[[int, int], None] | None = None) -> ReadStats:

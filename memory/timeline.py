@@ -86,10 +86,6 @@ class Timeline:
             Path(path).write_text(text)
         return text
 
-    def total(self, kind: str, tag_prefix: str = "") -> float:
-        return sum(e.end_s - e.start_s for e in self.events()
-                   if e.kind == kind and e.tag.startswith(tag_prefix))
-
 
 class CudaSpan:
     def __init__(self, timeline: Timeline, stream: torch.cuda.Stream):

@@ -259,3 +259,18 @@ def test_accounting_holds_under_random_operations(seed, staleness):
     for counter in ("emitted", "dropped_duplicate", "dropped_stale", "dropped_failed_group",
                     "dropped_failed_sample", "dropped_overflow"):
         assert acc[counter] > 0, counter  # the sequence exercised every path
+
+
+def test_upcoming_teachers_hint_the_next_batch_in_order():
+    buf = buffer(groups_per_batch=2)
+    for gid, teacher in [("g1", "reverse"), ("g2", ""), ("g3", "arith"), ("g4", "code")]:
+        for i in range(2):
+            s = mk(gid, i)
+            s.teacher = teacher
+            buf.add(s)
+    # the ready groups of the next batch are g1 and g2: only their (named) teachers, in order
+    assert buf.upcoming_teachers() == ["reverse"]
+    buf.next_batch(0)
+    assert buf.upcoming_teachers() == ["arith", "code"]
+    buf.next_batch(0)
+    assert buf.upcoming_teachers() == []

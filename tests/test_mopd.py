@@ -223,3 +223,24 @@ async def test_a_failing_teacher_server_marks_and_counts_its_samples(ipc):
         pool.factory.close()
     assert all(s.teacher == "" for s in batch)  # marked: no signal, trained without it
     assert pool.stats["arith"]["failed_samples"] == len(batch)
+
+
+def test_opd_metrics_agree_on_teachers_across_ranks():
+    """A rank that saw no sample of a teacher still reduces a row for it (same tensor shape on
+    every rank), and the summed metric covers both ranks."""
+    from actors.train_step import opd_stats
+
+    class OtherRankHasReverse:  # this rank: arith only; the other rank: reverse only
+        def gather(self, obj):
+            return [obj, ["reverse"]]
+
+        def sum_tensor(self, t):
+            assert t.shape == (2, 2)  # both teachers, in name order
+            return t + torch.tensor([[0.0, 0.0], [3.0, 2.0]], dtype=torch.float64)
+
+    state = TrainState(torch.nn.Linear(1, 1), None, None)
+    stats = opd_stats(state, {"arith": [1.0, 4.0], "": [0.0, 0.0]}, 0.5, OtherRankHasReverse())
+    assert stats["opd/arith/reverse_kl"] == pytest.approx(0.25)
+    assert stats["opd/arith/tokens"] == 4.0
+    assert stats["opd/reverse/reverse_kl"] == pytest.approx(1.5)
+    assert stats["opd/teacher_time_s"] == 0.5 and not any(k.startswith("opd//") for k in stats)
