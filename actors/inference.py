@@ -49,6 +49,7 @@ class InferenceWorker(Actor):
             cfg.model, device=cfg.device, dtype=parse_dtype(cfg.dtype), seed=cfg.seed,
             max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms,
             weight_version=cfg.weight_version)
+        self.scheduler.on_memory_change = self._publish_memory  # every phase switch, exactly
         self.spawn(self.scheduler.run(), "scheduler")
         info = {"model_path": cfg.model, "tokenizer_path": cfg.model, "host": cfg.host,
                 "device": cfg.device, "dtype": cfg.dtype, "random_seed": cfg.seed,
@@ -60,15 +61,19 @@ class InferenceWorker(Actor):
 
     async def run(self) -> None:
         """Publish what the worker holds on its device, and whether its memory is released, so
-        that colocated runs show each side's memory per phase."""
+        that colocated runs show each side's memory per phase: periodically, and right after
+        every release / resume (a periodic sample alone can miss a short phase)."""
         while True:
             await asyncio.sleep(self.config.metrics_interval_s)
-            if self.metrics and self.scheduler is not None:
-                s = self.scheduler.stats()
-                self.metrics.publish({"memory/device_bytes": device_bytes(self.scheduler.model,
-                                                                          self.config.device),
-                                      "memory/released": float(bool(s["released"])),
-                                      "engine/waves": s["waves"], "engine/running": s["running"]})
+            self._publish_memory()
+
+    def _publish_memory(self) -> None:
+        if self.metrics and self.scheduler is not None:
+            s = self.scheduler.stats()
+            self.metrics.publish({"memory/device_bytes": device_bytes(self.scheduler.model,
+                                                                      self.config.device),
+                                  "memory/released": float(bool(s["released"])),
+                                  "engine/waves": s["waves"], "engine/running": s["running"]})
 
     async def on_stop(self, reason: str) -> None:
         if self._runner is not None:

@@ -181,6 +181,7 @@ class Scheduler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.paused: str | None = None  # pause mode while paused
         self.released: set[str] = set()
+        self.on_memory_change = None  # called (in the loop) after every release / resume
         self.wave_sizes: list[int] = []  # batch size of every wave started, in order
         self.decode_steps = 0  # forward passes over all waves
         self.step_hooks: list[Callable[[int], Awaitable[None] | None]] = []  # after each step
@@ -295,6 +296,7 @@ class Scheduler:
             if "weights" in tags and "weights" not in self.released:
                 await self._in_thread(self._free_weights)
             self.released.update(tags)
+            self._memory_changed()
 
         await self._submit_op(op, needs_idle=True)
 
@@ -305,8 +307,13 @@ class Scheduler:
             if "weights" in tags and "weights" in self.released:
                 await self._in_thread(self._restore_weights)
             self.released.difference_update(tags)
+            self._memory_changed()
 
         await self._submit_op(op, needs_idle=True)
+
+    def _memory_changed(self) -> None:
+        if self.on_memory_change is not None:
+            self.on_memory_change()
 
     def flush_cache(self) -> bool:
         """True when idle (there is no prefix cache to flush); False while requests are queued or
