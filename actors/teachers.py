@@ -134,9 +134,13 @@ class ColocatedTeachers:
         """{(teacher, micro-batch index): [B, R] log-probs, or [B, R, V] logits for the teachers
         in `logits` (True = all), at temperature} for every micro-batch holding samples of that
         teacher, one switch per teacher."""
+        # teachers already in a slot go first, so the one a step ends with is not swapped out
+        # and back in by the next step
+        on_gpu = set(self.memory.residency()["gpu"])
+        order = sorted(teacher_order([s.teacher for mb in mbs for s in mb.samples]),
+                       key=lambda t: f"teacher:{t}" not in on_gpu)
         wanted = {t: [i for i, mb in enumerate(mbs) if any(s.teacher == t for s in mb.samples)]
-                  for t in teacher_order([s.teacher for mb in mbs for s in mb.samples])
-                  if t in self.specs}
+                  for t in order if t in self.specs}
         out: dict[tuple[str, int], torch.Tensor] = {}
 
         def compute(tag: str, params: dict[str, torch.Tensor]) -> None:
