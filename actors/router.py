@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -23,6 +22,7 @@ import msgspec
 
 from actors.base import Actor
 from launch.passthrough import refuse_owned, render
+from transport.sockets import free_port
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -36,13 +36,6 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     dynamic_workers: bool = False  # workers register themselves (POST /workers); may start empty
     router: dict[str, Any] = {}  # sglang-router options, passed through as --key value
     router_args: dict[str, Any] = {}  # older name of `router`; `router` wins on a shared key
-
-
-def free_port(host: str) -> int:
-    """A port free right now (the router binds it itself a moment later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list[str]:

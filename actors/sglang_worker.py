@@ -53,7 +53,7 @@ import aiohttp
 import msgspec
 
 from actors.base import Actor
-from actors.router import free_port
+from transport.sockets import free_port
 from launch.child import die_with_parent
 from launch.passthrough import refuse_owned, render
 

@@ -96,6 +96,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
     teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
     prefetcher: str = ""  # peer (actors.prefetcher) doing the teachers' NVMe reads ("" = here)
+    # data-parallel ranks on this host (actors/trainer_ranks.py): the actor is rank 0 and starts
+    # the others; on CUDA rank r uses the r-th device from `device`, on CPU gloo processes
+    dp_size: int = 1
+    dp_timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank)
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -131,6 +135,23 @@ def check_algorithm(cfg: TrainerConfig) -> None:
                          f" gae_lambda = {cfg.gae_lambda}")
     _check_kl(cfg, est)
     _check_opd(cfg)
+    _check_dp(cfg)
+
+
+def _check_dp(cfg: TrainerConfig) -> None:
+    if cfg.dp_size < 1 or cfg.dp_timeout_s <= 0:
+        raise ValueError(f"need dp_size >= 1 and dp_timeout_s > 0, got dp_size = {cfg.dp_size}, "
+                         f"dp_timeout_s = {cfg.dp_timeout_s}")
+    if cfg.dp_size == 1:
+        return
+    if cfg.backend == "megatron":
+        raise ValueError(f"dp_size = {cfg.dp_size} and backend = 'megatron' conflict: the actor "
+                         "runs megatron as one rank; run multi-rank megatron under torchrun "
+                         "(backends.megatron) or use backend = 'torch'")
+    if cfg.teachers:
+        raise ValueError(f"dp_size = {cfg.dp_size} and colocated teachers conflict: the teachers' "
+                         "weight memory lives in rank 0 only; use teacher servers (the teacher "
+                         "pool's server mode) or dp_size = 1")
 
 
 def _check_opd(cfg: TrainerConfig) -> None:
@@ -229,6 +250,14 @@ class TrainerActor(Actor):
         self.buffer = await self.connect(cfg.buffer)
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
         self.run_dir = Path(self.ctx.run_dir or ".")
+        self.ranks, self._warned_stale = None, False
+        if cfg.dp_size > 1:
+            from actors.trainer_ranks import RankGroup
+
+            self.ranks = await self._in_thread(RankGroup, cfg, str(self.run_dir), self.ctx.resume,
+                                               self.run_dir / "logs")
+            self._closers.append(self._stop_ranks)
+            await self._in_thread(self.ranks.check_same_weights, self.state.model)
 
     async def run(self) -> None:
         cfg = self.config
@@ -241,7 +270,7 @@ class TrainerActor(Actor):
             t_wait = time.monotonic() - t0
             self.state.next_teachers = batch.next_teachers
             await self._set_phase("train")
-            stats = await self._in_thread(train_on_batch, self.state, batch.samples, cfg)
+            stats = await self._in_thread(self.train_step, batch.samples)
             t_train = time.monotonic() - t0 - t_wait
             self.state.step += 1
             self.state.version += 1
@@ -253,11 +282,45 @@ class TrainerActor(Actor):
             stats.update({"time/wait_batch_s": t_wait, "time/train_s": t_train,
                           "time/weight_sync_s": t_sync, "time/step_s": time.monotonic() - t0,
                           "version": self.state.version})
+            self._warn_stale_sampled_opd(stats)
             if self.metrics:
                 self.metrics.publish(stats, step=self.state.step, total_steps=cfg.num_steps)
         await self._in_thread(self.save_checkpoint)
         if self.rollout is not None:
             await self.final_eval()
+
+    def _warn_stale_sampled_opd(self, stats: dict[str, float]) -> None:
+        """Sampled-token OPD on stale samples without TIS diverged in our runs (README, MOPD):
+        said once, when it first happens."""
+        cfg = self.config
+        modes = {t.opd.mode for t in cfg.teachers if t.opd} | ({cfg.opd.mode} if cfg.opd else set())
+        if ("sampled" in modes and cfg.mismatch.correction != "tis" and not self._warned_stale
+                and stats.get("train/staleness_max", 0) >= 1):
+            self._warned_stale = True
+            log.warning("%s: sampled-token OPD on samples %d version(s) stale with mismatch "
+                        "correction %r: this diverged in our runs; use mismatch = { correction = "
+                        "'tis' }, opd mode 'full', or max_staleness = 0", self.name,
+                        int(stats["train/staleness_max"]), cfg.mismatch.correction)
+
+    async def _stop_ranks(self) -> None:
+        """After the step in progress (commands go out from the compute thread only); ranks
+        that do not stop in time are killed."""
+        try:
+            await asyncio.wait_for(self._in_thread(self.ranks.stop), 60)
+        except TimeoutError:
+            log.warning("%s: data-parallel ranks did not stop in 60 s; killing them", self.name)
+            self.ranks.kill()
+
+    def train_step(self, samples: list) -> dict[str, float]:
+        if self.ranks is not None:  # every rank takes its share of the same optimizer step
+            return self.ranks.train(self.state, samples, self.config)
+        return train_on_batch(self.state, samples, self.config)
+
+    def to_device(self, device: str) -> None:
+        if self.ranks is not None:
+            self.ranks.to_device(self.state, device)
+        else:
+            self.state.to_device(device)
 
     async def final_eval(self) -> None:
         """Ask the rollout to score the eval tasks with the final weights; record the result."""
@@ -293,9 +356,9 @@ class TrainerActor(Actor):
             return
         if phase == "train":
             await asyncio.gather(*(c.release_memory_occupation() for c in self.clients))
-            await self._in_thread(self.state.to_device, self.config.device)
+            await self._in_thread(self.to_device, self.config.device)
         else:
-            await self._in_thread(self.state.to_device, "cpu")
+            await self._in_thread(self.to_device, "cpu")
             await asyncio.gather(*(c.resume_memory_occupation() for c in self.clients))
         if self.metrics:
             self.metrics.publish({f"memory/{phase}/trainer_device_bytes":

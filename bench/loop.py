@@ -6,7 +6,8 @@ record from each run directory. Reports samples/s and tokens/s of training, wher
 step time goes (waiting for a batch, training, weight sync), and the train-rollout log-prob
 mismatch (`logprob_abs_diff` includes the policy lag of stale samples; the RESULT reports the
 synchronous run's, where trainer and workers hold the same weights).
-`python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]`.
+`python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]
+[--dp-size 1]`.
 Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... logprob_abs_diff=...
 """
 
@@ -73,6 +74,7 @@ micro_batch_size = 64
 device = "{device}"
 dtype = "{dtype}"
 mode = "{mode}"
+dp_size = {dp}
 """
 
 
@@ -81,7 +83,8 @@ def run_once(args: argparse.Namespace, staleness: int, root: Path,
     hosts = root / f"{mode}-staleness{staleness}.toml"
     hosts.write_text(HOSTS.format(model=args.model, device=args.device, dtype=args.dtype,
                                   group=args.group_size, groups=args.groups, steps=args.steps,
-                                  staleness=staleness, mode=mode, threads=args.threads))
+                                  staleness=staleness, mode=mode, threads=args.threads,
+                                  dp=args.dp_size))
     run_dir = root / f"run-{mode}-staleness{staleness}"
     t0 = time.monotonic()
     gpu = GpuMemory() if args.device.startswith("cuda") else None
@@ -186,6 +189,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per worker/trainer process (OMP_NUM_THREADS)")
+    parser.add_argument("--dp-size", type=int, default=1,
+                        help="trainer data-parallel ranks (on CUDA: one device each from cuda:0)")
     parser.add_argument("--colocated", action="store_true",
                         help="also run colocated mode (staleness 0) and report it")
     parser.add_argument("--only-colocated", action="store_true",

@@ -26,7 +26,8 @@ import time
 import torch
 
 from engine.client import SglangClient
-from engine.weight_sync import DiskSync, DistributedSync, TensorSync, free_port
+from engine.weight_sync import DiskSync, DistributedSync, TensorSync
+from transport.sockets import free_port
 from models.load import load_model, parse_dtype, save_checkpoint
 from models.logprobs import token_logprobs
 

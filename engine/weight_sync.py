@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterable, Iterator, Literal
 
@@ -38,6 +37,7 @@ import torch
 
 from engine import dist_group
 from engine.client import SglangClient
+from transport.sockets import free_port
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -220,10 +220,3 @@ class DistributedSync:
             await self._in_pool(dist_group.destroy, self.group)
             self.group = None
         self._pool.shutdown(wait=True)
-
-
-def free_port(host: str) -> int:
-    """A port free right now, for the group's TCP store (rank 0 binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

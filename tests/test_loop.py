@@ -59,14 +59,15 @@ save_every = 2
 micro_batch_size = 8
 mode = "{mode}"
 weight_sync = "{sync}"
+dp_size = {dp}
 """
 
 
 def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, staleness: int = 1,
-        mode: str = "decoupled", sync: str = "disk"
+        mode: str = "decoupled", sync: str = "disk", dp: int = 1
         ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync))
+    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync, dp=dp))
     cmd = [sys.executable, "-m", "launch.cluster", str(hosts)]
     cmd += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -91,19 +92,25 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     final = json.loads((run_dir / "final_eval.json").read_text())
     assert final["version"] == 4 and set(final["scores"]) == {"math", "reverse"}
     assert (run_dir / "checkpoints" / "step_000004" / "trainer_state.pt").exists()
-    # resume: continue the same run to 6 steps from the step-4 checkpoint, now overlapped
-    result, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1)
+    # resume: continue the same run to 6 steps from the step-4 checkpoint, now overlapped and on
+    # two data-parallel ranks (both load the checkpoint; they refuse to start if they differ)
+    result, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1, dp=2)
     assert result.returncode == 0, result.stdout[-3000:]
     assert [r["values"]["version"] for r in steps][-2:] == [5, 6]
     assert all(r["values"]["train/staleness_max"] <= 1 for r in steps[-2:])
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log and "step_000004" in trainer_log
+    assert "resumed from" in (run_dir / "logs" / "trainer.rank1.log").read_text()
+    assert steps[-1]["values"]["train/samples"] == 16  # the whole batch, over both ranks
+    assert steps[-1]["values"]["train/dp_size"] == 2
 
 
 @pytest.mark.timeout(300)
 def test_colocated_synchronous_run(tmp_path):
+    """Colocated, weights in the request body, the trainer on two data-parallel ranks."""
     run_dir = tmp_path / "run"
-    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, mode="colocated", sync="tensor")
+    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, mode="colocated", sync="tensor",
+                        dp=2)
     assert result.returncode == 0, result.stdout[-3000:]
     assert [r["values"]["version"] for r in steps] == [1, 2]
     # weights in the request body: nothing written per version, and the worker serves them exactly

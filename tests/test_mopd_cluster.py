@@ -121,6 +121,10 @@ def test_multi_teacher_run(tmp_path, mode):
         last = pool[-1]
         assert last["opd/arith/tokens_scored"] > 0 and last["opd/reverse/tokens_scored"] > 0
         assert last["opd/arith/failed_samples"] == 0
+        # sampled-token OPD without TIS: warned once, exactly when stale samples were trained on
+        stale = any(v["train/staleness_max"] >= 1 for v in steps)
+        warned = (run_dir / "logs" / "trainer.log").read_text().count("sampled-token OPD on")
+        assert warned == int(stale)
     else:  # one device slot, a host budget of one teacher: both loaded in the first step, then
         # the one left in the slot goes first and only the other is swapped in; the one not on
         # the host is read back from NVMe by the prefetcher process, never by the trainer

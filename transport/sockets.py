@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,14 @@ import msgspec
 import zmq
 
 log = logging.getLogger(__name__)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free right now on `host` (for a server or TCP store that binds it a moment
+    later; another process could take it in between, which its bind then reports)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -1,0 +1,241 @@
+"""Data-parallel ranks of the trainer actor: rank 0 is the actor, ranks 1..N-1 processes it starts.
+
+Role: with `dp_size = N > 1` the trainer actor starts N-1 rank processes
+(`python -m actors.trainer_ranks`) on its host. All N join one torch.distributed group (NCCL when
+the trainer's device is CUDA, rank r on the r-th device from the trainer's; gloo on CPU) for the
+step's reductions, plus a gloo group that carries rank 0's commands. Every step rank 0 broadcasts
+the batch (msgpack) and every rank runs `actors.train_step.train_on_batch` with
+`actors.dp_train.DataParallel`: the DP schedule gives each rank its micro-batches, gradients are
+summed, every rank takes the same optimizer step. The weights therefore stay identical: only rank
+0 pushes weights and writes checkpoints (every rank resumes from the same checkpoint).
+
+Invariants: every rank loads its state exactly as rank 0 does (`load_train_state`); right after
+joining, the ranks compare a float64 digest of their weights and refuse to start if they differ;
+commands reach every rank in one order. Faults: a rank process that exits is reported by rank 0
+at its next command with the exit code and the rank's log; a collective stuck on a dead rank
+fails after `dp_timeout_s`; a rank whose parent dies gets SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from actors.dp_train import DataParallel
+from transport.schema import Sample
+
+log = logging.getLogger(__name__)
+
+
+class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
+    op: str  # "step" | "device" | "digest" | "stop"
+    samples: list[Sample] = []
+    device: str = ""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: the r-th CUDA device counted from the trainer's (cuda:1 -> cuda:1+r)."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{base + rank}"
+
+
+def weight_digest(model: torch.nn.Module) -> float:
+    """A float64 sum of every parameter with a position weight (equal weights, equal digest)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(model.parameters()):
+        total += (i + 1) * p.detach().double().sum().cpu()
+    return float(total)
+
+
+class _Ranks:
+    """What every rank holds: the group, its command channel, the DP reductions."""
+
+    def __init__(self, cfg: Any, rank: int, world_size: int, init_method: str):
+        cuda = cfg.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(torch.device(rank_device(cfg.device, 0)))  # an index
+        timeout = datetime.timedelta(seconds=cfg.dp_timeout_s)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
+        self.dp = DataParallel()
+        self.rank, self.world_size = rank, world_size
+
+    def broadcast(self, cmd: RankCommand | None) -> RankCommand:
+        """Rank 0 sends `cmd`; the others receive it."""
+        if self.rank == 0:
+            data = msgspec.msgpack.encode(cmd)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.ctrl)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+               else torch.empty(int(size), dtype=torch.uint8))
+        dist.broadcast(buf, src=0, group=self.ctrl)
+        return cmd if self.rank == 0 else msgspec.msgpack.decode(buf.numpy().tobytes(),
+                                                                 type=RankCommand)
+
+    def digests(self, model: torch.nn.Module) -> list[float]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, weight_digest(model), group=self.ctrl)
+        return out
+
+    def check_same_weights(self, model: torch.nn.Module) -> None:
+        got = self.digests(model)
+        if len(set(got)) != 1:
+            raise RuntimeError(f"the trainer's data-parallel ranks loaded different weights "
+                               f"(digests {got}); every rank must load the same checkpoint")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankGroup(_Ranks):
+    """Rank 0's side, inside the trainer actor: starts the other ranks and drives them."""
+
+    def __init__(self, cfg: Any, run_dir: str, resume: bool, log_dir: Path):
+        from transport.sockets import free_port
+        from launch.child import die_with_parent
+
+        self.procs: list[subprocess.Popen] = []
+        self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, cfg.dp_size)]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        config_path = Path(run_dir) / "trainer_ranks.json"
+        config_path.write_bytes(msgspec.json.encode(cfg))
+        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for r, path in zip(range(1, cfg.dp_size), self.logs):
+            cmd = [sys.executable, "-m", "actors.trainer_ranks", "--rank", str(r), "--world-size",
+                   str(cfg.dp_size), "--init", init_method, "--config", str(config_path),
+                   "--run-dir", run_dir] + (["--resume"] if resume else [])
+            with open(path, "ab") as f:
+                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=env,
+                                                   stdin=subprocess.DEVNULL,
+                                                   preexec_fn=die_with_parent))
+        log.info("trainer: started data-parallel ranks 1..%d (logs %s)", cfg.dp_size - 1,
+                 log_dir)
+        try:
+            super().__init__(cfg, 0, cfg.dp_size, init_method)
+        except Exception as e:
+            self.kill()
+            raise RuntimeError(f"the trainer's data-parallel group did not form: {e}"
+                               f"{self.exited_message()}") from e
+
+    def exited_message(self) -> str:
+        from actors.sglang_worker import log_tail
+
+        for r, (p, path) in enumerate(zip(self.procs, self.logs), start=1):
+            if p.poll() is not None:
+                return (f"; trainer rank {r} exited with code {p.returncode}, log {path}, last "
+                        f"lines:\n{log_tail(path, 20)}")
+        return ""
+
+    def send(self, cmd: RankCommand) -> None:
+        dead = self.exited_message()
+        if dead:
+            raise RuntimeError(dead.removeprefix("; "))
+        try:
+            self.broadcast(cmd)
+        except Exception as e:
+            raise RuntimeError(f"{cmd.op} command to the data-parallel ranks failed: {e}"
+                               f"{self.exited_message()}") from e
+
+    def train(self, state: Any, samples: list[Sample], cfg: Any) -> dict[str, float]:
+        from actors.train_step import train_on_batch
+
+        self.send(RankCommand("step", samples=samples))
+        stats = train_on_batch(state, samples, cfg, self.dp)
+        stats["train/dp_size"] = float(self.world_size)
+        return stats
+
+    def all_digests(self, model: torch.nn.Module) -> list[float]:
+        """Every rank's weight digest, in rank order (equal while the ranks agree)."""
+        self.send(RankCommand("digest"))
+        return self.digests(model)
+
+    def to_device(self, state: Any, device: str) -> None:
+        self.send(RankCommand("device", device=device))
+        state.to_device(rank_device(device, 0))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Tell the ranks to exit and wait for them (killed past the timeout)."""
+        try:
+            if not self.exited_message():
+                self.broadcast(RankCommand("stop"))
+        except Exception as e:  # noqa: BLE001 - they are killed below
+            log.warning("trainer ranks did not take the stop command: %s", e)
+        for p in self.procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.close()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def serve(state: Any, cfg: Any, ranks: _Ranks) -> None:
+    """Ranks 1..N-1: run rank 0's commands until it says stop."""
+    from actors.train_step import train_on_batch
+
+    while True:
+        cmd = ranks.broadcast(None)
+        if cmd.op == "stop":
+            return
+        if cmd.op == "step":
+            train_on_batch(state, cmd.samples, cfg, ranks.dp)
+        elif cmd.op == "device":
+            state.to_device(rank_device(cmd.device, ranks.rank))
+        elif cmd.op == "digest":
+            ranks.digests(state.model)
+        else:
+            raise ValueError(f"unknown command {cmd.op!r} from trainer rank 0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from actors.trainer import TrainerConfig, load_train_state
+    from launch.child import die_with_parent
+
+    die_with_parent()
+    ap = argparse.ArgumentParser(description="a data-parallel rank of the trainer actor "
+                                             "(started by it, not by hand)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--init", required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
+    cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
+    cfg = msgspec.structs.replace(cfg, device=rank_device(cfg.device, args.rank))
+    state = load_train_state(cfg, args.run_dir, args.resume)
+    ranks = _Ranks(cfg, args.rank, args.world_size, args.init)
+    try:
+        ranks.check_same_weights(state.model)
+        serve(state, cfg, ranks)
+    finally:
+        ranks.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The trainer actor's data-parallel ranks: rank 0 (here, in the test process) starts rank 1 as a
+process, both take the step, the update equals one process's and the ranks stay identical."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+
+from actors.teacher_logic import TeacherSpec
+from actors.train_step import train_on_batch
+from actors.trainer import TrainerConfig, load_train_state
+from actors.trainer_ranks import RankGroup, rank_device
+from algos.opd import OpdConfig
+from tests.test_dp_train import config, make_batch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_transport():
+    """The first tcp:// rendezvous of a process leaves one process-wide pipe behind (the TCP
+    store's event loop); made once here so the per-test leak check sees only what the tests
+    themselves leave."""
+    from transport.sockets import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+                            rank=0, world_size=1)
+    dist.destroy_process_group()
+
+
+def test_rank_devices_count_from_the_trainers():
+    assert rank_device("cpu", 3) == "cpu"
+    assert rank_device("cuda", 1) == "cuda:1"
+    assert rank_device("cuda:2", 1) == "cuda:3"
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_take_the_one_process_step_and_stay_identical(tmp_path):
+    cfg = msgspec.structs.replace(config(), dp_size=2)
+    one = load_train_state(msgspec.structs.replace(cfg, dp_size=1), str(tmp_path), False)
+    state = load_train_state(cfg, str(tmp_path), False)
+    samples = make_batch(state.tokenizer)
+    ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
+    try:
+        ranks.check_same_weights(state.model)
+        before = ranks.all_digests(state.model)
+        stats = ranks.train(state, samples, cfg)
+        after = ranks.all_digests(state.model)
+    finally:
+        ranks.stop()
+    assert [p.returncode for p in ranks.procs] == [0]
+    assert before[0] == before[1] and after[0] == after[1] and after[0] != before[0]
+    stats1 = train_on_batch(one, samples, cfg)
+    for (name, p2), p1 in zip(state.model.named_parameters(), one.model.parameters()):
+        torch.testing.assert_close(p2, p1, atol=1e-6, rtol=0, msg=name)
+    for key in ("train/loss", "train/grad_norm", "train/critic_grad_norm", "train/tokens"):
+        assert stats[key] == pytest.approx(stats1[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_rank_is_reported_with_its_log(tmp_path):
+    cfg = msgspec.structs.replace(config(), dp_size=2)
+    state = load_train_state(cfg, str(tmp_path), False)
+    ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
+    try:
+        ranks.procs[0].kill()
+        ranks.procs[0].wait()
+        with pytest.raises(RuntimeError, match=r"trainer rank 1 exited with code -9, log .*"
+                                               r"trainer\.rank1\.log"):
+            ranks.train(state, make_batch(state.tokenizer), cfg)
+    finally:
+        ranks.stop()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"dp_size": 0}, "dp_size >= 1"),
+    ({"dp_size": 2, "backend": "megatron"}, "dp_size = 2 and backend = 'megatron' conflict"),
+    ({"dp_size": 2, "opd": OpdConfig(mode="full"), "advantage_estimator": "none",
+      "teachers": [TeacherSpec(name="t", model="tiny-qwen2", domains=["math"])]},
+     "dp_size = 2 and colocated teachers conflict"),
+])
+def test_bad_data_parallel_options_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        TrainerConfig(model="tiny-qwen2", workers=["w"], **change)
