@@ -97,7 +97,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
     prefetcher: str = ""  # peer (actors.prefetcher) doing the teachers' NVMe reads ("" = here)
     # data-parallel ranks on this host (actors/trainer_ranks.py): the actor is rank 0 and starts
-    # the others; on CUDA rank r uses the r-th device from `device`, on CPU gloo processes
+    # the others; on CUDA rank r uses the r-th device from `device`, on CPU gloo processes.
+    # Colocated teachers: every rank holds its own (own slots, arena, NVMe dir <dir>-rank<r>)
     dp_size: int = 1
     dp_timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank)
 
@@ -148,10 +149,6 @@ def _check_dp(cfg: TrainerConfig) -> None:
         raise ValueError(f"dp_size = {cfg.dp_size} and backend = 'megatron' conflict: the actor "
                          "runs megatron as one rank; run multi-rank megatron under torchrun "
                          "(backends.megatron) or use backend = 'torch'")
-    if cfg.teachers:
-        raise ValueError(f"dp_size = {cfg.dp_size} and colocated teachers conflict: the teachers' "
-                         "weight memory lives in rank 0 only; use teacher servers (the teacher "
-                         "pool's server mode) or dp_size = 1")
 
 
 def _check_opd(cfg: TrainerConfig) -> None:
@@ -313,7 +310,7 @@ class TrainerActor(Actor):
 
     def train_step(self, samples: list) -> dict[str, float]:
         if self.ranks is not None:  # every rank takes its share of the same optimizer step
-            return self.ranks.train(self.state, samples, self.config)
+            return self.ranks.train(self.state, samples, self.config, self.state.next_teachers)
         return train_on_batch(self.state, samples, self.config)
 
     def to_device(self, device: str) -> None:

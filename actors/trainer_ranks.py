@@ -11,7 +11,8 @@ summed, every rank takes the same optimizer step. The weights therefore stay ide
 
 Invariants: every rank loads its state exactly as rank 0 does (`load_train_state`); right after
 joining, the ranks compare a float64 digest of their weights and refuse to start if they differ;
-commands reach every rank in one order. Faults: a rank process that exits is reported by rank 0
+commands reach every rank in one order. Colocated teachers: every rank loads its own (its own
+device slots, pinned arena and NVMe directory), scoring only its micro-batches. Faults: a rank process that exits is reported by rank 0
 at its next command with the exit code and the rank's log; a collective stuck on a dead rank
 fails after `dp_timeout_s`; a rank whose parent dies gets SIGTERM.
 """
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
     op: str  # "step" | "device" | "digest" | "stop"
     samples: list[Sample] = []
+    next_teachers: list[str] = []  # the buffer's hint (colocated teachers)
     device: str = ""
 
 
@@ -153,10 +155,11 @@ class RankGroup(_Ranks):
             raise RuntimeError(f"{cmd.op} command to the data-parallel ranks failed: {e}"
                                f"{self.exited_message()}") from e
 
-    def train(self, state: Any, samples: list[Sample], cfg: Any) -> dict[str, float]:
+    def train(self, state: Any, samples: list[Sample], cfg: Any,
+              next_teachers: list[str] = ()) -> dict[str, float]:
         from actors.train_step import train_on_batch
 
-        self.send(RankCommand("step", samples=samples))
+        self.send(RankCommand("step", samples=samples, next_teachers=list(next_teachers)))
         stats = train_on_batch(state, samples, cfg, self.dp)
         stats["train/dp_size"] = float(self.world_size)
         return stats
@@ -201,6 +204,7 @@ def serve(state: Any, cfg: Any, ranks: _Ranks) -> None:
         if cmd.op == "stop":
             return
         if cmd.op == "step":
+            state.next_teachers = cmd.next_teachers
             train_on_batch(state, cmd.samples, cfg, ranks.dp)
         elif cmd.op == "device":
             state.to_device(rank_device(cmd.device, ranks.rank))
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
     cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
-    cfg = msgspec.structs.replace(cfg, device=rank_device(cfg.device, args.rank))
+    cfg = rank_config(cfg, args.rank, args.run_dir)
     state = load_train_state(cfg, args.run_dir, args.resume)
     ranks = _Ranks(cfg, args.rank, args.world_size, args.init)
     try:
@@ -234,7 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         serve(state, cfg, ranks)
     finally:
         ranks.close()
+        if state.teachers is not None:
+            state.teachers.close()
     return 0
+
+
+def rank_config(cfg: Any, rank: int, run_dir: str) -> Any:
+    """Rank r's trainer config: its device, and its own NVMe directory for colocated teachers
+    (reads go through its own process; the prefetcher actor serves rank 0)."""
+    nvme = cfg.teacher_memory.nvme_dir or str(Path(run_dir) / "teachers-nvme")
+    memory = msgspec.structs.replace(cfg.teacher_memory, nvme_dir=f"{nvme}-rank{rank}")
+    return msgspec.structs.replace(cfg, device=rank_device(cfg.device, rank), prefetcher="",
+                                   teacher_memory=memory)
 
 
 if __name__ == "__main__":

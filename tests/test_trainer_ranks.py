@@ -1,5 +1,6 @@
 """The trainer actor's data-parallel ranks: rank 0 (here, in the test process) starts rank 1 as a
-process, both take the step, the update equals one process's and the ranks stay identical."""
+process, both take the step, the update equals one process's and the ranks stay identical, with
+and without colocated teachers."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.teacher_logic import TeacherSpec
+from actors.teachers import TeacherMemoryConfig
 from actors.train_step import train_on_batch
 from actors.trainer import TrainerConfig, load_train_state
 from actors.trainer_ranks import RankGroup, rank_device
 from algos.opd import OpdConfig
 from tests.test_dp_train import config, make_batch
+from tests.test_mopd import TEACHERS, samples
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,27 +36,55 @@ def test_rank_devices_count_from_the_trainers():
     assert rank_device("cuda:2", 1) == "cuda:3"
 
 
-@pytest.mark.timeout(180)
-def test_two_ranks_take_the_one_process_step_and_stay_identical(tmp_path):
-    cfg = msgspec.structs.replace(config(), dp_size=2)
-    one = load_train_state(msgspec.structs.replace(cfg, dp_size=1), str(tmp_path), False)
+def dp_versus_one_process(cfg, samples_of, tmp_path):
+    """One step on two ranks (rank 0 here) and on one process from the same initial state:
+    (two-rank state, its stats, one-process state, its stats)."""
+    one = load_train_state(msgspec.structs.replace(cfg, dp_size=1), str(tmp_path / "one"), False)
     state = load_train_state(cfg, str(tmp_path), False)
-    samples = make_batch(state.tokenizer)
+    samples = samples_of(state.tokenizer)
     ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
     try:
         ranks.check_same_weights(state.model)
         before = ranks.all_digests(state.model)
-        stats = ranks.train(state, samples, cfg)
+        stats = ranks.train(state, samples, cfg, ["arith"])
         after = ranks.all_digests(state.model)
+        stats1 = train_on_batch(one, samples, cfg)
     finally:
         ranks.stop()
+        for s in (state, one):
+            if s.teachers is not None:
+                s.teachers.close()
     assert [p.returncode for p in ranks.procs] == [0]
     assert before[0] == before[1] and after[0] == after[1] and after[0] != before[0]
-    stats1 = train_on_batch(one, samples, cfg)
     for (name, p2), p1 in zip(state.model.named_parameters(), one.model.parameters()):
         torch.testing.assert_close(p2, p1, atol=1e-6, rtol=0, msg=name)
+    assert stats["train/dp_size"] == 2
+    return stats, stats1
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_take_the_one_process_step_and_stay_identical(tmp_path):
+    """PPO with a critic, KL shaping, TIS and a token cap: every cross-rank reduction."""
+    stats, stats1 = dp_versus_one_process(msgspec.structs.replace(config(), dp_size=2),
+                                          make_batch, tmp_path)
     for key in ("train/loss", "train/grad_norm", "train/critic_grad_norm", "train/tokens"):
         assert stats[key] == pytest.approx(stats1[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.timeout(180)
+def test_colocated_teachers_on_two_ranks(tmp_path):
+    """Each rank scores its own micro-batches with its own teacher memory (one slot, a host
+    budget of one teacher, the other on its own NVMe directory); full-vocabulary OPD."""
+    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], advantage_estimator="none",
+                        opd=OpdConfig(mode="full"), teachers=TEACHERS, lr=3e-3,
+                        micro_batch_size=2, dp_size=2, teacher_memory=TeacherMemoryConfig(
+                            gpu_slots=1, host_budget_bytes=400_000))
+    stats, stats1 = dp_versus_one_process(cfg, samples, tmp_path)
+    for key in ("opd/arith/reverse_kl", "opd/reverse/reverse_kl", "opd/arith/tokens",
+                "opd/reverse/tokens", "train/grad_norm"):
+        assert stats[key] == pytest.approx(stats1[key], rel=1e-5), key
+    assert stats["opd/arith/tokens"] > 0 and stats["opd/reverse/tokens"] > 0
+    assert (tmp_path / "teachers-nvme-rank1").is_dir()  # rank 1 spilled to its own directory
 
 
 @pytest.mark.timeout(180)
@@ -75,9 +105,6 @@ def test_a_dead_rank_is_reported_with_its_log(tmp_path):
 @pytest.mark.parametrize("change, words", [
     ({"dp_size": 0}, "dp_size >= 1"),
     ({"dp_size": 2, "backend": "megatron"}, "dp_size = 2 and backend = 'megatron' conflict"),
-    ({"dp_size": 2, "opd": OpdConfig(mode="full"), "advantage_estimator": "none",
-      "teachers": [TeacherSpec(name="t", model="tiny-qwen2", domains=["math"])]},
-     "dp_size = 2 and colocated teachers conflict"),
 ])
 def test_bad_data_parallel_options_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
