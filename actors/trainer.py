@@ -287,7 +287,7 @@ class TrainerActor(Actor):
             await self.final_eval()
 
     def _warn_stale_sampled_opd(self, stats: dict[str, float]) -> None:
-        """Sampled-token OPD on stale samples without TIS diverged in our runs (README, MOPD):
+        """Sampled-token OPD on stale samples without TIS diverged in our runs (docs/mopd.md):
         said once, when it first happens."""
         cfg = self.config
         modes = {t.opd.mode for t in cfg.teachers if t.opd} | ({cfg.opd.mode} if cfg.opd else set())

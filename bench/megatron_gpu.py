@@ -108,7 +108,7 @@ def step_time(args, model, device: str) -> float:
     state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-6))
     cfg = TrainerConfig(model="bench", workers=["w"], micro_batch_size=args.micro_batch_size,
                         dtype="bfloat16", device=device,
-                        grad_clip=1.0 if args.tp == 1 else 0.0)  # see README: TP grad norm
+                        grad_clip=1.0 if args.tp == 1 else 0.0)
     samples = make_samples(args)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     train_on_batch(state, samples, cfg)
