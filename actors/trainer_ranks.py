@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +65,12 @@ def weight_digest(model: torch.nn.Module) -> float:
 class _Ranks:
     """What every rank holds: the group, its command channel, the DP reductions."""
 
-    def __init__(self, cfg: Any, rank: int, world_size: int, init_method: str):
+    def __init__(self, cfg: Any, rank: int, world_size: int, store: Any):
         cuda = cfg.device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(torch.device(rank_device(cfg.device, 0)))  # an index
         timeout = datetime.timedelta(seconds=cfg.dp_timeout_s)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
         self.dp = DataParallel()
@@ -117,11 +118,14 @@ class RankGroup(_Ranks):
         log_dir.mkdir(parents=True, exist_ok=True)
         config_path = Path(run_dir) / "trainer_ranks.json"
         config_path.write_bytes(msgspec.json.encode(cfg))
-        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        port = free_port("127.0.0.1")
+        store = dist.TCPStore("127.0.0.1", port, cfg.dp_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=cfg.dp_timeout_s),
+                              wait_for_workers=False)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for r, path in zip(range(1, cfg.dp_size), self.logs):
             cmd = [sys.executable, "-m", "actors.trainer_ranks", "--rank", str(r), "--world-size",
-                   str(cfg.dp_size), "--init", init_method, "--config", str(config_path),
+                   str(cfg.dp_size), "--port", str(port), "--config", str(config_path),
                    "--run-dir", run_dir] + (["--resume"] if resume else [])
             with open(path, "ab") as f:
                 self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=env,
@@ -130,11 +134,27 @@ class RankGroup(_Ranks):
         log.info("trainer: started data-parallel ranks 1..%d (logs %s)", cfg.dp_size - 1,
                  log_dir)
         try:
-            super().__init__(cfg, 0, cfg.dp_size, init_method)
+            self._wait_loaded(store, cfg.dp_timeout_s)
+            super().__init__(cfg, 0, cfg.dp_size, store)
         except Exception as e:
+            dead = self.exited_message()  # before the kill: the rank that failed on its own
             self.kill()
             raise RuntimeError(f"the trainer's data-parallel group did not form: {e}"
-                               f"{self.exited_message()}") from e
+                               f"{'' if dead.removeprefix('; ') in str(e) else dead}") from e
+
+    def _wait_loaded(self, store: Any, timeout_s: float) -> None:
+        """Until every rank has loaded its state (as long as it takes while they live): a rank
+        that exits first is reported at once, not after a rendezvous timeout."""
+        deadline = time.monotonic() + timeout_s
+        for r in range(1, len(self.procs) + 1):
+            while not store.check([f"loaded{r}"]):
+                dead = self.exited_message()
+                if dead:
+                    raise RuntimeError(dead.removeprefix("; "))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"trainer rank {r} did not load its state within "
+                                       f"dp_timeout_s = {timeout_s:g}; log {self.logs[r - 1]}")
+                time.sleep(0.05)
 
     def exited_message(self) -> str:
         from actors.sglang_worker import log_tail
@@ -223,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "(started by it, not by hand)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--init", required=True)
+    ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true")
@@ -231,8 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
     cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
     cfg = rank_config(cfg, args.rank, args.run_dir)
+    timeout = datetime.timedelta(seconds=cfg.dp_timeout_s)
+    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, is_master=False,
+                          timeout=timeout)
     state = load_train_state(cfg, args.run_dir, args.resume)
-    ranks = _Ranks(cfg, args.rank, args.world_size, args.init)
+    store.set(f"loaded{args.rank}", "1")
+    ranks = _Ranks(cfg, args.rank, args.world_size, store)
     try:
         ranks.check_same_weights(state.model)
         serve(state, cfg, ranks)

@@ -109,3 +109,26 @@ def test_a_dead_rank_is_reported_with_its_log(tmp_path):
 def test_bad_data_parallel_options_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
         TrainerConfig(model="tiny-qwen2", workers=["w"], **change)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_while_loading_fails_the_start_at_once(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    import actors.trainer_ranks as trainer_ranks
+
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):  # the rank process fails before it ever joins
+        return real([sys.executable, "-c", "import sys; print('no such checkpoint'); sys.exit(3)"],
+                    **kw)
+
+    monkeypatch.setattr(trainer_ranks.subprocess, "Popen", popen)
+    cfg = msgspec.structs.replace(config(), dp_size=2, dp_timeout_s=300)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)trainer rank 1 exited with code 3, log .*"
+                                           r"no such checkpoint"):
+        RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
+    assert time.monotonic() - t0 < 60  # not the 300 s rendezvous timeout
