@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import uuid
 from typing import Any
@@ -497,8 +498,25 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
+class _Http2ProbeFilter(logging.Filter):
+    """At start-up something in front of the workers (seen with sglang-router) sends an HTTP/2
+    prior-knowledge preface (`PRI * HTTP/2.0`); aiohttp refuses it, HTTP/1.1 requests go on
+    working, and aiohttp logs each refusal as an ERROR with a traceback. Those (and only those)
+    are logged at DEBUG instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and "PRI/Upgrade" in str(exc):
+            logging.getLogger(__name__).debug("refused an HTTP/2 prior-knowledge probe")
+            return False
+        return True
+
+
 async def start_server(server: EngineServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Bind and start; returns the runner (call `cleanup()` to stop) and the bound port."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _Http2ProbeFilter) for f in server_log.filters):
+        server_log.addFilter(_Http2ProbeFilter())
     runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=1.0,
                            handler_cancellation=True)
     await runner.setup()

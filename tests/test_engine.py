@@ -4,6 +4,7 @@ alignment with models.logprobs, batching, weight updates, pause/abort, release/r
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 from contextlib import asynccontextmanager
 
@@ -464,3 +465,23 @@ def test_cache_keyword_follows_the_installed_transformers_signature():
 
     assert cache_kwarg(Old()) == "past_key_values"
     assert cache_kwarg(New()) == "cache"
+
+
+async def test_an_http2_probe_is_refused_quietly(ipc, caplog):
+    """An HTTP/2 prior-knowledge preface gets no ERROR traceback in the worker's log; HTTP/1.1
+    requests keep working."""
+    from urllib.parse import urlparse
+
+    async with serve(ipc, model="tiny-qwen2") as (_, client):
+        url = urlparse(client.base_url)
+        with caplog.at_level(logging.DEBUG):
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
+            writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # the server answers 400 and closes
+            writer.close()
+            await writer.wait_closed()
+            assert await client.health()
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, [r.getMessage() for r in errors]
+        assert any("HTTP/2 prior-knowledge probe" in r.getMessage() for r in caplog.records)
