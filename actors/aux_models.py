@@ -174,8 +174,11 @@ class CriticModel(AuxModel):
                  offload: bool = True):
         super().__init__(ValueModel(causal_lm).train(False), device, offload)
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr,
-                                           weight_decay=cfg.weight_decay)
+        from actors.master_weights import make_optimizer
+
+        dtype = next(self.module.parameters()).dtype
+        self.optimizer = make_optimizer(self.module.parameters(), dtype, None, cfg.lr,
+                                        cfg.weight_decay)  # fp32 masters for 16-bit weights
 
     def values(self, mb: MicroBatch) -> torch.Tensor:
         """Response-aligned [B, R] values; call inside `resident()` when training."""
@@ -187,7 +190,8 @@ class CriticModel(AuxModel):
 
     def step(self, all_reduce_grads: Any = None) -> float:
         """Clip (after summing gradients over ranks, when given) and apply; returns the norm."""
-        params = self.parameters()
+        to_master = getattr(self.optimizer, "prepare_grads", None)
+        params = to_master() if to_master is not None else self.parameters()
         if all_reduce_grads is not None:
             all_reduce_grads(params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or float("inf"))
@@ -207,6 +211,9 @@ class CriticModel(AuxModel):
                     self._move_optimizer(torch.device("cpu"))
 
     def _move_optimizer(self, device: torch.device) -> None:
+        if hasattr(self.optimizer, "to"):
+            self.optimizer.to(device)
+            return
         for st in self.optimizer.state.values():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):

@@ -87,6 +87,9 @@ class TrainState:
             self.critic.restore(torch.load(path / "critic.pt", map_location="cpu",
                                            weights_only=True))
         state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
+        if "master" in state["optimizer"] and not hasattr(self.optimizer, "prepare_grads"):
+            raise ValueError(f"checkpoint {path} holds fp32 master weights but this trainer has "
+                             "none; resume it with master_weights = true (or unset)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"].cpu())
@@ -94,6 +97,9 @@ class TrainState:
     def to_device(self, device: str) -> None:
         """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
         self.model.to(device)
+        if hasattr(self.optimizer, "to"):  # fp32 master weights: they move with their state
+            self.optimizer.to(device)
+            return
         for st in self.optimizer.state.values():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):

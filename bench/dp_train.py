@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from actors.dp_train import DataParallel
+from actors.master_weights import make_optimizer
 from actors.train_step import TrainState, train_on_batch
 from actors.trainer import TrainerConfig
 from models.load import load_model, load_tokenizer
@@ -45,7 +46,8 @@ def one_step(args, samples, dp=None) -> tuple[dict[str, torch.Tensor], float]:
     cfg = TrainerConfig(model=args.model, workers=["w"], device=args.device, dtype=args.dtype,
                         max_tokens_per_mb=args.max_tokens_per_mb, lr=1e-5)
     model, tok = load_model(args.model, args.device, getattr(torch, args.dtype), seed=0)
-    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    state = TrainState(model, tok, make_optimizer(model.parameters(), getattr(torch, args.dtype),
+                                                  None, cfg.lr))  # the trainer's default
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
     t0 = time.perf_counter()

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from actors.master_weights import make_optimizer
+
 from actors.teacher_logic import TeacherSpec
 from actors.teachers import ColocatedTeachers, meta_skeleton
 from actors.train_state import TrainState
@@ -103,7 +105,7 @@ def step_time(args, mode: str, dtype, device: str) -> float:
                         opd=OpdConfig(mode="sampled", kl_coef=1.0),
                         teachers=[TeacherSpec(name=n, model="random") for n in names],
                         forward_by_length=False)
-    state = TrainState(model, _Tok(), torch.optim.AdamW(model.parameters(), lr=1e-5))
+    state = TrainState(model, _Tok(), make_optimizer(model.parameters(), dtype, None, 1e-5))
     state.teachers = pool
     samples = batch(args, names)
     try:
