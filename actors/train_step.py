@@ -88,11 +88,13 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     opd_time_s = (add_opd(state, mbs, prep, cfg, opd_sums)
                   if getattr(cfg, "opd", None) is not None else None)
     current = policy_pass(state, mbs, prep, cfg, len(samples), totals, opd_sums)
-    to_master = getattr(state.optimizer, "prepare_grads", None)  # fp32 master weights
+    clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
+    # fp32 master weights: sum and clip the fp32 gradients (a sharded model clips its own
+    # parameters' gradients; the step then moves them to the masters)
+    to_master = None if clip is not None else getattr(state.optimizer, "prepare_grads", None)
     params = (to_master() if to_master is not None
               else [p for p in state.model.parameters() if p.requires_grad])
     dp.sum_grads(params)
-    clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
     grad_norm = (clip(cfg.grad_clip or math.inf) if clip is not None
                  else torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))
     state.optimizer.step()

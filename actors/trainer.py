@@ -80,7 +80,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     device: str = "cpu"  # torch device of the policy (and of the reference/critic while in use)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
     # fp32 master weights and optimizer state behind 16-bit parameters (actors/master_weights.py);
-    # None = on for bfloat16/float16 with the torch backend, false = pure 16-bit updates
+    # None = on for bfloat16/float16, false = pure 16-bit updates
     master_weights: bool | None = None
     save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
     keep_versions: int = 2  # pushed weight versions kept on disk
@@ -140,10 +140,6 @@ def check_algorithm(cfg: TrainerConfig) -> None:
     _check_kl(cfg, est)
     _check_opd(cfg)
     _check_dp(cfg)
-    if cfg.master_weights and cfg.backend == "megatron":
-        raise ValueError("master_weights = true and backend = 'megatron' conflict: the megatron "
-                         "backend has no master copy yet; remove master_weights or use backend = "
-                         "'torch'")
 
 
 def _check_dp(cfg: TrainerConfig) -> None:
@@ -409,8 +405,7 @@ def load_train_state(cfg: TrainerConfig, run_dir: str, resume: bool) -> TrainSta
     model.train()
     from actors.master_weights import make_optimizer
 
-    master = False if cfg.backend == "megatron" else cfg.master_weights
-    opt = make_optimizer(model.parameters(), dtype, master, cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(model.parameters(), dtype, cfg.master_weights, cfg.lr, cfg.weight_decay)
     hf_policy = model if cfg.backend == "torch" else None
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     state = TrainState(model, tokenizer, opt, ref, critic)

@@ -71,8 +71,3 @@ def test_bf16_trainer_steps_move_the_weights_only_with_masters(tmp_path):
                              str(tmp_path / "plain"), False)
     with pytest.raises(ValueError, match="master weights"):
         plain.load(tmp_path / "ckpt", "cpu")
-
-
-def test_master_weights_with_megatron_are_refused():
-    with pytest.raises(ValueError, match="master_weights = true and backend = 'megatron'"):
-        TrainerConfig(model="tiny-qwen2", workers=["w"], backend="megatron", master_weights=True)

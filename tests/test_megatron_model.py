@@ -120,7 +120,11 @@ def test_hf_export_loads_back_into_transformers(tp1, tmp_path):
 
 
 
-def test_training_step_equals_the_torch_backend(tp1):
+@pytest.mark.parametrize("masters", [False, True])
+def test_training_step_equals_the_torch_backend(tp1, masters):
+    """masters: through fp32 master weights (in fp32 they change nothing numerically; the torch
+    backend clips the masters' gradients, megatron its own parameters' before the step)."""
+    from actors.master_weights import MasterWeightOptimizer
     from actors.train_step import TrainState, train_on_batch
     from actors.trainer import TrainerConfig
     from models.tiny import build_tiny
@@ -131,7 +135,9 @@ def test_training_step_equals_the_torch_backend(tp1):
     cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=3, grad_clip=0.5)
     stats = {}
     for name, net in (("torch", hf), ("megatron", model)):
-        state = TrainState(net, tok, torch.optim.SGD(net.parameters(), lr=1.0))
+        opt = (MasterWeightOptimizer(net.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
+               if masters else torch.optim.SGD(net.parameters(), lr=1.0))
+        state = TrainState(net, tok, opt)
         stats[name] = train_on_batch(state, batch(tok), cfg)
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/policy_kl"):
         assert stats["megatron"][key] == pytest.approx(stats["torch"][key], rel=1e-5, abs=1e-7)
