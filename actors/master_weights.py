@@ -49,7 +49,7 @@ class MasterWeightOptimizer:
         """The parameters' gradients as fp32 gradients of the masters (which are returned)."""
         for p, m in zip(self.params, self.master):
             if p.grad is not None:
-                m.grad = p.grad.to(torch.float32)
+                m.grad = p.grad.to(device=m.device, dtype=torch.float32)
                 p.grad = None
         return self.master
 
