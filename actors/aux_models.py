@@ -211,13 +211,9 @@ class CriticModel(AuxModel):
                     self._move_optimizer(torch.device("cpu"))
 
     def _move_optimizer(self, device: torch.device) -> None:
-        if hasattr(self.optimizer, "to"):
-            self.optimizer.to(device)
-            return
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[k] = v.to(device)
+        from actors.master_weights import move_optimizer
+
+        move_optimizer(self.optimizer, device)
 
     def checkpoint(self) -> dict[str, Any]:
         return {"weights": self.state(), "optimizer": self.optimizer.state_dict()}

@@ -66,10 +66,7 @@ class MasterWeightOptimizer:
             m.data = m.data.to(device)
             if m.grad is not None:
                 m.grad = m.grad.to(device)
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    st[k] = v.to(device)
+        move_optimizer(self.optimizer, device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(),
@@ -89,6 +86,17 @@ class MasterWeightOptimizer:
             for p, m in zip(self.params, self.master):
                 p.copy_(m)
         self.optimizer.load_state_dict(saved["optimizer"])
+
+
+def move_optimizer(optimizer: Any, device: str | torch.device) -> None:
+    """An optimizer's state tensors (and masters, for a MasterWeightOptimizer) to `device`."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        optimizer.to(device)
+        return
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                st[k] = v.to(device)
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], dtype: torch.dtype, master: bool | None,

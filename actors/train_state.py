@@ -96,14 +96,10 @@ class TrainState:
 
     def to_device(self, device: str) -> None:
         """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
+        from actors.master_weights import move_optimizer
+
         self.model.to(device)
-        if hasattr(self.optimizer, "to"):  # fp32 master weights: they move with their state
-            self.optimizer.to(device)
-            return
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[k] = v.to(device)
+        move_optimizer(self.optimizer, device)
 
     def device_bytes(self, device: str) -> int:
         if device.startswith("cuda"):
