@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from actors.inference import InferenceWorker
 from actors.sglang_worker import SglangWorker, SglangWorkerConfig
 from engine.client import SglangClient, SglangHTTPError
 from engine.weight_sync import DiskSync, TensorSync, buckets, resume_weights_then
@@ -26,6 +25,7 @@ from models.load import save_checkpoint
 from models.logprobs import token_logprobs
 from models.tiny import build_tiny
 from tests.fake_sglang_server import install
+from tests.test_engine import serve
 from tests.helpers import context, running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,74 +127,54 @@ async def fetch_weights(url: str) -> dict[str, torch.Tensor]:
 
 
 async def test_distributed_update_without_group_is_refused(ipc):
-    worker = InferenceWorker(context("inf", ipc), InferenceWorker.Config())
-    async with running(worker, 30):
-        client = SglangClient(worker.bound.http)
-        try:
-            with pytest.raises(SglangHTTPError) as err:
-                await client.update_weights_from_distributed(["lm_head.weight"], ["float32"],
-                                                             [[1]], weight_version="9")
-            assert err.value.status == 400 and "/init_weights_update_group" in err.value.message
-            with pytest.raises(SglangHTTPError) as err:  # nccl needs CUDA
-                await client.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="nccl")
-            assert "use backend gloo" in err.value.message
-            assert await client.get_weight_version() == "0"
-        finally:
-            await client.close()
+    async with serve(ipc) as (worker, client):
+        with pytest.raises(SglangHTTPError) as err:
+            await client.update_weights_from_distributed(["lm_head.weight"], ["float32"],
+                                                         [[1]], weight_version="9")
+        assert err.value.status == 400 and "/init_weights_update_group" in err.value.message
+        with pytest.raises(SglangHTTPError) as err:  # nccl needs CUDA
+            await client.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="nccl")
+        assert "use backend gloo" in err.value.message
+        assert await client.get_weight_version() == "0"
 
 
 async def test_colocated_tensor_sync_with_memory_release(ipc):
-    worker = InferenceWorker(context("inf", ipc), InferenceWorker.Config())
-    async with running(worker, 30):
-        client = SglangClient(worker.bound.http)
-        try:
-            model, _ = trained(11)
-            await client.release_memory_occupation()  # trainer's turn on the device
-            assert all(p.numel() == 0 for p in worker.scheduler.model.parameters())
-            sync = TensorSync([client], bucket_bytes=32 << 10)
-            await resume_weights_then([client], lambda: sync.push(named(model), "3"))
-            assert worker.scheduler.released == set()
-            assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
-            await assert_generates_with(client, model, "3")
-            # resuming again reloads nothing from disk: the pushed weights have no checkpoint
-            await client.release_memory_occupation(["weights"])
-            await client.resume_memory_occupation(["weights"])
-            assert all(p.abs().sum() == 0 for p in worker.scheduler.model.parameters())
-        finally:
-            await client.close()
+    async with serve(ipc) as (worker, client):
+        model, _ = trained(11)
+        await client.release_memory_occupation()  # trainer's turn on the device
+        assert all(p.numel() == 0 for p in worker.scheduler.model.parameters())
+        sync = TensorSync([client], bucket_bytes=32 << 10)
+        await resume_weights_then([client], lambda: sync.push(named(model), "3"))
+        assert worker.scheduler.released == set()
+        assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
+        await assert_generates_with(client, model, "3")
+        # resuming again reloads nothing from disk: the pushed weights have no checkpoint
+        await client.release_memory_occupation(["weights"])
+        await client.resume_memory_occupation(["weights"])
+        assert all(p.abs().sum() == 0 for p in worker.scheduler.model.parameters())
 
 
 async def test_tensor_payload_must_be_safetensors_never_pickle(ipc):
-    worker = InferenceWorker(context("inf", ipc), InferenceWorker.Config())
-    async with running(worker, 30):
-        client = SglangClient(worker.bound.http)
-        try:
-            before = {n: p.clone() for n, p in worker.scheduler.model.named_parameters()}
-            evil = base64.b64encode(pickle.dumps([("lm_head.weight", torch.zeros(1))])).decode()
-            with pytest.raises(SglangHTTPError) as err:
-                await client.update_weights_from_tensor([evil], weight_version="1")
-            assert err.value.status == 400 and "never unpickles" in err.value.message
-            wrong = TensorSync([client]).serialize([("model.norm.weight", torch.ones(3))])
-            with pytest.raises(SglangHTTPError) as err:  # checked before anything changes
-                await client.update_weights_from_tensor([wrong], weight_version="1")
-            assert "shape of model.norm.weight" in err.value.message
-            after = dict(worker.scheduler.model.named_parameters())
-            assert all(torch.equal(before[n], after[n]) for n in before)
-            assert await client.get_weight_version() == "0"
-        finally:
-            await client.close()
+    async with serve(ipc) as (worker, client):
+        before = {n: p.clone() for n, p in worker.scheduler.model.named_parameters()}
+        evil = base64.b64encode(pickle.dumps([("lm_head.weight", torch.zeros(1))])).decode()
+        with pytest.raises(SglangHTTPError) as err:
+            await client.update_weights_from_tensor([evil], weight_version="1")
+        assert err.value.status == 400 and "never unpickles" in err.value.message
+        wrong = TensorSync([client]).serialize([("model.norm.weight", torch.ones(3))])
+        with pytest.raises(SglangHTTPError) as err:  # checked before anything changes
+            await client.update_weights_from_tensor([wrong], weight_version="1")
+        assert "shape of model.norm.weight" in err.value.message
+        after = dict(worker.scheduler.model.named_parameters())
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert await client.get_weight_version() == "0"
 
 
 async def test_disk_sync_pauses_loads_and_checks_versions(ipc, tmp_path):
-    worker = InferenceWorker(context("inf", ipc), InferenceWorker.Config())
-    async with running(worker, 30):
-        client = SglangClient(worker.bound.http)
-        try:
-            model, tok = trained(21)
-            save_checkpoint(model, tok, str(tmp_path))
-            await DiskSync([client]).push(str(tmp_path), "4")
-            assert worker.scheduler.paused is None  # continued after the update
-            assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
-            await assert_generates_with(client, model, "4")
-        finally:
-            await client.close()
+    async with serve(ipc) as (worker, client):
+        model, tok = trained(21)
+        save_checkpoint(model, tok, str(tmp_path))
+        await DiskSync([client]).push(str(tmp_path), "4")
+        assert worker.scheduler.paused is None  # continued after the update
+        assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
+        await assert_generates_with(client, model, "4")
