@@ -37,10 +37,6 @@ class MasterWeightOptimizer:
     def state(self) -> Any:
         return self.optimizer.state
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params + self.master:
             p.grad = None

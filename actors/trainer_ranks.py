@@ -12,9 +12,10 @@ summed, every rank takes the same optimizer step. The weights therefore stay ide
 Invariants: every rank loads its state exactly as rank 0 does (`load_train_state`); right after
 joining, the ranks compare a float64 digest of their weights and refuse to start if they differ;
 commands reach every rank in one order. Colocated teachers: every rank loads its own (its own
-device slots, pinned arena and NVMe directory), scoring only its micro-batches. Faults: a rank process that exits is reported by rank 0
-at its next command with the exit code and the rank's log; a collective stuck on a dead rank
-fails after `dp_timeout_s`; a rank whose parent dies gets SIGTERM.
+device slots, pinned arena and NVMe directory), scoring only its micro-batches.
+Faults: a rank process that exits (while loading or later) is reported by rank 0 at once or at
+its next command, with the exit code and the rank's log; a collective stuck on a dead rank fails
+after `dp_timeout_s`; a rank whose parent dies gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -137,10 +138,11 @@ class RankGroup(_Ranks):
             self._wait_loaded(store, cfg.dp_timeout_s)
             super().__init__(cfg, 0, cfg.dp_size, store)
         except Exception as e:
-            dead = self.exited_message()  # before the kill: the rank that failed on its own
+            dead = self.dead_rank()  # before the kill: the rank that failed on its own
             self.kill()
-            raise RuntimeError(f"the trainer's data-parallel group did not form: {e}"
-                               f"{'' if dead.removeprefix('; ') in str(e) else dead}") from e
+            message = str(e) if not dead or dead in str(e) else f"{e}; {dead}"
+            raise RuntimeError(f"the trainer's data-parallel group did not form: {message}") \
+                from e
 
     def _wait_loaded(self, store: Any, timeout_s: float) -> None:
         """Until every rank has loaded its state (as long as it takes while they live): a rank
@@ -148,32 +150,34 @@ class RankGroup(_Ranks):
         deadline = time.monotonic() + timeout_s
         for r in range(1, len(self.procs) + 1):
             while not store.check([f"loaded{r}"]):
-                dead = self.exited_message()
+                dead = self.dead_rank()
                 if dead:
-                    raise RuntimeError(dead.removeprefix("; "))
+                    raise RuntimeError(dead)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"trainer rank {r} did not load its state within "
                                        f"dp_timeout_s = {timeout_s:g}; log {self.logs[r - 1]}")
                 time.sleep(0.05)
 
-    def exited_message(self) -> str:
+    def dead_rank(self) -> str:
+        """What a rank process that has exited left behind ("" while all live)."""
         from actors.sglang_worker import log_tail
 
         for r, (p, path) in enumerate(zip(self.procs, self.logs), start=1):
             if p.poll() is not None:
-                return (f"; trainer rank {r} exited with code {p.returncode}, log {path}, last "
+                return (f"trainer rank {r} exited with code {p.returncode}, log {path}, last "
                         f"lines:\n{log_tail(path, 20)}")
         return ""
 
     def send(self, cmd: RankCommand) -> None:
-        dead = self.exited_message()
+        dead = self.dead_rank()
         if dead:
-            raise RuntimeError(dead.removeprefix("; "))
+            raise RuntimeError(dead)
         try:
             self.broadcast(cmd)
         except Exception as e:
+            dead = self.dead_rank()
             raise RuntimeError(f"{cmd.op} command to the data-parallel ranks failed: {e}"
-                               f"{self.exited_message()}") from e
+                               f"{'; ' + dead if dead else ''}") from e
 
     def train(self, state: Any, samples: list[Sample], cfg: Any,
               next_teachers: list[str] = ()) -> dict[str, float]:
@@ -196,7 +200,7 @@ class RankGroup(_Ranks):
     def stop(self, timeout_s: float = 30.0) -> None:
         """Tell the ranks to exit and wait for them (killed past the timeout)."""
         try:
-            if not self.exited_message():
+            if not self.dead_rank():
                 self.broadcast(RankCommand("stop"))
         except Exception as e:  # noqa: BLE001 - they are killed below
             log.warning("trainer ranks did not take the stop command: %s", e)
