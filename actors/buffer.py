@@ -1,4 +1,4 @@
-"""The buffer actor: a thin I/O shell around `actors.buffer_logic.RolloutBuffer`.
+"""The buffer actor: a thin I/O shell around `logic.buffer.RolloutBuffer`.
 
 Rollout streams SampleGroups into the inbox; the trainer asks for batches (GetBatch, answered
 when a full batch of fresh-enough groups is ready) and announces new weight versions
@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.base import Actor
-from actors.buffer_logic import BufferConfig, RolloutBuffer
-from transport.schema import (Ack, GetBatch, Msg, Permit, RolloutPermit, SampleGroup, TrainBatch,
-                              VersionUpdate)
+from logic.buffer import BufferConfig, RolloutBuffer
+from runtime.actor import Actor
+from transport.schema import (
+    Ack,
+    GetBatch,
+    Msg,
+    Permit,
+    RolloutPermit,
+    SampleGroup,
+    TrainBatch,
+    VersionUpdate,
+)
 
 
 class BufferActor(Actor):

@@ -14,10 +14,10 @@ import asyncio
 import msgspec
 import torch
 
-from actors.base import Actor
 from engine.scheduler import Scheduler
 from engine.server import EngineServer, start_server
 from models.load import parse_dtype
+from runtime.actor import Actor
 
 
 class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):

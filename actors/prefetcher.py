@@ -25,10 +25,12 @@ import time
 
 import msgspec
 
-from actors.base import Actor
 from memory.host import PinnedArena, Region
 from memory.layout import FlatLayout
 from memory.nvme import ChecksumError, NvmeStore
+from memory.sources import read_source
+from runtime.actor import Actor
+from transport.rpc import RemoteError
 from transport.schema import LoadCheckpoint, LoadCheckpointReply, ReadToHost, ReadToHostReply
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,6 @@ class PrefetcherActor(Actor):
                                direct=stats.direct)
 
     async def load_checkpoint(self, msg: LoadCheckpoint) -> LoadCheckpointReply:
-        from memory.sources import read_source
-
         layout = FlatLayout.from_json(msg.layout_json)
         view = self._arena(msg.arena).view(Region(msg.offset, layout.total_bytes))
         bar = Progress(f"loading {msg.tag} from {msg.path}", layout.total_bytes)
@@ -156,8 +156,6 @@ class RemoteReader:
         return asyncio.run_coroutine_threadsafe(self._read(tag, region), self.loop)
 
     async def _read(self, tag: str, region: Region) -> ReadToHostReply:
-        from transport.rpc import RemoteError
-
         msg = ReadToHost(tag=tag, arena=self.arena.name, offset=region.offset,
                          nbytes=region.nbytes, nvme_dir=self.nvme_dir)
         try:

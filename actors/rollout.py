@@ -18,8 +18,11 @@ import traceback
 
 import msgspec
 
-from actors.base import Actor
-from actors.rollout_session import HttpSession
+from engine.client import SglangClient
+from engine.session import HttpSession
+from envs.loader import load_envs
+from models.load import check_model_path, load_tokenizer
+from runtime.actor import Actor
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -62,16 +65,11 @@ class RolloutActor(Actor):
 
     @classmethod
     def check_config(cls, config: RolloutConfig) -> None:
-        from envs.loader import load_envs
-        from models.load import check_model_path
 
         check_model_path(config.model)
         load_envs([msgspec.to_builtins(e) for e in config.envs])
 
     async def on_start(self) -> None:
-        from engine.client import SglangClient
-        from envs.loader import load_envs
-        from models.load import load_tokenizer
 
         cfg = self.config
         self.envs = load_envs([msgspec.to_builtins(e) for e in cfg.envs])

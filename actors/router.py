@@ -5,7 +5,7 @@ The router process is a child of this actor: started in on_start with the worker
 URL is reported as this actor's `http` endpoint. `/generate` goes through the router; control
 calls (weight updates, pause/continue) must go to each worker directly, since the router does not
 forward them. Every option of the `router` table (and `--router-<option>` on the launcher's
-command line, see launch/passthrough.py) passes through to sglang-router: `key = value` becomes
+command line, see runtime/passthrough.py) passes through to sglang-router: `key = value` becomes
 `--key value`, `true` a bare flag. With `dynamic_workers = true` the router may start with no
 worker: SGLang workers register themselves at run time (actors/sglang_worker.py, POST /workers).
 """
@@ -13,15 +13,15 @@ worker: SGLang workers register themselves at run time (actors/sglang_worker.py,
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 from typing import Any
 
 import msgspec
 
-from actors.base import Actor
-from launch.passthrough import refuse_owned, render
+from engine.client import wait_for_health
+from runtime.actor import Actor
+from runtime.passthrough import refuse_owned, render
+from runtime.procs import terminate
 from transport.sockets import free_port
 
 
@@ -80,8 +80,6 @@ class RouterActor(Actor):
         await self._wait_healthy(cfg.health_timeout_s)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
-        from engine.client import wait_for_health
-
         def exited() -> str | None:
             code = self.proc.returncode
             return None if code is None else f"sglang-router exited with code {code}"
@@ -96,11 +94,5 @@ class RouterActor(Actor):
 
     async def on_stop(self, reason: str) -> None:
         proc = getattr(self, "proc", None)
-        if proc is None or proc.returncode is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        if proc is not None:
+            await terminate(proc, 5.0, group=True)

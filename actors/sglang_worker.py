@@ -3,7 +3,7 @@
 Role: starts SGLang's own server with the options the project owns (`--model-path`, `--host`,
 `--port`, `--tp-size`, `--dp-size`) and every other option passed through natively from the
 `sglang` table (hosts.toml `sglang = { option = value }` or `--sglang-<option> [value]` on the
-launcher's command line; see launch/passthrough.py for the value rules). Waits for `/health`,
+launcher's command line; see runtime/passthrough.py for the value rules). Waits for `/health`,
 registers with a router actor started with `dynamic_workers = true` (sglang-router 0.3.2:
 `POST /workers {"url"}` answers 202 with a `worker_id`; the worker is routable once
 `GET /workers` lists it healthy; `DELETE /workers/<worker_id>` removes it), and reports its
@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -52,10 +51,12 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from actors.base import Actor
+from engine.client import wait_for_health
+from runtime.actor import Actor
+from runtime.child import die_with_parent
+from runtime.passthrough import refuse_owned, render
+from runtime.procs import log_tail, terminate
 from transport.sockets import free_port
-from launch.child import die_with_parent
-from launch.passthrough import refuse_owned, render
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,6 @@ def server_command(cfg: SglangWorkerConfig, port: int) -> list[str]:
     return [cfg.python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
             "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size), *render(cfg.sglang)]
-
-
-def log_tail(path: Path, lines: int) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def argparse_error(path: Path) -> str:
@@ -158,7 +151,6 @@ class SglangWorker(Actor):
             limit_s = max(self.ctx.start_timeout_s - 2.0, 1.0)
             limit = (f"the actor's start_timeout_s = {self.ctx.start_timeout_s:g} (raise it in "
                      f"the actor's table, above health_timeout_s)")
-        from engine.client import wait_for_health
 
         def exited() -> str | None:
             return self._exit_message() if self.proc.returncode is not None else None
@@ -208,15 +200,8 @@ class SglangWorker(Actor):
     async def on_stop(self, reason: str) -> None:
         if self.worker_id:
             await self._deregister()
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), self.config.term_timeout_s)
-        except TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        if self.proc is not None:
+            await terminate(self.proc, self.config.term_timeout_s, group=True)
 
     async def _deregister(self) -> None:
         url = f"{self.router_url}/workers/{self.worker_id}"

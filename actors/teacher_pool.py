@@ -9,7 +9,7 @@ else "" and counted in `opd/unrouted_samples`). Then:
   teacher, with retries and a timeout; a sample whose teacher keeps failing is marked
   (`teacher = ""`), counted in `opd/<teacher>/failed_samples`, and passed on: the run continues;
 - mode "colocated": samples are only routed; the trainer runs the teachers on its own device
-  from its weight memory (`actors/teachers.py`).
+  from its weight memory (`training/colocated_teachers.py`).
 The group then goes on to the buffer. Per teacher it publishes tokens scored, scoring time and
 the sampled reverse-KL estimate mean(log pi_student - log pi_teacher) over the rollout's tokens.
 Teachers whose tokenizer differs from the student's are refused before the run starts.
@@ -26,10 +26,11 @@ from typing import Literal
 
 import msgspec
 
-from actors.base import Actor
-from actors.teacher_logic import (TeacherSpec, check_vocab, parse_scores, route, route_table,
-                                  score_request)
 from algos.opd import OpdConfig, check_placement
+from engine.client import SglangClient
+from logic.teachers import TeacherSpec, check_vocab, parse_scores, route, route_table, score_request
+from models.load import check_model_path, load_tokenizer
+from runtime.actor import Actor
 from transport.schema import Msg, Sample, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,6 @@ class TeacherPool(Actor):
 
     @classmethod
     def check_config(cls, config: TeacherPoolConfig) -> None:
-        from models.load import check_model_path, load_tokenizer
-
         route_table(config.teachers, config.default_teacher)
         student = load_tokenizer(config.student)
         for t in config.teachers:
@@ -72,8 +71,6 @@ class TeacherPool(Actor):
                                  "or `url` (a teacher server)")
 
     async def on_start(self) -> None:
-        from engine.client import SglangClient
-
         cfg = self.config
         self.table = route_table(cfg.teachers, cfg.default_teacher)
         self.clients: dict[str, SglangClient] = {}

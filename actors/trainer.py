@@ -1,6 +1,6 @@
 """The trainer actor (torch backend): PPO-clip policy training on a transformers model.
 
-One optimizer step per batch from the buffer (actors.train_step):
+One optimizer step per batch from the buffer (training.step):
 1. recompute the old-policy log-probs on the *same* micro-batches that training uses (no grad),
    and measure them against the rollout's log-probs (train-rollout mismatch);
 2. advantages by `advantage_estimator` (GRPO, Dr.GRPO, REINFORCE++(-baseline), PPO with GAE and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import json
 import logging
 import shutil
@@ -27,17 +28,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import torch
 
-from actors.aux_models import AuxModel, CriticConfig, CriticModel
-from actors.base import Actor
-from actors.teacher_logic import TeacherSpec, check_vocab, route_table
-from actors.teachers import TeacherMemoryConfig
-from algos.opd import OpdConfig, check_placement
-from actors.train_step import TrainState, train_on_batch
-from algos.estimators import TOKEN_REWARDS, check_estimator
+from actors.prefetcher import RemoteReader
+from algos.advantages import TOKEN_REWARDS, check_estimator
 from algos.kl import ESTIMATORS as KL_ESTIMATORS
 from algos.mismatch import MismatchConfig
+from algos.opd import OpdConfig, check_placement
+from engine.client import SglangClient
+from engine.weight_sync import make_weight_sync
+from logic.teachers import TeacherSpec, check_vocab, route_table
+from models.load import check_model_path, load_tokenizer
+from runtime.actor import Actor
+from training.aux_models import CriticConfig
+from training.colocated_teachers import TeacherMemoryConfig
+from training.ranks import RankGroup
+from training.setup import load_train_state
+from training.step import train_on_batch
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 
 log = logging.getLogger(__name__)
@@ -79,7 +85,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     mismatch: MismatchConfig = MismatchConfig()  # TIS / rejection / decoupled PPO / bypass
     device: str = "cpu"  # torch device of the policy (and of the reference/critic while in use)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
-    # fp32 master weights and optimizer state behind 16-bit parameters (actors/master_weights.py);
+    # fp32 master weights and optimizer state behind 16-bit parameters (training/master_weights.py);
     # None = on for bfloat16/float16, false = pure 16-bit updates
     master_weights: bool | None = None
     save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
@@ -99,7 +105,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True):
     teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
     teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
     prefetcher: str = ""  # peer (actors.prefetcher) doing the teachers' NVMe reads ("" = here)
-    # data-parallel ranks on this host (actors/trainer_ranks.py): the actor is rank 0 and starts
+    # data-parallel ranks on this host (training/ranks.py): the actor is rank 0 and starts
     # the others; on CUDA rank r uses the r-th device from `device`, on CPU gloo processes.
     # Colocated teachers: every rank holds its own (own slots, arena, NVMe dir <dir>-rank<r>)
     dp_size: int = 1
@@ -196,8 +202,6 @@ class TrainerActor(Actor):
 
     @classmethod
     def check_config(cls, config: TrainerConfig) -> None:
-        from models.load import check_model_path
-
         check_model_path(config.model)
         for path in (config.ref_model, config.critic.model if config.critic else ""):
             if path:
@@ -205,15 +209,11 @@ class TrainerActor(Actor):
         if not config.workers:
             raise ValueError("`workers` must name the inference worker actors")
         if config.teachers:
-            from models.load import load_tokenizer
-
             student = load_tokenizer(config.model)
             for t in config.teachers:
                 check_model_path(t.model)
                 check_vocab(student, load_tokenizer(t.model), t.name)
         if config.backend == "megatron":
-            import importlib.util
-
             if importlib.util.find_spec("megatron.core") is None:
                 raise ValueError("backend = 'megatron' needs megatron-core: pip install "
                                  "'rlx[megatron]' (megatron-core 0.16.1)")
@@ -225,8 +225,6 @@ class TrainerActor(Actor):
                              "backend = 'megatron' or remove them")
 
     async def on_start(self) -> None:
-        from engine.client import SglangClient
-
         cfg = self.config
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._closers.append(lambda: self.pool.shutdown(wait=True))
@@ -238,13 +236,12 @@ class TrainerActor(Actor):
         if self.state.teachers is not None:
             self._closers.append(self.state.teachers.close)
             if cfg.prefetcher:  # NVMe -> pinned arena reads in the prefetcher's process
-                from actors.prefetcher import RemoteReader
-
                 mem = self.state.teachers.memory
                 mem.remote_read = RemoteReader(await self.connect(cfg.prefetcher),
                                                asyncio.get_running_loop(), mem.arena,
                                                str(mem.store.root))
-        self.sync = await make_weight_sync(cfg, self.clients)
+        self.sync = await make_weight_sync(cfg.weight_sync, self.clients, cfg.device,
+                                           cfg.weight_sync_bucket_mib << 20)
         if hasattr(self.sync, "close"):
             self._closers.append(self.sync.close)
         self.buffer = await self.connect(cfg.buffer)
@@ -252,8 +249,6 @@ class TrainerActor(Actor):
         self.run_dir = Path(self.ctx.run_dir or ".")
         self.ranks, self._warned_stale = None, False
         if cfg.dp_size > 1:
-            from actors.trainer_ranks import RankGroup
-
             self.ranks = await self._in_thread(RankGroup, cfg, str(self.run_dir), self.ctx.resume,
                                                self.run_dir / "logs")
             self._closers.append(self._stop_ranks)
@@ -372,84 +367,3 @@ class TrainerActor(Actor):
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-
-def build_aux_models(cfg: TrainerConfig, policy: torch.nn.Module):
-    """(reference, critic) weight sets the configured algorithm needs, or None each."""
-    from models.load import load_model
-
-    def source(path: str) -> torch.nn.Module:
-        if not path and policy is not None:
-            return policy
-        if not path:  # a megatron policy: the reference/critic are transformers models
-            path = cfg.model
-        return load_model(path, cfg.device, getattr(torch, cfg.dtype), cfg.seed)[0]
-
-    ref = (AuxModel.frozen_copy(source(cfg.ref_model), cfg.device, cfg.offload_aux_models)
-           if cfg.kl_coef > 0 else None)
-    critic = (CriticModel(source(cfg.critic.model), cfg.device, cfg.critic, cfg.offload_aux_models)
-              if cfg.critic is not None else None)
-    return ref, critic
-
-
-def load_train_state(cfg: TrainerConfig, run_dir: str, resume: bool) -> TrainState:
-    """The policy (torch or megatron backend), optimizer, aux models; resumed when asked."""
-    from models.load import load_model
-
-    torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.backend == "megatron":
-        model, tokenizer = load_megatron(cfg, dtype)
-    else:
-        model, tokenizer = load_model(cfg.model, cfg.device, dtype, cfg.seed)
-    model.train()
-    from actors.master_weights import make_optimizer
-
-    opt = make_optimizer(model.parameters(), dtype, cfg.master_weights, cfg.lr, cfg.weight_decay)
-    hf_policy = model if cfg.backend == "torch" else None
-    ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
-    state = TrainState(model, tokenizer, opt, ref, critic)
-    if cfg.teachers:
-        from actors.teachers import ColocatedTeachers
-
-        state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
-                                                cfg.teacher_memory, run_dir, cfg.seed)
-    latest = latest_checkpoint(Path(run_dir) / "checkpoints")
-    if resume and latest is not None:
-        state.load(latest, cfg.device)
-        log.info("resumed from %s (step %d)", latest, state.step)
-    return state
-
-
-def load_megatron(cfg: TrainerConfig, dtype: torch.dtype):
-    """A one-rank megatron-core model (TP = PP = 1 inside the actor; multi-rank megatron runs
-    use backends.megatron directly under torchrun)."""
-    import torch.distributed as dist
-
-    from backends.megatron.model import initialize_parallel, load_model
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
-                                store=dist.HashStore(), rank=0, world_size=1)
-        initialize_parallel(1, 1, cfg.seed)
-    return load_model(cfg.model, cfg.megatron, cfg.device, dtype, cfg.seed)
-
-
-async def make_weight_sync(cfg: TrainerConfig, clients):
-    """The configured weight-sync path (engine/weight_sync.py), connected."""
-    from engine.weight_sync import DiskSync, DistributedSync, TensorSync
-
-    bucket = cfg.weight_sync_bucket_mib << 20
-    if cfg.weight_sync == "disk":
-        return DiskSync(clients)
-    if cfg.weight_sync == "tensor":
-        return TensorSync(clients, bucket_bytes=bucket)
-    sync = DistributedSync(clients, "nccl" if cfg.device.startswith("cuda") else "gloo",
-                           bucket_bytes=bucket)
-    await sync.connect()
-    return sync
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    done = sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists())
-    return done[-1] if done else None

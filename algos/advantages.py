@@ -1,20 +1,126 @@
-"""Advantage estimators beyond GRPO: REINFORCE++, REINFORCE++-baseline, PPO with GAE.
+"""Advantages: every estimator by name, its primitives, and whitening across micro-batches and ranks.
 
-Shapes: token tensors are response-aligned [B, T] with a loss mask (1 = policy token); scalar
-rewards are [B]; `kl` is a per-token KL estimate against the reference (algos.kl), used as reward
-shaping with `kl_coef`. Conventions follow the project's reference notes:
-- REINFORCE++: token rewards `-kl_coef * kl_t * m_t`, the scalar reward added on the last policy
-  token, discounted returns `G_t = sum_k gamma^k rew_{t+k}`, then whitened over policy tokens;
-- REINFORCE++-baseline: `A_t = (r - mean_group(r)) - kl_coef * kl_t`, then whitened;
-- GAE: `delta_t = r_t + gamma V_{t+1} - V_t` (V past the end = 0), `A_t = sum_l (gamma lam)^l
-  delta_{t+l}`, `returns = A + V`; token rewards as in REINFORCE++.
-- whitening: `(a - mean) / sqrt(var + 1e-8)` over policy tokens, var with the N/(N-1) correction.
-Invariant: pure tensor functions; nothing here knows about models or sockets.
+Role: one entry point the trainer uses for every estimator, so that single-process and
+data-parallel training compute the same advantages. `advantage_estimator` is one of:
+- `grpo`: `A_i = (r_i - mean_g) / (std_g + 1e-6)` over the samples of a prompt, broadcast to
+  every token (no whitening, no token rewards);
+- `dr_grpo`: `A_i = r_i - mean_g` (Dr.GRPO: no std normalisation), broadcast;
+- `reinforce_plus_plus`: token rewards `-kl_coef * kl_t` plus `r_i` on the last policy token,
+  discounted returns `G_t = sum_k gamma^k rew_{t+k}`, whitened over the whole batch;
+- `reinforce_plus_plus_baseline`: `A_t = (r_i - mean_g) - kl_coef * kl_t`, whitened;
+- `ppo`: GAE on the critic's values (`gae`), `returns = A + V` (the critic's
+  targets, before whitening), advantages whitened.
+`kl_t` is the reward-shaping KL (`kl_in_reward`); with the KL as a loss term it is absent here.
+
+Whitening spans every policy token of the optimizer step, across micro-batches and ranks:
+`whiten_sums` gives (N, sum a, sum a^2) in float64 per micro-batch; the caller adds them up
+(all-reduce over ranks) and `whiten_with` applies `(a - mean) / sqrt(var + 1e-8)` with
+`var = (sum a^2 / N - mean^2) * N / (N - 1)`, the same value `whiten` gives on
+the concatenated batch.
+Token rewards (`token_rewards`): `-kl_coef * kl_t * m_t`, plus the scalar reward on the last
+policy token. GAE: `delta_t = r_t + gamma V_{t+1} - V_t` (V past the end = 0),
+`A_t = sum_l (gamma lam)^l delta_{t+l}`, `returns = A + V`.
+Invariant: pure tensor functions; the per-sample scores only depend on the whole batch's rewards
+and group ids, so every rank derives the same ones.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
+
 import torch
+
+ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+              "none")  # none: A = 0 (pure distillation: only the OPD signal trains)
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+TOKEN_REWARDS = WHITENED  # estimators that accept KL reward shaping
+
+
+def check_estimator(name: str) -> None:
+    if name not in ESTIMATORS:
+        raise ValueError(f"advantage_estimator = {name!r}; use one of {', '.join(ESTIMATORS)}")
+
+
+def sample_scores(estimator: str, rewards: Sequence[float], group_ids: Sequence) -> torch.Tensor:
+    """[N] per-sample scalar: group-normalised (grpo), group-centred (dr_grpo,
+    reinforce_plus_plus_baseline) or the raw reward (reinforce_plus_plus, ppo). Groups are the
+    samples sharing a group id (a group may have lost failed samples)."""
+    check_estimator(estimator)
+    r = torch.tensor(list(rewards), dtype=torch.float32)
+    if estimator == "none":
+        return torch.zeros_like(r)
+    if estimator in ("reinforce_plus_plus", "ppo"):
+        return r
+    by_group: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        by_group[g].append(i)
+    out = torch.zeros_like(r)
+    for idx in by_group.values():
+        out[idx] = grpo_advantages(r[idx], len(idx), std_normalization=estimator == "grpo")
+    return out
+
+
+def token_advantages(estimator: str, scores: torch.Tensor, mask: torch.Tensor,
+                     kl: torch.Tensor | None = None, kl_coef: float = 0.0,
+                     values: torch.Tensor | None = None, gamma: float = 1.0,
+                     lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages [B, T] before whitening, returns [B, T] for ppo else None) of a micro-batch.
+
+    scores: [B] from `sample_scores`; mask: [B, T] policy tokens; kl: [B, T] reward-shaping KL.
+    """
+    mask = mask.float()
+    if estimator in ("grpo", "dr_grpo", "none"):
+        return scores[:, None].expand_as(mask) * mask, None
+    if estimator == "reinforce_plus_plus":
+        return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask, None
+    if estimator == "reinforce_plus_plus_baseline":
+        adv = scores[:, None].expand_as(mask).clone()
+        if kl is not None:
+            adv = adv - kl_coef * kl.float()
+        return adv * mask, None
+    if estimator == "ppo":
+        if values is None:
+            raise ValueError("advantage_estimator = 'ppo' needs the critic's values")
+        adv, returns = gae(scores, values, mask, kl, kl_coef, gamma, lam)
+        return adv * mask, returns
+    check_estimator(estimator)
+    raise AssertionError("unreachable")
+
+
+def whiten_sums(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 [3]: (number of policy tokens, sum a, sum a^2) over the mask."""
+    m = mask.double()
+    a = adv.double() * m
+    return torch.stack([m.sum(), a.sum(), (a * a).sum()])
+
+
+def whiten_with(adv: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor,
+                eps: float = 1e-8) -> torch.Tensor:
+    """Whiten `adv` with the batch-wide sums (see the module docstring); 0 off the mask."""
+    n, s1, s2 = (float(x) for x in sums)
+    if n < 2:
+        raise ValueError("whitening needs at least 2 policy tokens in the optimizer step")
+    mean = s1 / n
+    var = max(s2 / n - mean * mean, 0.0) * n / (n - 1)
+    return ((adv.double() - mean) / (var + eps) ** 0.5 * mask.double()).to(adv.dtype)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Whiten over the policy tokens of one tensor (the whole step in one piece)."""
+    return whiten_with(values, mask, whiten_sums(values, mask), eps)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, std_normalization: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """rewards: [num_samples] ordered by group (group_size consecutive samples per prompt)."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if std_normalization and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return centred.view(-1)
 
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
@@ -36,32 +142,6 @@ def discounted_returns(rew: torch.Tensor, gamma: float) -> torch.Tensor:
         running = rew[:, t] + gamma * running
         out[:, t] = running
     return out
-
-
-def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    mask = mask.float()
-    n = mask.sum()
-    if n < 2:
-        raise ValueError("whitening needs at least 2 policy tokens in the batch")
-    mean = (values * mask).sum() / n
-    var = ((values - mean).pow(2) * mask).sum() / (n - 1)
-    return (values - mean) / torch.sqrt(var + eps) * mask
-
-
-def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                 kl_coef: float = 0.0, gamma: float = 1.0) -> torch.Tensor:
-    returns = discounted_returns(token_rewards(rewards, mask, kl, kl_coef), gamma)
-    return whiten(returns, mask)
-
-
-def reinforce_pp_baseline(rewards: torch.Tensor, group_size: int, mask: torch.Tensor,
-                          kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
-    grouped = rewards.float().view(-1, group_size)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
-    adv = centred[:, None].expand_as(mask.float()).clone()
-    if kl is not None:
-        adv = adv - kl_coef * kl.float()
-    return whiten(adv, mask)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

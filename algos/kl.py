@@ -24,8 +24,3 @@ def approx_kl(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> t
     if kind == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}; use one of {ESTIMATORS}")
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.float()
-    return (values * mask).sum() / mask.sum().clamp(min=1)

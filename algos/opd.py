@@ -1,7 +1,7 @@
 """On-policy distillation (OPD) signals at four granularities, as pure tensor functions.
 
 Notation: the student pi_theta samples response tokens x_t at the rollout temperature T; every
-log-prob below, student's and teacher's, is `log_softmax(logits / T)` (`models.logprobs`, T = 0
+log-prob below, student's and teacher's, is `log_softmax(logits / T)` (`algos.logprobs`, T = 0
 counts as 1); m_t is the response mask (1 = policy token); beta = `kl_coef`.
 
 Modes (`OPD_MODES`):
@@ -15,7 +15,7 @@ Modes (`OPD_MODES`):
       `KL_t = sum_{v in S_t} p_S(v) * (log p_S(v) - log q_S(v))`,
   with p = pi_theta (gradient flows to the student logits), q = pi_T (detached). The loss adds
   `beta * sum_i (sum_t KL_t m_t / sum_t m_t) / num_samples_in_step` (the sample mean of
-  `algos.grpo`, so micro-batches and DP ranks add up to the one-batch gradient).
+  `algos.policy_loss`, so micro-batches and DP ranks add up to the one-batch gradient).
   They are loss terms, not rewards, because the KL over a set is computed exactly: its gradient
   needs no sampling (no variance) and no advantage whitening may rescale it. The three are one
   loss at three set choices, so top_p = 1 and top_k = V are exactly `full`:
@@ -53,8 +53,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from algos.grpo import masked_sample_sum
-from models.logprobs import effective_temperature
+from algos.logprobs import effective_temperature
+from algos.policy_loss import masked_sample_sum
 
 OPD_MODES = ("sampled", "top_p", "top_k", "full")
 TEACHER_LOGIT_MODES = ("top_p", "full")  # need teacher logits: colocated teachers only

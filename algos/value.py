@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from algos.grpo import masked_sample_sum
+from algos.policy_loss import masked_sample_sum
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -3,7 +3,7 @@
 Run under torchrun: every rank builds the same model and the same synthetic batch (groups of
 responses with long-tailed lengths), rank 0 first takes one optimizer step alone (the
 one-process reference), then all ranks take the same step from the same initial weights with
-`actors.dp_train.DataParallel` (micro-batches from the DP schedule under a token cap). Rank 0
+`training.data_parallel.DataParallel` (micro-batches from the DP schedule under a token cap). Rank 0
 reports the largest parameter difference between the two updates and the step times.
 `torchrun --nproc_per_node 2 -m bench.dp_train [--device cuda] [--model tiny-qwen2]
 [--dtype float32] [--samples 64] [--max-tokens-per-mb 512]`.
@@ -20,11 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from actors.dp_train import DataParallel
-from actors.master_weights import make_optimizer
-from actors.train_step import TrainState, train_on_batch
 from actors.trainer import TrainerConfig
 from models.load import load_model, load_tokenizer
+from training.data_parallel import DataParallel
+from training.master_weights import make_optimizer
+from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
 

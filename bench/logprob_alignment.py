@@ -2,7 +2,7 @@
 
 Starts an embedded inference worker in-process, samples responses over HTTP exactly as the
 rollout does (HttpSession), then recomputes their log-probs with the trainer's batching and
-forward (actors.train_step.forward) on the same weights. Prints mean and max |Δ log p| over the
+forward (training.step.forward) on the same weights. Prints mean and max |Δ log p| over the
 policy tokens for each dtype, the trainer forwarding the whole batch as one right-padded
 micro-batch.
 
@@ -31,14 +31,14 @@ import tempfile
 
 import torch
 
-from actors.base import ActorContext
 from actors.inference import InferenceWorker
-from actors.rollout_session import HttpSession
-from actors.train_step import TrainState, forward
-from algos.batching import make_micro_batch, response_slice
+from algos.logprobs import response_slice, token_logprobs
 from engine.client import SglangClient
+from engine.session import HttpSession
 from models.load import load_model, load_tokenizer
-from models.logprobs import token_logprobs
+from runtime.actor import ActorContext
+from training.batching import make_micro_batch
+from training.step import TrainState, forward
 from transport.schema import Endpoints
 
 PROMPTS = ["12+7=", "rev abcd=", "3+4=", "rev xyz=", "8+8=", "rev hello=", "1+9=", "rev ab="]

@@ -3,9 +3,9 @@
 Every rank builds the same random Qwen2-0.5B-shaped model (transformers, seeded), converts it to
 a megatron-core GPTModel on the tensor-parallel layout given by --tp (torchrun world size =
 tp), then:
-1. fp32: log-probs of a padded batch from `models.logprobs.token_logprobs_and_entropy` on the
+1. fp32: log-probs of a padded batch from `algos.logprobs.token_logprobs_and_entropy` on the
    transformers model and on the megatron model (TF32 off); max / mean |diff| over real tokens;
-2. bf16 (Float16Module): `actors.train_step.train_on_batch` steps (AdamW on the bf16 weights)
+2. bf16 (Float16Module): `training.step.train_on_batch` steps (AdamW on the bf16 weights)
    timed after a warm-up, next to the same steps on the transformers model (TP=1 only).
 `python -m bench.megatron_gpu [--hidden 896 --layers 24 ...]`, or for TP=2
 `torchrun --nproc_per_node 2 -m bench.megatron_gpu --tp 2`. Final line (rank 0): RESULT tp=...
@@ -26,10 +26,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from actors.train_step import TrainState, train_on_batch
 from actors.trainer import TrainerConfig
-from models.logprobs import token_logprobs_and_entropy
+from algos.logprobs import token_logprobs_and_entropy
+from backends.megatron import cpu_shim
 from models.tiny import build_char_tokenizer
+from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
 
@@ -124,9 +125,7 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     if args.cpu_shim:
-        from tests import megatron_cpu_shim
-
-        megatron_cpu_shim.install()
+        cpu_shim.install()
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != args.tp:

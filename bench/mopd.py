@@ -3,7 +3,7 @@
     python -m bench.mopd                      # H200: student and 4 teachers of ~1B params, bf16
     python -m bench.mopd --device cpu --hidden 64 --layers 2 --ffn 128 --vocab 256 --seq 32
 
-One MOPD step is the trainer's real `train_on_batch` with colocated teachers (`actors/teachers.py`):
+One MOPD step is the trainer's real `train_on_batch` with colocated teachers (`training/colocated_teachers.py`):
 teacher forwards from weight memory (micro-batches grouped by teacher, one switch per teacher),
 the student's recompute, forward/backward with the OPD loss, AdamW. Modes, each after a warm-up
 step, on the same batch:
@@ -22,16 +22,15 @@ import time
 
 import torch
 
-from actors.master_weights import make_optimizer
-
-from actors.teacher_logic import TeacherSpec
-from actors.teachers import ColocatedTeachers, meta_skeleton
-from actors.train_state import TrainState
-from actors.train_step import train_on_batch
 from actors.trainer import TrainerConfig
 from algos.opd import OpdConfig
+from logic.teachers import TeacherSpec
 from memory.layout import FlatLayout, bind
 from memory.manager import WeightMemory
+from training.colocated_teachers import ColocatedTeachers, meta_skeleton
+from training.master_weights import make_optimizer
+from training.state import TrainState
+from training.step import train_on_batch
 from transport.schema import Sample
 
 

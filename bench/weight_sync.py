@@ -1,5 +1,5 @@
 """Weight-sync time per path (disk, process group, serialized tensors) from a trainer process to
-embedded workers, each in its own process (`python -m engine.serve`).
+embedded workers, each in its own process (`python -m engine.standalone`).
 
 The trainer's model (a built-in name, e.g. `qwen2-0.5b-shape`, 358M parameters) is perturbed
 with a fixed seed per version and pushed with engine/weight_sync.py; each push is timed from the
@@ -25,11 +25,11 @@ import time
 
 import torch
 
+from algos.logprobs import token_logprobs
 from engine.client import SglangClient
 from engine.weight_sync import DiskSync, DistributedSync, TensorSync
-from transport.sockets import free_port
 from models.load import load_model, parse_dtype, save_checkpoint
-from models.logprobs import token_logprobs
+from transport.sockets import free_port
 
 PROMPT = [5, 6, 41, 7, 44]
 
@@ -37,7 +37,7 @@ PROMPT = [5, 6, 41, 7, 44]
 async def start_worker(args, device: str) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port("127.0.0.1")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "engine.serve", "--model-path", args.model, "--device", device,
+        sys.executable, "-m", "engine.standalone", "--model-path", args.model, "--device", device,
         "--dtype", args.dtype, "--port", str(port), stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = (await asyncio.wait_for(proc.stdout.readline(), 600)).decode()

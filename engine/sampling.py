@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from models.logprobs import logits_to_logprobs
+from algos.logprobs import logits_to_logprobs
 
 DEFAULT_MAX_NEW_TOKENS = 128
 

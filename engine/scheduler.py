@@ -17,9 +17,9 @@ How a request runs:
   log-probs (logprob_start_len >= 0); otherwise only the last position's.
 
 Invariants:
-- The log-prob reported for a generated token is `models.logprobs.logits_to_logprobs(logits, T)`
+- The log-prob reported for a generated token is `algos.logprobs.logits_to_logprobs(logits, T)`
   at the request's sampling temperature T (T = 0, greedy, counts as 1), i.e. exactly what
-  `models.logprobs.token_logprobs(model, full_sequence, temperature=T)` gives for that position.
+  `algos.logprobs.token_logprobs(model, full_sequence, temperature=T)` gives for that position.
   top_p / top_k / min_p change which token is drawn, never the reported log-prob.
 - A request with `sampling_seed` draws from its own `torch.Generator` seeded with it, so its
   output does not depend on which other requests share its wave.
@@ -58,11 +58,21 @@ from typing import Any, Awaitable, Callable
 import torch
 from transformers import DynamicCache
 
-from engine.sampling import (DEFAULT_MAX_NEW_TOKENS, GenRequest, GenResult, SamplingParams, TopList,
-                             cache_kwarg, eos_token_ids, input_logprobs, left_pad, sample_token,
-                             top_list)
+from algos.logprobs import effective_temperature, logits_to_logprobs, position_ids_from_mask
+from engine.sampling import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenRequest,
+    GenResult,
+    SamplingParams,
+    TopList,
+    cache_kwarg,
+    eos_token_ids,
+    input_logprobs,
+    left_pad,
+    sample_token,
+    top_list,
+)
 from models.load import load_model
-from models.logprobs import effective_temperature, logits_to_logprobs, position_ids_from_mask
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineClosed", "EngineError", "EngineUnavailable",
            "GenRequest", "GenResult", "SamplingParams", "Scheduler", "cache_kwarg"]

@@ -11,7 +11,7 @@ Matched against (read in the public sglang sources, no server was run):
 - `python/sglang/srt/managers/io_struct.py`: `GenerateReqInput` (text / input_ids / sampling_params
   / return_logprob / logprob_start_len / top_logprobs_num / return_text_in_logprobs / rid / stream),
   `PauseGenerationReqInput` (mode "abort" | "retract" | "in_place", default "abort"),
-  `UpdateWeightFromDiskReqInput` and the other weight updates: engine/weights.py,
+  `UpdateWeightFromDiskReqInput` and the other weight updates: engine/weight_endpoints.py,
   `Release/ResumeMemoryOccupationReqInput` (tags), `AbortReq` (rid, abort_all);
 - `tokenizer_manager.py`: meta_info keys (id, finish_reason, prompt_tokens, weight_version,
   completion_tokens, cached_tokens, e2e_latency, input/output_token_logprobs as
@@ -53,9 +53,15 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.scheduler import (DEFAULT_MAX_NEW_TOKENS, EngineError, GenRequest, GenResult,
-                              SamplingParams, Scheduler)
-from engine.weights import WeightEndpoints
+from engine.scheduler import (
+    DEFAULT_MAX_NEW_TOKENS,
+    EngineError,
+    GenRequest,
+    GenResult,
+    SamplingParams,
+    Scheduler,
+)
+from engine.weight_endpoints import WeightEndpoints
 
 VERSION = "rlx-engine-0.1 (SGLang native API subset)"
 HEALTH_TIMEOUT_S = 20.0

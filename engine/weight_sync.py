@@ -220,3 +220,17 @@ class DistributedSync:
             await self._in_pool(dist_group.destroy, self.group)
             self.group = None
         self._pool.shutdown(wait=True)
+
+
+async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
+                           bucket_bytes: int):
+    """The weight-sync path named `kind` (disk | tensor | distributed), connected; a
+    distributed group uses NCCL when the trainer's `device` is CUDA, else gloo."""
+    if kind == "disk":
+        return DiskSync(clients)
+    if kind == "tensor":
+        return TensorSync(clients, bucket_bytes=bucket_bytes)
+    sync = DistributedSync(clients, "nccl" if device.startswith("cuda") else "gloo",
+                           bucket_bytes=bucket_bytes)
+    await sync.connect()
+    return sync

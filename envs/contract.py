@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from envs.base import Environment, Task
+from envs.loader import load_env
 from envs.scripted import ScriptedSession
 
 GARBAGE = ["zq!?x", ")(<>:,."]  # in the vocabulary, never a correct answer of a sane task
@@ -265,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", default="{}", help="constructor options as a JSON object")
     parser.add_argument("--num-tasks", type=int, default=20)
     args = parser.parse_args(argv)
-    from envs.loader import load_env
 
     try:
         options = json.loads(args.options)

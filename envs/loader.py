@@ -17,6 +17,7 @@ import math
 from typing import Any, Iterator
 
 from envs.base import Environment, Session, Task
+from envs.builtin import BUILTINS
 
 SPEC_KEYS = {"cls", "weight", "options", "domain"}
 _END = object()
@@ -57,8 +58,6 @@ def load_env_class(dotted: str) -> type[Environment]:
 
 def _split(dotted: object) -> tuple[str, str]:
     if not isinstance(dotted, str) or dotted.count(":") != 1:
-        from envs.builtin import BUILTINS
-
         known = isinstance(dotted, str) and dotted in BUILTINS
         hint = f"; did you mean {BUILTINS[dotted]!r}?" if known else ""
         raise ValueError(f"environment path {dotted!r} must look like "

@@ -13,7 +13,7 @@ import time
 import msgspec
 import torch
 
-from actors.base import Actor
+from runtime.actor import Actor
 from transport.schema import Msg, Scale, ScaleReply, WorkItem
 
 

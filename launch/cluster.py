@@ -4,7 +4,7 @@ Exit codes: 0 when a primary actor completed or on Ctrl-C (after an orderly stop
 1 when an actor failed past its restart budget or never became READY (its error is printed);
 2 for a bad hosts.toml or command line (nothing was started).
 
-Engine options pass through natively (launch/passthrough.py): `--sglang-<option> [value]`,
+Engine options pass through natively (runtime/passthrough.py): `--sglang-<option> [value]`,
 `--router-<option> [value]` and `--megatron-<option> [value]` land in the `sglang`, `router` and
 `megatron` tables of every actor that has one, over the hosts.toml values. Give the hosts file
 first (or write `--sglang-flag=true`), since a flag takes the next non-option token as its value.
@@ -31,9 +31,9 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from launch import passthrough
 from launch.config import ClusterConfig, ConfigError, load, start_order
 from launch.supervisor import RunFailed, Supervisor
+from runtime import passthrough
 from transport.metrics import MetricsSubscriber
 
 console = Console(highlight=False, markup=False, soft_wrap=True)
@@ -73,7 +73,7 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
         e = cfg.actors[name]
         table.add_row(str(i), name, e.host or cfg.hosts[0].name, e.cls, ", ".join(e.after),
                       "yes" if e.primary else "", str(e.restart.max_restarts),
-                      f"python -m launch.child <run_dir>/specs/{name}.json")
+                      f"python -m runtime.child <run_dir>/specs/{name}.json")
     Console(width=200).print(table)
     print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
           "(--dry-run)")

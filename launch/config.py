@@ -8,7 +8,6 @@ field, raised before any process starts.
 
 from __future__ import annotations
 
-import importlib
 import re
 import tomllib
 from pathlib import Path
@@ -16,13 +15,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from runtime import passthrough as pt
+from runtime.loading import ConfigError, actor_config, import_actor
 from transport.codec import Limits
 from transport.shm import ShmConfig
 from transport.sockets import Security
-
-
-class ConfigError(ValueError):
-    """A mistake in hosts.toml; the message names the file, table and field to change."""
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -58,7 +55,7 @@ class RestartPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class ActorEntry(msgspec.Struct, forbid_unknown_fields=True):
     """One actor process."""
 
-    cls: str  # "package.module:ClassName", a subclass of actors.base.Actor
+    cls: str  # "package.module:ClassName", a subclass of runtime.actor.Actor
     host: str = ""  # a [[hosts]] name ("" = the first host)
     after: list[str] = []  # actors that must be READY first; they become this actor's peers
     primary: bool = False  # when this actor completes its work, the run ends (exit 0)
@@ -81,7 +78,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
 def load(path: str | Path,
          passthrough: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:
     """Load and check hosts.toml; `passthrough` holds `--<prefix>-<option>` command-line tables
-    (launch/passthrough.py), merged over the actors' hosts.toml tables before any check."""
+    (runtime/passthrough.py), merged over the actors' hosts.toml tables before any check."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
@@ -106,8 +103,6 @@ def load(path: str | Path,
 
 
 def _merge_passthrough(actors: Any, tables: dict[str, dict[str, Any]], path: Path) -> None:
-    from launch import passthrough as pt
-
     takes: dict[str, set[str]] = {}
     for name, entry in (actors.items() if isinstance(actors, dict) else ()):
         if isinstance(entry, dict) and isinstance(entry.get("cls"), str):
@@ -171,32 +166,6 @@ def _check(cfg: ClusterConfig, path: Path) -> None:
         except ValueError as e:
             raise ConfigError(f"{path}: table [{table}.config]: {e}") from None
     start_order(cfg, path)
-
-
-def import_actor(dotted: str, where: str = "actor class") -> type:
-    from actors.base import Actor
-
-    module_name, _, attr = dotted.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{where}: {dotted!r} is not 'package.module:ClassName'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{where}: cannot import {dotted!r}: {e}") from None
-    if not (isinstance(obj, type) and issubclass(obj, Actor)):
-        raise ConfigError(f"{where}: {dotted!r} is not a subclass of actors.base.Actor")
-    return obj
-
-
-def actor_config(cls: type, raw: dict[str, Any], where: str) -> Any:
-    try:
-        return msgspec.convert(raw, cls.Config)
-    except msgspec.ValidationError as e:
-        problem, _, at = str(e).partition(" - at `")
-        keys = re.findall(r"\.([A-Za-z0-9_\-]+)", at)
-        named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
-        field = named.group(1) if named else (keys[-1] if keys else "?")
-        raise ConfigError(f"{where}, field `{field}`: {problem}") from None
 
 
 def start_order(cfg: ClusterConfig, path: Path | str = "hosts.toml") -> list[str]:

@@ -17,7 +17,6 @@ import collections
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,8 +25,9 @@ from typing import Callable
 
 import msgspec
 
-from actors.base import ActorContext
 from launch.config import ActorEntry, ClusterConfig
+from runtime.actor import ActorContext
+from runtime.procs import log_tail, terminate, wait_exit
 from transport.metrics import MetricsProxy
 from transport.rpc import DeadlineExceeded, RemoteError, RpcClient, RpcServer
 from transport.schema import Ack, Dead, Endpoints, Heartbeat, Ready, Shutdown, Stopped
@@ -126,7 +126,7 @@ class Supervisor:
 
     def command(self, ap: ActorProcess) -> list[str]:
         host = next((h for h in self.cfg.hosts if h.name == ap.entry.host), self.cfg.hosts[0])
-        return [host.python or sys.executable, "-m", "launch.child", str(ap.spec_path)]
+        return [host.python or sys.executable, "-m", "runtime.child", str(ap.spec_path)]
 
     # ------------------------------------------------------------------ starting
     async def spawn(self, ap: ActorProcess) -> None:
@@ -225,7 +225,7 @@ class Supervisor:
             tb = ap.dead.traceback.strip().splitlines()[-12:]
             return f"  error: {ap.dead.error}\n" + "\n".join(f"  | {line}" for line in tb)
         return f"  log tail ({ap.log_path}):\n" + "\n".join(
-            f"  | {line}" for line in tail(ap.log_path, 12))
+            f"  | {line}" for line in log_tail(ap.log_path, 12).splitlines())
 
     # ------------------------------------------------------------------ supervisor rpc
     def _known(self, name: str, pid: int = 0) -> ActorProcess | None:
@@ -273,15 +273,9 @@ class Supervisor:
             finally:
                 await client.close()
             ap.shutdown_step = "message"
-            if await _exited(ap, run.shutdown_timeout_s):
+            if await wait_exit(ap.proc, run.shutdown_timeout_s):
                 return
-        ap.shutdown_step = "sigterm"
-        _signal(ap, signal.SIGTERM)
-        if await _exited(ap, run.term_timeout_s):
-            return
-        ap.shutdown_step = "sigkill"
-        _signal(ap, signal.SIGKILL)
-        await ap.proc.wait()
+        ap.shutdown_step = await terminate(ap.proc, run.term_timeout_s)
 
     async def stop_all(self) -> None:
         self.stopping = True
@@ -303,27 +297,3 @@ class Supervisor:
                        "shutdown_step": ap.shutdown_step,
                        "error": ap.dead.error if ap.dead else None}
                 for name, ap in self.actors.items()}
-
-
-async def _exited(ap: ActorProcess, timeout_s: float) -> bool:
-    try:
-        await asyncio.wait_for(asyncio.shield(ap.proc.wait()), timeout_s)
-        return True
-    except TimeoutError:
-        return False
-
-
-def _signal(ap: ActorProcess, sig: int) -> None:
-    try:
-        ap.proc.send_signal(sig)
-    except ProcessLookupError:
-        pass
-
-
-def tail(path: Path, num_lines: int) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 16384))
-            return f.read().decode(errors="replace").splitlines()[-num_lines:]
-    except OSError:
-        return ["(no log)"]

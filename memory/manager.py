@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from memory.checksum import ChecksumMismatch, tensor_checksums
+from memory.gds import GdsReader
 from memory.host import PinnedArena, Region
 from memory.layout import FlatLayout, bind, module_tensors, pack
-from memory.nvme import NvmeStore
+from memory.nvme import ChecksumError, NvmeStore
 from memory.planner import Plan, check_sizes, plan_switches
+from memory.sources import read_source
 from memory.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,6 @@ class WeightMemory:
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
             if gds:
-                from memory.gds import GdsReader
-
                 self.gds = GdsReader.open(num_readers)
 
     # ---- registration --------------------------------------------------------------------
@@ -288,8 +288,6 @@ class WeightMemory:
 
     def _read_host(self, ws: WeightSet, on_chunk: Callable[[int, int], None] | None = None
                    ) -> None:
-        from memory.sources import read_source
-
         t0 = self.timeline.now()
         if self.store is not None and self.store.has(ws.tag):
             self._read_nvme(ws, on_chunk)
@@ -300,8 +298,6 @@ class WeightMemory:
         self.counters["host_loads"] += 1
 
     def _read_nvme(self, ws: WeightSet, on_chunk: Callable[[int, int], None] | None) -> None:
-        from memory.nvme import ChecksumError
-        from memory.sources import read_source
 
         try:
             if self.remote_read is not None:

@@ -1,2 +1,2 @@
 """Models: the character tokenizer, named tiny models, loading/saving, and the shared log-prob
-definition (`models.logprobs.token_logprobs`) that inference and training both use."""
+definition (`algos.logprobs.token_logprobs`) that inference and training both use."""

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.utils import logging as hf_logging
 
 from models.tiny import TINY, build_tiny
+from models.tokenizer import build_char_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,8 +58,6 @@ def load_tokenizer(path: str):
     """The tokenizer alone (the rollout needs no model weights)."""
     check_model_path(path)
     if path in TINY:
-        from models.tokenizer import build_char_tokenizer
-
         return build_char_tokenizer()
     return tokenizer_from_dir(path)
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
+from algos.logprobs import position_ids_from_mask
 from envs.builtin.arith import ArithEnv
 from envs.builtin.reverse import ReverseEnv
 from models.load import save_checkpoint
-from models.logprobs import position_ids_from_mask
 from models.tiny import build_tiny
 
 DATA_SEED = 12345  # the RL run draws train tasks with its own seed (0 by default)

@@ -72,7 +72,7 @@ def main() -> None:
         print("loading the model (never finishes)", flush=True)
         signal.sigwait({signal.SIGTERM})
         return
-    from engine.serve import serve
+    from engine.standalone import serve
 
     engine_args = argparse.Namespace(model_path=args.model_path, host=args.host, port=args.port,
                                      device="cpu", dtype="float32", seed=0, max_batch_size=64,

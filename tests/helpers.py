@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
-from actors.base import Actor, ActorContext
+from runtime.actor import Actor, ActorContext
 from transport.schema import Endpoints
 
 

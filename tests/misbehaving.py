@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.base import Actor
+from runtime.actor import Actor
 
 
 class Idle(Actor):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from algos.advantages import gae, reinforce_pp, reinforce_pp_baseline, token_rewards, whiten
-from algos.grpo import ppo_clip_loss
+from algos.advantages import gae, sample_scores, token_advantages, token_rewards, whiten
 from algos.kl import approx_kl
+from algos.policy_loss import ppo_clip_loss
 
 
 def test_kl_estimators_hand_computed():
@@ -58,7 +58,8 @@ def test_gae_matches_a_float64_reference():
 
 def test_reinforce_pp_returns_then_whitening():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    adv = reinforce_pp(torch.tensor([1.0, 0.0]), mask, gamma=0.5)
+    raw_adv, _ = token_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0]), mask, gamma=0.5)
+    adv = whiten(raw_adv, mask)
     raw = [0.25, 0.5, 1.0, 0.0, 0.0]  # G_t = 0.5^(2-t) * 1 for sample 0; zeros for sample 1
     mean = sum(raw) / 5
     std = math.sqrt(sum((x - mean) ** 2 for x in raw) / 4 + 1e-8)
@@ -70,7 +71,9 @@ def test_reinforce_pp_returns_then_whitening():
 
 def test_reinforce_pp_baseline_removes_the_group_mean():
     mask = torch.ones(4, 2)
-    adv = reinforce_pp_baseline(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, mask)
+    est = "reinforce_plus_plus_baseline"
+    scores = sample_scores(est, [1.0, 0.0, 3.0, 3.0], [0, 0, 1, 1])
+    adv = whiten(token_advantages(est, scores, mask)[0], mask)
     centred = [0.5, 0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
     std = math.sqrt(sum(x * x for x in centred) / 7 + 1e-8)
     assert adv.flatten().tolist() == pytest.approx([x / std for x in centred], rel=1e-5)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from actors.aux_models import micro_batch_logprobs
-from algos.batching import make_micro_batch
-from models.logprobs import token_logprobs
+from algos.logprobs import token_logprobs
 from models.tiny import build_tiny
 from tests.test_trainer_options import batch
+from training.aux_models import micro_batch_logprobs
+from training.batching import make_micro_batch
 
 
 def test_by_length_forward_equals_each_sequence_alone_and_keeps_gradients():

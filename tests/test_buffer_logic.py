@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from actors.buffer_logic import BufferConfig, RolloutBuffer, Sample
+from logic.buffer import BufferConfig, RolloutBuffer, Sample
 
 
 def mk(gid: str, index: int, w: int = 0, status: str = "ok") -> Sample:

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from transport.codec import EXT_SHM, EXT_TENSOR, Codec, Limits, WireError
-from transport.schema import (PROTOCOL_VERSION, Blob, ErrorCode, Kind, Ping, Scale, WorkItem)
+from transport.schema import PROTOCOL_VERSION, Blob, ErrorCode, Kind, Ping, Scale, WorkItem
 from transport.shm import PREFIX, SHM_DIR, ShmChannel, ShmConfig
 
 # Every dtype of the brief that this torch build has (float8 variants included where present).

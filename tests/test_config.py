@@ -75,7 +75,7 @@ def test_schema_errors_name_table_and_field(tmp_path, edit, table, field, words)
     (('cls = "examples.demo:Scaler"', 'cls = "examples.demo.Scaler"'),
      "is not 'package.module:ClassName'"),
     (('cls = "examples.demo:Scaler"', 'cls = "examples.demo:ScalerConfig"'),
-     "is not a subclass of actors.base.Actor"),
+     "is not a subclass of runtime.actor.Actor"),
     (("delay_s = 0.0", "delay_seconds = 0.0"),
      "table [actors.scaler.config], field `delay_seconds`: Object contains unknown field"),
     (("delay_s = 0.0", 'delay_s = "fast"'),

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.aux_models import AuxModel, CriticConfig, CriticModel
-from actors.dp_train import DataParallel, plan_micro_batches
-from actors.train_step import TrainState, train_on_batch
 from actors.trainer import TrainerConfig
 from algos.mismatch import MismatchConfig
 from models.tiny import build_tiny
+from training.aux_models import AuxModel, CriticConfig, CriticModel
+from training.data_parallel import DataParallel, plan_micro_batches
+from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
 TOKEN_CAP = 24

@@ -1,23 +1,23 @@
 """engine/ + actors/inference.py: SGLang API conformity of a running InferenceWorker, log-prob
-alignment with models.logprobs, batching, weight updates, pause/abort, release/resume, errors."""
+alignment with algos.logprobs, batching, weight updates, pause/abort, release/resume, errors."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 from contextlib import asynccontextmanager
 
 import pytest
 import torch
 from aiohttp import web
 
-from actors.base import Status
 from actors.inference import InferenceWorker
+from algos.logprobs import token_logprobs
 from engine.client import ROUTING_HEADER, SglangClient, SglangConnectionError, SglangHTTPError
 from models.load import save_checkpoint
-from models.logprobs import token_logprobs
 from models.tiny import build_tiny
+from runtime.actor import Status
 from tests.helpers import context, running
 
 PROMPT = [5, 6, 41, 7, 44]  # "12+3="
@@ -45,7 +45,7 @@ async def post(client: SglangClient, path: str, body=None, data: bytes | None = 
 
 
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float):
-    """Log-probs of `output` given `prompt` from one separate full forward (models.logprobs)."""
+    """Log-probs of `output` given `prompt` from one separate full forward (algos.logprobs)."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         lp = token_logprobs(model, ids, temperature=temperature)[0]

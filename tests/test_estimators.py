@@ -9,10 +9,9 @@ import random
 import pytest
 import torch
 
-from algos.advantages import whiten
-from algos.estimators import sample_scores, token_advantages, whiten_sums, whiten_with
-from algos.grpo import ppo_clip_loss
+from algos.advantages import sample_scores, token_advantages, whiten, whiten_sums, whiten_with
 from algos.mismatch import MismatchConfig, correction_weights
+from algos.policy_loss import ppo_clip_loss
 from algos.value import value_loss
 
 R = [1.0, 0.0, 0.5, 2.0]

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from algos.grpo import grpo_advantages, ppo_clip_loss
+from algos.advantages import grpo_advantages
+from algos.policy_loss import ppo_clip_loss
 
 
 def test_grpo_advantages_hand_computed():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from actors.base import Actor, Status
+from runtime.actor import Actor, Status
 from tests.helpers import context, running
 from tests.misbehaving import FailsOnStart, Finisher, Idle, SlowStart, SlowStartConfig
 

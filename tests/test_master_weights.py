@@ -7,10 +7,11 @@ import msgspec
 import pytest
 import torch
 
-from actors.master_weights import MasterWeightOptimizer, make_optimizer
-from actors.train_step import train_on_batch
-from actors.trainer import TrainerConfig, load_train_state
+from actors.trainer import TrainerConfig
 from tests.test_dp_train import make_batch
+from training.master_weights import MasterWeightOptimizer, make_optimizer
+from training.setup import load_train_state
+from training.step import train_on_batch
 
 
 def sgd_steps(master: bool, steps: int = 10) -> tuple[torch.Tensor, MasterWeightOptimizer | None]:

@@ -10,8 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
-from backends.megatron.convert import (Layout, hf_to_megatron, layout_from_hf, megatron_to_hf,
-                                       pack_qkv)
+from backends.megatron.convert import (
+    Layout,
+    hf_to_megatron,
+    layout_from_hf,
+    megatron_to_hf,
+    pack_qkv,
+)
 from models.tiny import tiny_config
 
 

@@ -13,8 +13,8 @@ with warnings.catch_warnings():  # megatron-core warns at import that Apex / TE 
     pytest.importorskip("megatron.core")
     from backends.megatron import model as mg
 
-from models.logprobs import token_logprobs_and_entropy
-from tests import megatron_cpu_shim as shim
+from algos.logprobs import token_logprobs_and_entropy
+from backends.megatron import cpu_shim as shim
 from tests.test_megatron_convert import NAMES, hf_config, hf_model
 
 # megatron-core's internal calls use arguments it has itself deprecated
@@ -124,10 +124,10 @@ def test_hf_export_loads_back_into_transformers(tp1, tmp_path):
 def test_training_step_equals_the_torch_backend(tp1, masters):
     """masters: through fp32 master weights (in fp32 they change nothing numerically; the torch
     backend clips the masters' gradients, megatron its own parameters' before the step)."""
-    from actors.master_weights import MasterWeightOptimizer
-    from actors.train_step import TrainState, train_on_batch
     from actors.trainer import TrainerConfig
     from models.tiny import build_tiny
+    from training.master_weights import MasterWeightOptimizer
+    from training.step import TrainState, train_on_batch
 
     hf, tok = build_tiny("tiny-qwen2", seed=0)
     model, _ = mg.load_model("tiny-qwen2", seed=0)  # the trainer's entry: same weights as hf
@@ -152,8 +152,9 @@ def test_training_step_equals_the_torch_backend(tp1, masters):
 
 
 def test_trainer_backend_megatron_state_checkpoint_and_weight_names(tp1, tmp_path):
-    from actors.trainer import TrainerActor, TrainerConfig, load_train_state
+    from actors.trainer import TrainerActor, TrainerConfig
     from models.tiny import build_tiny
+    from training.setup import load_train_state
 
     cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], backend="megatron",
                         megatron={"hidden_dropout": 0.0})

@@ -48,7 +48,7 @@ def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
     """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
     warnings.simplefilter("ignore")
     try:
-        from tests import megatron_cpu_shim as shim
+        from backends.megatron import cpu_shim as shim
 
         shim.install()
         store = torch.distributed.FileStore(f"{tmp}/store", world)
@@ -64,12 +64,12 @@ def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
 
 def _step(name: str, grad_clip: float) -> dict:
     """One train_on_batch with SGD (lr 1) on this rank's megatron shard of tiny `name`."""
-    from actors.train_step import TrainState, train_on_batch
     from actors.trainer import TrainerConfig
     from backends.megatron.model import from_hf_model
     from models.tiny import build_char_tokenizer
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import batch
+    from training.step import TrainState, train_on_batch
 
     tok = build_char_tokenizer()
     model = from_hf_model(hf_model(name))
@@ -81,9 +81,9 @@ def _step(name: str, grad_clip: float) -> dict:
 
 
 def tensor_parallel_ranks(rank: int, tmp: Path) -> dict:
+    from algos.logprobs import token_logprobs_and_entropy
     from backends.megatron import checkpoint
     from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
-    from models.logprobs import token_logprobs_and_entropy
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import padded_batch
 
@@ -147,9 +147,9 @@ def _pipeline_setup():
 
 
 def pipeline_ranks(rank: int, tmp: Path) -> dict:
-    from algos.batching import make_micro_batch
     from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
     from backends.megatron.pipeline import pipeline_logprobs, pipeline_train_step
+    from training.batching import make_micro_batch
 
     initialize_parallel(1, 2)
     hf, tok, samples, cfg = _pipeline_setup()
@@ -168,8 +168,8 @@ def pipeline_ranks(rank: int, tmp: Path) -> dict:
 
 
 def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(reports):
-    from actors.train_step import TrainState, forward, train_on_batch
-    from algos.batching import make_micro_batch
+    from training.batching import make_micro_batch
+    from training.step import TrainState, forward, train_on_batch
 
     report = reports["pp"]
     assert report["layers"] == [[0], [1]]  # one layer per stage

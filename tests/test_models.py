@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from algos.logprobs import entropy_from_logits, logits_to_logprobs, token_logprobs
 from models.load import load_model, save_checkpoint
-from models.logprobs import entropy_from_logits, logits_to_logprobs, token_logprobs
 from models.tiny import TINY, build_tiny
 from models.tokenizer import CHARS, build_char_tokenizer
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.teacher_logic import (TeacherSpec, check_vocab, parse_scores, route, route_table,
-                                  score_request)
-from actors.teachers import ColocatedTeachers, TeacherMemoryConfig
-from actors.train_state import TrainState
-from actors.train_step import train_on_batch
 from actors.trainer import TrainerConfig
-from algos.batching import make_micro_batch
+from algos.logprobs import token_logprobs
 from algos.opd import OpdConfig
+from logic.teachers import TeacherSpec, check_vocab, parse_scores, route, route_table, score_request
 from models.load import load_model
-from models.logprobs import token_logprobs
 from tests.test_engine import serve
+from training.batching import make_micro_batch
+from training.colocated_teachers import ColocatedTeachers, TeacherMemoryConfig
+from training.state import TrainState
+from training.step import train_on_batch
 from transport.schema import Sample
 
 TEACHERS = [TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"]),
@@ -112,7 +111,7 @@ def test_colocated_with_swaps_equals_everything_resident(tmp_path, logits):
         with torch.no_grad():
             ref = token_logprobs(model, mbs[0].input_ids, mbs[0].attention_mask)
         if not logits:
-            from algos.batching import response_slice
+            from algos.logprobs import response_slice
 
             want = response_slice(ref, mbs[0].prompt_lens, mbs[0].num_response_cols)
             assert torch.allclose(a[("arith", 0)], want, atol=1e-6)
@@ -229,7 +228,7 @@ async def test_a_failing_teacher_server_marks_and_counts_its_samples(ipc):
 def test_opd_metrics_agree_on_teachers_across_ranks():
     """A rank that saw no sample of a teacher still reduces a row for it (same tensor shape on
     every rank), and the summed metric covers both ranks."""
-    from actors.train_step import opd_stats
+    from training.step import opd_stats
 
     class OtherRankHasReverse:  # this rank: arith only; the other rank: reverse only
         def gather(self, obj):

@@ -37,10 +37,10 @@ config = {{ router_args = {{ log_level = "warn" }} }}
 cls = "actors.buffer:BufferActor"
 config = {{ group_size = 4, groups_per_batch = 4, max_staleness = 1 }}
 
-[actors.teachers]
+[training.colocated_teachers]
 cls = "actors.teacher_pool:TeacherPool"
 after = ["buffer"{pool_after}]
-[actors.teachers.config]
+[training.colocated_teachers.config]
 student = "examples/base-tiny"
 mode = "{mode}"
 opd = {{ mode = "{opd}", kl_coef = 1.0 }}

@@ -7,12 +7,23 @@ import math
 import pytest
 import torch
 
-from algos.grpo import ppo_clip_loss
-from algos.opd import (OpdConfig, check_placement, distribution_reverse_kl, full_reverse_kl,
-                       is_loss_term, needs_teacher_logits, opd_loss, sampled_log_ratio,
-                       shaped_advantages, teacher_kl_metrics, teacher_kl_sums, top_k_reverse_kl,
-                       top_p_reverse_kl)
-from models.logprobs import gather_logprobs, logits_to_logprobs
+from algos.logprobs import gather_logprobs, logits_to_logprobs
+from algos.opd import (
+    OpdConfig,
+    check_placement,
+    distribution_reverse_kl,
+    full_reverse_kl,
+    is_loss_term,
+    needs_teacher_logits,
+    opd_loss,
+    sampled_log_ratio,
+    shaped_advantages,
+    teacher_kl_metrics,
+    teacher_kl_sums,
+    top_k_reverse_kl,
+    top_p_reverse_kl,
+)
+from algos.policy_loss import ppo_clip_loss
 
 B, T, V = 3, 5, 11
 
@@ -105,7 +116,7 @@ def test_pure_distillation_policy_gradient_is_the_full_kl_gradient():
     the policy-gradient of -beta * r equals beta * grad of the full-vocabulary reverse KL."""
     student, teacher, _ = case(3, torch.float64)
     z = student[0].clone().requires_grad_(True)  # T positions x V tokens
-    lp = torch.log_softmax(z, dim=-1)  # float64 (models.logprobs works in float32)
+    lp = torch.log_softmax(z, dim=-1)  # float64 (algos.logprobs works in float32)
     lp_t = torch.log_softmax(teacher[0], dim=-1)
     ones = torch.ones(T, V, dtype=torch.float64)
     adv = shaped_advantages(torch.zeros(T, V, dtype=torch.float64), lp, lp_t, ones, kl_coef=0.7)

@@ -1,4 +1,4 @@
-"""launch/passthrough.py: `--<prefix>-<option> [value]` -> tables, merged over hosts.toml."""
+"""runtime/passthrough.py: `--<prefix>-<option> [value]` -> tables, merged over hosts.toml."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.base import Actor
 from launch.config import ConfigError, load
-from launch.passthrough import parse, parse_value, refuse_owned, render
+from runtime.actor import Actor
+from runtime.passthrough import parse, parse_value, refuse_owned, render
 
 
 class MegatronLikeConfig(msgspec.Struct, forbid_unknown_fields=True):

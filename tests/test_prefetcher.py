@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from actors.prefetcher import RemoteReader
-from launch.child import ChildSpec
 from memory.layout import PAGE_BYTES, FlatLayout, pack
 from memory.manager import WeightMemory
 from memory.nvme import ChecksumError, NvmeStore
+from runtime.child import ChildSpec
 from tests.helpers import context
 from transport.rpc import RpcClient
 from transport.schema import LoadCheckpoint
@@ -36,7 +36,7 @@ def prefetcher(tmp_path, ipc):
     spec.write_bytes(msgspec.json.encode(ChildSpec(
         cls="actors.prefetcher:PrefetcherActor", context=ctx,
         config={"chunk_bytes": PAGE_BYTES, "num_readers": 2})))
-    proc = subprocess.Popen([sys.executable, "-m", "launch.child", str(spec)])
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.child", str(spec)])
     factory = SocketFactory()
     yield ctx, proc, factory
     factory.close()

@@ -11,15 +11,15 @@ import torch
 
 from actors.inference import InferenceWorker
 from actors.rollout import RolloutActor, RolloutConfig
-from actors.rollout_session import HttpSession, SessionFailed
-from actors.train_step import forward, TrainState
-from algos.batching import make_micro_batch
 from engine.client import SglangClient
+from engine.session import HttpSession, SessionFailed
 from envs.base import SingleTurnEnv, Task
 from envs.loader import EnvMix
 from models.load import load_model
 from models.tokenizer import build_char_tokenizer
 from tests.helpers import context, running
+from training.batching import make_micro_batch
+from training.step import TrainState, forward
 
 
 def reply(ids: list[int], finish: str = "stop", version: str = "3") -> dict:

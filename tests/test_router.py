@@ -64,7 +64,7 @@ def test_router_command_passes_options_through():
 
 async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
     """In-flight turns on a worker that stops are retried through the router; none is lost."""
-    from actors.rollout_session import HttpSession
+    from engine.session import HttpSession
     from models.tokenizer import build_char_tokenizer
 
     cfg = InferenceWorker.Config(model="tiny-qwen2", batch_wait_ms=1.0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.train_step import TrainState, train_on_batch
 from actors.trainer import TrainerConfig
 from algos.mismatch import MismatchConfig
 from models.tiny import build_tiny
+from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
 

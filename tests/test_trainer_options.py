@@ -9,12 +9,13 @@ import msgspec
 import pytest
 import torch
 
-from actors.aux_models import AuxModel, CriticConfig, CriticModel
-from actors.train_step import TrainState, train_on_batch
-from actors.trainer import TrainerConfig, build_aux_models
+from actors.trainer import TrainerConfig
+from algos.logprobs import token_logprobs
 from algos.mismatch import MismatchConfig
-from models.logprobs import token_logprobs
 from models.tiny import build_tiny
+from training.aux_models import AuxModel, CriticConfig, CriticModel
+from training.setup import build_aux_models
+from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
 ANSWERS = [("1+2=", ["3", "4", "33"]), ("rev ab=", ["ba", "ab", "b"])]

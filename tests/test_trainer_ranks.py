@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.teachers import TeacherMemoryConfig
-from actors.train_step import train_on_batch
-from actors.trainer import TrainerConfig, load_train_state
-from actors.trainer_ranks import RankGroup, rank_device
+from actors.trainer import TrainerConfig
 from algos.opd import OpdConfig
 from tests.test_dp_train import config, make_batch
 from tests.test_mopd import TEACHERS, samples
+from training.colocated_teachers import TeacherMemoryConfig
+from training.ranks import RankGroup, rank_device
+from training.setup import load_train_state
+from training.step import train_on_batch
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,7 +118,7 @@ def test_a_rank_that_dies_while_loading_fails_the_start_at_once(tmp_path, monkey
     import sys
     import time
 
-    import actors.trainer_ranks as trainer_ranks
+    import training.ranks as trainer_ranks
 
     real = subprocess.Popen
 

@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from actors.sglang_worker import SglangWorker, SglangWorkerConfig
+from algos.logprobs import token_logprobs
 from engine.client import SglangClient, SglangHTTPError
 from engine.weight_sync import DiskSync, TensorSync, buckets, resume_weights_then
 from models.load import save_checkpoint
-from models.logprobs import token_logprobs
 from models.tiny import build_tiny
 from tests.fake_sglang_server import install
-from tests.test_engine import serve
 from tests.helpers import context, running
+from tests.test_engine import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [5, 6, 41, 7, 44]

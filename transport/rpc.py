@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 
 from transport.codec import Codec, Limits, WireError
-from transport.schema import (PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Kind, Msg, Welcome)
+from transport.schema import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Kind, Msg, Welcome
 from transport.shm import ShmConfig, channel_for
 from transport.sockets import RateLimitedLog, SocketFactory
 

@@ -26,6 +26,8 @@ import msgspec
 import numpy as np
 import torch
 
+from transport.codec import checked_numel, wire_dtype
+
 SHM_DIR = "/dev/shm"
 PREFIX = "rlx-"
 HEADER_BYTES = 64  # state byte at offset 0; data starts 64-byte aligned
@@ -107,8 +109,6 @@ class ShmChannel:
 
     # ------------------------------------------------------------------------ receiver side
     def get(self, dtype: str, shape: list[int], ref: list) -> torch.Tensor:
-        from transport.codec import checked_numel, wire_dtype
-
         name, nbytes = ref
         tdtype = wire_dtype(dtype)
         if not isinstance(nbytes, int) or checked_numel(shape) * tdtype.itemsize != nbytes:

@@ -19,16 +19,18 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from backends.megatron.model import MegatronCausalLM, parallel_state
+from backends.megatron.mcore import dist_checkpointing, parallel_state
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core import dist_checkpointing
+if TYPE_CHECKING:  # annotations only: model.py imports this module
+    from backends.megatron.model import MegatronCausalLM
+
+
 
 STATE_FILE = "trainer_state.json"
 # torch.distributed.checkpoint APIs megatron-core 0.16 still uses; nothing a user can change

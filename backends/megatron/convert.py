@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from models.load import check_model_path
+from models.tiny import TINY, tiny_config
+
 SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "llama": "LlamaForCausalLM"}
 # megatron's llama3 RoPE scaling has fixed low/high frequency factors and original context
@@ -66,8 +69,6 @@ def check_supported(hf_config) -> None:
 def check_model_reference(path: str) -> None:
     """ValueError unless the model a trainer config names (a tiny name or an HF checkpoint
     directory) is of a supported architecture: reads config.json only, no weights, no megatron."""
-    from models.load import check_model_path
-    from models.tiny import TINY, tiny_config
 
     check_model_path(path)
     if path in TINY:

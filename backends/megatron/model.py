@@ -2,7 +2,7 @@
 
 Role: `build_model` turns an HF config (Qwen2/Qwen3/Llama) plus the user's `megatron` option table
 into a GPTModel on the tensor/pipeline parallel layout of `megatron.core.parallel_state`, and
-`MegatronCausalLM` wraps it so `models.logprobs` and `actors.train_step` use it unchanged:
+`MegatronCausalLM` wraps it so `algos.logprobs` and `training.step` use it unchanged:
 forward(input_ids, attention_mask=..., position_ids=...) returns `.logits` [B, T, V] gathered
 over the tensor-parallel ranks. Native pass-through: every key of the option table that is a
 TransformerConfig field or a GPTModel keyword is passed as given; keys describing the model's
@@ -20,28 +20,34 @@ import dataclasses
 import difflib
 import inspect
 import typing
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from backends.megatron.convert import Layout, check_tensor_parallel, layout_from_hf
-from backends.megatron.convert import rope_parameters, rope_scaling_factor
-
-try:
-    with warnings.catch_warnings():  # megatron warns at import that Apex/TE are absent
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer import TransformerConfig
-        from megatron.core.transformer.module import Float16Module
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("the megatron backend needs megatron-core: pip install 'rlx[megatron]'"
-                      ) from exc
+from backends.megatron.checkpoint import save_hf
+from backends.megatron.convert import (
+    Layout,
+    check_model_reference,
+    check_tensor_parallel,
+    hf_to_megatron,
+    layout_from_hf,
+    rope_parameters,
+    rope_scaling_factor,
+)
+from backends.megatron.mcore import (
+    Float16Module,
+    GPTModel,
+    TransformerConfig,
+    get_gpt_layer_local_spec,
+    get_transformer_layer_offset,
+    parallel_state,
+    tensor_parallel,
+)
+from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
+from backends.megatron.parallel import gather_hf_state_dict
+from models.load import load_model as load_hf
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
 SHAPE_FIELDS = frozenset({
@@ -196,9 +202,6 @@ def load_model(path: str, options: dict[str, Any] | None = None, device: str = "
                dtype: torch.dtype = torch.float32, seed: int = 0):
     """(MegatronCausalLM, tokenizer) for what `models.load.load_model` accepts (a tiny name or an
     HF checkpoint directory); the architecture is checked before any weight is read."""
-    from backends.megatron.convert import check_model_reference
-    from models.load import load_model as load_hf
-
     check_model_reference(path)
     hf, tokenizer = load_hf(path, "cpu", torch.float32, seed)
     return from_hf_model(hf, options, dtype, device), tokenizer
@@ -244,8 +247,6 @@ class MegatronCausalLM(torch.nn.Module):
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         """Load HF-named full tensors: this rank keeps its tensor shard of its stage."""
-        from backends.megatron.convert import hf_to_megatron
-
         own = hf_to_megatron(hf, self.layout, parallel_state.get_tensor_model_parallel_rank(),
                              parallel_state.get_tensor_model_parallel_world_size(), self.layers,
                              self.core.pre_process, self.core.post_process)
@@ -257,21 +258,15 @@ class MegatronCausalLM(torch.nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's HF tensors (CPU), identical on every rank."""
-        from backends.megatron.parallel import gather_hf_state_dict
-
         return gather_hf_state_dict(self)
 
     def save_pretrained(self, directory: str) -> None:
         """HF checkpoint directory (safetensors + config.json), written by global rank 0."""
-        from backends.megatron.checkpoint import save_hf
-
         save_hf(self, directory)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to a global gradient norm over all tensor/pipeline shards; returns the norm."""
-        from backends.megatron.parallel import clip_grad_norm
-
-        return clip_grad_norm(self, max_norm)
+        return clip_global_grad_norm(self, max_norm)
 
 
 def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,20 @@ float summation order), and every rank of the model-parallel group gets the same
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:  # annotations only: model.py imports this module
+    from backends.megatron.model import MegatronCausalLM
+
 from backends.megatron.convert import megatron_to_hf
-from backends.megatron.model import MegatronCausalLM, parallel_state
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import param_is_not_shared
+from backends.megatron.mcore import (
+    parallel_state,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
 
 
 def _tensor_shards(local: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -2,10 +2,10 @@
 
 Role: with PP > 1 no rank holds a whole forward, so `MegatronCausalLM.forward` is unavailable;
 `pipeline_logprobs` and `pipeline_train_step` run the project's log-prob definition
-(models.logprobs) and GRPO/PPO-clip loss (algos) on the last stage, inside megatron's 1F1B
+(algos.logprobs) and GRPO/PPO-clip loss (algos) on the last stage, inside megatron's 1F1B
 schedule (`get_forward_backward_func`), which moves activations and gradients between stages.
 Invariant: on the same weights and samples the loss, gradient norm and updated weights equal
-`actors.train_step.train_on_batch` on a single-stage model (up to float summation order). Every
+`training.step.train_on_batch` on a single-stage model (up to float summation order). Every
 rank of the job passes the same samples; each stage reads only what it needs.
 """
 
@@ -16,25 +16,21 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from actors.dp_train import plan_micro_batches
-from algos.batching import MicroBatch, make_micro_batch, response_slice
-from algos.estimators import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
-from algos.grpo import masked_sample_sum, ppo_clip_loss
+from algos.advantages import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
+from algos.logprobs import response_logprobs
 from algos.mismatch import correction_weights
-from backends.megatron.model import MegatronCausalLM, blocked_attention, parallel_state
+from algos.policy_loss import masked_sample_sum, ppo_clip_loss
+from backends.megatron.mcore import get_forward_backward_func, parallel_state
+from backends.megatron.model import MegatronCausalLM, blocked_attention
 from backends.megatron.parallel import allreduce_tied_embedding_grads, clip_grad_norm
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from models.logprobs import gather_logprobs, logits_to_logprobs
+from training.batching import MicroBatch, make_micro_batch
+from training.data_parallel import plan_micro_batches
 
 
-def _response_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float):
-    """Response-aligned (log-probs, entropies) from full logits, as train_step.forward does."""
-    logprobs = logits_to_logprobs(logits[:, :-1], temperature)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    token = gather_logprobs(logprobs, mb.input_ids[:, 1:])
-    cols = mb.num_response_cols
-    return response_slice(token, mb.prompt_lens, cols), response_slice(entropy, mb.prompt_lens,
-                                                                       cols)
+def _response_logprobs(logits: torch.Tensor, mb, temperature: float):
+    """Response-aligned (log-probs, entropies) from full logits [B, L, V]."""
+    return response_logprobs(logits[:, :-1], mb.input_ids, mb.prompt_lens, mb.num_response_cols,
+                             temperature)[:2]
 
 
 def _forward_step(data_iterator, model, loss_for=None):
@@ -88,7 +84,7 @@ def _check_supported(cfg) -> None:
 
 
 def _advantages(samples, plan: list[list[int]], mbs: list[MicroBatch], cfg) -> list:
-    """Token advantages per micro-batch, as actors.train_step.prepare computes them."""
+    """Token advantages per micro-batch, as training.step.prepare computes them."""
     est = cfg.estimator
     scores = sample_scores(est, [s.reward for s in samples], [s.group_id for s in samples])
     adv = [token_advantages(est, scores[idx].to(mb.mask.device), mb.mask, None, cfg.kl_coef,

@@ -39,6 +39,31 @@ def gather_logprobs(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def response_slice(per_position: torch.Tensor, prompt_lens: torch.Tensor,
+                   num_cols: int) -> torch.Tensor:
+    """Values per next-token position [B, L-1, ...] -> [B, num_cols, ...] per response token:
+    column j of row b is position prompt_lens[b] - 1 + j (clamped to the last position). The
+    one response-position gather, for log-probs, entropies, values and logits alike."""
+    cols = prompt_lens[:, None] - 1 + torch.arange(num_cols, device=prompt_lens.device)[None, :]
+    cols = cols.clamp(max=per_position.shape[1] - 1)
+    if per_position.dim() == 3:
+        cols = cols[:, :, None].expand(-1, -1, per_position.shape[-1])
+    return per_position.gather(1, cols)
+
+
+def response_logprobs(next_logits: torch.Tensor, input_ids: torch.Tensor,
+                      prompt_lens: torch.Tensor, num_cols: int, temperature: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From next-token logits [B, L-1, V] of `input_ids` [B, L]: response-aligned (log-probs
+    [B, R], entropies [B, R], logits [B, R, V]), R = num_cols, by the formulas above."""
+    logprobs = logits_to_logprobs(next_logits, temperature)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    token = gather_logprobs(logprobs, input_ids[:, 1:])
+    return (response_slice(token, prompt_lens, num_cols),
+            response_slice(entropy, prompt_lens, num_cols),
+            response_slice(next_logits, prompt_lens, num_cols))
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
     """[B, T] ids -> [B, T-1] float32: entry [b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1]).

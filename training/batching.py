@@ -2,7 +2,7 @@
 
 Invariant: for a sample with P prompt tokens and R response tokens, `input_ids` holds the P + R
 tokens (right-padded), and the response-aligned tensors (`mask`, `rollout_logp`, and log-probs
-gathered with `response_slice`) have R valid columns: column j is the log-prob of response token
+gathered with `algos.logprobs.response_slice`) have R valid columns: column j is the log-prob of response token
 j, which `token_logprobs(...)[:, P - 1 + j]` computes from the full sequence.
 """
 
@@ -53,17 +53,3 @@ def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         rlp[b, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float)
     return MicroBatch(samples, ids, attn, torch.tensor([len(s.prompt_ids) for s in samples]),
                       mask, rlp, torch.tensor([s.reward for s in samples], dtype=torch.float))
-
-
-def response_slice(per_position: torch.Tensor, prompt_lens: torch.Tensor,
-                   num_cols: int) -> torch.Tensor:
-    """[B, L-1] values per next-token position -> [B, num_cols] values per response token."""
-    batch, width = per_position.shape
-    cols = prompt_lens[:, None] - 1 + torch.arange(num_cols, device=prompt_lens.device)[None, :]
-    cols = cols.clamp(max=width - 1)
-    return per_position.gather(1, cols)
-
-
-def split_micro_batches(samples: list[Sample], micro_batch_size: int) -> list[list[Sample]]:
-    """Fixed-size micro-batches in order (the same split serves recompute and training)."""
-    return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]

@@ -1,12 +1,12 @@
 """One optimizer step on a batch of samples (policy, and the critic for PPO), on one or more ranks.
 
 Phases of `train_on_batch`:
-1. plan: this rank's micro-batches from `algos.dp_schedule` (`actors.dp_train`); a sample longer
+1. plan: this rank's micro-batches from `algos.dp_schedule` (`training.data_parallel`); a sample longer
    than `max_tokens_per_mb` is trained alone and counted in `train/oversized_samples`;
 2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (or the
    rollout's with `mismatch.bypass`; with decoupled PPO's `proximal = "rollout_version"` each
    sample's from the old-actor weight set of its version), reference log-probs (KL), critic
-   values (ppo), then token advantages by `advantage_estimator` (`algos.estimators`), whitened over the whole step;
+   values (ppo), then token advantages by `advantage_estimator` (`algos.advantages`), whitened over the whole step;
 3. policy: per micro-batch the PPO-clip loss with the mismatch correction's token weights, minus
    the entropy bonus, plus `kl_coef * KL(policy || ref)` with `use_kl_loss`; gradients
    accumulate, are summed over ranks, clipped, one optimizer step;
@@ -21,7 +21,7 @@ current weights, so it measures the inference engine against the trainer alone.
 
 Invariant: the old-policy log-probs are recomputed on exactly the micro-batches that training
 then uses (same split, same padding, same temperature), with the same function the inference
-worker uses for its log-probs (`models.logprobs`), so the train-rollout mismatch measures the
+worker uses for its log-probs (`algos.logprobs`), so the train-rollout mismatch measures the
 engines, not the bookkeeping. With `forward_by_length` the forward runs once per distinct
 sequence length inside a micro-batch, without padding: the key length of every attention sum is
 then the sequence's own, as in an unpadded forward (padding changes fp32 reduction order).
@@ -36,15 +36,29 @@ from typing import Any
 
 import torch
 
-from actors.aux_models import OldActors, micro_batch_logprobs
-from actors.dp_train import SingleProcess, plan_micro_batches
-from actors.train_state import TrainState
-from algos.batching import MicroBatch, make_micro_batch
-from algos.estimators import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
-from algos.grpo import masked_sample_sum, ppo_clip_loss
+from algos.advantages import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
 from algos.kl import approx_kl
 from algos.mismatch import correction_weights, mismatch_metrics
+from algos.opd import (
+    distribution_reverse_kl,
+    is_loss_term,
+    opd_loss,
+    teacher_kl_metrics,
+    teacher_kl_sums,
+)
+from algos.policy_loss import masked_sample_sum, ppo_clip_loss
 from algos.value import value_loss
+from training.aux_models import OldActors, micro_batch_logprobs
+from training.batching import MicroBatch, make_micro_batch
+from training.colocated_teachers import (
+    kl_coefs,
+    prepare_opd,
+    rows_with,
+    sampled_ratio,
+    student_pass,
+)
+from training.data_parallel import SingleProcess, plan_micro_batches
+from training.state import TrainState
 from transport.schema import Sample
 
 __all__ = ["TrainState", "forward", "train_on_batch"]
@@ -63,7 +77,7 @@ class Prepared:
     ref: torch.Tensor | None = None  # [B, R] reference log-probs
     values: torch.Tensor | None = None  # [B, R] critic values before the step
     returns: torch.Tensor | None = None  # [B, R] critic targets
-    opd: Any = None  # actors.teachers.OpdInputs (distillation runs)
+    opd: Any = None  # training.colocated_teachers.OpdInputs (distillation runs)
 
 
 def forward(state: TrainState, mb: MicroBatch, temperature: float,
@@ -74,7 +88,7 @@ def forward(state: TrainState, mb: MicroBatch, temperature: float,
 
 def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
                    dp: Any = None) -> dict[str, float]:
-    """One optimizer step; with `dp` (actors.dp_train.DataParallel) this rank's share of it."""
+    """One optimizer step; with `dp` (training.data_parallel.DataParallel) this rank's share of it."""
     dp = dp or SingleProcess()
     device = next(state.model.parameters()).device
     state.model.eval()  # no dropout: training and recompute see the same function
@@ -184,8 +198,6 @@ def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg:
     """Teacher signals per micro-batch; "sampled" shapes the (already whitened) advantages
     A - kl_coef * coef * r, so the distillation term keeps its own scale. Returns the seconds
     spent getting the teachers' outputs (forwards, or unpacking server replies)."""
-    from actors.teachers import kl_coefs, prepare_opd, sampled_ratio
-    from algos.opd import teacher_kl_sums
 
     t0 = time.perf_counter()
     inputs = prepare_opd(mbs, [p.old for p in prep], cfg, state.teachers, state.next_teachers)
@@ -205,8 +217,6 @@ def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg:
 def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
               dp: Any) -> dict[str, float]:
     """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency."""
-    from algos.opd import teacher_kl_metrics
-
     stats = {"opd/teacher_time_s": time_s}
     if state.teachers is not None:
         counters = state.teachers.memory.counters
@@ -225,8 +235,6 @@ def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], 
                 num_samples: int, totals: dict[str, float],
                 opd_sums: dict[str, list[float]] | None = None) -> list[torch.Tensor]:
     """Backward of every micro-batch's policy loss; returns the log-probs before the update."""
-    from algos.opd import is_loss_term
-
     by_length = _by_length(cfg, next(state.model.parameters()).device)
     opd_term = getattr(cfg, "opd", None) is not None and any(
         is_loss_term(c.mode) for c in [cfg.opd] + [t.opd for t in cfg.teachers if t.opd])
@@ -234,7 +242,6 @@ def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], 
     state.optimizer.zero_grad(set_to_none=True)
     for mb, p in zip(mbs, prep):
         if opd_term:  # the distribution terms need the student's logits: one forward for all
-            from actors.teachers import student_pass
 
             logp, ent, logits = student_pass(state.model, mb, cfg.temperature)
         else:
@@ -259,8 +266,6 @@ def opd_term_loss(cfg: Any, mb: MicroBatch, inp: Any, logits: torch.Tensor, num_
                   sums: dict[str, list[float]] | None) -> torch.Tensor:
     """Sum over the samples' distinct loss-term OPD configs of kl_coef * sample-mean of the
     teacher-weighted reverse KL on those samples (algos/opd.py)."""
-    from actors.teachers import rows_with
-    from algos.opd import distribution_reverse_kl, is_loss_term, opd_loss, teacher_kl_sums
 
     total = logits.new_zeros(())
     for config in {id(c): c for c in inp.configs if is_loss_term(c.mode)}.values():

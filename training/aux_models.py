@@ -6,7 +6,7 @@ copies tensors in (same names and shapes), `forward` runs on the compute device.
 `AuxModel` keeps its module on the CPU and moves it to the compute device only for the duration
 of a forward (`offload=True`), or leaves it on the device.
 - `AuxModel.logprobs`: the reference policy's response-aligned log-probs of a micro-batch,
-  computed with `models.logprobs` exactly as the policy's (same temperature, positions, padding).
+  computed with `algos.logprobs` exactly as the policy's (same temperature, positions, padding).
 - `CriticModel`: a value model (a causal-LM backbone with a scalar head `Linear(hidden, 1)`) with
   its own AdamW optimizer. The value of response token j is read at position P - 1 + j (the state
   before the token is generated), the same column the token's log-prob comes from.
@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 import torch
 
-from algos.batching import MicroBatch, response_slice
-from models.logprobs import position_ids_from_mask, token_logprobs_and_entropy
+from algos.logprobs import position_ids_from_mask, response_slice, token_logprobs_and_entropy
+from training.batching import MicroBatch
+from training.master_weights import make_optimizer, move_optimizer
 
 
 def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_length: bool = False,
@@ -33,7 +34,7 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
     """Response-aligned [B, R] (log-probs, entropies) of a micro-batch under `model`.
 
     by_length: one unpadded forward per distinct sequence length instead of one padded forward
-    (see actors.train_step: padding changes the fp32 reduction order of attention).
+    (see training.step: padding changes the fp32 reduction order of attention).
     """
     if not by_length:
         logp, ent = token_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask,
@@ -174,7 +175,6 @@ class CriticModel(AuxModel):
                  offload: bool = True):
         super().__init__(ValueModel(causal_lm).train(False), device, offload)
         self.cfg = cfg
-        from actors.master_weights import make_optimizer
 
         dtype = next(self.module.parameters()).dtype
         self.optimizer = make_optimizer(self.module.parameters(), dtype, None, cfg.lr,
@@ -211,8 +211,6 @@ class CriticModel(AuxModel):
                     self._move_optimizer(torch.device("cpu"))
 
     def _move_optimizer(self, device: torch.device) -> None:
-        from actors.master_weights import move_optimizer
-
         move_optimizer(self.optimizer, device)
 
     def checkpoint(self) -> dict[str, Any]:

@@ -25,10 +25,19 @@ from typing import Any
 import msgspec
 import torch
 
-from actors.teacher_logic import TeacherSpec, teacher_order
-from algos.batching import MicroBatch
+from algos.logprobs import (
+    gather_logprobs,
+    logits_to_logprobs,
+    position_ids_from_mask,
+    response_logprobs,
+    response_slice,
+)
 from algos.opd import needs_teacher_logits, sampled_log_ratio
-from models.logprobs import gather_logprobs, logits_to_logprobs, position_ids_from_mask
+from logic.teachers import TeacherSpec, opd_configs, teacher_order
+from memory.layout import FlatLayout, module_tensors
+from memory.manager import WeightMemory
+from models.load import load_model
+from training.batching import MicroBatch
 
 
 class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -53,13 +62,6 @@ class OpdInputs:
     topk_logp: torch.Tensor | None = None  # [B, R, k]
 
 
-def response_logits(logits: torch.Tensor, prompt_lens: torch.Tensor, cols: int) -> torch.Tensor:
-    """[B, L, V] next-token logits -> [B, cols, V] at the positions predicting response tokens."""
-    idx = prompt_lens[:, None] - 1 + torch.arange(cols, device=prompt_lens.device)[None, :]
-    idx = idx.clamp(max=logits.shape[1] - 1)
-    return logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
-
-
 def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
     """Next-token logits [B, L-1, V] of a micro-batch (optionally on `params` of a skeleton)."""
     kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
@@ -74,16 +76,9 @@ def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> to
 def student_pass(model: Any, mb: MicroBatch, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs [B, R], entropies [B, R], logits [B, R, V]) from one forward, the same
-    formulas as models.logprobs (used when an OPD loss term needs the student's logits)."""
-    logits = forward_logits(model, mb)
-    lp = logits_to_logprobs(logits, temperature)
-    ent = -(lp.exp() * lp).sum(-1)
-    tok = gather_logprobs(lp, mb.input_ids[:, 1:])
-    cols = mb.num_response_cols
-    from algos.batching import response_slice
-
-    return (response_slice(tok, mb.prompt_lens, cols), response_slice(ent, mb.prompt_lens, cols),
-            response_logits(logits, mb.prompt_lens, cols))
+    formulas as algos.logprobs (used when an OPD loss term needs the student's logits)."""
+    return response_logprobs(forward_logits(model, mb), mb.input_ids, mb.prompt_lens,
+                             mb.num_response_cols, temperature)
 
 
 class ColocatedTeachers:
@@ -101,9 +96,6 @@ class ColocatedTeachers:
              cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0) -> ColocatedTeachers:
         """Teachers from their checkpoints: the host keeps what its budget holds, the rest is
         written to NVMe (a teacher evicted from the host later is written on its first eviction)."""
-        from memory.layout import FlatLayout, module_tensors
-        from memory.manager import WeightMemory
-        from models.load import load_model
 
         by_arch: dict[str, torch.nn.Module] = {}
         skeletons, loaded = {}, {}
@@ -151,10 +143,8 @@ class ColocatedTeachers:
                     lg = forward_logits(skeleton, mbs[i], params)
                     cols = mbs[i].num_response_cols
                     if logits is True or (logits and name in logits):
-                        out[(name, i)] = response_logits(lg, mbs[i].prompt_lens, cols).float()
+                        out[(name, i)] = response_slice(lg, mbs[i].prompt_lens, cols).float()
                     else:
-                        from algos.batching import response_slice
-
                         lp = gather_logprobs(logits_to_logprobs(lg, temperature),
                                              mbs[i].input_ids[:, 1:])
                         out[(name, i)] = response_slice(lp, mbs[i].prompt_lens, cols)
@@ -189,8 +179,6 @@ def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: An
                 teachers: ColocatedTeachers | None, next_teachers: list[str] = ()
                 ) -> list[OpdInputs]:
     """OPD inputs per micro-batch, from colocated teachers or from server replies."""
-    from actors.teacher_logic import opd_configs
-
     configs = opd_configs(cfg.teachers or [], cfg.opd)
     coefs = {t.name: t.coef for t in (cfg.teachers or [])}
     logit_teachers = {n for n, c in configs.items() if needs_teacher_logits(c.mode)}

@@ -29,8 +29,21 @@ import msgspec
 from transport.codec import Limits
 from transport.metrics import MetricsPublisher
 from transport.rpc import Handler, RpcClient, RpcServer
-from transport.schema import (Ack, Dead, Endpoints, Heartbeat, Msg, Ping, Pong, Ready, Shutdown,
-                              ShutdownReply, StatsReply, StatsRequest, Stopped)
+from transport.schema import (
+    Ack,
+    Dead,
+    Endpoints,
+    Heartbeat,
+    Msg,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    ShutdownReply,
+    StatsReply,
+    StatsRequest,
+    Stopped,
+)
 from transport.shm import ShmConfig
 from transport.sockets import Security, SocketFactory
 from transport.streams import StreamReceiver, StreamSender

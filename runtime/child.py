@@ -1,4 +1,4 @@
-"""Entry point of every actor process: `python -m launch.child SPEC.json`.
+"""Entry point of every actor process: `python -m runtime.child SPEC.json`.
 
 Invariant: a child never outlives its launcher. It asks the kernel for SIGTERM when its parent
 dies (PR_SET_PDEATHSIG) and also watches its parent pid, hard-exiting if an orderly stop does not
@@ -16,8 +16,8 @@ import sys
 
 import msgspec
 
-from actors.base import Actor, ActorContext
-from launch.config import actor_config, import_actor
+from runtime.actor import Actor, ActorContext
+from runtime.loading import actor_config, import_actor
 
 PR_SET_PDEATHSIG = 1
 
@@ -59,7 +59,7 @@ async def main(spec: ChildSpec) -> int:
 def run(argv: list[str]) -> int:
     die_with_parent()
     if len(argv) != 1:
-        print("usage: python -m launch.child SPEC.json", file=sys.stderr)
+        print("usage: python -m runtime.child SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], "rb") as f:
         spec = msgspec.json.decode(f.read(), type=ChildSpec)

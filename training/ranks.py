@@ -1,11 +1,11 @@
 """Data-parallel ranks of the trainer actor: rank 0 is the actor, ranks 1..N-1 processes it starts.
 
 Role: with `dp_size = N > 1` the trainer actor starts N-1 rank processes
-(`python -m actors.trainer_ranks`) on its host. All N join one torch.distributed group (NCCL when
+(`python -m actors.trainer_rank`) on its host. All N join one torch.distributed group (NCCL when
 the trainer's device is CUDA, rank r on the r-th device from the trainer's; gloo on CPU) for the
 step's reductions, plus a gloo group that carries rank 0's commands. Every step rank 0 broadcasts
-the batch (msgpack) and every rank runs `actors.train_step.train_on_batch` with
-`actors.dp_train.DataParallel`: the DP schedule gives each rank its micro-batches, gradients are
+the batch (msgpack) and every rank runs `training.step.train_on_batch` with
+`training.data_parallel.DataParallel`: the DP schedule gives each rank its micro-batches, gradients are
 summed, every rank takes the same optimizer step. The weights therefore stay identical: only rank
 0 pushes weights and writes checkpoints (every rank resumes from the same checkpoint).
 
@@ -20,7 +20,6 @@ after `dp_timeout_s`; a rank whose parent dies gets SIGTERM.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
@@ -34,8 +33,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from actors.dp_train import DataParallel
+from runtime.child import die_with_parent
+from runtime.procs import log_tail, terminate_sync
+from training.data_parallel import DataParallel
+from training.step import train_on_batch
 from transport.schema import Sample
+from transport.sockets import free_port
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ def weight_digest(model: torch.nn.Module) -> float:
     return float(total)
 
 
-class _Ranks:
+class Ranks:
     """What every rank holds: the group, its command channel, the DP reductions."""
 
     def __init__(self, cfg: Any, rank: int, world_size: int, store: Any):
@@ -107,13 +110,10 @@ class _Ranks:
             dist.destroy_process_group()
 
 
-class RankGroup(_Ranks):
+class RankGroup(Ranks):
     """Rank 0's side, inside the trainer actor: starts the other ranks and drives them."""
 
     def __init__(self, cfg: Any, run_dir: str, resume: bool, log_dir: Path):
-        from transport.sockets import free_port
-        from launch.child import die_with_parent
-
         self.procs: list[subprocess.Popen] = []
         self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, cfg.dp_size)]
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ class RankGroup(_Ranks):
                               wait_for_workers=False)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for r, path in zip(range(1, cfg.dp_size), self.logs):
-            cmd = [sys.executable, "-m", "actors.trainer_ranks", "--rank", str(r), "--world-size",
+            cmd = [sys.executable, "-m", "actors.trainer_rank", "--rank", str(r), "--world-size",
                    str(cfg.dp_size), "--port", str(port), "--config", str(config_path),
                    "--run-dir", run_dir] + (["--resume"] if resume else [])
             with open(path, "ab") as f:
@@ -160,8 +160,6 @@ class RankGroup(_Ranks):
 
     def dead_rank(self) -> str:
         """What a rank process that has exited left behind ("" while all live)."""
-        from actors.sglang_worker import log_tail
-
         for r, (p, path) in enumerate(zip(self.procs, self.logs), start=1):
             if p.poll() is not None:
                 return (f"trainer rank {r} exited with code {p.returncode}, log {path}, last "
@@ -181,8 +179,6 @@ class RankGroup(_Ranks):
 
     def train(self, state: Any, samples: list[Sample], cfg: Any,
               next_teachers: list[str] = ()) -> dict[str, float]:
-        from actors.train_step import train_on_batch
-
         self.send(RankCommand("step", samples=samples, next_teachers=list(next_teachers)))
         stats = train_on_batch(state, samples, cfg, self.dp)
         stats["train/dp_size"] = float(self.world_size)
@@ -208,67 +204,12 @@ class RankGroup(_Ranks):
             try:
                 p.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                terminate_sync(p, 0)
         self.close()
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def serve(state: Any, cfg: Any, ranks: _Ranks) -> None:
-    """Ranks 1..N-1: run rank 0's commands until it says stop."""
-    from actors.train_step import train_on_batch
-
-    while True:
-        cmd = ranks.broadcast(None)
-        if cmd.op == "stop":
-            return
-        if cmd.op == "step":
-            state.next_teachers = cmd.next_teachers
-            train_on_batch(state, cmd.samples, cfg, ranks.dp)
-        elif cmd.op == "device":
-            state.to_device(rank_device(cmd.device, ranks.rank))
-        elif cmd.op == "digest":
-            ranks.digests(state.model)
-        else:
-            raise ValueError(f"unknown command {cmd.op!r} from trainer rank 0")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from actors.trainer import TrainerConfig, load_train_state
-    from launch.child import die_with_parent
-
-    die_with_parent()
-    ap = argparse.ArgumentParser(description="a data-parallel rank of the trainer actor "
-                                             "(started by it, not by hand)")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--resume", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
-    cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
-    cfg = rank_config(cfg, args.rank, args.run_dir)
-    timeout = datetime.timedelta(seconds=cfg.dp_timeout_s)
-    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, is_master=False,
-                          timeout=timeout)
-    state = load_train_state(cfg, args.run_dir, args.resume)
-    store.set(f"loaded{args.rank}", "1")
-    ranks = _Ranks(cfg, args.rank, args.world_size, store)
-    try:
-        ranks.check_same_weights(state.model)
-        serve(state, cfg, ranks)
-    finally:
-        ranks.close()
-        if state.teachers is not None:
-            state.teachers.close()
-    return 0
+            terminate_sync(p, 0)
 
 
 def rank_config(cfg: Any, rank: int, run_dir: str) -> Any:
@@ -278,7 +219,3 @@ def rank_config(cfg: Any, rank: int, run_dir: str) -> Any:
     memory = msgspec.structs.replace(cfg.teacher_memory, nvme_dir=f"{nvme}-rank{rank}")
     return msgspec.structs.replace(cfg, device=rank_device(cfg.device, rank), prefetcher="",
                                    teacher_memory=memory)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

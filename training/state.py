@@ -1,7 +1,7 @@
 """The trainer's state: the policy, its optimizer and counters, plus the auxiliary weight sets.
 
 Role: everything a checkpoint holds. `ref` (the frozen reference policy) and `critic` (the value
-model with its optimizer) are `actors.aux_models` weight sets, present only when the configured
+model with its optimizer) are `training.aux_models` weight sets, present only when the configured
 algorithm needs them. Invariant: a checkpoint directory is complete only once
 `trainer_state.pt` exists (written last); the critic's weights and optimizer go in `critic.pt`
 before it. The reference is never saved: it is rebuilt from its source (`ref_model`, or the
@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from memory.layout import module_tensors
+from models.load import save_checkpoint
+from training.master_weights import move_optimizer
+
 
 class TrainState:
     """Model, tokenizer, optimizer and counters: everything a checkpoint holds."""
@@ -23,9 +27,9 @@ class TrainState:
     def __init__(self, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
                  ref: Any = None, critic: Any = None):
         self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
-        self.ref, self.critic = ref, critic  # actors.aux_models.AuxModel / CriticModel or None
-        self.old_actors: Any = None  # actors.aux_models.OldActors, made on first use
-        self.teachers: Any = None  # actors.teachers.ColocatedTeachers (colocated distillation)
+        self.ref, self.critic = ref, critic  # training.aux_models.AuxModel / CriticModel or None
+        self.old_actors: Any = None  # training.aux_models.OldActors, made on first use
+        self.teachers: Any = None  # training.colocated_teachers.ColocatedTeachers (colocated distillation)
         self.next_teachers: list[str] = []  # the buffer's hint: teachers of the next batch
         self.step = 0
         self.version = 0
@@ -35,8 +39,6 @@ class TrainState:
         return self.tokenizer.pad_token_id or 0
 
     def save_weights(self, path: Path) -> None:
-        from models.load import save_checkpoint
-
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(self.model, self.tokenizer, tmp)
@@ -46,8 +48,6 @@ class TrainState:
     def save(self, path: Path) -> None:
         """Model as an HF directory plus optimizer/step/version; the state file is written last,
         so a directory without it is an incomplete checkpoint and is never resumed from."""
-        from models.load import save_checkpoint
-
         path.mkdir(parents=True, exist_ok=True)
         save_checkpoint(self.model, self.tokenizer, path)
         if self.critic is not None:
@@ -62,7 +62,6 @@ class TrainState:
         hf = getattr(self.model, "hf_state_dict", None)  # the megatron backend converts
         if hf is not None:
             return list(hf().items())
-        from memory.layout import module_tensors
 
         return [(n, t.detach()) for n, t in module_tensors(self.model).items()]  # tied: once
 
@@ -96,8 +95,6 @@ class TrainState:
 
     def to_device(self, device: str) -> None:
         """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
-        from actors.master_weights import move_optimizer
-
         self.model.to(device)
         move_optimizer(self.optimizer, device)
 

@@ -1,4 +1,4 @@
-"""`python -m engine.serve --model-path M [--host H] [--port P] [--device D] [--dtype T]`: the
+"""`python -m engine.standalone --model-path M [--host H] [--port P] [--device D] [--dtype T]`: the
 embedded engine as a standalone server process, outside any actor.
 
 Role: the embedded counterpart of `python -m sglang.launch_server` (same names for the options
@@ -21,7 +21,7 @@ from models.load import parse_dtype
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m engine.standalone", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True, help="HF checkpoint dir or tiny model name")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,9 +1,6 @@
-"""GRPO advantages and the PPO-clip policy loss, as pure tensor functions.
+"""The PPO-clip policy loss and the sample-mean reduction every loss term shares.
 
 Conventions (the same as slime's defaults, see the project's design notes):
-- group-normalised rewards: `A = (r - mean_group) / (std_group + 1e-6)`, std unbiased; with
-  `std_normalization=False` (Dr.GRPO) only the mean is removed; the scalar advantage is broadcast
-  to every response token;
 - `ratio = exp(logp - old_logp)`, `L = max(-ratio*A, -clamp(ratio, 1-eps, 1+eps_high)*A)`, clip
   fraction = share of tokens where the clipped term is the larger;
 - reduction is the *sample mean*: each sample's masked token mean, summed, divided by the number
@@ -17,18 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-
-def grpo_advantages(rewards: torch.Tensor, group_size: int, std_normalization: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """rewards: [num_samples] ordered by group (group_size consecutive samples per prompt)."""
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if std_normalization and group_size > 1:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.view(-1)
 
 
 @dataclass

@@ -1,0 +1,30 @@
+"""Every megatron-core name the backend uses, imported in one place.
+
+Role: the backend's one import of the optional dependency: megatron-core warns at import that
+Apex and Transformer Engine are absent (it falls back to torch), which is expected here and would
+otherwise be raised as an error under `-W error`; a missing install gets one clear message.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+try:
+    with warnings.catch_warnings():  # megatron warns at import that Apex/TE are absent
+        warnings.simplefilter("ignore")
+        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import Float16Module, param_is_not_shared
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("the megatron backend needs megatron-core: pip install 'rlx[megatron]'"
+                      ) from exc
+
+__all__ = ["Float16Module", "GPTModel", "TransformerConfig", "dist_checkpointing",
+           "get_forward_backward_func", "get_gpt_layer_local_spec",
+           "get_transformer_layer_offset", "param_is_not_shared",
+           "param_is_not_tensor_parallel_duplicate", "parallel_state", "tensor_parallel"]

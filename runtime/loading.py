@@ -1,0 +1,43 @@
+"""Actor classes by dotted path and their validated config: what the launcher checks before
+anything starts and what every child process does first.
+
+Errors are `ConfigError` (a ValueError) naming where the bad value came from (`where`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import msgspec
+
+from runtime.actor import Actor
+
+
+class ConfigError(ValueError):
+    """A mistake in hosts.toml; the message names the file, table and field to change."""
+
+
+def import_actor(dotted: str, where: str = "actor class") -> type:
+    module_name, _, attr = dotted.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{where}: {dotted!r} is not 'package.module:ClassName'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{where}: cannot import {dotted!r}: {e}") from None
+    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        raise ConfigError(f"{where}: {dotted!r} is not a subclass of runtime.actor.Actor")
+    return obj
+
+
+def actor_config(cls: type, raw: dict[str, Any], where: str) -> Any:
+    try:
+        return msgspec.convert(raw, cls.Config)
+    except msgspec.ValidationError as e:
+        problem, _, at = str(e).partition(" - at `")
+        keys = re.findall(r"\.([A-Za-z0-9_\-]+)", at)
+        named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
+        field = named.group(1) if named else (keys[-1] if keys else "?")
+        raise ConfigError(f"{where}, field `{field}`: {problem}") from None

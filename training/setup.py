@@ -1,0 +1,80 @@
+"""Building the trainer's state from its config: the policy (torch or megatron backend), its
+optimizer, the reference and critic, colocated teachers, and the latest checkpoint on resume.
+
+Role: the one place every trainer rank (the actor's rank 0 and the data-parallel rank
+processes) loads its state, so all ranks start from identical weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.load import load_model
+from training.aux_models import AuxModel, CriticModel
+from training.colocated_teachers import ColocatedTeachers
+from training.master_weights import make_optimizer
+from training.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def build_aux_models(cfg: Any, policy: torch.nn.Module):
+    """(reference, critic) weight sets the configured algorithm needs, or None each."""
+    def source(path: str) -> torch.nn.Module:
+        if not path and policy is not None:
+            return policy
+        if not path:  # a megatron policy: the reference/critic are transformers models
+            path = cfg.model
+        return load_model(path, cfg.device, getattr(torch, cfg.dtype), cfg.seed)[0]
+
+    ref = (AuxModel.frozen_copy(source(cfg.ref_model), cfg.device, cfg.offload_aux_models)
+           if cfg.kl_coef > 0 else None)
+    critic = (CriticModel(source(cfg.critic.model), cfg.device, cfg.critic, cfg.offload_aux_models)
+              if cfg.critic is not None else None)
+    return ref, critic
+
+
+def load_train_state(cfg: Any, run_dir: str, resume: bool) -> TrainState:
+    """The policy (torch or megatron backend), optimizer, aux models; resumed when asked."""
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.backend == "megatron":
+        model, tokenizer = load_megatron(cfg, dtype)
+    else:
+        model, tokenizer = load_model(cfg.model, cfg.device, dtype, cfg.seed)
+    model.train()
+    opt = make_optimizer(model.parameters(), dtype, cfg.master_weights, cfg.lr, cfg.weight_decay)
+    hf_policy = model if cfg.backend == "torch" else None
+    ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
+    state = TrainState(model, tokenizer, opt, ref, critic)
+    if cfg.teachers:
+        state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
+                                                cfg.teacher_memory, run_dir, cfg.seed)
+    latest = latest_checkpoint(Path(run_dir) / "checkpoints")
+    if resume and latest is not None:
+        state.load(latest, cfg.device)
+        log.info("resumed from %s (step %d)", latest, state.step)
+    return state
+
+
+def load_megatron(cfg: Any, dtype: torch.dtype):
+    """A one-rank megatron-core model (TP = PP = 1 inside the actor; multi-rank megatron runs
+    use backends.megatron directly under torchrun)."""
+    # megatron-core is an optional dependency: imported only when the megatron backend is used
+    from backends.megatron.model import initialize_parallel, load_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+        initialize_parallel(1, 1, cfg.seed)
+    return load_model(cfg.model, cfg.megatron, cfg.device, dtype, cfg.seed)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    done = sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists())
+    return done[-1] if done else None
