@@ -5,16 +5,24 @@ when a full batch of fresh-enough groups is ready) and announces new weight vers
 (VersionUpdate); the rollout asks for permits (RolloutPermit) so that it never runs more than
 `max_staleness` versions ahead. Every decision is made by the pure RolloutBuffer; this actor only
 waits, wakes and reports.
+
+Invariant: input is checked (logic.buffer's checks) before it changes any state. A bad request is
+answered with an ErrorReply(invalid_value) naming the field and values; a bad SampleGroup (no
+reply path) is dropped whole, counted (`inbox.refused_invalid`) and logged at a limited rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Callable
 
-from logic.buffer import BufferConfig, RolloutBuffer
+from logic.buffer import BufferConfig, RolloutBuffer, check_group, check_version
 from runtime.actor import Actor
 from transport.schema import (
     Ack,
+    ErrorCode,
+    ErrorReply,
     GetBatch,
     Msg,
     Permit,
@@ -23,6 +31,9 @@ from transport.schema import (
     TrainBatch,
     VersionUpdate,
 )
+from transport.sockets import RateLimitedLog
+
+log = logging.getLogger(__name__)
 
 
 class BufferActor(Actor):
@@ -34,6 +45,7 @@ class BufferActor(Actor):
         self.changed = asyncio.Condition()
         self.trainer_version = -1  # unknown until the trainer announces itself
         self.trainer_step = 0
+        self._log = RateLimitedLog(log)
 
     def rpc_handlers(self):
         return {RolloutPermit: self.permit, GetBatch: self.get_batch,
@@ -43,18 +55,26 @@ class BufferActor(Actor):
         if not isinstance(msg, SampleGroup):
             self.counters["inbox.unexpected"] += 1
             return
+        if self._invalid(msg, lambda: check_group(msg.samples, self.config)):
+            return
         for sample in msg.samples:
             self.logic.add(sample)
         await self._notify()
 
-    async def permit(self, msg: RolloutPermit) -> Permit:
+    async def permit(self, msg: RolloutPermit) -> Permit | ErrorReply:
+        if msg.batch_index < 0:
+            return self._invalid(msg, lambda: self.logic.may_start_batch(msg.batch_index, 0))
         async with self.changed:
             await self.changed.wait_for(lambda: self.trainer_version >= 0 and
                                         self.logic.may_start_batch(msg.batch_index,
                                                                    self.trainer_version))
         return Permit(trainer_version=self.trainer_version, start_batch=self.trainer_step)
 
-    async def get_batch(self, msg: GetBatch) -> TrainBatch:
+    async def get_batch(self, msg: GetBatch) -> TrainBatch | ErrorReply:
+        refused = self._invalid(msg, lambda: check_version(
+            "trainer_version", self.trainer_version, msg.trainer_version, msg.step))
+        if refused:
+            return refused
         self.trainer_version, self.trainer_step = msg.trainer_version, msg.step
         self.logic.set_trainer_version(msg.trainer_version)
         batch = None
@@ -71,11 +91,28 @@ class BufferActor(Actor):
         return TrainBatch(step=msg.step, samples=batch, counters=dict(self.logic.counters),
                           next_teachers=self.logic.upcoming_teachers())
 
-    async def version_update(self, msg: VersionUpdate) -> Ack:
+    async def version_update(self, msg: VersionUpdate) -> Ack | ErrorReply:
+        refused = self._invalid(msg, lambda: check_version(
+            "version", self.trainer_version, msg.version, msg.step))
+        if refused:
+            return refused
         self.trainer_version, self.trainer_step = msg.version, msg.step
         self.logic.set_trainer_version(msg.version)
         await self._notify()
         return Ack()
+
+    def _invalid(self, msg: Msg, check: Callable[[], object]) -> ErrorReply | None:
+        """None if `check()` passes; else counts and logs the refusal and returns the answer."""
+        try:
+            check()
+            return None
+        except ValueError as e:
+            rtype = type(msg).__name__
+            self.counters[f"buffer.refused_{rtype}"] += 1
+            if isinstance(msg, SampleGroup):
+                self.counters["inbox.refused_invalid"] += 1
+            self._log.warning(f"invalid:{rtype}", f"{self.name}: refused {rtype}: {e}")
+            return ErrorReply(code=ErrorCode.INVALID_VALUE, message=str(e), request_type=rtype)
 
     async def _notify(self) -> None:
         async with self.changed:

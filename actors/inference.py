@@ -10,14 +10,18 @@ engine's forward thread are all closed, whatever point start-up had reached.
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 
 import msgspec
 import torch
 
 from engine.scheduler import Scheduler
 from engine.server import EngineServer, start_server
-from models.load import parse_dtype
 from runtime.actor import Actor
+from transport.dtypes import model_dtype
+
+log = logging.getLogger(__name__)
 
 
 class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -25,12 +29,15 @@ class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     device: str = "cpu"  # torch device the model runs on
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
     host: str = "127.0.0.1"  # address the HTTP server binds
-    port: int = 0  # HTTP port; 0 = any free port (the bound one is in endpoints.http)
+    port: int = 0  # HTTP port; 0 = a free port, kept across restarts (endpoints.http has it)
     max_batch_size: int = 64  # most requests decoded together in one wave
     batch_wait_ms: float = 5.0  # how long requests are collected before a wave starts
     seed: int = 0  # tiny-model init seed; also seeds requests that carry no sampling_seed
     weight_version: str = "0"  # weight version reported until the first weight update
     metrics_interval_s: float = 1.0  # how often device memory and engine counters are published
+    # on (re)start, load the newest weight version the trainer wrote under <run_dir>/weights
+    # (weight_sync = "disk") before serving, so a restarted worker serves current weights
+    catch_up: bool = True
 
 
 class InferenceWorker(Actor):
@@ -46,18 +53,32 @@ class InferenceWorker(Actor):
     async def on_start(self) -> None:
         cfg = self.config
         self.scheduler = await Scheduler.create(
-            cfg.model, device=cfg.device, dtype=parse_dtype(cfg.dtype), seed=cfg.seed,
+            cfg.model, device=cfg.device, dtype=model_dtype(cfg.dtype), seed=cfg.seed,
             max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms,
             weight_version=cfg.weight_version)
         self.scheduler.on_memory_change = self._publish_memory  # every phase switch, exactly
         self.spawn(self.scheduler.run(), "scheduler")
+        if cfg.catch_up and self.ctx.run_dir:
+            await self._catch_up(Path(self.ctx.run_dir) / "weights")
         info = {"model_path": cfg.model, "tokenizer_path": cfg.model, "host": cfg.host,
                 "device": cfg.device, "dtype": cfg.dtype, "random_seed": cfg.seed,
                 "batch_wait_ms": cfg.batch_wait_ms}
         self.server = EngineServer(self.scheduler, info)
-        self._runner, port = await start_server(self.server, cfg.host, cfg.port)
+        self._runner, port = await start_server(self.server, cfg.host,
+                                                self.stable_port("http", cfg.host, cfg.port))
         info["port"] = port
         self.bound.http = f"http://{cfg.host}:{port}"
+
+    async def _catch_up(self, folder: Path) -> None:
+        """Load the newest complete version in `folder` (v<N> directories); a partial one (the
+        trainer died while writing it) is skipped for the one before."""
+        versions = sorted((int(p.name[1:]), p) for p in folder.glob("v*") if p.name[1:].isdigit())
+        for version, path in reversed(versions):
+            ok, message, _ = await self.scheduler.update_weights_from_disk(str(path), str(version))
+            if ok:
+                log.info("%s: caught up to weight version %d (%s)", self.name, version, path)
+                return
+            log.warning("%s: cannot load weight version %d: %s", self.name, version, message)
 
     async def run(self) -> None:
         """Publish what the worker holds on its device, and whether its memory is released, so

@@ -11,6 +11,7 @@ Every `eval_every` batches it scores the eval tasks of each domain greedily.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -22,7 +23,7 @@ from engine.client import SglangClient
 from engine.session import HttpSession
 from envs.loader import load_envs
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor
+from runtime.actor import Actor, EndRun
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     eval_tasks: int = 64  # eval tasks per domain
     num_batches: int = 0  # stop after this many batches (0 = until the run ends)
     retries: int = 3  # attempts per turn after the first
+    # the run fails (exit 1) after this many consecutive batches in which every group failed
+    # (no episode of any task succeeded); 0 = never
+    max_failed_batches: int = 3
+    failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
     request_timeout_s: float = 120.0
     permit_timeout_s: float = 3600.0  # how long to wait for the trainer
 
@@ -65,12 +70,10 @@ class RolloutActor(Actor):
 
     @classmethod
     def check_config(cls, config: RolloutConfig) -> None:
-
         check_model_path(config.model)
         load_envs([msgspec.to_builtins(e) for e in config.envs])
 
     async def on_start(self) -> None:
-
         cfg = self.config
         self.envs = load_envs([msgspec.to_builtins(e) for e in cfg.envs])
         self.tokenizer = load_tokenizer(cfg.model)
@@ -79,6 +82,7 @@ class RolloutActor(Actor):
         self.buffer = await self.connect(cfg.buffer)
         self.out = self.stream_to(cfg.sink or cfg.buffer)
         self.gate = asyncio.Semaphore(cfg.max_concurrency)
+        self.failed_batches, self.last_notice, self.last_failure = 0, -1e9, ""
 
     def rpc_handlers(self):
         return {EvalRequest: self.eval_request}
@@ -94,8 +98,9 @@ class RolloutActor(Actor):
         tasks = self.envs.tasks("train", cfg.seed)
         tasks = itertools.islice(tasks, batch_index * cfg.groups_per_batch, None)
         while cfg.num_batches == 0 or batch_index < cfg.num_batches:
-            permit = await self.buffer.call(RolloutPermit(batch_index=batch_index),
-                                            cfg.permit_timeout_s)
+            async with self.waiting_for(f"{cfg.buffer}'s permit for batch {batch_index}"):
+                permit = await self.buffer.call(RolloutPermit(batch_index=batch_index),
+                                                cfg.permit_timeout_s)
             if cfg.eval_every and batch_index % cfg.eval_every == 0:
                 await self.evaluate(batch_index)
             batch = [next(tasks) for _ in range(cfg.groups_per_batch)]
@@ -103,6 +108,7 @@ class RolloutActor(Actor):
             groups = await asyncio.gather(*(self.play_group(task, f"b{batch_index}-g{j}")
                                             for j, task in enumerate(batch)))
             self.report(batch_index, permit.trainer_version, groups, time.monotonic() - t0)
+            self.check_failures(batch_index, groups)
             batch_index += 1
 
     async def play_group(self, task, group_id: str) -> list:
@@ -128,6 +134,9 @@ class RolloutActor(Actor):
                 return session.to_sample(group_id, index, domain, reward)
             except Exception as e:  # an env or generation failure fails this sample only
                 self.counters["episodes_failed"] += 1
+                self.counters[f"episodes_failed/{domain}"] += 1
+                self.last_failure = (f"{domain} task {task.id!r} (episode {group_id}-{index}): "
+                                     f"{type(e).__name__}: {e}")
                 log.warning("%s: episode %s-%d failed: %s", self.name, group_id, index, e)
                 return session.to_sample(group_id, index, domain, 0.0, status="failed",
                                          error="".join(traceback.format_exception_only(e)))
@@ -151,6 +160,26 @@ class RolloutActor(Actor):
         log.info("%s: eval at batch %d: %s", self.name, batch_index, scores)
         return scores, {d: len(t) for d, t in by_domain.items()}
 
+    def check_failures(self, batch_index: int, groups: list) -> None:
+        """Failing episodes reach the console (per domain, with the last exception and task);
+        `max_failed_batches` batches in a row with no successful group end the run."""
+        failed = [s for g in groups for s in g if s.status != "ok"]
+        dead_groups = sum(all(s.status != "ok" for s in g) for g in groups)
+        self.failed_batches = self.failed_batches + 1 if dead_groups == len(groups) else 0
+        limit = self.config.max_failed_batches
+        if limit and self.failed_batches >= limit:
+            raise EndRun(f"every episode of {limit} consecutive batches failed (batch "
+                         f"{batch_index}); last failure: {self.last_failure}; fix the "
+                         f"environment or raise rollout max_failed_batches")
+        now = time.monotonic()
+        if failed and now - self.last_notice >= self.config.failure_notice_interval_s:
+            self.last_notice = now
+            by_domain = collections.Counter(s.domain for s in failed)
+            total = sum(len(g) for g in groups)
+            self.notify(f"{len(failed)}/{total} episodes failed in batch {batch_index} ("
+                        + ", ".join(f"{d}: {n}" for d, n in sorted(by_domain.items()))
+                        + f"); last: {self.last_failure}")
+
     def report(self, batch_index: int, trainer_version: int, groups: list, wall_s: float) -> None:
         samples = [s for g in groups for s in g]
         tokens = sum(sum(s.loss_mask) for s in samples)
@@ -163,5 +192,6 @@ class RolloutActor(Actor):
             values[f"rollout/reward/{domain}"] = sum(s.reward for s in mine) / len(mine)
             values[f"rollout/response_len/{domain}"] = sum(
                 len(s.response_ids) for s in mine) / len(mine)
+            values[f"rollout/failed/{domain}"] = sum(s.status != "ok" for s in mine)
         if self.metrics:
             self.metrics.publish(values, step=batch_index)

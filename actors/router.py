@@ -20,6 +20,7 @@ import msgspec
 
 from engine.client import wait_for_health
 from runtime.actor import Actor
+from runtime.child import die_with_parent
 from runtime.passthrough import refuse_owned, render
 from runtime.procs import terminate
 from transport.sockets import free_port
@@ -35,7 +36,6 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     health_timeout_s: float = 60.0  # the router must answer /health within this
     dynamic_workers: bool = False  # workers register themselves (POST /workers); may start empty
     router: dict[str, Any] = {}  # sglang-router options, passed through as --key value
-    router_args: dict[str, Any] = {}  # older name of `router`; `router` wins on a shared key
 
 
 def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list[str]:
@@ -47,7 +47,7 @@ def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list
         cmd += ["--policy", cfg.policy]
     else:
         cmd += ["--then-policy", cfg.policy]
-    options = {**cfg.router_args, **cfg.router}
+    options = dict(cfg.router)
     if "prometheus_port" not in options:  # its fixed default collides between routers
         cmd += ["--prometheus-port", str(free_port(cfg.host))]
     return cmd + render(options)
@@ -63,7 +63,7 @@ class RouterActor(Actor):
 
     @classmethod
     def check_config(cls, config: RouterConfig) -> None:
-        refuse_owned({**config.router_args, **config.router}, OWNED, "router")
+        refuse_owned(config.router, OWNED, "router")
 
     async def on_start(self) -> None:
         cfg = self.config
@@ -72,10 +72,10 @@ class RouterActor(Actor):
         if not urls and not cfg.dynamic_workers:
             raise ValueError(f"{self.name}: no inference workers; list them in `after`, or set "
                              f"dynamic_workers = true for workers that register themselves")
-        port = cfg.port or free_port(cfg.host)
+        port = self.stable_port("http", cfg.host, cfg.port)  # kept across restarts
         self.proc = await asyncio.create_subprocess_exec(
             *router_command(cfg, urls, port), start_new_session=True,
-            stdout=None, stderr=None)
+            stdout=None, stderr=None, preexec_fn=die_with_parent)  # dies with this actor
         self.bound.http = f"http://{cfg.host}:{port}"
         await self._wait_healthy(cfg.health_timeout_s)
 

@@ -56,7 +56,6 @@ from runtime.actor import Actor
 from runtime.child import die_with_parent
 from runtime.passthrough import refuse_owned, render
 from runtime.procs import log_tail, terminate
-from transport.sockets import free_port
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ class SglangWorker(Actor):
     async def on_start(self) -> None:
         cfg = self.config
         self.check_config(cfg)
-        port = cfg.port or free_port(cfg.host)
+        port = self.stable_port("http", cfg.host, cfg.port)  # kept across restarts
         self.url = f"http://{cfg.host}:{port}"
         await self._spawn(server_command(cfg, port))
         await self._wait_healthy()

@@ -12,19 +12,20 @@ import datetime
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch.distributed as dist
 
 from actors.trainer import TrainerConfig
 from runtime.child import die_with_parent
+from training.config import TrainConfig
 from training.ranks import Ranks, rank_config, rank_device
 from training.setup import load_train_state
+from training.state import TrainState
 from training.step import train_on_batch
 
 
-def serve(state: Any, cfg: Any, ranks: Ranks) -> None:
+def serve(state: TrainState, cfg: TrainConfig, ranks: Ranks) -> None:
     """Ranks 1..N-1: run rank 0's commands until it says stop."""
     while True:
         cmd = ranks.broadcast(None)
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
     cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
-    cfg = rank_config(cfg, args.rank, args.run_dir)
-    timeout = datetime.timedelta(seconds=cfg.dp_timeout_s)
+    cfg = msgspec.structs.replace(rank_config(cfg, args.rank, args.run_dir), prefetcher="")
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     store = dist.TCPStore("127.0.0.1", args.port, args.world_size, is_master=False,
                           timeout=timeout)
     state = load_train_state(cfg, args.run_dir, args.resume)

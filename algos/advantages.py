@@ -1,4 +1,4 @@
-"""Advantages: every estimator by name, its primitives, and whitening across micro-batches and ranks.
+"""Advantages: every estimator by name, its primitives, whitening across micro-batches and ranks.
 
 Role: one entry point the trainer uses for every estimator, so that single-process and
 data-parallel training compute the same advantages. `advantage_estimator` is one of:

@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from actors.trainer import TrainerConfig
 from models.load import load_model, load_tokenizer
+from training.config import MicroBatchConfig, OptimizerConfig
 from training.data_parallel import DataParallel
 from training.master_weights import make_optimizer
 from training.step import TrainState, train_on_batch
+from transport.dtypes import model_dtype
 from transport.schema import Sample
 
 
@@ -44,10 +46,11 @@ def make_batch(num_samples: int, group_size: int, vocab: int, max_len: int) -> l
 
 def one_step(args, samples, dp=None) -> tuple[dict[str, torch.Tensor], float]:
     cfg = TrainerConfig(model=args.model, workers=["w"], device=args.device, dtype=args.dtype,
-                        max_tokens_per_mb=args.max_tokens_per_mb, lr=1e-5)
-    model, tok = load_model(args.model, args.device, getattr(torch, args.dtype), seed=0)
-    state = TrainState(model, tok, make_optimizer(model.parameters(), getattr(torch, args.dtype),
-                                                  None, cfg.lr))  # the trainer's default
+                        micro_batches=MicroBatchConfig(max_tokens=args.max_tokens_per_mb),
+                        optimizer=OptimizerConfig(lr=1e-5))
+    model, tok = load_model(args.model, args.device, model_dtype(args.dtype), seed=0)
+    state = TrainState(model, tok, make_optimizer(model.parameters(), model_dtype(args.dtype),
+                                                  None, cfg.optimizer.lr))  # trainer's default
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
     t0 = time.perf_counter()

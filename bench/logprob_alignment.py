@@ -39,6 +39,7 @@ from models.load import load_model, load_tokenizer
 from runtime.actor import ActorContext
 from training.batching import make_micro_batch
 from training.step import TrainState, forward
+from transport.dtypes import model_dtype
 from transport.schema import Endpoints
 
 PROMPTS = ["12+7=", "rev abcd=", "3+4=", "rev xyz=", "8+8=", "rev hello=", "1+9=", "rev ab="]
@@ -113,7 +114,7 @@ def attribute(net, samples, mb, batched: torch.Tensor, temperature: float) -> di
 def measure(model: str, device: str, dtype: str, temperature: float, max_new: int,
             num_prompts: int, with_attribution: bool):
     samples = asyncio.run(sample(model, device, dtype, temperature, max_new, num_prompts))
-    net, tokenizer = load_model(model, device, getattr(torch, dtype))
+    net, tokenizer = load_model(model, device, model_dtype(dtype))
     state = TrainState(net, tokenizer, torch.optim.SGD(net.parameters(), lr=0.0))
     mb = make_micro_batch(samples, tokenizer.pad_token_id or 0).to(device)
     with torch.no_grad():

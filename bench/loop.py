@@ -69,12 +69,12 @@ env = {{ OMP_NUM_THREADS = "{threads}" }}
 model = "{model}"
 workers = ["worker0", "worker1"]
 num_steps = {steps}
-lr = 1e-4
-micro_batch_size = 64
 device = "{device}"
 dtype = "{dtype}"
 mode = "{mode}"
-dp_size = {dp}
+optimizer = {{ lr = 1e-4 }}
+micro_batches = {{ size = 64 }}
+parallel = {{ dp = {dp} }}
 """
 
 

@@ -30,6 +30,7 @@ from actors.trainer import TrainerConfig
 from algos.logprobs import token_logprobs_and_entropy
 from backends.megatron import cpu_shim
 from models.tiny import build_char_tokenizer
+from training.config import MicroBatchConfig, OptimizerConfig
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
@@ -107,9 +108,9 @@ def step_time(args, model, device: str) -> float:
     """Mean seconds of one bf16 train_on_batch step after one warm-up step."""
     tok = build_char_tokenizer()  # only its pad id is read
     state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-6))
-    cfg = TrainerConfig(model="bench", workers=["w"], micro_batch_size=args.micro_batch_size,
-                        dtype="bfloat16", device=device,
-                        grad_clip=1.0 if args.tp == 1 else 0.0)
+    cfg = TrainerConfig(model="bench", workers=["w"], dtype="bfloat16", device=device,
+                        micro_batches=MicroBatchConfig(size=args.micro_batch_size),
+                        optimizer=OptimizerConfig(grad_clip=1.0 if args.tp == 1 else 0.0))
     samples = make_samples(args)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     train_on_batch(state, samples, cfg)

@@ -28,9 +28,11 @@ from logic.teachers import TeacherSpec
 from memory.layout import FlatLayout, bind
 from memory.manager import WeightMemory
 from training.colocated_teachers import ColocatedTeachers, meta_skeleton
+from training.config import MicroBatchConfig
 from training.master_weights import make_optimizer
 from training.state import TrainState
 from training.step import train_on_batch
+from transport.dtypes import dtype_name, model_dtype
 from transport.schema import Sample
 
 
@@ -99,11 +101,12 @@ def step_time(args, mode: str, dtype, device: str) -> float:
                     lookahead=0 if mode == "sync" else 1, dtype=dtype, device=device)
     torch.manual_seed(0)
     model = qwen2(args, dtype, device)
-    cfg = TrainerConfig(model="random", workers=["w"], micro_batch_size=args.micro_batch,
-                        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+    cfg = TrainerConfig(model="random", workers=["w"],
+                        dtype=dtype_name(dtype),
                         opd=OpdConfig(mode="sampled", kl_coef=1.0),
                         teachers=[TeacherSpec(name=n, model="random") for n in names],
-                        forward_by_length=False)
+                        micro_batches=MicroBatchConfig(size=args.micro_batch,
+                                                       forward_by_length=False))
     state = TrainState(model, _Tok(), make_optimizer(model.parameters(), dtype, None, 1e-5))
     state.teachers = pool
     samples = batch(args, names)
@@ -150,7 +153,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
-    dtype = getattr(torch, args.dtype)
+    dtype = model_dtype(args.dtype)
     params = sum(t.numel() for t in qwen2(args, dtype, "meta").state_dict().values())
     print(f"student and each teacher: {params / 1e9:.2f}B params, {args.samples} samples x "
           f"{args.seq} tokens per step", flush=True)

@@ -28,7 +28,8 @@ import torch
 from algos.logprobs import token_logprobs
 from engine.client import SglangClient
 from engine.weight_sync import DiskSync, DistributedSync, TensorSync
-from models.load import load_model, parse_dtype, save_checkpoint
+from models.load import load_model, save_checkpoint
+from transport.dtypes import model_dtype
 from transport.sockets import free_port
 
 PROMPT = [5, 6, 41, 7, 44]
@@ -79,7 +80,7 @@ async def run_path(path: str, args, model, clients, tmp: str, version: int) -> f
 
 
 async def main(args) -> None:
-    model, args.tokenizer = load_model(args.model, args.trainer_device, parse_dtype(args.dtype))
+    model, args.tokenizer = load_model(args.model, args.trainer_device, model_dtype(args.dtype))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     procs, clients = [], []
     try:

@@ -72,7 +72,9 @@ from engine.sampling import (
     sample_token,
     top_list,
 )
+from memory.safetensors_io import load_safetensors
 from models.load import load_model
+from models.tiny import TINY
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineClosed", "EngineError", "EngineUnavailable",
            "GenRequest", "GenResult", "SamplingParams", "Scheduler", "cache_kwarg"]
@@ -509,20 +511,27 @@ class Scheduler:
         return not s.input_done and s.req.return_logprob and s.req.logprob_start_len >= 0
 
     def _load_into_model(self, source: str) -> None:
-        """Copy the weights of `source` into the live model (same names and shapes required)."""
-        new_model, _ = load_model(source, self.device, self.dtype, self.seed)
-        new_state, state = new_model.state_dict(), self.model.state_dict()
-        if set(new_state) != set(state):
-            missing, extra = set(state) - set(new_state), set(new_state) - set(state)
-            raise ValueError(f"checkpoint does not match the model: missing "
-                             f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
-        for name, tensor in state.items():
-            if tensor.shape != new_state[name].shape:
-                raise ValueError(f"shape of {name}: model {tuple(tensor.shape)}, checkpoint "
-                                 f"{tuple(new_state[name].shape)}")
+        """Copy the weights of `source` (a checkpoint's safetensors, or a built-in tiny model
+        name) into the live model; every name and shape is checked before anything changes. A
+        tied weight (lm_head sharing the embeddings) may be absent, as `save_pretrained` omits it."""
+        if source in TINY:
+            new = load_model(source, self.device, self.dtype, self.seed)[0].state_dict()
+        else:
+            new = load_safetensors(source, device=self.device, dtype=self.dtype)
+        state = self.model.state_dict()
+        present = {state[n].data_ptr() for n in new if n in state}
+        missing = [n for n, t in state.items() if n not in new and t.data_ptr() not in present]
+        unexpected = sorted(set(new) - set(state))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {source} does not match the model: missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in new.items():
+            if state[name].shape != tensor.shape:
+                raise ValueError(f"shape of {name}: model {tuple(state[name].shape)}, checkpoint "
+                                 f"{tuple(tensor.shape)}")
         with torch.no_grad():
-            for name, tensor in state.items():
-                tensor.copy_(new_state[name])
+            for name, tensor in new.items():
+                state[name].copy_(tensor)
 
     def _free_weights(self) -> None:
         self._param_shapes = {}

@@ -3,7 +3,9 @@
 Role: lets everything that talks to SGLang (our `engine.client.SglangClient`, slime-style rollout
 code, sglang-router) talk to this CPU engine unchanged. Invariant: request fields, response
 fields and their shapes are SGLang's; a malformed request gets HTTP 400 with SGLang's error body
-`{"error": {"message": ...}}` and never disturbs the engine.
+`{"error": {"message": ...}}` and never disturbs the engine; a body over `max_body_bytes` gets
+413 before it is read, and JSON is parsed only within bounds (engine.weight_endpoints.parse_json),
+so no input blocks the event loop for long or answers 500.
 
 Matched against (read in the public sglang sources, no server was run):
 - `python/sglang/srt/entrypoints/http_server.py` (sgl-project/sglang, 2025-2026 main branch,
@@ -45,7 +47,6 @@ Deliberate differences / not confirmed:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import uuid
@@ -61,10 +62,19 @@ from engine.scheduler import (
     SamplingParams,
     Scheduler,
 )
-from engine.weight_endpoints import WeightEndpoints
+from engine.weight_endpoints import (
+    MAX_BODY_BYTES,
+    MAX_TENSOR_BODY_BYTES,
+    BodyError,
+    WeightEndpoints,
+    parse_json,
+    read_body,
+)
 
 VERSION = "rlx-engine-0.1 (SGLang native API subset)"
 HEALTH_TIMEOUT_S = 20.0
+INT64 = (-(1 << 63), 1 << 63)  # integer request fields must lie in [lo, hi)
+MAX_CHARS_PER_TOKEN = 64  # a text prompt longer than context_len * this is refused untokenized
 
 # Top-level /generate fields: accepted, or accepted only at SGLang's default value.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
@@ -89,19 +99,29 @@ SAMPLING_IGNORED = {"spaces_between_special_tokens", "stream_interval"}
 
 
 class RequestError(ValueError):
-    """A malformed request; the message tells the caller what to change."""
+    """A malformed request; the message tells the caller what to change. HTTP `status`: 400,
+    or 413 for a body over a size limit."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 # ----------------------------------------------------------------------------- pure parsing
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """A JSON integer that fits in int64 (bigger ones are refused like wrong types)."""
+    return isinstance(x, int) and not isinstance(x, bool) and INT64[0] <= x < INT64[1]
 
 
 def _is_num(x: Any) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+    """A finite JSON number (an integer too big for a float is not one)."""
+    return _is_int(x) or isinstance(x, float) and math.isfinite(x)
 
 
-def _token_list(x: Any, vocab_size: int, what: str) -> list[int]:
+def _token_list(x: Any, vocab_size: int, what: str, context_len: int) -> list[int]:
+    if isinstance(x, list) and len(x) >= context_len:  # checked first: cheap for huge lists
+        raise RequestError(f"The input ({len(x)} tokens) is longer than the model's context "
+                           f"length ({context_len} tokens).")
     if not isinstance(x, list) or not x or not all(_is_int(t) for t in x):
         raise RequestError(f"{what} must be a non-empty list of integer token ids")
     bad = [t for t in x if not 0 <= t < vocab_size]
@@ -110,21 +130,29 @@ def _token_list(x: Any, vocab_size: int, what: str) -> list[int]:
     return x
 
 
-def parse_prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], bool]:
-    """(token ids per prompt, is_batch) from `text` or `input_ids` (exactly one of them)."""
+def parse_prompts(body: dict, tokenizer, vocab_size: int,
+                  context_len: int = 1 << 40) -> tuple[list[list[int]], bool]:
+    """(token ids per prompt, is_batch) from `text` or `input_ids` (exactly one of them); a
+    prompt surely longer than `context_len` is refused before its tokens are checked (a text
+    longer than context_len * MAX_CHARS_PER_TOKEN characters: before it is tokenized)."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
     if ids is not None:
         if isinstance(ids, list) and ids and all(isinstance(r, list) for r in ids):
-            return [_token_list(r, vocab_size, f"input_ids[{i}]") for i, r in enumerate(ids)], True
-        return [_token_list(ids, vocab_size, "input_ids")], False
+            return [_token_list(r, vocab_size, f"input_ids[{i}]", context_len)
+                    for i, r in enumerate(ids)], True
+        return [_token_list(ids, vocab_size, "input_ids", context_len)], False
     if isinstance(text, str):
         prompts, batch = [text], False
     elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
         prompts, batch = text, True
     else:
         raise RequestError("text must be a string or a non-empty list of strings")
+    max_chars = context_len * MAX_CHARS_PER_TOKEN
+    if max(map(len, prompts)) > max_chars:
+        raise RequestError(f"text of {max(map(len, prompts))} characters is surely longer than "
+                           f"the model's context length; send at most {max_chars}")
     encoded = [tokenizer.encode(t) for t in prompts]  # as SGLang: the tokenizer's defaults
     if any(not e for e in encoded):
         raise RequestError("text must not be empty")
@@ -171,7 +199,7 @@ def parse_sampling_params(sp: Any, prompt_len: int, context_len: int) -> Samplin
         setattr(p, key, _boolean(sp, key, getattr(p, key)))
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
-        raise RequestError("sampling_params.sampling_seed must be an integer")
+        raise RequestError("sampling_params.sampling_seed must be an integer in [-2**63, 2**63)")
     p.sampling_seed = seed
     return p
 
@@ -212,7 +240,8 @@ def _integer(sp: dict, key: str, default: int) -> int:
     if value is None:
         return default
     if not _is_int(value):
-        raise RequestError(f"sampling_params.{key} must be an integer, got {value!r}")
+        raise RequestError(f"sampling_params.{key} must be an integer in [-2**63, 2**63), "
+                           f"got {str(value)[:40]}")
     return value
 
 
@@ -274,7 +303,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int,
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _check_fields(body)
-    prompts, batch = parse_prompts(body, tokenizer, vocab_size)
+    prompts, batch = parse_prompts(body, tokenizer, vocab_size, context_len)
     n = len(prompts)
     sps = _per_item(body.get("sampling_params"), n, "sampling_params", {})
     want_lp = _per_item(body.get("return_logprob"), n, "return_logprob", False)
@@ -346,26 +375,30 @@ def error_response(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-async def _json_body(request: web.Request, required: bool) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        if required:
-            raise RequestError("the request body is empty; send a JSON object")
-        return {}
+async def _json_body(request: web.Request, required: bool,
+                     max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """The JSON body, read and parsed within bounds (engine.weight_endpoints.parse_json)."""
     try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise RequestError(f"Invalid JSON in the request body: {e}") from None
+        raw = await read_body(request, max_bytes)
+        if not raw.strip():
+            if required:
+                raise RequestError("the request body is empty; send a JSON object")
+            return {}
+        return parse_json(raw)
+    except BodyError as e:
+        raise RequestError(str(e), e.status) from None
 
 
 class EngineServer:
     """aiohttp handlers over one Scheduler; `app` is the web.Application to run."""
 
-    def __init__(self, scheduler: Scheduler, info: dict[str, Any]):
+    def __init__(self, scheduler: Scheduler, info: dict[str, Any],
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.scheduler = scheduler
         self.info = info  # model_path, tokenizer_path, host, port, ... for /server_info
-        self.app = web.Application(client_max_size=256 * 1024 * 1024)
-        self.weights = WeightEndpoints(scheduler)  # the /update_weights_* family
+        self.max_body_bytes = max_body_bytes  # 413 above it (weight tensors: their own limit)
+        self.app = web.Application(client_max_size=max(max_body_bytes, MAX_TENSOR_BODY_BYTES))
+        self.weights = WeightEndpoints(scheduler, max_body_bytes=max_body_bytes)
         self._routes()
 
     def _routes(self) -> None:
@@ -393,10 +426,10 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.Response:
         s = self.scheduler
         try:
-            body = await _json_body(request, required=True)
+            body = await _json_body(request, True, self.max_body_bytes)
             reqs, batch = parse_generate(body, s.tokenizer, s.vocab_size, s.context_len)
         except RequestError as e:
-            return error_response(str(e))
+            return error_response(str(e), e.status)
         try:
             results = await s.generate(reqs)
         except EngineError as e:  # memory released, or the engine stopped / failed
@@ -461,14 +494,14 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request, required=True)
+            body = await _json_body(request, True, self.max_body_bytes)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
             if not isinstance(rid, str) or not isinstance(abort_all, bool):
                 raise RequestError("abort_request takes {\"rid\": str, \"abort_all\": bool}")
         except RequestError as e:
-            return error_response(str(e))
+            return error_response(str(e), e.status)
         self.scheduler.abort(rid=rid, abort_all=abort_all)
         return web.Response(status=200)
 
@@ -480,23 +513,23 @@ class EngineServer:
 
     async def _memory(self, request: web.Request, action) -> web.Response:
         try:
-            body = await _json_body(request, required=False)
+            body = await _json_body(request, False, self.max_body_bytes)
             tags = body.get("tags") if isinstance(body, dict) else None
             if tags is not None and not (isinstance(tags, list)
                                          and all(isinstance(t, str) for t in tags)):
                 raise RequestError("tags must be a list of strings")
             await action(tags)
         except (RequestError, ValueError) as e:
-            return error_response(str(e))
+            return error_response(str(e), getattr(e, "status", 400))
         return web.json_response(None)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request, required=False)
+            body = await _json_body(request, False, self.max_body_bytes)
             mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
             await self.scheduler.pause(mode)
         except (RequestError, ValueError) as e:
-            return error_response(str(e))
+            return error_response(str(e), getattr(e, "status", 400))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from engine.scheduler import Scheduler
 from engine.server import EngineServer, start_server
-from models.load import parse_dtype
+from transport.dtypes import model_dtype
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ async def serve(args: argparse.Namespace,
                 add_routes: Callable[[EngineServer], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT; `add_routes` may add routes before the server starts."""
     scheduler = await Scheduler.create(args.model_path, device=args.device,
-                                       dtype=parse_dtype(args.dtype), seed=args.seed,
+                                       dtype=model_dtype(args.dtype), seed=args.seed,
                                        max_batch_size=args.max_batch_size,
                                        batch_wait_ms=args.batch_wait_ms)
     loop_task = asyncio.ensure_future(scheduler.run())

@@ -17,6 +17,8 @@ Invariants:
   at once while generation is paused) and `weight_version` changes only with a success.
 - The group is joined with engine/dist_group.py (SGLang's way), this worker's rank being
   `rank_offset` (one rank: no tensor parallelism here); gloo receives on CPU, nccl on the GPU.
+- Bodies are bounded before they are parsed (`read_body`, `parse_json`): 413 over the byte,
+  array/object or value limits, 400 for malformed or too deeply nested JSON; never a 500.
 - Never unpickles. Differs from SGLang on purpose: `serialized_named_tensors` entries are
   base64 of a safetensors blob (name -> tensor), where SGLang's are base64 of its
   MultiprocessingSerializer pickle of [(name, tensor)] with CUDA IPC handles; unpickling what
@@ -40,10 +42,56 @@ from aiohttp import web
 
 from engine import dist_group
 from engine.scheduler import Scheduler
+from transport.dtypes import torch_dtype
+
+MAX_BODY_BYTES = 64 << 20  # default limit of a request body (bytes; 413 above it)
+MAX_TENSOR_BODY_BYTES = 256 << 20  # /update_weights_from_tensor bodies carry weights (bytes)
+MAX_JSON_CONTAINERS = 1 << 20  # '[' and '{' bytes in a JSON body (count; 413 above it)
+MAX_JSON_VALUES = 1 << 22  # ',' bytes in a JSON body (count; 413 above it)
 
 
 class WeightRequestError(ValueError):
     """A malformed weight-update request; the message says what to change."""
+
+
+class BodyError(WeightRequestError):
+    """A request body refused before use: HTTP `status` 400 (malformed) or 413 (too large)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    """The request body; BodyError(413) as soon as its Content-Length or the bytes received
+    pass `max_bytes` (what is left is never read)."""
+    size = request.content_length
+    if size is not None and size > max_bytes:
+        raise BodyError(f"request body of {size} bytes, limit is {max_bytes}", 413)
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyError(f"request body over {max_bytes} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON of a body, its parse time and memory bounded first: BodyError(413) for more than
+    MAX_JSON_CONTAINERS arrays/objects or MAX_JSON_VALUES values (counted as bracket and comma
+    bytes, inside strings too: an over-count), BodyError(400) if malformed or too deeply
+    nested (deeper than the interpreter's recursion limit, ~1000 levels)."""
+    containers, commas = raw.count(b"[") + raw.count(b"{"), raw.count(b",")
+    if containers > MAX_JSON_CONTAINERS or commas > MAX_JSON_VALUES:
+        raise BodyError(f"JSON body with {containers} arrays/objects and {commas} commas; "
+                        f"limits are {MAX_JSON_CONTAINERS} and {MAX_JSON_VALUES}", 413)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BodyError("Invalid JSON in the request body: nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise BodyError(f"Invalid JSON in the request body: {e}") from None
 
 
 def _require(ok: bool, message: str) -> None:
@@ -60,10 +108,11 @@ def _common(body: dict) -> tuple[str | None, bool]:
 
 
 def parse_dtype(name: Any) -> torch.dtype:
-    text = name.removeprefix("torch.") if isinstance(name, str) else ""
-    dtype = getattr(torch, text, None)
-    _require(isinstance(dtype, torch.dtype), f"unknown dtype {name!r} (e.g. 'bfloat16')")
-    return dtype
+    """A request's dtype name ("bfloat16", or SGLang's str(dtype) "torch.bfloat16")."""
+    try:
+        return torch_dtype(name)
+    except ValueError as e:
+        raise WeightRequestError(str(e)) from None
 
 
 def parse_init_group(body: Any) -> dict[str, Any]:
@@ -154,19 +203,24 @@ def _answer(ok: bool, message: str, **extra: Any) -> web.Response:
                              status=200 if ok else 400)
 
 
-async def _json(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return json.loads(raw) if raw.strip() else {}
-    except ValueError as e:
-        raise WeightRequestError(f"Invalid JSON in the request body: {e}") from None
+async def _json(request: web.Request, max_bytes: int) -> Any:
+    raw = await read_body(request, max_bytes)
+    return parse_json(raw) if raw.strip() else {}
+
+
+def _refused(e: WeightRequestError, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": str(e), **extra},
+                             status=getattr(e, "status", 400))
 
 
 class WeightEndpoints:
     """The weight-update HTTP handlers of one engine; `close()` leaves every group."""
 
-    def __init__(self, scheduler: Scheduler, group_timeout_s: float = 600.0):
+    def __init__(self, scheduler: Scheduler, group_timeout_s: float = 600.0,
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 max_tensor_body_bytes: int = MAX_TENSOR_BODY_BYTES):
         self.scheduler = scheduler
+        self.max_body_bytes, self.max_tensor_body_bytes = max_body_bytes, max_tensor_body_bytes
         self.group_timeout_s = group_timeout_s  # rendezvous and each collective must finish
         self.groups: dict[str, tuple[Any, str]] = {}  # group name -> (process group, backend)
         # group joins and receives block; they run here, off the event loop and the engine thread
@@ -185,17 +239,17 @@ class WeightEndpoints:
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         try:
-            path, version, abort_all = _disk_args(await _json(request))
+            path, version, abort_all = _disk_args(await _json(request, self.max_body_bytes))
         except WeightRequestError as e:
-            return _answer(False, str(e), num_paused_requests=0)
+            return _refused(e, num_paused_requests=0)
         ok, message, held = await self.scheduler.update_weights_from_disk(path, version, abort_all)
         return _answer(ok, message, num_paused_requests=held)
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:
-            args = parse_init_group(await _json(request))
+            args = parse_init_group(await _json(request, self.max_body_bytes))
         except WeightRequestError as e:
-            return _answer(False, str(e))
+            return _refused(e)
         name, backend = args["group_name"], args["backend"]
         if name in self.groups:
             return _answer(False, f"group {name!r} exists; call /destroy_weights_update_group "
@@ -215,9 +269,9 @@ class WeightEndpoints:
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         try:
-            args = parse_update_distributed(await _json(request))
+            args = parse_update_distributed(await _json(request, self.max_body_bytes))
         except WeightRequestError as e:
-            return _answer(False, str(e))
+            return _refused(e)
         if args["group_name"] not in self.groups:
             return _answer(False, f"no weight update group {args['group_name']!r}; call "
                                   f"/init_weights_update_group first")
@@ -234,10 +288,10 @@ class WeightEndpoints:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         try:
-            body = await _json(request)
+            body = await _json(request, self.max_tensor_body_bytes)
             args = await self._in_pool(parse_update_tensor, body)
         except WeightRequestError as e:
-            return _answer(False, str(e))
+            return _refused(e)
         ok, message, _ = await self.scheduler.update_weights(
             lambda: load_named_tensors(self.scheduler.model, args["tensors"]), None,
             args["weight_version"], args["abort_all_requests"], "tensor")
@@ -245,9 +299,9 @@ class WeightEndpoints:
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         try:
-            body = await _json(request)
+            body = await _json(request, self.max_body_bytes)
         except WeightRequestError as e:
-            return _answer(False, str(e))
+            return _refused(e)
         name = body.get("group_name", dist_group.DEFAULT_GROUP_NAME) \
             if isinstance(body, dict) else None
         if not isinstance(name, str) or name not in self.groups:

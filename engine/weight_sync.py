@@ -16,7 +16,7 @@ embedded engine: the same requests reach both). Three paths:
   same GPU; needs sglang importable in the trainer process).
 
 Invariants:
-- Generation is paused on every worker before the first byte moves and continued after the last
+- Generation is paused on a worker before the first byte moves to it and continued after the last
   bucket, also when the update fails; the last bucket carries `flush_cache = true` and the
   `weight_version`, so a worker's version changes only once all its tensors arrived.
 - After a push, every worker reports the new version (`/get_weight_version`), else SyncError.
@@ -30,16 +30,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterable, Iterator, Literal
 
 import torch
 
 from engine import dist_group
-from engine.client import SglangClient
+from engine.client import SglangClient, SglangConnectionError
+from transport.dtypes import dtype_name
 from transport.sockets import free_port
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+log = logging.getLogger(__name__)
 
 
 class SyncError(RuntimeError):
@@ -61,10 +65,6 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, 
         size += nbytes
     if bucket:
         yield bucket
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @contextlib.asynccontextmanager
@@ -104,16 +104,39 @@ async def _all_ok(calls: dict[str, Any]) -> None:
 
 
 class DiskSync:
-    """Every worker loads the checkpoint directory the trainer wrote."""
+    """Every worker loads the checkpoint directory the trainer wrote, each on its own
+    (pause -> load -> continue per worker).
+
+    A worker that cannot be reached (down, or restarting) is skipped and named in `unreachable`:
+    a restarting worker loads the newest version from disk itself before it serves
+    (actors/inference.py), so the run goes on without it instead of failing. Any other failure
+    (a worker that answers but refuses the update) raises SyncError.
+    """
 
     def __init__(self, clients: list[SglangClient], pause_mode: str = "abort"):
         self.clients, self.pause_mode = clients, pause_mode
+        self.unreachable: list[str] = []  # workers skipped by the latest push
 
     async def push(self, path: str, version: str) -> None:
-        async with paused(self.clients, self.pause_mode):
-            await _all_ok({c.base_url: c.update_weights_from_disk(path, weight_version=version)
-                           for c in self.clients})
-        await check_versions(self.clients, version)
+        results = await asyncio.gather(*(self._push_one(c, path, version) for c in self.clients),
+                                       return_exceptions=True)
+        self.unreachable = [c.base_url for c, r in zip(self.clients, results)
+                            if isinstance(r, SglangConnectionError)]
+        failed = [(c.base_url, r) for c, r in zip(self.clients, results)
+                  if isinstance(r, BaseException) and not isinstance(r, SglangConnectionError)]
+        if failed:
+            raise SyncError("weight update failed on " + "; ".join(f"{u}: {r}"
+                                                                    for u, r in failed))
+        if self.unreachable:
+            log.warning("weight version %s not pushed to unreachable worker(s) %s; they load "
+                        "the newest version from disk when they come back", version,
+                        ", ".join(self.unreachable))
+
+    async def _push_one(self, client: SglangClient, path: str, version: str) -> None:
+        async with paused([client], self.pause_mode):
+            await _all_ok({client.base_url: client.update_weights_from_disk(
+                path, weight_version=version)})
+        await check_versions([client], version)
 
 
 class TensorSync:

@@ -30,7 +30,16 @@ from runtime.actor import ActorContext
 from runtime.procs import log_tail, terminate, wait_exit
 from transport.metrics import MetricsProxy
 from transport.rpc import DeadlineExceeded, RemoteError, RpcClient, RpcServer
-from transport.schema import Ack, Dead, Endpoints, Heartbeat, Ready, Shutdown, Stopped
+from transport.schema import (
+    Ack,
+    Dead,
+    Endpoints,
+    Heartbeat,
+    Notice,
+    Ready,
+    Shutdown,
+    Stopped,
+)
 from transport.sockets import SocketFactory
 
 log = logging.getLogger(__name__)
@@ -88,11 +97,11 @@ class Supervisor:
         """Bind the supervisor socket and metrics proxy; returns the endpoints document."""
         counters: collections.Counter = collections.Counter()
         handlers = {Ready: self._on_ready, Heartbeat: self._on_heartbeat, Dead: self._on_dead,
-                    Stopped: self._on_stopped}
+                    Stopped: self._on_stopped, Notice: self._on_notice}
         self.server = RpcServer(self.factory, self.endpoint("supervisor"), "launcher", handlers,
                                 counters, self.cfg.limits, prefix="supervisor")
         self._tasks.append(asyncio.ensure_future(self.server.serve()))
-        self.proxy = MetricsProxy(self.factory.ctx, self.endpoint("metrics-in"),
+        self.proxy = MetricsProxy(self.factory, self.endpoint("metrics-in"),
                                   self.endpoint("metrics-out"))
         return {"supervisor": self.supervisor_endpoint, "metrics": self.proxy.backend,
                 "metrics_in": self.proxy.frontend}
@@ -115,7 +124,7 @@ class Supervisor:
             security=self.cfg.security, limits=self.cfg.limits, shm=self.cfg.shm,
             heartbeat_interval_s=run.heartbeat_interval_s,
             start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
-            run_dir=str(self.run_dir), resume=self.resume)
+            run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s)
         spec_path = self.run_dir / "specs" / f"{name}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}
@@ -187,6 +196,8 @@ class Supervisor:
             if ap.ready_at and time.monotonic() - ap.ready_at >= ap.entry.restart.stable_after_s:
                 ap.restarts = 0
             why = self.describe_failure(ap)
+            if ap.dead is not None and ap.dead.end_run:  # restarting would not help
+                raise RunFailed(f"{name} ended the run: {ap.dead.error}")
             if ap.restarts >= ap.entry.restart.max_restarts:
                 raise RunFailed(f"{name} failed (exit code {ap.exit_code}) after {ap.restarts} "
                                 f"restart(s); restart.max_restarts = "
@@ -251,6 +262,11 @@ class Supervisor:
     async def _on_dead(self, msg: Dead) -> Ack:
         if (ap := self._known(msg.actor)) is not None:
             ap.dead = msg
+        return Ack()
+
+    async def _on_notice(self, msg: Notice) -> Ack:
+        if self._known(msg.actor) is not None:
+            self.say(f"{msg.actor}: {msg.text[:2000]}")
         return Ack()
 
     async def _on_stopped(self, msg: Stopped) -> Ack:

@@ -31,11 +31,16 @@ pending (an open group, or a ready one not yet emitted), or one `dropped_*` coun
 - dropped_failed_sample: it was failed/aborted in a group that was kept (its ok siblings go on).
 Group ids of complete or dropped groups are remembered for the buffer's lifetime (one dict entry
 each), so no group is ever emitted twice.
+
+Input checks (`check_sample`, `check_group`, `check_version`) are pure and raise ValueError saying
+what to change; the actor runs them before anything changes state and answers or counts the
+refusal (a refused group or version changes nothing).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import msgspec
 
@@ -54,9 +59,11 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_staleness: int = 0  # 0 = synchronous on-policy; k >= 1 keeps samples up to k versions old
     max_pending_groups: int = 1024  # open plus ready-but-not-emitted groups held at most
     min_ok_per_group: int = 2  # a complete group with fewer ok samples is dropped
+    max_sample_tokens: int = 1 << 20  # prompt plus response tokens of one sample, at most
 
     def __post_init__(self):
-        for name in ("group_size", "groups_per_batch", "max_pending_groups", "min_ok_per_group"):
+        for name in ("group_size", "groups_per_batch", "max_pending_groups", "min_ok_per_group",
+                     "max_sample_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"buffer config: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
@@ -69,6 +76,66 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"buffer config: max_pending_groups ({self.max_pending_groups}) "
                              f"must be >= groups_per_batch ({self.groups_per_batch}), else no "
                              f"batch can ever fill")
+
+
+def check_sample(sample: Sample, config: BufferConfig) -> None:
+    """ValueError (saying what to change) unless `sample` may enter a buffer with `config`."""
+    if not isinstance(sample, Sample):
+        raise ValueError(f"add() takes a Sample, got {type(sample).__name__}")
+    where = f"sample ({sample.group_id[:64]!r}, {sample.index})"
+    if not 0 <= sample.index < config.group_size:
+        raise ValueError(f"{where}: index must be in [0, {config.group_size}) (group_size); "
+                         f"make the rollout's group size match the buffer's")
+    if sample.status not in STATUSES:
+        raise ValueError(f"{where}: status must be one of {STATUSES}, got {sample.status[:64]!r}")
+    tokens = len(sample.prompt_ids) + len(sample.response_ids)
+    if tokens > config.max_sample_tokens:
+        raise ValueError(f"{where}: {tokens} prompt plus response tokens, limit is "
+                         f"{config.max_sample_tokens} (buffer config max_sample_tokens)")
+    if min(sample.prompt_ids, default=0) < 0 or min(sample.response_ids, default=0) < 0:
+        raise ValueError(f"{where}: token ids must be >= 0")
+    if sample.weight_version < 0 or not math.isfinite(sample.reward):
+        raise ValueError(f"{where}: weight_version must be >= 0 and reward finite, got "
+                         f"{sample.weight_version} and {sample.reward}")
+    _check_ok_lengths(sample, where)
+
+
+def _check_ok_lengths(sample: Sample, where: str) -> None:
+    if sample.status != "ok":
+        return
+    n = len(sample.response_ids)
+    if not len(sample.loss_mask) == len(sample.rollout_logprobs) == n:
+        raise ValueError(f"{where}: loss_mask ({len(sample.loss_mask)}) and "
+                         f"rollout_logprobs ({len(sample.rollout_logprobs)}) must have the "
+                         f"length of response_ids ({n})")
+    if not set(sample.loss_mask) <= {0, 1}:
+        raise ValueError(f"{where}: loss_mask may hold only 0 and 1")
+    teacher = (sample.teacher_logprobs, sample.teacher_topk_ids, sample.teacher_topk_logprobs)
+    if any(len(x) > n for x in teacher):
+        raise ValueError(f"{where}: teacher log-probs must not outnumber the {n} response tokens")
+
+
+def check_group(samples: list[Sample], config: BufferConfig) -> None:
+    """ValueError unless `samples` is one whole, valid GRPO group's worth of samples (1 to
+    group_size samples sharing one group_id, each passing check_sample)."""
+    if not 1 <= len(samples) <= config.group_size:
+        raise ValueError(f"a SampleGroup holds 1 to group_size = {config.group_size} samples, "
+                         f"got {len(samples)}")
+    ids = {s.group_id for s in samples}
+    if len(ids) != 1:
+        raise ValueError(f"a SampleGroup's samples must share one group_id, got {len(ids)}")
+    for sample in samples:
+        check_sample(sample, config)
+
+
+def check_version(field: str, seen: int, version: int, step: int) -> None:
+    """ValueError unless trainer version `version` (with optimizer `step`) may follow `seen`,
+    the last one announced (-1: none yet): versions never go back and advance one at a time."""
+    if version < 0 or step < 0:
+        raise ValueError(f"{field} and step must be >= 0, got {field} = {version}, step = {step}")
+    if 0 <= seen and not seen <= version <= seen + 1:
+        raise ValueError(f"{field} = {version} refused: the buffer last saw version {seen}, and "
+                         f"versions only advance one step at a time (send {seen} or {seen + 1})")
 
 
 class RolloutBuffer:
@@ -112,22 +179,7 @@ class RolloutBuffer:
         return "pending"
 
     def _validate(self, sample: Sample) -> None:
-        if not isinstance(sample, Sample):
-            raise ValueError(f"add() takes a Sample, got {type(sample).__name__}")
-        where = f"sample ({sample.group_id!r}, {sample.index})"
-        if not 0 <= sample.index < self.config.group_size:
-            raise ValueError(f"{where}: index must be in [0, {self.config.group_size}) "
-                             f"(group_size); make the rollout's group size match the buffer's")
-        if sample.status not in STATUSES:
-            raise ValueError(f"{where}: status must be one of {STATUSES}, got {sample.status!r}")
-        n = len(sample.response_ids)
-        if sample.status == "ok" and not (len(sample.loss_mask) == len(sample.rollout_logprobs)
-                                          == n):
-            raise ValueError(f"{where}: loss_mask ({len(sample.loss_mask)}) and "
-                             f"rollout_logprobs ({len(sample.rollout_logprobs)}) must have the "
-                             f"length of response_ids ({n})")
-        if sample.status == "ok" and not set(sample.loss_mask) <= {0, 1}:
-            raise ValueError(f"{where}: loss_mask may hold only 0 and 1")
+        check_sample(sample, self.config)
 
     def _count(self, counter: str, samples: int) -> str:
         self.counters[counter] += samples

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from memory.safetensors_io import safetensors_shapes
+from transport.dtypes import dtype_name, torch_dtype
+
 ALIGN_BYTES = 256  # every tensor starts at a multiple of this (cache lines, GPU vector loads)
 PAGE_BYTES = 4096  # buffers and files are whole pages (O_DIRECT needs aligned lengths)
 
@@ -34,7 +37,7 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return torch_dtype(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -51,7 +54,7 @@ class FlatLayout:
                     ) -> FlatLayout:
         specs, offset = [], 0
         for name, dtype, shape in shapes:
-            dtype = str(dtype).removeprefix("torch.")
+            dtype = dtype_name(torch_dtype(dtype))
             spec = TensorSpec(name, dtype, tuple(int(s) for s in shape), offset)
             specs.append(spec)
             offset = _round_up(offset + spec.nbytes, ALIGN_BYTES)
@@ -72,8 +75,8 @@ class FlatLayout:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> FlatLayout:
-        """From safetensors headers (a file or an HF directory; no tensor is read) or a torch
-        checkpoint file (read on the CPU)."""
+        """From safetensors headers (a file or an HF directory, sharded or not; no tensor is read)
+        or a torch checkpoint file (read on the CPU)."""
         return cls.from_shapes(checkpoint_shapes(Path(path)))
 
     def __getitem__(self, name: str) -> TensorSpec:
@@ -156,34 +159,18 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def checkpoint_shapes(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.exists() for f in files):
-        raise ValueError(f"no checkpoint at {path}: expected a .safetensors file, an HF "
-                         f"directory with *.safetensors, or a torch checkpoint file")
-    out = []
-    for f in files:
-        if f.suffix == ".safetensors":
-            out += _safetensors_shapes(f)
-        else:
-            state = torch.load(f, map_location="cpu", weights_only=True)
-            out += [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                    for n, t in state.items()]
-    return out
+def checkpoint_shapes(path: Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Safetensors (a file or an HF directory, sharded or not: headers only) or a torch
+    checkpoint file (read on the CPU)."""
+    if is_torch_checkpoint(path):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return [(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+    return safetensors_shapes(path)
 
 
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-def _safetensors_shapes(f: Path) -> list[tuple[str, str, tuple[int, ...]]]:
-    with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    header.pop("__metadata__", None)
-    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    return [(name, _ST_DTYPES[h["dtype"]], tuple(h["shape"])) for name, h in items]
+def is_torch_checkpoint(path: Path) -> bool:
+    """A file that is not safetensors: a torch.save'd {name: tensor}."""
+    return path.is_file() and path.suffix != ".safetensors"
 
 
 def _round_up(n: int, quantum: int) -> int:

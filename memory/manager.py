@@ -298,7 +298,6 @@ class WeightMemory:
         self.counters["host_loads"] += 1
 
     def _read_nvme(self, ws: WeightSet, on_chunk: Callable[[int, int], None] | None) -> None:
-
         try:
             if self.remote_read is not None:
                 try:

@@ -1,8 +1,9 @@
 """Loading a weight set from its source checkpoint into a flat buffer, with progress.
 
-Sources: a safetensors file, an HF directory of *.safetensors, or a torch checkpoint file. Each
-tensor is copied into its place in the buffer (the buffer's layout must be the checkpoint's, as
-`FlatLayout.from_checkpoint` builds it). Progress goes to a callback (bytes done, bytes total),
+Sources: a safetensors file, an HF directory of *.safetensors (sharded or not; read through
+memory/safetensors_io.py), or a torch checkpoint file. Each tensor is copied into its place in
+the buffer (the buffer's layout must be the checkpoint's, as `FlatLayout.from_checkpoint` builds
+it). Progress goes to a callback (bytes done, bytes total),
 which the prefetcher turns into a progress bar or log lines.
 """
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from memory.layout import FlatLayout, bind
+from memory.layout import FlatLayout, bind, is_torch_checkpoint
+from memory.safetensors_io import iter_safetensors
 
 
 def read_source(source: str, buffer: torch.Tensor, layout: FlatLayout,
@@ -37,15 +39,7 @@ def read_source(source: str, buffer: torch.Tensor, layout: FlatLayout,
 
 
 def _iter_checkpoint(path: Path):
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.exists() for f in files):
-        raise ValueError(f"no checkpoint at {path}")
-    for f in files:
-        if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    yield name, fh.get_tensor(name)
-        else:
-            yield from torch.load(f, map_location="cpu", weights_only=True).items()
+    if is_torch_checkpoint(path):
+        yield from torch.load(path, map_location="cpu", weights_only=True).items()
+    else:
+        yield from iter_safetensors(path)

@@ -19,15 +19,6 @@ from transformers.utils import logging as hf_logging
 from models.tiny import TINY, build_tiny
 from models.tokenizer import build_char_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """'float32' / 'bfloat16' / 'float16' -> torch dtype; ValueError otherwise."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
 
 def is_checkpoint_dir(path: str) -> bool:
     """A directory holding a Hugging Face config.json."""

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
+import json
 import logging
 import os
 import signal
 import time
 import traceback
-from typing import Any, Coroutine
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 import msgspec
 
@@ -35,6 +38,7 @@ from transport.schema import (
     Endpoints,
     Heartbeat,
     Msg,
+    Notice,
     Ping,
     Pong,
     Ready,
@@ -45,7 +49,7 @@ from transport.schema import (
     Stopped,
 )
 from transport.shm import ShmConfig
-from transport.sockets import Security, SocketFactory
+from transport.sockets import Security, SocketFactory, free_port, port_is_free
 from transport.streams import StreamReceiver, StreamSender
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,12 @@ class ActorContext(msgspec.Struct, forbid_unknown_fields=True):
     call_timeout_s: float = 10.0  # default deadline of calls to peers and the supervisor
     run_dir: str = ""  # the run directory (checkpoints, weights, logs live under it)
     resume: bool = False  # continue from the latest checkpoint in run_dir
+    stall_report_s: float = 60.0  # a wait on a peer longer than this is reported on the console
+
+
+class EndRun(Exception):
+    """Raised by an actor when the run cannot go on and a restart would not help (the launcher
+    ends the run with this message, exit code 1, instead of restarting the actor)."""
 
 
 class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -109,6 +119,8 @@ class Actor:
         self._error: BaseException | None = None
         self._closers: list[Any] = []
         self._supervisor: RpcClient | None = None
+        # False once the supervising launcher is gone (set by runtime.child): reports are skipped
+        self.supervisor_alive: Callable[[], bool] = lambda: True
         self._started_at = time.monotonic()
 
     # ------------------------------------------------------------------ hooks for subclasses
@@ -242,6 +254,36 @@ class Actor:
             if isinstance(ack, Ack) and ack.stop:
                 self.stop("supervisor asked to stop")
 
+    @contextlib.asynccontextmanager
+    async def waiting_for(self, what: str) -> AsyncIterator[None]:
+        """Wrap a wait on a peer: while it lasts longer than `stall_report_s`, the console says
+        which actor waits for what, and since when (repeated at that interval)."""
+        reporter = self.spawn(self._report_stall(what, time.time()), "stall")
+        try:
+            yield
+        finally:
+            reporter.cancel()
+
+    async def _report_stall(self, what: str, since: float) -> None:
+        every = self.ctx.stall_report_s
+        while True:
+            await asyncio.sleep(every)
+            started = time.strftime("%H:%M:%S", time.localtime(since))
+            self.notify(f"still waiting for {what} since {started} "
+                        f"({time.time() - since:.0f} s)")
+
+    def notify(self, text: str) -> None:
+        """A line for the launcher's console (and this actor's log); never blocks the caller."""
+        log.warning("%s: %s", self.name, text)
+        if self._supervisor is not None and self._tg is not None:
+            self.spawn(self._notice(text), "notice")
+
+    async def _notice(self, text: str) -> None:
+        try:
+            await self._report(Notice(actor=self.name, text=text))
+        except Exception as e:  # noqa: BLE001 - a lost notice must not fail the actor
+            log.warning("%s: notice not delivered: %s", self.name, e)
+
     async def _report(self, msg: Msg) -> Msg | None:
         assert self._supervisor is not None
         return await self._supervisor.call(msg)
@@ -274,10 +316,14 @@ class Actor:
     async def _final_report(self, error: BaseException | None) -> None:
         if self._supervisor is None:
             return
+        if not self.supervisor_alive():  # nobody to tell: do not wait call_timeout_s for it
+            log.warning("%s: the launcher is gone; exiting without the final report", self.name)
+            return
         if error is not None:
             tb = "".join(traceback.format_exception(error))
             log.error("%s: fatal error\n%s", self.name, tb)
-            await self._report(Dead(actor=self.name, error=self._stop_reason, traceback=tb))
+            await self._report(Dead(actor=self.name, error=self._stop_reason, traceback=tb,
+                                    end_run=isinstance(error, EndRun)))
         else:
             await self._report(Stopped(actor=self.name, reason=self._stop_reason,
                                        completed=self._completed))
@@ -316,6 +362,29 @@ class Actor:
         self._closers.append(client.close)
         await client.handshake()
         return client
+
+    def stable_port(self, key: str, host: str, requested: int = 0) -> int:
+        """`requested`, or a port kept for this actor across restarts: the first start picks a
+        free one and records it in the run directory (`ports/<actor>.json`), a restarted
+        process binds the same one again, so clients and routers that know the old address
+        reach the new process. Without a run directory: a fresh free port."""
+        if requested:
+            return requested
+        if not self.ctx.run_dir:
+            return free_port(host)
+        path = Path(self.ctx.run_dir) / "ports" / f"{self.name}.json"
+        known = json.loads(path.read_text()) if path.exists() else {}
+        if key in known and not port_is_free(host, int(known[key])):
+            log.warning("%s: port %s of %s is taken by another process; using a new one (its "
+                        "clients must learn the new address)", self.name, known[key], key)
+            del known[key]
+        if key not in known:
+            known[key] = free_port(host)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, path)
+        return int(known[key])
 
     def stream_to(self, name: str, hwm: int = 64) -> StreamSender:
         sender = StreamSender(self.factory, self.peer(name).inbox, hwm=hwm, shm=self.ctx.shm)

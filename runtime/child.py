@@ -36,9 +36,14 @@ def die_with_parent() -> None:
         pass
 
 
+# after the launcher dies: the orderly stop may take this long before the process hard-exits
+LAUNCHER_GONE_GRACE_S = 4.0
+
+
 async def watch_parent(actor: Actor, parent_pid: int, grace_s: float) -> None:
+    """Stop the actor within 0.2 s of the launcher's death; hard-exit `grace_s` later."""
     while os.getppid() == parent_pid:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.2)
     actor.stop("launcher died")
     await asyncio.sleep(grace_s)
     os._exit(3)
@@ -48,8 +53,10 @@ async def main(spec: ChildSpec) -> int:
     cls = import_actor(spec.cls)
     config = actor_config(cls, spec.config, f"[actors.{spec.context.name}.config]")
     actor = cls(spec.context, config)
-    watcher = asyncio.ensure_future(watch_parent(actor, os.getppid(),
-                                                 spec.context.stop_timeout_s + 5))
+    parent = os.getppid()
+    actor.supervisor_alive = lambda: os.getppid() == parent
+    watcher = asyncio.ensure_future(watch_parent(
+        actor, parent, min(spec.context.stop_timeout_s, LAUNCHER_GONE_GRACE_S)))
     try:
         return await actor.serve(handle_signals=True)
     finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from runtime.actor import Actor
+from runtime.actor import Actor, EndRun
 
 
 class Idle(Actor):
@@ -110,3 +110,12 @@ class Blocks(Actor):
     async def run(self) -> None:
         await asyncio.sleep(0.2)
         time.sleep(3600)
+
+
+class GivesUp(Actor):
+    """Tells the console what is wrong, then ends the run (restarting would not help)."""
+
+    async def run(self) -> None:
+        self.notify("the data source is empty")
+        await asyncio.sleep(0.2)  # the notice reaches the launcher first
+        raise EndRun("nothing to train on: the data source is empty")

@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from logic.buffer import BufferConfig, RolloutBuffer, Sample
+from logic.buffer import BufferConfig, RolloutBuffer, Sample, check_group, check_version
 
 
 def mk(gid: str, index: int, w: int = 0, status: str = "ok") -> Sample:
@@ -274,3 +274,40 @@ def test_upcoming_teachers_hint_the_next_batch_in_order():
     assert buf.upcoming_teachers() == ["arith", "code"]
     buf.next_batch(0)
     assert buf.upcoming_teachers() == []
+
+
+# ----------------------------------------------------------------------------- boundary checks
+def test_check_sample_and_group_refuse_out_of_range_values():
+    cfg = BufferConfig(group_size=8, groups_per_batch=1, max_sample_tokens=16)
+    check_group([mk("g", i) for i in range(8)], cfg)  # a whole, valid group passes
+    for samples, message in [
+            ([mk("g", 99)], "index must be in \\[0, 8\\)"),
+            ([mk("g", -1)], "index must be in \\[0, 8\\)"),
+            ([], "1 to group_size = 8"),
+            ([mk("g", i % 8) for i in range(9)], "got 9"),
+            ([mk("g", 0), mk("h", 1)], "share one group_id"),
+            ([mk("g", 0, w=-3)], "weight_version must be >= 0"),
+            ([msgspec.structs.replace(mk("g", 0), reward=float("nan"))], "reward finite"),
+            ([msgspec.structs.replace(mk("g", 0), prompt_ids=[-5])], "token ids must be >= 0"),
+            ([msgspec.structs.replace(mk("g", 0), prompt_ids=[1] * 20)], "max_sample_tokens"),
+            ([msgspec.structs.replace(mk("g", 0), teacher_logprobs=[0.0] * 3)], "outnumber")]:
+        with pytest.raises(ValueError, match=message):
+            check_group(samples, cfg)
+    buf = RolloutBuffer(cfg)
+    with pytest.raises(ValueError, match="index must be in"):  # add() runs the same checks
+        buf.add(mk("g", 99))
+    assert buf.accounting()["added"] == 0
+
+
+def test_check_version_is_monotone_one_step_at_a_time():
+    check_version("trainer_version", -1, 57, 57)  # the first announcement may be anything
+    for seen, new in [(3, 3), (3, 4), (0, 1)]:
+        check_version("trainer_version", seen, new, 0)
+    for seen, new, step, message in [
+            (3, 10**9, 0, "trainer_version = 1000000000 refused: the buffer last saw version 3"),
+            (3, 5, 0, "send 3 or 4"),
+            (3, 2, 0, "last saw version 3"),
+            (-1, -1, 0, "trainer_version and step must be >= 0"),
+            (3, 3, -1, "step = -1")]:
+        with pytest.raises(ValueError, match=message):
+            check_version("trainer_version", seen, new, step)

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = """
 [run]
 name = "t"
-shutdown_timeout_s = 1.5
-term_timeout_s = 1.5
+shutdown_timeout_s = {shutdown_s}
+term_timeout_s = {term_s}
 heartbeat_interval_s = 0.2
 progress_interval_s = 0.2
 {extra_run}
@@ -30,9 +30,13 @@ name = "local"
 """
 
 
-def write_hosts(tmp_path: Path, actors: str, extra_run: str = "") -> Path:
+def write_hosts(tmp_path: Path, actors: str, extra_run: str = "", shutdown_s: float = 1.5,
+                term_s: float = 1.5) -> Path:
+    """hosts.toml for a test. Tests that assert which shutdown step ended an actor give bounds
+    long enough for a loaded machine (an actor that obeys exits long before them)."""
     path = tmp_path / "hosts.toml"
-    path.write_text(RUN.format(extra_run=extra_run) + actors)
+    path.write_text(RUN.format(extra_run=extra_run, shutdown_s=shutdown_s, term_s=term_s)
+                    + actors)
     return path
 
 
@@ -59,22 +63,31 @@ primary = true
 config = { num_items = 120, interval_s = 0.03 }
 """)
     run_dir = tmp_path / "run"
+    jsonl = tmp_path / "watch.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
                              str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    watch = None
     try:
+        wait_for_file(run_dir / "endpoints.json", 40)
+        # the watcher subscribes while the actors are still starting, and runs until the
+        # launcher has exited: it sees the run whatever the machine's load
+        watch = subprocess.Popen([sys.executable, "-m", "launch.watch", str(run_dir), "--jsonl",
+                                  str(jsonl), "--no-live"], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
         seen = asyncio.run(collect_metrics(run_dir, {"scaler", "consumer", "producer"}))
-        jsonl = tmp_path / "watch.jsonl"
-        watch = subprocess.run([sys.executable, "-m", "launch.watch", str(run_dir), "--jsonl",
-                                str(jsonl), "--duration-s", "1.5", "--no-live"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=30)
         out, _ = proc.communicate(timeout=60)
+        wait_for_file(jsonl, 30)  # written from the watcher's first record on
+        watch.send_signal(signal.SIGINT)
+        _, watch_err = watch.communicate(timeout=30)
     finally:
-        proc.kill()
-        proc.wait()
+        for p in (proc, watch):
+            if p is not None:
+                p.kill()
+                p.wait()
     assert proc.returncode == 0, out
     assert seen == {"scaler", "consumer", "producer"}
-    assert watch.returncode == 0, watch.stderr
+    assert watch.returncode == 0, watch_err
     recorded = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert {r["actor"] for r in recorded} & {"producer", "consumer"}
     assert "producer: step 120/120" in out
@@ -88,6 +101,13 @@ config = { num_items = 120, interval_s = 0.03 }
     assert resolved["actors"]["producer"]["config"]["num_items"] == 120
     for name in ("scaler", "consumer", "producer"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+
+
+def wait_for_file(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
 
 
 async def collect_metrics(run_dir: Path, wanted: set[str], timeout_s: float = 40) -> set[str]:
@@ -121,9 +141,9 @@ cls = "tests.misbehaving:IgnoresSigterm"
 cls = "tests.misbehaving:Finisher"
 primary = true
 config = { after_s = 0.5 }
-""")
+""", shutdown_s=8.0, term_s=4.0)
     run_dir = tmp_path / "run"
-    result = launch(hosts, run_dir)
+    result = launch(hosts, run_dir, timeout_s=110)
     assert result.returncode == 0, result.stdout + result.stderr
     steps = {n: a["shutdown_step"] for n, a in exit_info(run_dir)["actors"].items()}
     assert steps == {"polite": "message", "deaf": "sigterm", "stubborn": "sigkill",
@@ -243,7 +263,7 @@ after = ["a"]
 
 
 def test_ctrl_c_stops_everything_with_exit_code_0(tmp_path):
-    hosts = write_hosts(tmp_path, IDLE_PAIR)
+    hosts = write_hosts(tmp_path, IDLE_PAIR, shutdown_s=15.0)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
                              str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -265,6 +285,8 @@ def test_ctrl_c_stops_everything_with_exit_code_0(tmp_path):
 
 
 def test_children_exit_when_the_launcher_dies(tmp_path):
+    """kill -9 of the launcher: every actor stops at once and exits within 5 s (it does not
+    wait on reports to the dead launcher)."""
     hosts = write_hosts(tmp_path, IDLE_PAIR)
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
                              str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
@@ -275,9 +297,11 @@ def test_children_exit_when_the_launcher_dies(tmp_path):
         assert len(children) == 2
         proc.kill()
         proc.wait()
-        gone, alive = psutil.wait_procs(children, timeout=15)
+        gone, alive = psutil.wait_procs(children, timeout=5)
     finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    assert not alive, f"children outlived the launcher: {alive}"
+    assert not alive, f"children outlived the launcher by 5 s: {alive}"
+    logs = [(tmp_path / "run" / "logs" / f"{n}.log").read_text() for n in ("a", "b")]
+    assert all("stopping (launcher died)" in log or "signal SIGTERM" in log for log in logs), logs

@@ -6,6 +6,7 @@ import gc
 import os
 import pickle
 import random
+import time
 
 import msgspec
 import numpy as np
@@ -561,3 +562,92 @@ def test_shm_close_unlinks_segments():
     # the receiver's tensors stay valid after the files are unlinked
     assert torch.equal(x.tensors["a"], torch.ones(256 * 1024))
     assert torch.equal(x.tensors["b"], torch.zeros(300 * 1024))
+
+
+# ------------------------------------------------------------------------------------ hostile headers
+def nested(depth: int, inner: bytes = b"\xc0") -> bytes:
+    """`depth` one-element arrays around `inner` (1 byte per level)."""
+    return b"\x91" * depth + inner
+
+
+def array32(count: int, item: bytes) -> bytes:
+    return b"\xdd" + count.to_bytes(4, "big") + item * count
+
+
+def body_field(type_name: str, field: str, value: bytes, req_id: int = 9) -> bytes:
+    """A REQUEST header whose body has one field with hand-made msgpack bytes."""
+    enc = msgspec.msgpack.encode
+    return b"".join([b"\x94", enc(PROTOCOL_VERSION), enc(int(Kind.REQUEST)), enc(req_id),
+                     b"\x82", enc("type"), enc(type_name), enc(field), value])
+
+
+def test_deeply_nested_header_is_a_wire_error_not_a_recursion_error():
+    """Failure 8: 2,000 nested arrays (a 2 KB frame) raised RecursionError in the untyped peek."""
+    for frame in (nested(2000), b"\x94\x01\x01\x05" + nested(2000),
+                  body_field("Blob", "payload", nested(100_000))):
+        err = wire_error(Codec(), [bytearray(frame)])
+        assert err.code in (ErrorCode.TOO_LARGE, ErrorCode.UNDECODABLE), err
+    err = wire_error(Codec(), [body_field("Blob", "payload", nested(2000), req_id=21)])
+    assert err.code == ErrorCode.TOO_LARGE and "max_depth" in err.message
+    assert (err.req_id, err.kind) == (21, Kind.REQUEST)  # still attributable: answered
+    # exactly at the limit is scanned fine (and then refused by the typed decode)
+    limits = Limits(max_depth=5)
+    assert wire_error(Codec(limits), [body_field("Blob", "payload", nested(3))]).code == \
+        ErrorCode.UNDECODABLE
+    assert wire_error(Codec(limits), [body_field("Blob", "payload", nested(4))]).code == \
+        ErrorCode.TOO_LARGE
+
+
+def test_huge_header_of_empty_maps_is_refused_fast_and_small():
+    """Failure 9: an 8-32 MiB array of empty maps blocked the loop for 6-27 s and took 2.6 GiB."""
+    import psutil
+
+    proc = psutil.Process()
+    n = 16 << 20
+    frames = [array32(n, b"\x80"),
+              body_field("SampleGroup", "samples", array32(n, b"\x80")),
+              body_field("SampleGroup", "samples", b"\x94" + array32(n // 4, b"\x80") * 4),
+              body_field("SampleGroup", "samples",
+                         b"\x94" + (b"\xdd" + (n // 6).to_bytes(4, "big") +
+                                     b"\x80\xcc\x00" * (n // 12)) * 4)]  # mixed: no stride
+    for frame in frames:
+        assert len(frame) >= n
+        rss, t0 = proc.memory_info().rss, time.perf_counter()
+        err = wire_error(Codec(), [frame])
+        elapsed = time.perf_counter() - t0
+        assert err.code == ErrorCode.TOO_LARGE, err
+        assert elapsed < 0.5, f"{err.message}: {elapsed:.2f} s"
+        assert proc.memory_info().rss - rss < 100 << 20
+
+
+def test_header_limits_are_checked_before_decoding():
+    blob = Codec().encode(Kind.REQUEST, 5, Blob(payload=bytes(1000)))
+    err = wire_error(Codec(Limits(max_header_bytes=999)), blob)
+    assert err.code == ErrorCode.TOO_LARGE and "max_header_bytes" in err.message
+    assert err.req_id == 5
+    assert Codec(Limits(max_header_bytes=len(blob[0]))).decode(blob).body.payload == bytes(1000)
+    tokens = Codec().encode(Kind.EVENT, 0, Blob(arrays={"a": np.ones(3)}, tensors={
+        f"t{i}": torch.ones(1) for i in range(3)}))
+    for limits, name in [(Limits(max_container_len=2), "max_container_len"),
+                         (Limits(max_header_items=15), "max_header_items")]:
+        err = wire_error(Codec(limits), tokens)
+        assert err.code == ErrorCode.TOO_LARGE and name in err.message
+    assert len(Codec(Limits(max_container_len=4)).decode(tokens).body.tensors) == 3
+    with pytest.raises(ValueError, match="max_depth must be >= 1"):
+        Limits(max_depth=0)
+
+
+def test_declared_lengths_past_the_end_and_trailing_bytes_are_undecodable():
+    ping = msgspec.msgpack.encode([PROTOCOL_VERSION, 1, 4, {"type": "Ping"}])
+    for frame in (b"\xdd\xff\xff\xff\xff\x00", b"\xdb\xff\xff\xff\xff", ping + b"\x00",
+                  ping[:-1], b"\xc1", body_field("Blob", "payload", b"\xc6\xff\xff\xff\xff")):
+        assert wire_error(Codec(), [frame]).code == ErrorCode.UNDECODABLE, frame[:8]
+    assert wire_error(Codec(), [ping[:-1]]).req_id == 4
+
+
+def test_deeply_nested_tensor_reference_is_typed():
+    """Extension payloads are decoded typed, so a nested or huge one is refused, not built."""
+    ext = msgspec.msgpack.Ext(EXT_TENSOR, nested(5000))
+    head = msgspec.msgpack.encode([PROTOCOL_VERSION, 1, 3, {"type": "Blob", "tensors": {"x": ext}}])
+    err = wire_error(Codec(), [head, bytes(8)])
+    assert err.code == ErrorCode.UNDECODABLE and err.req_id == 3

@@ -22,6 +22,7 @@ from actors.trainer import TrainerConfig
 from algos.mismatch import MismatchConfig
 from models.tiny import build_tiny
 from training.aux_models import AuxModel, CriticConfig, CriticModel
+from training.config import KlConfig, LossConfig, MicroBatchConfig, OptimizerConfig
 from training.data_parallel import DataParallel, plan_micro_batches
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
@@ -44,17 +45,19 @@ def make_batch(tok) -> list[Sample]:
 
 
 def config() -> TrainerConfig:
-    return TrainerConfig(model="tiny-qwen2", workers=["w"], max_tokens_per_mb=TOKEN_CAP,
-                         advantage_estimator="ppo", critic=CriticConfig(lr=1e-3),
-                         kl_coef=0.1, kl_in_reward=True, gamma=0.99, gae_lambda=0.9,
-                         mismatch=MismatchConfig(correction="tis"), lr=1e-3, grad_clip=0.5)
+    return TrainerConfig(model="tiny-qwen2", workers=["w"],
+                         micro_batches=MicroBatchConfig(max_tokens=TOKEN_CAP),
+                         loss=LossConfig(advantage_estimator="ppo", gamma=0.99, gae_lambda=0.9),
+                         critic=CriticConfig(lr=1e-3), kl=KlConfig(coef=0.1, in_reward=True),
+                         mismatch=MismatchConfig(correction="tis"),
+                         optimizer=OptimizerConfig(lr=1e-3, grad_clip=0.5))
 
 
 def run_step(dp=None) -> tuple[dict, dict, dict]:
     torch.manual_seed(0)
     cfg = config()
     model, tok = build_tiny("tiny-qwen2", seed=0)
-    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr),
                        AuxModel.frozen_copy(model, "cpu"), CriticModel(model, "cpu", cfg.critic))
     stats = train_on_batch(state, make_batch(tok), cfg, dp)
     return ({k: v.clone() for k, v in model.state_dict().items()}, state.critic.state(), stats)

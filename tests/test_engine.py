@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 import pytest
 import torch
 from aiohttp import web
+from safetensors.torch import save_file
 
 from actors.inference import InferenceWorker
 from algos.logprobs import token_logprobs
@@ -214,6 +215,19 @@ async def test_update_weights_from_disk(ipc, tmp_path):
             await client.update_weights_from_disk(str(tmp_path / "missing"), weight_version="8")
         assert err.value.status == 400 and "missing" in err.value.message
         assert await client.get_weight_version() == "7"
+        bad = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied
+        for change, expected in ((dict(bad, **{"model.norm.weight": torch.ones(3)}),
+                                  "shape of model.norm.weight"),
+                                 (dict(bad, extra=torch.ones(1)), "unexpected ['extra']"),
+                                 ({"model.norm.weight": bad["model.norm.weight"]}, "missing [")):
+            (tmp_path / "bad").mkdir(exist_ok=True)
+            save_file(change, str(tmp_path / "bad" / "model.safetensors"))
+            with pytest.raises(SglangHTTPError) as err:
+                await client.update_weights_from_disk(str(tmp_path / "bad"), weight_version="9")
+            assert err.value.status == 400 and expected in err.value.message
+        assert await client.get_weight_version() == "7"
+        assert torch.allclose(torch.tensor(out_logprobs(await client.generate(PROMPT, greedy))),
+                              ref, atol=1e-5, rtol=0)  # refused checkpoints changed nothing
 
 
 async def test_release_and_resume_memory(ipc, tmp_path):

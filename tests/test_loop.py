@@ -26,7 +26,7 @@ config = {{ model = "examples/base-tiny", metrics_interval_s = 0.05 }}
 [actors.router]
 cls = "actors.router:RouterActor"
 after = ["worker0"]
-config = {{ router_args = {{ log_level = "warn" }} }}
+config = {{ router = {{ log_level = "warn" }} }}
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
@@ -55,11 +55,11 @@ model = "examples/base-tiny"
 workers = ["worker0"]
 rollout = "rollout"
 num_steps = {steps}
-save_every = 2
-micro_batch_size = 8
 mode = "{mode}"
-weight_sync = "{sync}"
-dp_size = {dp}
+checkpoint = {{ save_every = 2 }}
+micro_batches = {{ size = 8 }}
+weight_sync = {{ path = "{sync}" }}
+parallel = {{ dp = {dp} }}
 """
 
 

@@ -9,6 +9,7 @@ import torch
 
 from actors.trainer import TrainerConfig
 from tests.test_dp_train import make_batch
+from training.config import MicroBatchConfig, OptimizerConfig
 from training.master_weights import MasterWeightOptimizer, make_optimizer
 from training.setup import load_train_state
 from training.step import train_on_batch
@@ -41,8 +42,9 @@ def test_optimizer_choice_follows_the_dtype():
 
 
 def changed_fraction(master: bool | None, tmp_path) -> tuple[float, object]:
-    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], dtype="bfloat16", lr=1e-5,
-                        micro_batch_size=8, master_weights=master)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], dtype="bfloat16",
+                        optimizer=OptimizerConfig(lr=1e-5, master_weights=master),
+                        micro_batches=MicroBatchConfig(size=8))
     state = load_train_state(cfg, str(tmp_path), False)
     before = [p.detach().clone() for p in state.model.parameters()]
     batch = make_batch(state.tokenizer)
@@ -62,13 +64,15 @@ def test_bf16_trainer_steps_move_the_weights_only_with_masters(tmp_path):
     # a checkpoint keeps the masters exactly; a trainer without masters refuses it
     state.step = 4
     state.save(tmp_path / "ckpt")
-    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], dtype="bfloat16", lr=1e-5)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], dtype="bfloat16",
+                        optimizer=OptimizerConfig(lr=1e-5))
     resumed = load_train_state(cfg, str(tmp_path / "other"), False)
     resumed.load(tmp_path / "ckpt", "cpu")
     assert all(torch.equal(a, b) for a, b in zip(resumed.optimizer.master, state.optimizer.master))
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(),
                                                  state.model.parameters()))
-    plain = load_train_state(msgspec.structs.replace(cfg, master_weights=False),
+    plain = load_train_state(msgspec.structs.replace(cfg, optimizer=OptimizerConfig(
+                                 lr=1e-5, master_weights=False)),
                              str(tmp_path / "plain"), False)
     with pytest.raises(ValueError, match="master weights"):
         plain.load(tmp_path / "ckpt", "cpu")

@@ -123,32 +123,43 @@ def test_hf_export_loads_back_into_transformers(tp1, tmp_path):
 @pytest.mark.parametrize("masters", [False, True])
 def test_training_step_equals_the_torch_backend(tp1, masters):
     """masters: through fp32 master weights (in fp32 they change nothing numerically; the torch
-    backend clips the masters' gradients, megatron its own parameters' before the step)."""
+    backend clips the masters' gradients, megatron its own parameters' before the step).
+    "schedule": the one-stage megatron model through the pipeline runner (megatron's schedule
+    without pipelining) instead of its whole forward."""
     from actors.trainer import TrainerConfig
+    from backends.megatron.pipeline import PipelineRunner
     from models.tiny import build_tiny
+    from training.config import MicroBatchConfig, OptimizerConfig
     from training.master_weights import MasterWeightOptimizer
     from training.step import TrainState, train_on_batch
 
     hf, tok = build_tiny("tiny-qwen2", seed=0)
     model, _ = mg.load_model("tiny-qwen2", seed=0)  # the trainer's entry: same weights as hf
+    scheduled, _ = mg.load_model("tiny-qwen2", seed=0)
     before = hf.model.embed_tokens.weight.detach().clone()
-    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=3, grad_clip=0.5)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        optimizer=OptimizerConfig(grad_clip=0.5))
     stats = {}
-    for name, net in (("torch", hf), ("megatron", model)):
+    for name, net, runner in (("torch", hf, None), ("megatron", model, None),
+                              ("schedule", scheduled, PipelineRunner(scheduled))):
         opt = (MasterWeightOptimizer(net.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
                if masters else torch.optim.SGD(net.parameters(), lr=1.0))
         state = TrainState(net, tok, opt)
-        stats[name] = train_on_batch(state, batch(tok), cfg)
+        stats[name] = train_on_batch(state, batch(tok), cfg, runner=runner)
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/policy_kl"):
-        assert stats["megatron"][key] == pytest.approx(stats["torch"][key], rel=1e-5, abs=1e-7)
+        for name in ("megatron", "schedule"):
+            assert stats[name][key] == pytest.approx(stats["torch"][key], rel=1e-5,
+                                                     abs=1e-7), (name, key)
     assert stats["torch"]["train/grad_norm"] > 0.5  # clipping was active
     # SGD at lr 1: the weights move by the clipped gradient itself, so this compares gradients
     # (Adam would amplify float noise in near-zero gradients to a full lr-sized step)
     after = model.hf_state_dict()
     assert (after["model.embed_tokens.weight"] - before).abs().max() > 1e-2
+    via_schedule = scheduled.hf_state_dict()
     for key, want in hf.state_dict().items():
         if key != "lm_head.weight":
             assert (after[key] - want).abs().max() < 1e-5, key
+            assert (via_schedule[key] - want).abs().max() < 1e-5, key
 
 
 def test_trainer_backend_megatron_state_checkpoint_and_weight_names(tp1, tmp_path):

@@ -1,5 +1,8 @@
 """The megatron backend on two gloo processes: TP=2 against TP=1 and transformers, resharding a
-distributed checkpoint, and a pipeline-parallel (PP=2) step through megatron's schedule.
+distributed checkpoint, and pipeline-parallel (PP=2) steps through megatron's schedule (the
+train step with `backends.megatron.pipeline.PipelineRunner`): plain GRPO, a KL loss term to a
+reference, PPO with a critic and KL reward shaping, and a top-k OPD loss term, each equal to the
+one-stage step on the transformers model.
 
 One pair of child processes runs both layouts and reports tensors to the parent (rank 0 writes
 them, the tests assert), so a failure shows here with its values and any rank's traceback.
@@ -69,12 +72,14 @@ def _step(name: str, grad_clip: float) -> dict:
     from models.tiny import build_char_tokenizer
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import batch
+    from training.config import MicroBatchConfig, OptimizerConfig
     from training.step import TrainState, train_on_batch
 
     tok = build_char_tokenizer()
     model = from_hf_model(hf_model(name))
     state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0))
-    cfg = TrainerConfig(model="x", workers=["w"], micro_batch_size=3, grad_clip=grad_clip)
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        optimizer=OptimizerConfig(grad_clip=grad_clip))
     stats = train_on_batch(state, batch(tok), cfg)
     return {"loss": stats["train/loss"], "model": model, "optimizer": state.optimizer,
             "norm": model.clip_grad_norm(0.0), "weights": model.hf_state_dict()}
@@ -140,31 +145,93 @@ def _pipeline_setup():
     from models.tiny import build_char_tokenizer
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import batch
+    from training.config import MicroBatchConfig, OptimizerConfig
 
     tok = build_char_tokenizer()
-    cfg = TrainerConfig(model="x", workers=["w"], micro_batch_size=3, grad_clip=0.5)
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        optimizer=OptimizerConfig(grad_clip=0.5))
     return hf_model("qwen2-untied"), tok, batch(tok), cfg
+
+
+# the step's options that need a second model, each through the pipeline: (config changes,
+# reference?, critic?); the reference and the critic are whole transformers models
+PIPELINE_CASES = {
+    "kl_loss": (dict(kl={"coef": 0.5, "use_kl_loss": True, "estimator": "k3"}), True, False),
+    "ppo_kl_reward": (dict(loss={"advantage_estimator": "ppo", "gae_lambda": 1.0},
+                           critic={"lr": 1e-2}, kl={"coef": 0.5, "in_reward": True}),
+                      True, True),
+    # a distribution OPD loss term (the response logits through the schedule): a teacher
+    # server's top-k replies, taken from another random model
+    "opd_top_k": (dict(opd={"mode": "top_k", "top_k": 5, "kl_coef": 1.0}), False, False),
+}
+
+
+def _case_setup(name: str, model):
+    """(state, cfg, samples) of PIPELINE_CASES[name] around `model` (a stage or the whole hf
+    model): a reference with other weights than the policy (else every KL is 0), a fresh
+    critic, teacher top-k replies on the samples for OPD, SGD (lr 1) behind master weights."""
+    import msgspec
+
+    from tests.test_megatron_convert import hf_model
+    from training.aux_models import AuxModel, CriticModel
+    from training.master_weights import MasterWeightOptimizer
+    from training.step import TrainState
+
+    _, tok, samples, base = _pipeline_setup()
+    changes, with_ref, with_critic = PIPELINE_CASES[name]
+    cfg = msgspec.convert(msgspec.to_builtins(base) | changes, type(base))
+    ref = AuxModel.frozen_copy(hf_model("qwen2-untied", seed=7), "cpu") if with_ref else None
+    critic = (CriticModel(hf_model("qwen2-untied"), "cpu", cfg.critic) if with_critic
+              else None)
+    if cfg.opd is not None:
+        teacher = hf_model("qwen2-untied", seed=11)
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(teacher(input_ids=ids).logits[0, :-1].float(), -1)
+            top = lp[len(s.prompt_ids) - 1:].topk(cfg.opd.top_k, dim=-1)
+            s.teacher = "t"
+            s.teacher_topk_ids, s.teacher_topk_logprobs = top.indices.tolist(), top.values.tolist()
+    # through fp32 master weights (in fp32 they change nothing numerically)
+    opt = MasterWeightOptimizer(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
+    return TrainState(model, tok, opt, ref, critic), cfg, samples
 
 
 def pipeline_ranks(rank: int, tmp: Path) -> dict:
     from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
-    from backends.megatron.pipeline import pipeline_logprobs, pipeline_train_step
+    from backends.megatron.pipeline import PipelineRunner
     from training.batching import make_micro_batch
+    from training.step import TrainState, train_on_batch
 
     initialize_parallel(1, 2)
     hf, tok, samples, cfg = _pipeline_setup()
     model = from_hf_model(hf)
     layers = list(model.layers)
-    logprobs = pipeline_logprobs(model, [make_micro_batch(samples, tok.pad_token_id)], 1.0)
-    stats = pipeline_train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples,
-                                cfg, tok.pad_token_id)
+    runner = PipelineRunner(model)
+    logprobs = runner.logprobs([make_micro_batch(samples, tok.pad_token_id)], 1.0)
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0))
+    stats = train_on_batch(state, samples, cfg, runner=runner)
     weights = model.hf_state_dict()
+    cases = {}
+    for name in PIPELINE_CASES:
+        stage = from_hf_model(hf_model_fresh())
+        case_state, case_cfg, case_samples = _case_setup(name, stage)
+        case_stats = train_on_batch(case_state, case_samples, case_cfg,
+                                    runner=PipelineRunner(stage))
+        cases[name] = {"stats": case_stats, "weights": stage.hf_state_dict()}
     last = torch.empty(0) if logprobs is None else logprobs[0]
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, (layers, last))
     parallel_state.destroy_model_parallel()
     return {"layers": [g[0] for g in gathered], "logprobs": gathered[1][1],
-            "first_stage_logprobs": gathered[0][1], "stats": stats, "weights": weights}
+            "first_stage_logprobs": gathered[0][1], "stats": stats, "weights": weights,
+            "cases": cases}
+
+
+def hf_model_fresh():
+    from tests.test_megatron_convert import hf_model
+
+    return hf_model("qwen2-untied")
 
 
 def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(reports):
@@ -181,8 +248,39 @@ def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(r
     assert report["first_stage_logprobs"].numel() == 0  # only the last stage has logits
     assert ((report["logprobs"] - want_logprobs).abs() * mb.mask).max() < 1e-5
     want = train_on_batch(state, samples, cfg)
-    assert report["stats"]["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5)
-    assert report["stats"]["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
-    assert want["train/grad_norm"] > cfg.grad_clip  # the clip was active on both
+    # rank 0 (the first stage) reports the statistics the last stage computed
+    assert set(report["stats"]) == set(want)
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/policy_kl",
+                "mismatch/abs_diff_mean"):
+        assert report["stats"][key] == pytest.approx(want[key], rel=1e-5), key
+    assert want["train/grad_norm"] > cfg.optimizer.grad_clip  # the clip was active on both
     for key, value in hf.state_dict().items():
         assert (report["weights"][key] - value).abs().max() < 1e-5, key
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINE_CASES))
+def test_pipeline_step_with_a_reference_and_a_critic_equals_one_stage(reports, name):
+    """The KL loss term (kl_loss), PPO with a critic and KL reward shaping (ppo_kl_reward), a
+    top-k OPD loss term (opd_top_k): the PP=2 step equals the one-stage step on the
+    transformers model."""
+    from training.step import train_on_batch
+
+    got = reports["pp"]["cases"][name]
+    hf = hf_model_fresh()
+    state, cfg, samples = _case_setup(name, hf)
+    want = train_on_batch(state, samples, cfg)
+    assert set(got["stats"]) == set(want)
+    keys = ["train/loss", "train/grad_norm", "train/entropy", "train/policy_kl"]
+    if cfg.kl.use_kl_loss:
+        keys.append("train/kl_loss")
+    if cfg.critic is not None:
+        keys += ["train/value_loss", "train/critic_grad_norm"]
+    if cfg.opd is not None:
+        keys += ["opd/t/reverse_kl", "opd/t/tokens"]
+        assert want["opd/t/tokens"] > 0
+    for key in keys:
+        assert got["stats"][key] == pytest.approx(want[key], rel=1e-5), key
+    if cfg.kl.use_kl_loss:
+        assert want["train/kl_loss"] > 1e-3  # the reference differs from the policy
+    for key, value in hf.state_dict().items():
+        assert (got["weights"][key] - value).abs().max() < 1e-5, key

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from memory.checksum import ChecksumMismatch
 from memory.host import HostBudgetError, PinnedArena
@@ -13,6 +15,13 @@ from memory.layout import ALIGN_BYTES, PAGE_BYTES, FlatLayout, bind, pack
 from memory.manager import WeightMemory
 from memory.nvme import ChecksumError, NvmeStore
 from memory.planner import demand_loads, next_use, plan_switches
+from memory.safetensors_io import (
+    INDEX_FILE,
+    load_safetensors,
+    safetensors_files,
+    safetensors_shapes,
+)
+from memory.sources import read_source
 
 
 def state(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
@@ -49,8 +58,6 @@ def test_layout_offsets_alignment_and_bind_without_copy():
 
 
 def test_layout_from_module_ties_and_checkpoints(tmp_path):
-    from safetensors.torch import save_file
-
     m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     m[1].weight = m[0].weight  # tied: stored once
     lay = FlatLayout.from_module(m)
@@ -129,8 +136,6 @@ def test_no_copy_mode_catches_a_modified_tensor():
 
 
 def test_corrupted_chunk_is_detected_and_reloaded_from_source(tmp_path):
-    from safetensors.torch import save_file
-
     sd = state(7, scale=40)  # > 2 pages, several chunks
     save_file(sd, str(tmp_path / "t.safetensors"))
     store = NvmeStore(tmp_path / "nvme", chunk_bytes=PAGE_BYTES)
@@ -321,3 +326,63 @@ def test_hint_and_next_order_prefetch_the_next_step():
         assert same(mem.acquire("t2"), sets["t2"])
     finally:
         mem.close()
+
+
+# ------------------------------------------------------------------ safetensors checkpoints
+def test_load_safetensors_single_file_and_directory(tmp_path):
+    sd = state(3)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    assert same(load_safetensors(tmp_path), sd)
+    assert same(load_safetensors(tmp_path / "model.safetensors"), sd)
+    part = load_safetensors(tmp_path, names=["layer.w", "step"])
+    assert same(part, {k: sd[k] for k in ("layer.w", "step")})
+    cast = load_safetensors(tmp_path, dtype="float32")  # floats cast, int64 and bool kept
+    assert {k: t.dtype for k, t in cast.items()} == {
+        "emb.weight": torch.float32, "layer.w": torch.float32, "layer.b": torch.float32,
+        "step": torch.int64, "mask": torch.bool}
+    assert torch.equal(cast["layer.w"], sd["layer.w"].float())
+    assert sorted(safetensors_shapes(tmp_path), key=str) == sorted(
+        ((n, t.dtype, tuple(t.shape)) for n, t in sd.items()), key=str)  # headers only
+
+
+def test_load_safetensors_sharded_with_index(tmp_path):
+    sd = state(4)
+    shards = {"model-00001-of-00002.safetensors": ["emb.weight", "step"],
+              "model-00002-of-00002.safetensors": ["layer.w", "layer.b", "mask"]}
+    for file, names in shards.items():
+        save_file({n: sd[n].contiguous() for n in names}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    assert safetensors_files(tmp_path) == [tmp_path / f for f in sorted(shards)]
+    assert same(load_safetensors(tmp_path), sd)
+    assert same(load_safetensors(tmp_path, names={"mask", "emb.weight"}),
+                {k: sd[k] for k in ("emb.weight", "mask")})
+    lay = FlatLayout.from_checkpoint(tmp_path)  # the weight memory reads shards the same way
+    assert sorted(lay.names) == sorted(sd)
+    buf = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    read_source(str(tmp_path), buf, lay)
+    assert same(bind(buf, lay), {n: sd[n] for n in lay.names})
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="names shards that are missing.*00002"):
+        load_safetensors(tmp_path)
+    (tmp_path / INDEX_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="is malformed"):
+        load_safetensors(tmp_path)
+
+
+def test_load_safetensors_refuses_missing_or_malformed_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint at .*missing"):
+        load_safetensors(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no safetensors in"):
+        load_safetensors(tmp_path)
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"has no tensor \['b'\]"):
+        load_safetensors(tmp_path, names=["a", "b"])
+    with pytest.raises(ValueError, match="unknown dtype 'bf16'; expected one of .*bfloat16"):
+        load_safetensors(tmp_path, dtype="bf16")
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="holds 'a' in more than one file"):
+        load_safetensors(tmp_path)
+    (tmp_path / "other.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
+    with pytest.raises(ValueError, match="other.safetensors is not a valid safetensors file"):
+        load_safetensors(tmp_path)

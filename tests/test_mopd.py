@@ -14,6 +14,7 @@ from models.load import load_model
 from tests.test_engine import serve
 from training.batching import make_micro_batch
 from training.colocated_teachers import ColocatedTeachers, TeacherMemoryConfig
+from training.config import LossConfig, MicroBatchConfig, OptimizerConfig
 from training.state import TrainState
 from training.step import train_on_batch
 from transport.schema import Sample
@@ -133,10 +134,11 @@ def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode
     if mode == "per_teacher":
         teachers = [TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"],
                                 opd=OpdConfig(mode="full", kl_coef=1.0)), TEACHERS[1]]
-    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], opd=opd, lr=3e-3,
-                        advantage_estimator="none", micro_batch_size=4,
+    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], opd=opd,
+                        optimizer=OptimizerConfig(lr=3e-3), loss=LossConfig(
+                            advantage_estimator="none"), micro_batches=MicroBatchConfig(size=4),
                         teachers=teachers if colocated else [])
-    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr))
     batch = samples(tok)
     if colocated:
         state.teachers = ColocatedTeachers.load(teachers, "cpu", torch.float32, TeacherMemoryConfig(
@@ -181,9 +183,11 @@ def test_per_teacher_mode_terms_equal_separate_runs(tmp_path):
              "sampled"),
             ("full", TEACHERS, "full"), ("sampled", TEACHERS, "sampled")]:
         model, _ = load_model("examples/base-tiny", "cpu", torch.float32)
-        cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], lr=0.0,
-                            advantage_estimator="none", opd=OpdConfig(mode=run_mode),
-                            micro_batch_size=8, teachers=teachers)
+        cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
+                            optimizer=OptimizerConfig(lr=0.0),
+                            loss=LossConfig(advantage_estimator="none"),
+                            opd=OpdConfig(mode=run_mode), micro_batches=MicroBatchConfig(size=8),
+                            teachers=teachers)
         state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
         state.teachers = ColocatedTeachers.load(teachers, "cpu", torch.float32,
                                                 TeacherMemoryConfig(nvme_dir=str(tmp_path / name)),

@@ -31,16 +31,16 @@ config = {{ model = "examples/base-tiny" }}
 [actors.router]
 cls = "actors.router:RouterActor"
 after = ["worker0"]
-config = {{ router_args = {{ log_level = "warn" }} }}
+config = {{ router = {{ log_level = "warn" }} }}
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
 config = {{ group_size = 4, groups_per_batch = 4, max_staleness = 1 }}
 
-[training.colocated_teachers]
+[actors.teachers]
 cls = "actors.teacher_pool:TeacherPool"
 after = ["buffer"{pool_after}]
-[training.colocated_teachers.config]
+[actors.teachers.config]
 student = "examples/base-tiny"
 mode = "{mode}"
 opd = {{ mode = "{opd}", kl_coef = 1.0 }}
@@ -68,8 +68,8 @@ primary = true
 model = "examples/base-tiny"
 workers = ["worker0"]
 num_steps = 3
-micro_batch_size = 8
-advantage_estimator = "none"
+micro_batches = {{ size = 8 }}
+loss = {{ advantage_estimator = "none" }}
 opd = {{ mode = "{opd}", kl_coef = 1.0 }}
 teachers = {trainer_teachers}
 teacher_memory = {{ gpu_slots = 1, host_budget_bytes = 400_000 }}

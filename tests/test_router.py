@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+import pytest
+
 from actors.inference import InferenceWorker
 from actors.router import RouterActor, RouterConfig, router_command
 from engine.client import SglangClient
+from engine.session import HttpSession
+from models.tokenizer import build_char_tokenizer
 from tests.helpers import context, running
 
 PROMPT = [1, 5, 6, 7]
@@ -22,7 +27,7 @@ async def test_router_fronts_two_workers_with_sticky_routing_keys(ipc):
     w1 = InferenceWorker(context("w1", ipc), cfg)
     async with running(w0, 30), running(w1, 30):
         router = RouterActor(context("router", ipc, peers={"w0": w0.bound, "w1": w1.bound}),
-                             RouterConfig(router_args={"log_level": "warn"}))
+                             RouterConfig(router={"log_level": "warn"}))
         async with running(router, 60):
             client = SglangClient(router.bound.http)
             params = {"max_new_tokens": 2, "temperature": 0.0}
@@ -43,7 +48,7 @@ async def test_router_fronts_two_workers_with_sticky_routing_keys(ipc):
 
 def test_router_command_passes_options_through():
     cfg = RouterConfig(policy="consistent_hashing",
-                       router_args={"health_check_interval_secs": 2, "log_level": "warn",
+                       router={"health_check_interval_secs": 2, "log_level": "warn",
                                     "prometheus_port": 29123, "disable_retries": True})
     cmd = router_command(cfg, ["http://a:1", "http://b:2"], 30000)
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == \
@@ -55,24 +60,22 @@ def test_router_command_passes_options_through():
     assert "--disable-retries" in cmd
     rr = router_command(RouterConfig(policy="round_robin"), ["http://a:1"], 1)
     assert rr[rr.index("--policy") + 1] == "round_robin"
-    both = router_command(RouterConfig(router_args={"log_level": "info", "retries": 2},
-                                       router={"log_level": "warn"}), [], 1)
-    assert "--worker-urls" not in both  # workers register themselves later
-    assert both[both.index("--log-level") + 1] == "warn" and both.count("--log-level") == 1
-    assert both[both.index("--retries") + 1] == "2"
+    empty = router_command(RouterConfig(router={"log_level": "warn", "retries": 2}), [], 1)
+    assert "--worker-urls" not in empty  # workers register themselves later
+    assert empty[empty.index("--log-level") + 1] == "warn" and empty.count("--log-level") == 1
+    assert empty[empty.index("--retries") + 1] == "2"
+    with pytest.raises(msgspec.ValidationError, match="router_args"):  # the old name is gone
+        msgspec.convert({"router_args": {}}, RouterConfig)
 
 
 async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
     """In-flight turns on a worker that stops are retried through the router; none is lost."""
-    from engine.session import HttpSession
-    from models.tokenizer import build_char_tokenizer
-
     cfg = InferenceWorker.Config(model="tiny-qwen2", batch_wait_ms=1.0)
     w0 = InferenceWorker(context("w0", ipc), cfg)
     w1 = InferenceWorker(context("w1", ipc), cfg)
     async with running(w0, 30), running(w1, 30):
         router = RouterActor(context("router", ipc, peers={"w0": w0.bound, "w1": w1.bound}),
-                             RouterConfig(router_args={"log_level": "warn",
+                             RouterConfig(router={"log_level": "warn",
                                                        "health_check_interval_secs": 1}))
         async with running(router, 60):
             client = SglangClient(router.bound.http)

@@ -182,11 +182,11 @@ async def test_stream_send_to_absent_receiver_times_out(ipc, factory):
 # ------------------------------------------------------------------------------------ metrics
 @pytest.fixture
 def proxy(ipc):
-    ctx = zmq.Context()
-    p = MetricsProxy(ctx, ipc("metrics-in"), ipc("metrics-out"))
+    f = SocketFactory()
+    p = MetricsProxy(f, ipc("metrics-in"), ipc("metrics-out"))
     yield p
     p.close()
-    ctx.term()
+    f.close()
 
 
 async def test_metrics_records_arrive_through_the_proxy(proxy, factory):

@@ -8,6 +8,7 @@ import torch
 from actors.trainer import TrainerConfig
 from algos.mismatch import MismatchConfig
 from models.tiny import build_tiny
+from training.config import LossConfig, MicroBatchConfig
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
@@ -29,7 +30,8 @@ def step(**overrides) -> dict[str, float]:
     torch.manual_seed(0)
     model, tok = build_tiny("tiny-qwen2", seed=0)
     state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=3, **overrides)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        **overrides)
     return train_on_batch(state, batch(tok), cfg)
 
 
@@ -50,5 +52,5 @@ def test_recompute_bypass_and_rejection_differ_as_they_should():
 
 
 def test_entropy_bonus_changes_the_update():
-    plain, bonus = step(), step(entropy_coef=0.5)
+    plain, bonus = step(), step(loss=LossConfig(entropy_coef=0.5))
     assert bonus["train/grad_norm"] != pytest.approx(plain["train/grad_norm"], rel=1e-4)

@@ -14,6 +14,7 @@ from algos.logprobs import token_logprobs
 from algos.mismatch import MismatchConfig
 from models.tiny import build_tiny
 from training.aux_models import AuxModel, CriticConfig, CriticModel
+from training.config import KlConfig, LossConfig, MicroBatchConfig, OptimizerConfig
 from training.setup import build_aux_models
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
@@ -36,11 +37,13 @@ def batch(tok) -> list[Sample]:
 
 def setup(**overrides):
     torch.manual_seed(0)
-    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=2, lr=1e-3,
-                        **overrides)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], **{
+        "micro_batches": MicroBatchConfig(size=2), "optimizer": OptimizerConfig(lr=1e-3),
+        **overrides})
     model, tok = build_tiny("tiny-qwen2", seed=0)
     ref, critic = build_aux_models(cfg, model)
-    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr), ref, critic)
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr),
+                       ref, critic)
     return state, cfg, batch(tok)
 
 
@@ -55,23 +58,23 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def test_estimators_give_distinct_updates_and_dr_grpo_alias():
-    params = {est: step(advantage_estimator=est)[0] for est in
+    params = {est: step(loss=LossConfig(advantage_estimator=est))[0] for est in
               ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")}
     names = list(params)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert max_diff(params[a], params[b]) > 1e-6, (a, b)
-    alias = step(std_normalization=False)[0]
+    alias = step(loss=LossConfig(std_normalization=False))[0]
     assert max_diff(alias, params["dr_grpo"]) == 0.0
 
 
 def test_kl_in_reward_is_zero_against_the_initial_weights_and_not_after_a_change():
-    plain = step(advantage_estimator="reinforce_plus_plus")[0]
-    shaped = step(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, kl_in_reward=True,
-                  kl_estimator="k1")[0]
+    rpp = LossConfig(advantage_estimator="reinforce_plus_plus")
+    shaping = KlConfig(coef=0.5, in_reward=True, estimator="k1")
+    plain = step(loss=rpp)[0]
+    shaped = step(loss=rpp, kl=shaping)[0]
     assert max_diff(plain, shaped) == 0.0  # reference == policy: every k1 is exactly 0
-    state, cfg, samples = setup(advantage_estimator="reinforce_plus_plus", kl_coef=0.5,
-                                kl_in_reward=True, kl_estimator="k1")
+    state, cfg, samples = setup(loss=rpp, kl=shaping)
     perturb(state.ref)
     train_on_batch(state, samples, cfg)
     assert max_diff(plain, state.model.state_dict()) > 1e-6
@@ -83,7 +86,7 @@ def perturb(ref: AuxModel) -> None:
 
 
 def test_kl_loss_matches_an_independent_computation():
-    state, cfg, samples = setup(kl_coef=0.1, use_kl_loss=True, kl_estimator="k3")
+    state, cfg, samples = setup(kl=KlConfig(coef=0.1, use_kl_loss=True, estimator="k3"))
     perturb(state.ref)
     policy, ref = copy.deepcopy(state.model), state.ref.module
     expected = 0.0
@@ -101,8 +104,8 @@ def test_kl_loss_matches_an_independent_computation():
 
 def test_ppo_trains_the_critic_towards_the_returns():
     # Adam moves every weight by ~lr: on the random tiny model 1e-5 is a small step
-    params, first, state = step(advantage_estimator="ppo", critic=CriticConfig(lr=1e-5),
-                                gae_lambda=1.0)
+    params, first, state = step(loss=LossConfig(advantage_estimator="ppo", gae_lambda=1.0),
+                                critic=CriticConfig(lr=1e-5))
     before = CriticModel(build_tiny("tiny-qwen2", seed=0)[0], "cpu", CriticConfig()).state()
     assert max_diff(before, state.critic.state()) > 5e-6
     assert first["train/value_loss"] > 0
@@ -112,12 +115,13 @@ def test_ppo_trains_the_critic_towards_the_returns():
 
 
 def state_cfg(state) -> TrainerConfig:
-    return TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batch_size=2, lr=0.0,
-                         advantage_estimator="ppo", critic=state.critic.cfg, gae_lambda=1.0)
+    return TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(size=2),
+                         optimizer=OptimizerConfig(lr=0.0), critic=state.critic.cfg,
+                         loss=LossConfig(advantage_estimator="ppo", gae_lambda=1.0))
 
 
 def test_sample_over_the_token_cap_is_trained_alone_and_counted():
-    _, stats, _ = step(max_tokens_per_mb=8)
+    _, stats, _ = step(micro_batches=MicroBatchConfig(size=2, max_tokens=8))
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch(build_tiny("tiny-qwen2")[1])]
     over = sum(n > 8 for n in lengths)
     assert over >= 1 and stats["train/oversized_samples"] == over
@@ -139,18 +143,21 @@ def test_decoupled_correction_masks_far_behaviour_tokens():
 
 @pytest.mark.parametrize("options, names", [
     ({"mismatch": {"bypass": True, "correction": "decoupled"}}, None),
-    ({"advantage_estimator": "ppo"}, ("advantage_estimator = 'ppo'", "critic")),
+    ({"loss": {"advantage_estimator": "ppo"}}, ("advantage_estimator = 'ppo'", "critic")),
     ({"critic": {}}, ("critic", "advantage_estimator = 'grpo'")),
-    ({"kl_coef": 0.1, "kl_in_reward": True}, ("kl_in_reward = true",
-                                               "advantage_estimator = 'grpo'")),
-    ({"kl_coef": 0.1, "kl_in_reward": True, "use_kl_loss": True},
-     ("use_kl_loss = true", "kl_in_reward = true")),
-    ({"kl_coef": 0.1}, ("kl_coef = 0.1", "use_kl_loss")),
-    ({"use_kl_loss": True}, ("use_kl_loss = true", "kl_coef = 0")),
-    ({"std_normalization": False, "advantage_estimator": "reinforce_plus_plus"},
-     ("std_normalization = false", "advantage_estimator = 'reinforce_plus_plus'")),
-    ({"ref_model": "tiny-qwen2"}, ("ref_model", "kl_coef = 0")),
-    ({"advantage_estimator": "gae"}, ("advantage_estimator = 'gae'",)),
+    ({"kl": {"coef": 0.1, "in_reward": True}}, ("kl.in_reward = true",
+                                                 "advantage_estimator = 'grpo'")),
+    ({"kl": {"coef": 0.1, "in_reward": True, "use_kl_loss": True}},
+     ("use_kl_loss = true", "in_reward = true", "`$.kl`")),
+    ({"kl": {"coef": 0.1}}, ("coef = 0.1", "use_kl_loss", "`$.kl`")),
+    ({"kl": {"use_kl_loss": True}}, ("use_kl_loss = true", "coef = 0")),
+    ({"loss": {"std_normalization": False, "advantage_estimator": "reinforce_plus_plus"}},
+     ("std_normalization = false", "advantage_estimator = 'reinforce_plus_plus'", "`$.loss`")),
+    ({"kl": {"ref_model": "tiny-qwen2"}}, ("ref_model", "coef = 0")),
+    ({"loss": {"advantage_estimator": "gae"}}, ("advantage_estimator = 'gae'",)),
+    ({"kl": {"estimator": "k4"}}, ("estimator = 'k4'", "`$.kl`")),
+    ({"micro_batches": {"size": 0}}, ("size >= 1", "`$.micro_batches`")),
+    ({"micro_batch_size": 4}, ("unknown field `micro_batch_size`",)),
     ({"mismatch": {"proximal": "rollout_version", "correction": "tis"}},
      ("proximal = 'rollout_version'", "correction = 'tis'")),
 ])
@@ -162,13 +169,13 @@ def test_incompatible_options_fail_naming_both(options, names):
 
 
 def test_checkpoint_keeps_the_critic_and_rebuilds_the_reference(tmp_path):
-    state, cfg, samples = setup(advantage_estimator="ppo", critic=CriticConfig(), kl_coef=0.1,
-                                use_kl_loss=True)
+    ppo = LossConfig(advantage_estimator="ppo")
+    kl = KlConfig(coef=0.1, use_kl_loss=True)
+    state, cfg, samples = setup(loss=ppo, critic=CriticConfig(), kl=kl)
     initial_ref = {k: v.clone() for k, v in state.ref.state().items()}
     train_on_batch(state, samples, cfg)
     state.save(tmp_path / "ckpt")
-    resumed, _, _ = setup(advantage_estimator="ppo", critic=CriticConfig(), kl_coef=0.1,
-                          use_kl_loss=True)
+    resumed, _, _ = setup(loss=ppo, critic=CriticConfig(), kl=kl)
     resumed.load(tmp_path / "ckpt", "cpu")
     assert max_diff(resumed.critic.state(), state.critic.state()) == 0.0
     assert max_diff(resumed.model.state_dict(), state.model.state_dict()) == 0.0

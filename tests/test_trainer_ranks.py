@@ -14,9 +14,12 @@ from algos.opd import OpdConfig
 from tests.test_dp_train import config, make_batch
 from tests.test_mopd import TEACHERS, samples
 from training.colocated_teachers import TeacherMemoryConfig
+from training.config import LossConfig, MicroBatchConfig, OptimizerConfig, ParallelConfig
 from training.ranks import RankGroup, rank_device
 from training.setup import load_train_state
 from training.step import train_on_batch
+
+TWO = ParallelConfig(dp=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +43,8 @@ def test_rank_devices_count_from_the_trainers():
 def dp_versus_one_process(cfg, samples_of, tmp_path):
     """One step on two ranks (rank 0 here) and on one process from the same initial state:
     (two-rank state, its stats, one-process state, its stats)."""
-    one = load_train_state(msgspec.structs.replace(cfg, dp_size=1), str(tmp_path / "one"), False)
+    one = load_train_state(msgspec.structs.replace(cfg, parallel=ParallelConfig(dp=1)),
+                           str(tmp_path / "one"), False)
     state = load_train_state(cfg, str(tmp_path), False)
     samples = samples_of(state.tokenizer)
     ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
@@ -66,7 +70,7 @@ def dp_versus_one_process(cfg, samples_of, tmp_path):
 @pytest.mark.timeout(180)
 def test_two_ranks_take_the_one_process_step_and_stay_identical(tmp_path):
     """PPO with a critic, KL shaping, TIS and a token cap: every cross-rank reduction."""
-    stats, stats1 = dp_versus_one_process(msgspec.structs.replace(config(), dp_size=2),
+    stats, stats1 = dp_versus_one_process(msgspec.structs.replace(config(), parallel=TWO),
                                           make_batch, tmp_path)
     for key in ("train/loss", "train/grad_norm", "train/critic_grad_norm", "train/tokens"):
         assert stats[key] == pytest.approx(stats1[key], rel=1e-5, abs=1e-7), key
@@ -76,10 +80,12 @@ def test_two_ranks_take_the_one_process_step_and_stay_identical(tmp_path):
 def test_colocated_teachers_on_two_ranks(tmp_path):
     """Each rank scores its own micro-batches with its own teacher memory (one slot, a host
     budget of one teacher, the other on its own NVMe directory); full-vocabulary OPD."""
-    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"], advantage_estimator="none",
-                        opd=OpdConfig(mode="full"), teachers=TEACHERS, lr=3e-3,
-                        micro_batch_size=2, dp_size=2, teacher_memory=TeacherMemoryConfig(
-                            gpu_slots=1, host_budget_bytes=400_000))
+    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
+                        loss=LossConfig(advantage_estimator="none"), opd=OpdConfig(mode="full"),
+                        teachers=TEACHERS, optimizer=OptimizerConfig(lr=3e-3),
+                        micro_batches=MicroBatchConfig(size=2), parallel=TWO,
+                        teacher_memory=TeacherMemoryConfig(gpu_slots=1,
+                                                           host_budget_bytes=400_000))
     stats, stats1 = dp_versus_one_process(cfg, samples, tmp_path)
     for key in ("opd/arith/reverse_kl", "opd/reverse/reverse_kl", "opd/arith/tokens",
                 "opd/reverse/tokens", "train/grad_norm"):
@@ -90,7 +96,7 @@ def test_colocated_teachers_on_two_ranks(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_dead_rank_is_reported_with_its_log(tmp_path):
-    cfg = msgspec.structs.replace(config(), dp_size=2)
+    cfg = msgspec.structs.replace(config(), parallel=TWO)
     state = load_train_state(cfg, str(tmp_path), False)
     ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
     try:
@@ -104,12 +110,13 @@ def test_a_dead_rank_is_reported_with_its_log(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"dp_size": 0}, "dp_size >= 1"),
-    ({"dp_size": 2, "backend": "megatron"}, "dp_size = 2 and backend = 'megatron' conflict"),
+    ({"parallel": {"dp": 0}}, "dp >= 1"),
+    ({"parallel": {"dp": 2}, "backend": "megatron"},
+     "parallel.dp = 2 and backend = 'megatron' conflict"),
 ])
 def test_bad_data_parallel_options_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
-        TrainerConfig(model="tiny-qwen2", workers=["w"], **change)
+        msgspec.convert({"model": "tiny-qwen2", "workers": ["w"], **change}, TrainerConfig)
 
 
 @pytest.mark.timeout(120)
@@ -127,7 +134,7 @@ def test_a_rank_that_dies_while_loading_fails_the_start_at_once(tmp_path, monkey
                     **kw)
 
     monkeypatch.setattr(trainer_ranks.subprocess, "Popen", popen)
-    cfg = msgspec.structs.replace(config(), dp_size=2, dp_timeout_s=300)
+    cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(dp=2, timeout_s=300))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)trainer rank 1 exited with code 3, log .*"
                                            r"no such checkpoint"):

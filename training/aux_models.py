@@ -21,11 +21,11 @@ import contextlib
 import copy
 from typing import Any
 
-import msgspec
 import torch
 
 from algos.logprobs import position_ids_from_mask, response_slice, token_logprobs_and_entropy
 from training.batching import MicroBatch
+from training.config import CriticConfig
 from training.master_weights import make_optimizer, move_optimizer
 
 
@@ -57,22 +57,6 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
     cols = mb.num_response_cols
     return (response_slice(logp, mb.prompt_lens, cols),
             response_slice(ent, mb.prompt_lens, cols) if with_entropy else None)
-
-
-class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """The value model of `advantage_estimator = "ppo"`."""
-
-    model: str = ""  # backbone checkpoint ("" = the policy's initial checkpoint); fresh value head
-    lr: float = 1e-5  # critic AdamW learning rate
-    weight_decay: float = 0.0  # critic AdamW weight decay
-    value_clip: float = 0.2  # bound on |V - V_old| in the clipped value loss (0 = unclipped)
-    grad_clip: float = 1.0  # max global gradient norm of the critic (0 = no clipping)
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.value_clip < 0 or self.grad_clip < 0:
-            raise ValueError(f"critic needs lr > 0, value_clip >= 0, grad_clip >= 0; got "
-                             f"lr = {self.lr}, value_clip = {self.value_clip}, "
-                             f"grad_clip = {self.grad_clip}")
 
 
 class AuxModel:

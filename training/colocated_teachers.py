@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from algos.logprobs import (
@@ -38,15 +37,7 @@ from memory.layout import FlatLayout, module_tensors
 from memory.manager import WeightMemory
 from models.load import load_model
 from training.batching import MicroBatch
-
-
-class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Where colocated teachers live between uses."""
-
-    gpu_slots: int = 1  # device slots for teachers (the student stays resident apart)
-    host_budget_bytes: int = 0  # pinned host budget for teachers (0 = all of them)
-    nvme_dir: str = ""  # teachers beyond the host budget ("" = <run_dir>/teachers-nvme)
-    lookahead: int = 1  # switches prefetched ahead
+from training.config import TeacherMemoryConfig, TrainConfig
 
 
 @dataclass
@@ -175,14 +166,14 @@ def meta_skeleton(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return model.eval()
 
 
-def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: Any,
+def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: TrainConfig,
                 teachers: ColocatedTeachers | None, next_teachers: list[str] = ()
                 ) -> list[OpdInputs]:
     """OPD inputs per micro-batch, from colocated teachers or from server replies."""
-    configs = opd_configs(cfg.teachers or [], cfg.opd)
-    coefs = {t.name: t.coef for t in (cfg.teachers or [])}
+    configs = opd_configs(cfg.teachers, cfg.opd)
+    coefs = {t.name: t.coef for t in cfg.teachers}
     logit_teachers = {n for n, c in configs.items() if needs_teacher_logits(c.mode)}
-    colocated = (teachers.outputs(mbs, cfg.temperature, logit_teachers, next_teachers)
+    colocated = (teachers.outputs(mbs, cfg.loss.temperature, logit_teachers, next_teachers)
                  if teachers is not None else {})
     out = []
     for i, mb in enumerate(mbs):

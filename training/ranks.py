@@ -1,6 +1,6 @@
 """Data-parallel ranks of the trainer actor: rank 0 is the actor, ranks 1..N-1 processes it starts.
 
-Role: with `dp_size = N > 1` the trainer actor starts N-1 rank processes
+Role: with `parallel.dp = N > 1` the trainer actor starts N-1 rank processes
 (`python -m actors.trainer_rank`) on its host. All N join one torch.distributed group (NCCL when
 the trainer's device is CUDA, rank r on the r-th device from the trainer's; gloo on CPU) for the
 step's reductions, plus a gloo group that carries rank 0's commands. Every step rank 0 broadcasts
@@ -15,7 +15,7 @@ commands reach every rank in one order. Colocated teachers: every rank loads its
 device slots, pinned arena and NVMe directory), scoring only its micro-batches.
 Faults: a rank process that exits (while loading or later) is reported by rank 0 at once or at
 its next command, with the exit code and the rank's log; a collective stuck on a dead rank fails
-after `dp_timeout_s`; a rank whose parent dies gets SIGTERM.
+after `parallel.timeout_s`; a rank whose parent dies gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from runtime.child import die_with_parent
 from runtime.procs import log_tail, terminate_sync
+from training.config import TrainConfig
 from training.data_parallel import DataParallel
 from training.step import train_on_batch
 from transport.schema import Sample
@@ -69,11 +70,11 @@ def weight_digest(model: torch.nn.Module) -> float:
 class Ranks:
     """What every rank holds: the group, its command channel, the DP reductions."""
 
-    def __init__(self, cfg: Any, rank: int, world_size: int, store: Any):
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, store: Any):
         cuda = cfg.device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(torch.device(rank_device(cfg.device, 0)))  # an index
-        timeout = datetime.timedelta(seconds=cfg.dp_timeout_s)
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
@@ -113,30 +114,30 @@ class Ranks:
 class RankGroup(Ranks):
     """Rank 0's side, inside the trainer actor: starts the other ranks and drives them."""
 
-    def __init__(self, cfg: Any, run_dir: str, resume: bool, log_dir: Path):
+    def __init__(self, cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path):
         self.procs: list[subprocess.Popen] = []
-        self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, cfg.dp_size)]
+        size = cfg.parallel.dp
+        self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, size)]
         log_dir.mkdir(parents=True, exist_ok=True)
         config_path = Path(run_dir) / "trainer_ranks.json"
         config_path.write_bytes(msgspec.json.encode(cfg))
         port = free_port("127.0.0.1")
-        store = dist.TCPStore("127.0.0.1", port, cfg.dp_size, is_master=True,
-                              timeout=datetime.timedelta(seconds=cfg.dp_timeout_s),
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=True,
+                              timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
                               wait_for_workers=False)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for r, path in zip(range(1, cfg.dp_size), self.logs):
+        for r, path in zip(range(1, size), self.logs):
             cmd = [sys.executable, "-m", "actors.trainer_rank", "--rank", str(r), "--world-size",
-                   str(cfg.dp_size), "--port", str(port), "--config", str(config_path),
+                   str(size), "--port", str(port), "--config", str(config_path),
                    "--run-dir", run_dir] + (["--resume"] if resume else [])
             with open(path, "ab") as f:
                 self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=env,
                                                    stdin=subprocess.DEVNULL,
                                                    preexec_fn=die_with_parent))
-        log.info("trainer: started data-parallel ranks 1..%d (logs %s)", cfg.dp_size - 1,
-                 log_dir)
+        log.info("trainer: started data-parallel ranks 1..%d (logs %s)", size - 1, log_dir)
         try:
-            self._wait_loaded(store, cfg.dp_timeout_s)
-            super().__init__(cfg, 0, cfg.dp_size, store)
+            self._wait_loaded(store, cfg.parallel.timeout_s)
+            super().__init__(cfg, 0, size, store)
         except Exception as e:
             dead = self.dead_rank()  # before the kill: the rank that failed on its own
             self.kill()
@@ -155,7 +156,8 @@ class RankGroup(Ranks):
                     raise RuntimeError(dead)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"trainer rank {r} did not load its state within "
-                                       f"dp_timeout_s = {timeout_s:g}; log {self.logs[r - 1]}")
+                                       f"parallel.timeout_s = {timeout_s:g}; "
+                                       f"log {self.logs[r - 1]}")
                 time.sleep(0.05)
 
     def dead_rank(self) -> str:
@@ -177,7 +179,7 @@ class RankGroup(Ranks):
             raise RuntimeError(f"{cmd.op} command to the data-parallel ranks failed: {e}"
                                f"{'; ' + dead if dead else ''}") from e
 
-    def train(self, state: Any, samples: list[Sample], cfg: Any,
+    def train(self, state: Any, samples: list[Sample], cfg: TrainConfig,
               next_teachers: list[str] = ()) -> dict[str, float]:
         self.send(RankCommand("step", samples=samples, next_teachers=list(next_teachers)))
         stats = train_on_batch(state, samples, cfg, self.dp)
@@ -212,10 +214,10 @@ class RankGroup(Ranks):
             terminate_sync(p, 0)
 
 
-def rank_config(cfg: Any, rank: int, run_dir: str) -> Any:
+def rank_config(cfg: TrainConfig, rank: int, run_dir: str) -> TrainConfig:
     """Rank r's trainer config: its device, and its own NVMe directory for colocated teachers
     (reads go through its own process; the prefetcher actor serves rank 0)."""
     nvme = cfg.teacher_memory.nvme_dir or str(Path(run_dir) / "teachers-nvme")
     memory = msgspec.structs.replace(cfg.teacher_memory, nvme_dir=f"{nvme}-rank{rank}")
-    return msgspec.structs.replace(cfg, device=rank_device(cfg.device, rank), prefetcher="",
+    return msgspec.structs.replace(cfg, device=rank_device(cfg.device, rank),
                                    teacher_memory=memory)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,38 +16,41 @@ import torch.distributed as dist
 from models.load import load_model
 from training.aux_models import AuxModel, CriticModel
 from training.colocated_teachers import ColocatedTeachers
+from training.config import TrainConfig
 from training.master_weights import make_optimizer
 from training.state import TrainState
+from transport.dtypes import model_dtype
 
 log = logging.getLogger(__name__)
 
 
-def build_aux_models(cfg: Any, policy: torch.nn.Module):
+def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
     """(reference, critic) weight sets the configured algorithm needs, or None each."""
     def source(path: str) -> torch.nn.Module:
         if not path and policy is not None:
             return policy
         if not path:  # a megatron policy: the reference/critic are transformers models
             path = cfg.model
-        return load_model(path, cfg.device, getattr(torch, cfg.dtype), cfg.seed)[0]
+        return load_model(path, cfg.device, model_dtype(cfg.dtype), cfg.seed)[0]
 
-    ref = (AuxModel.frozen_copy(source(cfg.ref_model), cfg.device, cfg.offload_aux_models)
-           if cfg.kl_coef > 0 else None)
+    ref = (AuxModel.frozen_copy(source(cfg.kl.ref_model), cfg.device, cfg.offload_aux_models)
+           if cfg.kl.coef > 0 else None)
     critic = (CriticModel(source(cfg.critic.model), cfg.device, cfg.critic, cfg.offload_aux_models)
               if cfg.critic is not None else None)
     return ref, critic
 
 
-def load_train_state(cfg: Any, run_dir: str, resume: bool) -> TrainState:
+def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState:
     """The policy (torch or megatron backend), optimizer, aux models; resumed when asked."""
     torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, cfg.dtype)
+    dtype = model_dtype(cfg.dtype)
     if cfg.backend == "megatron":
         model, tokenizer = load_megatron(cfg, dtype)
     else:
         model, tokenizer = load_model(cfg.model, cfg.device, dtype, cfg.seed)
     model.train()
-    opt = make_optimizer(model.parameters(), dtype, cfg.master_weights, cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(model.parameters(), dtype, cfg.optimizer.master_weights,
+                         cfg.optimizer.lr, cfg.optimizer.weight_decay)
     hf_policy = model if cfg.backend == "torch" else None
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     state = TrainState(model, tokenizer, opt, ref, critic)
@@ -62,7 +64,7 @@ def load_train_state(cfg: Any, run_dir: str, resume: bool) -> TrainState:
     return state
 
 
-def load_megatron(cfg: Any, dtype: torch.dtype):
+def load_megatron(cfg: TrainConfig, dtype: torch.dtype):
     """A one-rank megatron-core model (TP = PP = 1 inside the actor; multi-rank megatron runs
     use backends.megatron directly under torchrun)."""
     # megatron-core is an optional dependency: imported only when the megatron backend is used

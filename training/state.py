@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from memory.layout import module_tensors
+from memory.safetensors_io import load_safetensors
 from models.load import save_checkpoint
 from training.master_weights import move_optimizer
 
@@ -62,15 +63,10 @@ class TrainState:
         hf = getattr(self.model, "hf_state_dict", None)  # the megatron backend converts
         if hf is not None:
             return list(hf().items())
-
         return [(n, t.detach()) for n, t in module_tensors(self.model).items()]  # tied: once
 
     def load(self, path: Path, device: str) -> None:
-        from safetensors.torch import load_file
-
-        weights = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(f), device=device))
+        weights = load_safetensors(path, device=device)
         if hasattr(self.model, "load_hf_state_dict"):  # megatron backend: HF names converted
             self.model.load_hf_state_dict(weights)
             missing, unexpected = [], []

@@ -1,18 +1,28 @@
-"""One optimizer step on a batch of samples (policy, and the critic for PPO), on one or more ranks.
+"""One optimizer step on a batch of samples (policy, and the critic for PPO), on one or more ranks,
+for every backend: the model passes go through a `training.runner.ModelRunner` (a whole
+forward per micro-batch, or megatron's pipeline schedule), everything else is here, once.
 
 Phases of `train_on_batch`:
-1. plan: this rank's micro-batches from `algos.dp_schedule` (`training.data_parallel`); a sample longer
-   than `max_tokens_per_mb` is trained alone and counted in `train/oversized_samples`;
-2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (or the
-   rollout's with `mismatch.bypass`; with decoupled PPO's `proximal = "rollout_version"` each
-   sample's from the old-actor weight set of its version), reference log-probs (KL), critic
-   values (ppo), then token advantages by `advantage_estimator` (`algos.advantages`), whitened over the whole step;
-3. policy: per micro-batch the PPO-clip loss with the mismatch correction's token weights, minus
-   the entropy bonus, plus `kl_coef * KL(policy || ref)` with `use_kl_loss`; gradients
+1. plan: this rank's micro-batches from `algos.dp_schedule` (`training.data_parallel`); a sample
+   longer than `micro_batches.max_tokens` is trained alone and counted in
+   `train/oversized_samples`;
+2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (the
+   runner's log-prob pass, or the rollout's with `mismatch.bypass`; with decoupled PPO's
+   `proximal = "rollout_version"` each sample's from the old-actor weight set of its version),
+   reference log-probs (KL), critic values (ppo), then token advantages by
+   `loss.advantage_estimator` (`algos.advantages`), whitened over the whole step;
+3. policy: the runner's forward+backward pass; per micro-batch the loss callback gives the
+   PPO-clip loss with the mismatch correction's token weights, minus the entropy bonus, plus
+   `kl.coef * KL(policy || ref)` with `kl.use_kl_loss`, plus the OPD loss terms; gradients
    accumulate, are summed over ranks, clipped, one optimizer step;
 4. critic (ppo): clipped value loss against the GAE returns, its own optimizer step.
 Every loss is divided by the number of samples in the whole step, so the summed gradient of R
 ranks equals the one-process gradient of the same batch.
+
+Pipeline stages: only the last stage has logits, so only it prepares the losses' inputs
+(reference, critic, teachers and advantages run there), calls the loss callback and computes
+statistics; the other stages take part in the runner's passes, the gradient clip and the
+optimizer step, and receive the statistics from the last stage (`runner.share`).
 
 Mismatch metrics: `train/logprob_abs_diff` is mean |trainer log-prob - rollout log-prob| over
 all policy tokens (with staleness >= 1 it includes the policy lag of older samples);
@@ -50,14 +60,10 @@ from algos.policy_loss import masked_sample_sum, ppo_clip_loss
 from algos.value import value_loss
 from training.aux_models import OldActors, micro_batch_logprobs
 from training.batching import MicroBatch, make_micro_batch
-from training.colocated_teachers import (
-    kl_coefs,
-    prepare_opd,
-    rows_with,
-    sampled_ratio,
-    student_pass,
-)
+from training.colocated_teachers import kl_coefs, prepare_opd, rows_with, sampled_ratio
+from training.config import TrainConfig
 from training.data_parallel import SingleProcess, plan_micro_batches
+from training.runner import ModelRunner, TorchRunner
 from training.state import TrainState
 from transport.schema import Sample
 
@@ -82,26 +88,59 @@ class Prepared:
 
 def forward(state: TrainState, mb: MicroBatch, temperature: float,
             by_length: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Response-aligned (log-probs, entropies) of a micro-batch."""
+    """Response-aligned (log-probs, entropies) of a micro-batch (a model with a whole forward)."""
     return micro_batch_logprobs(state.model, mb, temperature, by_length)
 
 
-def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
-                   dp: Any = None) -> dict[str, float]:
-    """One optimizer step; with `dp` (training.data_parallel.DataParallel) this rank's share of it."""
+def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
+                   dp: Any = None, runner: ModelRunner | None = None) -> dict[str, float]:
+    """One optimizer step; with `dp` (training.data_parallel.DataParallel) this rank's share of
+    it; `runner` runs the model over the micro-batches (default: `TorchRunner`, a whole forward;
+    `backends.megatron.pipeline.PipelineRunner` for pipeline stages). Returns the statistics on
+    every rank of the model (computed on the last stage)."""
     dp = dp or SingleProcess()
-    device = next(state.model.parameters()).device
+    runner = runner or TorchRunner(state.model)
+    if cfg.mismatch.proximal == "rollout_version" and not runner.whole_model:
+        raise ValueError("mismatch proximal = 'rollout_version' keeps whole-model copies of old "
+                         "weights; it needs a model with a whole forward (no pipeline stages): "
+                         "use proximal = 'current' or pipeline_model_parallel_size = 1")
     state.model.eval()  # no dropout: training and recompute see the same function
-    plan = plan_micro_batches(samples, cfg.micro_batch_size, cfg.max_tokens_per_mb, dp.rank,
-                              dp.world_size)
-    mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id).to(device)
+    by_length = _by_length(cfg, runner.device)
+    plan = plan_micro_batches(samples, cfg.micro_batches.size, cfg.micro_batches.max_tokens,
+                              dp.rank, dp.world_size)
+    mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id).to(runner.device)
            for idx in plan.micro_batches]
+    last = runner.is_last_stage  # the stage with logits: losses and statistics
     totals = dict.fromkeys(TOTALS, 0.0)
-    prep = prepare(state, samples, plan.micro_batches, mbs, cfg, dp, totals)
+    prep = prepare(state, runner, samples, plan.micro_batches, mbs, cfg, dp, totals, by_length)
     opd_sums: dict[str, list[float]] = {}
     opd_time_s = (add_opd(state, mbs, prep, cfg, opd_sums)
-                  if getattr(cfg, "opd", None) is not None else None)
-    current = policy_pass(state, mbs, prep, cfg, len(samples), totals, opd_sums)
+                  if cfg.opd is not None and last else None)
+    current = policy_pass(state, runner, mbs, prep, cfg, len(samples), totals, opd_sums,
+                          by_length)
+    grad_norm = optimizer_step(state, cfg, dp)
+    stats: dict[str, float] = {}
+    if state.critic is not None and last:  # the critic's inputs exist where the losses do
+        stats["train/critic_grad_norm"] = critic_pass(state, mbs, prep, cfg, len(samples),
+                                                      totals, dp)
+    new = runner.logprobs(mbs, cfg.loss.temperature, by_length)
+    if not last:
+        return runner.share(stats)
+    for c, n, mb in zip(current, new, mbs):
+        totals["policy_kl"] += float((approx_kl(c, n, "k3") * mb.mask).sum())
+    summed = dp.sum_tensor(torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64))
+    totals = dict(zip(TOTALS, summed.tolist()))
+    stats |= summarize(samples, totals, grad_norm, state.version, cfg)
+    stats["train/oversized_samples"] = float(len(plan.oversized))
+    if opd_time_s is not None:
+        stats |= opd_stats(state, opd_sums, opd_time_s, dp)
+    parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
+                                                 for c, mb in zip(current, mbs)])])
+    return runner.share(stats | mismatch_metrics(*_stack(parts)))
+
+
+def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
+    """Sum the gradients over data-parallel ranks, clip, step; returns the global norm."""
     clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
     # fp32 master weights: sum and clip the fp32 gradients (a sharded model clips its own
     # parameters' gradients; the step then moves them to the masters)
@@ -109,48 +148,38 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: Any,
     params = (to_master() if to_master is not None
               else [p for p in state.model.parameters() if p.requires_grad])
     dp.sum_grads(params)
-    grad_norm = (clip(cfg.grad_clip or math.inf) if clip is not None
-                 else torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))
+    max_norm = cfg.optimizer.grad_clip or math.inf
+    grad_norm = (clip(max_norm) if clip is not None
+                 else torch.nn.utils.clip_grad_norm_(params, max_norm))
     state.optimizer.step()
-    stats: dict[str, float] = {}
-    if state.critic is not None:
-        stats["train/critic_grad_norm"] = critic_pass(state, mbs, prep, cfg, len(samples),
-                                                      totals, dp)
-    with torch.no_grad():
-        for c, mb in zip(current, mbs):
-            new = forward(state, mb, cfg.temperature, _by_length(cfg, device))[0]
-            totals["policy_kl"] += float((approx_kl(c, new, "k3") * mb.mask).sum())
-    summed = dp.sum_tensor(torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64))
-    totals = dict(zip(TOTALS, summed.tolist()))
-    stats |= summarize(samples, totals, float(grad_norm), state.version, cfg)
-    stats["train/oversized_samples"] = float(len(plan.oversized))
-    if opd_time_s is not None:
-        stats |= opd_stats(state, opd_sums, opd_time_s, dp)
-    parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
-                                                 for c, mb in zip(current, mbs)])])
-    return stats | mismatch_metrics(*_stack(parts))
+    return float(grad_norm)
 
 
-def _by_length(cfg: Any, device: torch.device) -> bool:
-    flag = getattr(cfg, "forward_by_length", False)
+def _by_length(cfg: TrainConfig, device: torch.device) -> bool:
+    flag = cfg.micro_batches.forward_by_length
     if flag is None:
         return device.type == "cpu" and cfg.dtype == "float32"
     return bool(flag)
 
 
-def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
-            mbs: list[MicroBatch], cfg: Any, dp: Any, totals: dict[str, float]) -> list[Prepared]:
-    device = next(state.model.parameters()).device
-    by_length = _by_length(cfg, device)
-    est = cfg.estimator
+def prepare(state: TrainState, runner: ModelRunner, samples: list[Sample], plan: list[list[int]],
+            mbs: list[MicroBatch], cfg: TrainConfig, dp: Any, totals: dict[str, float],
+            by_length: bool) -> list[Prepared] | None:
+    """Old-policy and reference log-probs, critic values and advantages per micro-batch (None
+    on a pipeline stage without logits: it only takes part in the policy's passes)."""
+    device = runner.device
+    temperature = cfg.loss.temperature
+    old = ([mb.rollout_logp for mb in mbs] if cfg.mismatch.bypass
+           else runner.logprobs(mbs, temperature, by_length))
+    if not runner.is_last_stage:
+        return None
+    est = cfg.loss.estimator
     scores = sample_scores(est, [s.reward for s in samples], [s.group_id for s in samples])
     with torch.no_grad():
-        old = [mb.rollout_logp if cfg.mismatch.bypass
-               else forward(state, mb, cfg.temperature, by_length)[0] for mb in mbs]
         if cfg.mismatch.proximal == "rollout_version":
             old = [rollout_version_logprobs(state, mb, o, cfg, by_length, totals)
                    for mb, o in zip(mbs, old)]
-        ref = [state.ref.logprobs(mb, cfg.temperature, by_length) if state.ref is not None else None
+        ref = [state.ref.logprobs(mb, temperature, by_length) if state.ref is not None else None
                for mb in mbs]
         values: list[Any] = [None] * len(mbs)
         if state.critic is not None:
@@ -158,9 +187,9 @@ def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
                 values = [state.critic.values(mb) for mb in mbs]
     out = []
     for idx, mb, o, r, v in zip(plan, mbs, old, ref, values):
-        kl = approx_kl(o, r, cfg.kl_estimator) if cfg.kl_in_reward else None
-        adv, ret = token_advantages(est, scores[idx].to(device), mb.mask, kl, cfg.kl_coef, v,
-                                    cfg.gamma, cfg.gae_lambda)
+        kl = approx_kl(o, r, cfg.kl.estimator) if cfg.kl.in_reward else None
+        adv, ret = token_advantages(est, scores[idx].to(device), mb.mask, kl, cfg.kl.coef, v,
+                                    cfg.loss.gamma, cfg.loss.gae_lambda)
         out.append(Prepared(o, adv, r, v, ret))
     if est in WHITENED:
         sums = dp.sum_tensor(sum(whiten_sums(p.adv, mb.mask) for p, mb in zip(out, mbs)).cpu())
@@ -169,8 +198,9 @@ def prepare(state: TrainState, samples: list[Sample], plan: list[list[int]],
     return out
 
 
-def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.Tensor, cfg: Any,
-                             by_length: bool, totals: dict[str, float]) -> torch.Tensor:
+def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.Tensor,
+                             cfg: TrainConfig, by_length: bool, totals: dict[str, float]
+                             ) -> torch.Tensor:
     """Each row's log-probs under the trainer's copy of the weights that generated it.
 
     Rows of the current version keep `current`; a row whose version has no kept weight set
@@ -179,7 +209,7 @@ def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.T
     """
     if state.old_actors is None:
         state.old_actors = OldActors(cfg.mismatch.proximal_versions, current.device,
-                                     getattr(cfg, "offload_aux_models", True))
+                                     cfg.offload_aux_models)
     state.old_actors.snapshot(state.model, state.version)  # once per version, before updating
     out = current.clone()
     versions = [s.weight_version for s in mb.samples]
@@ -189,11 +219,11 @@ def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.T
         if old is None:
             totals["proximal_fallback_samples"] += len(rows)
             continue
-        out[rows] = old.logprobs(mb, cfg.temperature, by_length)[rows]
+        out[rows] = old.logprobs(mb, cfg.loss.temperature, by_length)[rows]
     return out
 
 
-def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
+def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: TrainConfig,
             sums: dict[str, list[float]]) -> float:
     """Teacher signals per micro-batch; "sampled" shapes the (already whitened) advantages
     A - kl_coef * coef * r, so the distillation term keeps its own scale. Returns the seconds
@@ -231,46 +261,48 @@ def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
     return stats
 
 
-def policy_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
-                num_samples: int, totals: dict[str, float],
-                opd_sums: dict[str, list[float]] | None = None) -> list[torch.Tensor]:
-    """Backward of every micro-batch's policy loss; returns the log-probs before the update."""
-    by_length = _by_length(cfg, next(state.model.parameters()).device)
-    opd_term = getattr(cfg, "opd", None) is not None and any(
+def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
+                prep: list[Prepared] | None, cfg: TrainConfig, num_samples: int,
+                totals: dict[str, float], opd_sums: dict[str, list[float]] | None = None,
+                by_length: bool = False) -> list[torch.Tensor]:
+    """Backward of every micro-batch's policy loss; returns the log-probs before the update
+    (on the last stage; [] on other pipeline stages, which only run their part of the passes)."""
+    opd_term = cfg.opd is not None and any(
         is_loss_term(c.mode) for c in [cfg.opd] + [t.opd for t in cfg.teachers if t.opd])
-    current: list[torch.Tensor] = []
-    state.optimizer.zero_grad(set_to_none=True)
-    for mb, p in zip(mbs, prep):
-        if opd_term:  # the distribution terms need the student's logits: one forward for all
+    current: list[Any] = [None] * len(mbs)
 
-            logp, ent, logits = student_pass(state.model, mb, cfg.temperature)
-        else:
-            logp, ent = forward(state, mb, cfg.temperature, by_length)
-        current.append(logp.detach())
+    def loss_fn(i: int, logp: torch.Tensor, ent: torch.Tensor,
+                logits: torch.Tensor | None) -> torch.Tensor:
+        mb, p = mbs[i], prep[i]
+        current[i] = logp.detach()
         weights, keep = correction_weights(p.old, mb.rollout_logp, mb.mask, cfg.mismatch)
-        terms = ppo_clip_loss(logp, p.old, p.adv, keep, num_samples, cfg.eps_clip,
-                              cfg.eps_clip_high, cfg.dual_clip_c, weights)
-        loss = terms.loss - cfg.entropy_coef * masked_sample_sum(ent, keep) / num_samples
-        if cfg.use_kl_loss:
-            kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl_estimator), keep) / num_samples
-            loss = loss + cfg.kl_coef * kl
+        terms = ppo_clip_loss(logp, p.old, p.adv, keep, num_samples, cfg.loss.eps_clip,
+                              cfg.loss.eps_clip_high, cfg.loss.dual_clip_c, weights)
+        loss = terms.loss - cfg.loss.entropy_coef * masked_sample_sum(ent, keep) / num_samples
+        if cfg.kl.use_kl_loss:
+            kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl.estimator), keep) / num_samples
+            loss = loss + cfg.kl.coef * kl
             totals["kl_loss"] += float(kl.detach())
         if opd_term:
             loss = loss + opd_term_loss(cfg, mb, p.opd, logits, num_samples, opd_sums)
-        loss.backward()
-        _accumulate(totals, mb, terms, ent, current[-1], state.version)
-    return current
+        _accumulate(totals, mb, terms, ent, current[i], state.version)
+        return loss
+
+    state.optimizer.zero_grad(set_to_none=True)
+    runner.forward_backward(mbs, cfg.loss.temperature, loss_fn, with_logits=opd_term,
+                            by_length=by_length)
+    return current if runner.is_last_stage else []
 
 
-def opd_term_loss(cfg: Any, mb: MicroBatch, inp: Any, logits: torch.Tensor, num_samples: int,
-                  sums: dict[str, list[float]] | None) -> torch.Tensor:
+def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: Any, logits: torch.Tensor,
+                  num_samples: int, sums: dict[str, list[float]] | None) -> torch.Tensor:
     """Sum over the samples' distinct loss-term OPD configs of kl_coef * sample-mean of the
     teacher-weighted reverse KL on those samples (algos/opd.py)."""
 
     total = logits.new_zeros(())
     for config in {id(c): c for c in inp.configs if is_loss_term(c.mode)}.values():
         mask = inp.mask * rows_with(inp, config)[:, None]
-        kl = distribution_reverse_kl(config, logits, mask, cfg.temperature,
+        kl = distribution_reverse_kl(config, logits, mask, cfg.loss.temperature,
                                      teacher_logits=inp.teacher_logits,
                                      teacher_ids=inp.topk_ids, teacher_logprobs=inp.topk_logp)
         if sums is not None:
@@ -295,8 +327,8 @@ def _accumulate(totals: dict[str, float], mb: MicroBatch, terms: Any, ent: torch
     totals["fresh_tokens"] += float(mb.mask[fresh].sum())
 
 
-def critic_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: Any,
-                num_samples: int, totals: dict[str, float], dp: Any) -> float:
+def critic_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared],
+                cfg: TrainConfig, num_samples: int, totals: dict[str, float], dp: Any) -> float:
     """Clipped value loss on every micro-batch, summed over ranks, one critic step."""
     critic = state.critic
     with critic.resident():
@@ -318,7 +350,7 @@ def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
 
 
 def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float, version: int,
-              cfg: Any) -> dict[str, float]:
+              cfg: TrainConfig) -> dict[str, float]:
     tokens = max(totals["tokens"], 1.0)
     stats: dict[str, float] = {}
     for domain in sorted({s.domain for s in samples}):
@@ -335,11 +367,11 @@ def summarize(samples: list[Sample], totals: dict[str, float], grad_norm: float,
               "train/fresh_tokens": totals["fresh_tokens"],
               "train/tokens": totals["tokens"], "train/samples": len(samples),
               "train/kept_token_frac": totals["kept_tokens"] / tokens}
-    if cfg.use_kl_loss:
+    if cfg.kl.use_kl_loss:
         stats["train/kl_loss"] = totals["kl_loss"]
     if cfg.mismatch.proximal == "rollout_version":
         stats["train/proximal_fallback_samples"] = totals["proximal_fallback_samples"]
-    if cfg.estimator == "ppo":
+    if cfg.loss.estimator == "ppo":
         stats["train/value_loss"] = totals["value_loss"]
         stats["train/value_clipfrac"] = totals["value_clipfrac"] / tokens
     stale = [version - s.weight_version for s in samples]

@@ -11,29 +11,38 @@ Every decode failure is a `WireError` carrying an `ErrorCode`, so callers can an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
 import torch
 
+from transport.dtypes import TORCH_DTYPES, dtype_name, has_numpy
 from transport.schema import PROTOCOL_VERSION, ErrorCode, Header, Kind, Msg
 
 EXT_TENSOR = 1  # payload: [dtype, shape, frame_index]
-EXT_SHM = 2  # payload: [dtype, shape, segment, offset, slot]
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype) and d.itemsize > 0
-}
+EXT_SHM = 2  # payload: [dtype, shape, segment, nbytes]
+_EXT_META = {EXT_TENSOR: msgspec.msgpack.Decoder(tuple[str, list[int], int]),
+             EXT_SHM: msgspec.msgpack.Decoder(tuple[str, list[int], str | int, int])}
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Per-socket limits on received messages; anything over them is refused and counted."""
+    """Per-socket limits on received messages ([limits] in hosts.toml), all checked before the
+    header is decoded; anything over them is refused and counted, never decoded."""
 
-    max_frames: int = 4096  # tensor frames per message
-    max_message_bytes: int = 4 << 30  # header plus all frames
+    max_frames: int = 4096  # tensor frames per message (count)
+    max_message_bytes: int = 4 << 30  # header plus all frames (bytes; 4 GiB)
+    max_header_bytes: int = 256 << 20  # the msgpack header frame alone (bytes; 256 MiB)
+    max_depth: int = 16  # arrays/maps nested in the header (levels; the schema needs 6)
+    max_container_len: int = 1 << 22  # entries in one header array or map (count; 4 Mi)
+    max_header_items: int = 1 << 23  # values in the whole header, all levels (count; 8 Mi;
+    # scanning costs up to ~70 ns and decoding up to ~64 bytes per value; raise it for
+    # batches of more than ~8 M tokens, e.g. top-k distillation)
+
+    def __post_init__(self):
+        for name in self.__struct_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"limits: {name} must be >= 1, got {getattr(self, name)}")
 
 
 class WireError(Exception):
@@ -49,10 +58,6 @@ class Decoded:
     kind: Kind
     req_id: int
     body: Msg
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_frame(t: torch.Tensor) -> Any:
@@ -74,7 +79,7 @@ def as_tensor(obj: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 
 def wire_dtype(name: Any) -> torch.dtype:
-    tdtype = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    tdtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
     if tdtype is None:
         raise WireError(ErrorCode.UNDECODABLE, f"unknown dtype {name!r}")
     return tdtype
@@ -141,36 +146,64 @@ class Codec:
 
     # -------------------------------------------------------------------------------- decode
     def decode(self, frames: Sequence[Any]) -> Decoded:
-        """Decode [header, *tensor_frames]; frames may be zmq.Frame, bytes or memoryviews."""
+        """Decode [header, *tensor_frames]; frames may be zmq.Frame, bytes or memoryviews.
+        Every limit is checked, and the header's structure scanned (bounded, no recursion),
+        before anything is decoded; every failure is a WireError, nothing else escapes."""
         if not frames:
             raise WireError(ErrorCode.UNDECODABLE, "empty message")
-        if len(frames) - 1 > self.limits.max_frames:
+        env = peek_envelope(_view(frames[0]))
+        try:
+            views = self._checked_views(frames, env)
+            scan_header(views[0], self.limits)
+            header = self._decode_header(views, env)
+        except WireError as e:
+            e.req_id, e.kind = env.req_id, env.kind
+            raise
+        return Decoded(header.kind, header.id, header.body)
+
+    def _checked_views(self, frames: Sequence[Any], env: Envelope) -> list[memoryview]:
+        lim = self.limits
+        if len(frames) - 1 > lim.max_frames:
             raise WireError(ErrorCode.TOO_LARGE, f"{len(frames) - 1} frames, limit is "
-                            f"{self.limits.max_frames}", *_peek_ids(frames[0]))
+                            f"{lim.max_frames} (limits.max_frames)")
         views = [_view(f) for f in frames]
+        if views[0].nbytes > lim.max_header_bytes:
+            raise WireError(ErrorCode.TOO_LARGE, f"header of {views[0].nbytes} bytes, limit is "
+                            f"{lim.max_header_bytes} (limits.max_header_bytes)")
         total = sum(v.nbytes for v in views)
-        if total > self.limits.max_message_bytes:
+        if total > lim.max_message_bytes:
             raise WireError(ErrorCode.TOO_LARGE, f"message of {total} bytes, limit is "
-                            f"{self.limits.max_message_bytes}", *_peek_ids(views[0]))
+                            f"{lim.max_message_bytes} (limits.max_message_bytes)")
+        if env.v is not None and env.v != PROTOCOL_VERSION:
+            raise WireError(ErrorCode.PROTOCOL_MISMATCH, f"peer speaks protocol {env.v}, this "
+                            f"actor speaks {PROTOCOL_VERSION}")
+        return views
+
+    def _decode_header(self, views: list[memoryview], env: Envelope) -> Header:
+        """Typed decode (depth bounded by the schema) of a header that passed the scan."""
         self._in = views
         try:
             header = self._decoder.decode(views[0])
-        except WireError as e:
-            e.req_id, e.kind = _peek_ids(views[0])
+        except WireError:
             raise
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise _classify(views[0], e) from None
+        except msgspec.DecodeError as e:  # ValidationError included
+            raise _classify(env, e) from None
+        except Exception as e:  # noqa: BLE001 - a receive boundary: nothing but WireError leaves
+            raise WireError(ErrorCode.UNDECODABLE, f"header not decodable: "
+                            f"{type(e).__name__}: {e}") from None
         finally:
             self._in = ()
         if header.v != PROTOCOL_VERSION:
             raise WireError(ErrorCode.PROTOCOL_MISMATCH, f"peer speaks protocol {header.v}, this "
-                            f"actor speaks {PROTOCOL_VERSION}", header.id, header.kind)
-        return Decoded(header.kind, header.id, header.body)
+                            f"actor speaks {PROTOCOL_VERSION}")
+        return header
 
     def _ext_hook(self, code: int, data: memoryview) -> torch.Tensor:
         try:
-            meta = msgspec.msgpack.decode(data)
-            dtype, shape = meta[0], meta[1]
+            if code not in _EXT_META:
+                raise WireError(ErrorCode.UNDECODABLE, f"unsupported extension code {code}")
+            meta = _EXT_META[code].decode(data)  # typed: no recursion, no untyped objects
+            dtype, shape = meta[0], list(meta[1])
             if code == EXT_TENSOR:
                 index = meta[2]
                 if not 0 <= index < len(self._in) - 1:
@@ -191,7 +224,7 @@ class Codec:
             if tp is torch.Tensor:
                 return obj
             if tp is np.ndarray:
-                if obj.dtype == torch.bfloat16 or obj.dtype.is_floating_point and obj.dtype.itemsize == 1:
+                if not has_numpy(obj.dtype):
                     raise ValueError(f"{obj.dtype} has no numpy equivalent; declare the field torch.Tensor")
                 return obj.numpy()
         raise NotImplementedError(f"cannot decode {type(obj).__name__} as {tp}")
@@ -199,32 +232,193 @@ class Codec:
 
 def _view(frame: Any) -> memoryview:
     buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer (writable, zero-copy)
-    return buf if isinstance(buf, memoryview) else memoryview(buf)
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _peek_ids(header: Any) -> tuple[int, int]:
-    """Best-effort (req_id, kind) of a header we could not decode fully, for the error reply."""
+# ------------------------------------------------------------------------------ bounded peek
+class Envelope(NamedTuple):
+    """What the first bytes of a header frame say; read without decoding the rest."""
+
+    v: int | None  # protocol version; None unless the frame starts like a header
+    kind: int  # a Kind, or 0 when the frame is not header-shaped (no error is attributed)
+    req_id: int  # 0 when not attributable
+    type_name: str  # the body's "type" tag ("" when unreadable), at most 64 characters
+
+
+_NO_ENVELOPE = Envelope(None, 0, 0, "")
+_KINDS = frozenset(int(k) for k in Kind)
+_INT_WIDTH = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
+              0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}
+_HEAD_WIDTH = {0xdc: ("array", 2), 0xdd: ("array", 4), 0xde: ("map", 2), 0xdf: ("map", 4),
+               0xd9: ("str", 1), 0xda: ("str", 2), 0xdb: ("str", 4)}
+
+
+def _fixed(mv: memoryview, p: int, n: int, signed: bool = False) -> int:
+    if p + n > len(mv):
+        raise IndexError("truncated")
+    return int.from_bytes(mv[p:p + n], "big", signed=signed)
+
+
+def _read_int(mv: memoryview, p: int) -> tuple[int, int]:
+    """(value, next offset) of the msgpack integer at p; KeyError if it is not one."""
+    b = mv[p]
+    if b < 0x80 or b >= 0xe0:
+        return (b if b < 0x80 else b - 0x100), p + 1
+    n, signed = _INT_WIDTH[b]
+    return _fixed(mv, p + 1, n, signed), p + 1 + n
+
+
+def _read_head(mv: memoryview, p: int) -> tuple[str, int, int]:
+    """(major type, length, next offset) for an array/map/str head at p, ("", 0, p) else."""
+    b = mv[p]
+    for major, lo, mask in (("map", 0x80, 0x0f), ("array", 0x90, 0x0f), ("str", 0xa0, 0x1f)):
+        if lo <= b <= lo + mask:
+            return major, b & mask, p + 1
+    if b not in _HEAD_WIDTH:
+        return "", 0, p
+    major, n = _HEAD_WIDTH[b]
+    return major, _fixed(mv, p + 1, n), p + 1 + n
+
+
+def peek_envelope(mv: memoryview) -> Envelope:
+    """(version, kind, request id, body type) from a header's first bytes: reads a few dozen
+    bytes at most, never recurses, never builds untrusted objects. kind and req_id are only
+    set for a frame shaped like a header ([int, Kind, int >= 0, {...}]), so that an error
+    answer goes only where a request can be attributed."""
     try:
-        raw = msgspec.msgpack.decode(_view(header))
-        if isinstance(raw, list) and len(raw) >= 3 and all(isinstance(x, int) for x in raw[1:3]):
-            return raw[2], raw[1]
-    except (msgspec.DecodeError, ValueError):
-        pass
-    return 0, 0
+        major, entries, p = _read_head(mv, 0) if mv.nbytes else ("", 0, 0)
+        if (major, entries) != ("array", 4):
+            return _NO_ENVELOPE
+        v, p = _read_int(mv, p)
+        kind, p = _read_int(mv, p)
+        req_id, p = _read_int(mv, p)
+        major, entries, p = _read_head(mv, p)
+        if kind not in _KINDS or req_id < 0 or major != "map":
+            return Envelope(v, 0, 0, "")
+        return Envelope(v, kind, req_id, _type_tag(mv, p) if entries else "")
+    except (IndexError, KeyError, ValueError):
+        return _NO_ENVELOPE
 
 
-def _classify(header: memoryview, err: Exception) -> WireError:
-    req_id, kind = _peek_ids(header)
+def _type_tag(mv: memoryview, p: int) -> str:
+    major, n, p = _read_head(mv, p)
+    if (major, bytes(mv[p:p + n])) != ("str", b"type"):
+        return ""
+    major, n, p = _read_head(mv, p + n)
+    return bytes(mv[p:p + min(n, 64)]).decode("utf-8", "replace") if major == "str" else ""
+
+
+def _classify(env: Envelope, err: Exception) -> WireError:
     text = str(err)
-    try:
-        raw = msgspec.msgpack.decode(header)
-    except (msgspec.DecodeError, ValueError):
-        return WireError(ErrorCode.UNDECODABLE, f"not a message: {text}", req_id, kind)
-    if isinstance(raw, list) and raw and raw[0] != PROTOCOL_VERSION:
-        return WireError(ErrorCode.PROTOCOL_MISMATCH, f"peer speaks protocol {raw[0]}, this actor "
-                         f"speaks {PROTOCOL_VERSION}", req_id, kind)
     if "Invalid value" in text and "$[3].type" in text:
-        body = raw[3] if isinstance(raw, list) and len(raw) > 3 else {}
-        name = body.get("type") if isinstance(body, dict) else None
-        return WireError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {name!r}", req_id, kind)
-    return WireError(ErrorCode.UNDECODABLE, f"invalid message: {text}", req_id, kind)
+        return WireError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {env.type_name!r}")
+    return WireError(ErrorCode.UNDECODABLE, f"invalid message: {text}")
+
+
+# ------------------------------------------------------------------------------ bounded scan
+def _leaf_sizes() -> list[int]:
+    """Size in bytes of each fixed-size msgpack value by its first byte (0: not fixed-size).
+    Empty arrays and maps (0x90, 0x80) count as leaves: they hold nothing."""
+    size = [0] * 256
+    for b in [*range(0x00, 0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3, 0x80, 0x90]:
+        size[b] = 1
+    for b in range(0xa0, 0xc0):
+        size[b] = 1 + (b & 0x1f)
+    for b, n in {0xca: 5, 0xcb: 9, 0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3,
+                 0xd2: 5, 0xd3: 9, 0xd4: 3, 0xd5: 4, 0xd6: 6, 0xd7: 10, 0xd8: 18}.items():
+        size[b] = n
+    return size
+
+
+_LEAF = _leaf_sizes()
+_LEAF_NP = np.array(_LEAF, dtype=np.int64)
+# str/bin/ext with a length prefix: first byte -> (bytes of the length, extra bytes before data)
+_VAR = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),
+        0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}
+# containers: first byte -> (bytes of the count, values per entry)
+_CONT = {**{b: (0, 2) for b in range(0x81, 0x90)}, **{b: (0, 1) for b in range(0x91, 0xa0)},
+         0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}
+_STRIDE_MIN = 32  # containers at least this long first try the vectorised same-leaf skip
+
+
+def scan_header(buf: memoryview, limits: Limits) -> None:
+    """Walk the msgpack structure of a header without building anything, checking nesting
+    depth, container lengths and the total number of values against `limits`; TOO_LARGE or
+    UNDECODABLE WireError. Iterative (an explicit stack), so deep nesting cannot recurse; a
+    long run of identical leaves (token ids, log-probs, masks) is skipped vectorised."""
+    mv = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+    try:
+        end = _walk(mv, limits)
+    except IndexError:
+        raise WireError(ErrorCode.UNDECODABLE, "header is truncated (a value runs past "
+                        "its end)") from None
+    if end != mv.nbytes:
+        raise WireError(ErrorCode.UNDECODABLE, f"{mv.nbytes - end} trailing bytes after the "
+                        f"header")
+
+
+def _walk(mv: memoryview, limits: Limits) -> int:
+    """Offset just past the first msgpack value of mv; see scan_header. Stack entries are the
+    values left in each open container, negative for a container not yet started."""
+    stack, p, items, flat, leaf = [-1], 0, 1, None, _LEAF
+    while stack:
+        left = stack.pop()
+        if left <= -_STRIDE_MIN and leaf[mv[p]]:
+            flat = np.frombuffer(mv, np.uint8) if flat is None else flat
+            p, left = _skip_same_size(flat, p, -left)
+        left = abs(left)
+        while left:
+            for i in range(left):  # the hot loop: a run of fixed-size leaves
+                size = leaf[mv[p]]
+                if not size:
+                    left -= i
+                    break
+                p += size
+            else:
+                break
+            b, left = mv[p], left - 1
+            if b in _VAR:
+                width, extra = _VAR[b]
+                p += 1 + width + extra + _fixed(mv, p + 1, width)
+            elif b in _CONT:
+                width, per = _CONT[b]
+                count = _fixed(mv, p + 1, width) if width else b & 0x0f
+                p += 1 + width
+                items += _check_container(count, per, len(stack) + 1, items, mv.nbytes - p,
+                                          limits)
+                stack += [left, -count * per]
+                break
+            else:
+                raise WireError(ErrorCode.UNDECODABLE, f"byte 0x{b:02x} at offset {p} does "
+                                f"not start a msgpack value")
+    if p > mv.nbytes:
+        raise IndexError(p)
+    return p
+
+
+def _skip_same_size(flat: np.ndarray, p: int, count: int) -> tuple[int, int]:
+    """Skip a container's values at once when all are fixed-size leaves of one size."""
+    size = _LEAF[int(flat[p])]
+    stop = p + count * size
+    if stop <= flat.size and bool((_LEAF_NP[flat[p:stop:size]] == size).all()):
+        return stop, 0
+    return p, count
+
+
+def _check_container(count: int, per: int, depth: int, items: int, remaining: int,
+                     limits: Limits) -> int:
+    """The number of values a container adds, after checking it against the limits."""
+    if count * per > remaining:
+        raise WireError(ErrorCode.UNDECODABLE, f"a container declares {count} entries but "
+                        f"only {remaining} bytes follow")
+    if depth > limits.max_depth:
+        raise WireError(ErrorCode.TOO_LARGE, f"header nests deeper than {limits.max_depth} "
+                        f"levels (limits.max_depth)")
+    if count > limits.max_container_len:
+        raise WireError(ErrorCode.TOO_LARGE, f"a container of {count} entries, limit is "
+                        f"{limits.max_container_len} (limits.max_container_len)")
+    if items + count * per > limits.max_header_items:
+        raise WireError(ErrorCode.TOO_LARGE, f"header holds more than "
+                        f"{limits.max_header_items} values (limits.max_header_items)")
+    return count * per

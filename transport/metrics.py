@@ -105,14 +105,12 @@ class MetricsSubscriber:
 class MetricsProxy:
     """XSUB (publishers connect) -> XPUB (subscribers connect), forwarded in a zmq thread."""
 
-    def __init__(self, ctx: zmq.Context, frontend: str, backend: str):
-        self.ctx = ctx
-        self._xsub = ctx.socket(zmq.XSUB)
-        self._xsub.linger = 0
-        self._xsub.bind(frontend)
-        self._xpub = ctx.socket(zmq.XPUB)
-        self._xpub.linger = 0
-        self._xpub.bind(backend)
+    def __init__(self, factory: SocketFactory, frontend: str, backend: str):
+        """Both sides are bound through `factory`, so with CURVE on tcp:// only holders of the
+        cluster's client key can publish or subscribe."""
+        ctx = self.ctx = factory.ctx
+        self._xsub = factory.bind_thread_socket(zmq.XSUB, frontend)
+        self._xpub = factory.bind_thread_socket(zmq.XPUB, backend)
         self.frontend = self._xsub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend = self._xpub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ctl_addr = f"inproc://metrics-proxy-{id(self)}"

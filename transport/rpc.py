@@ -2,7 +2,9 @@
 
 Invariants: every REQUEST that can be attributed to a request id gets exactly one answer, a reply
 or a typed `ErrorReply`; anything that cannot be attributed (garbage, events on a request socket)
-is dropped and counted, logged at a limited rate, and the server keeps serving. A client call
+is dropped and counted, logged at a limited rate, and the server keeps serving: the codec checks
+every `Limits` limit before decoding and raises only `WireError`, and no exception leaves the
+receive loop. A client call
 either returns the reply, raises `RemoteError` with the server's error code, or raises
 `DeadlineExceeded` when its per-call deadline passes (a dead peer never hangs a caller).
 Sockets are owned by their server/client object and used from its event loop thread only.
@@ -62,7 +64,12 @@ class RpcServer:
     async def serve(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            self._dispatch(frames)
+            try:
+                self._dispatch(frames)
+            except Exception as e:  # noqa: BLE001 - no input may end the receive loop
+                self._count("refused_internal")
+                self._log.warning(f"{self.prefix}:internal", f"{self.name}: dropped a message "
+                                  f"that failed dispatch: {type(e).__name__}: {e}")
 
     def _dispatch(self, frames: list[Any]) -> None:
         ident, rest = frames[0].bytes, frames[1:]
@@ -204,7 +211,7 @@ class RpcClient:
             frames = await self.sock.recv_multipart(copy=False)
             try:
                 msg = self.codec.decode(frames)
-            except WireError as e:
+            except WireError as e:  # the codec raises nothing else
                 self.counters[f"refused_{e.code}"] += 1
                 self._log.warning(str(e.code), f"client of {self.endpoint}: refused reply: {e}")
                 fut = self._pending.get(e.req_id)

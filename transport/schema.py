@@ -60,8 +60,9 @@ class ErrorCode(enum.StrEnum):
     UNDECODABLE = "undecodable"  # header frame is not a valid message
     UNKNOWN_MESSAGE = "unknown_message"  # a message type this build does not know
     PROTOCOL_MISMATCH = "protocol_mismatch"
-    TOO_LARGE = "too_large"  # over the frame-count or byte limit
+    TOO_LARGE = "too_large"  # over a transport.codec.Limits limit (frames, bytes, depth, ...)
     TRUNCATED = "truncated"  # fewer tensor frames than the header announced
+    INVALID_VALUE = "invalid_value"  # well-typed, but a value is out of range (message says which)
     NO_HANDLER = "no_handler"  # a valid message this actor does not serve
     HANDLER_ERROR = "handler_error"  # the handler raised
     DEADLINE = "deadline"  # the caller's deadline passed
@@ -128,6 +129,15 @@ class Dead(Msg):
     actor: str
     error: str
     traceback: str = ""
+    end_run: bool = False  # restarting would not help (e.g. every episode fails): end the run
+
+
+class Notice(Msg):
+    """Actor -> supervisor: a line the launcher prints on its console (problems a user must see
+    while the run goes on, such as failing episodes)."""
+
+    actor: str
+    text: str
 
 
 class Ack(Msg):
@@ -301,7 +311,7 @@ class Blob(Msg):
 
 Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
-    Endpoints, Ready, Heartbeat, Dead, Ack, Stopped, Metrics, Sample, SampleGroup, RolloutPermit,
+    Endpoints, Ready, Heartbeat, Dead, Notice, Ack, Stopped, Metrics, Sample, SampleGroup, RolloutPermit,
     Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, ReadToHost,
     ReadToHostReply, LoadCheckpoint, LoadCheckpointReply, Scale, ScaleReply, WorkItem, Blob,
 ]

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,17 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """True when `port` can be bound on `host` right now (SO_REUSEADDR, as servers bind)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Transport security for tcp:// endpoints (ipc:// is protected by the run directory)."""
 
@@ -41,12 +56,31 @@ class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def make_curve_keys(keys_dir: str | Path) -> None:
-    """Write one server and one client keypair (zmq's certificate files) into keys_dir."""
-    import zmq.auth
-
+    """Write one server and one client keypair (zmq's certificate files) into keys_dir; the
+    folder is made 0700 and the secret files 0600 (readable by their owner only)."""
     Path(keys_dir).mkdir(parents=True, exist_ok=True)
+    os.chmod(keys_dir, 0o700)
+    old = os.umask(0o077)  # the secret file is never readable by others, not even briefly
+    try:
+        for name in ("server", "client"):
+            zmq.auth.create_certificates(str(keys_dir), name)
+    finally:
+        os.umask(old)
     for name in ("server", "client"):
-        zmq.auth.create_certificates(str(keys_dir), name)
+        os.chmod(Path(keys_dir) / f"{name}.key_secret", 0o600)
+        os.chmod(Path(keys_dir) / f"{name}.key", 0o644)
+
+
+def check_secret_file(path: Path) -> None:
+    """ValueError when a secret key file is missing or readable by group or others."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise ValueError(f"CURVE secret key {path} cannot be read: {e}; make the keys with "
+                         "transport.sockets.make_curve_keys") from None
+    if mode & 0o077:
+        raise ValueError(f"CURVE secret key {path} is readable by others (mode "
+                         f"{stat.S_IMODE(mode):o}); run: chmod 600 {path}")
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:
@@ -164,6 +198,11 @@ class SocketFactory:
         sock.bind(endpoint)
         return sock
 
+    def bind_thread_socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        """A plain zmq socket, secured and bound like `bind`, for a socket that lives in a zmq
+        thread (the metrics proxy) instead of the asyncio loop."""
+        return self.bind(kind, endpoint).sock
+
     def connect(self, kind: int, endpoint: str, hwm: int | None = None) -> AsyncSocket:
         sock = self._socket(kind, hwm)
         if self.security.curve and endpoint.startswith("tcp://"):
@@ -190,18 +229,15 @@ class SocketFactory:
 
     def _keypair(self, name: str) -> tuple[bytes, bytes]:
         if name not in self._keys:
-            import zmq.auth
-
             if not self.security.keys_dir:
                 raise ValueError("security.curve = true needs security.keys_dir (a folder with "
                                  "server.key_secret and client.key_secret; see make_curve_keys)")
             path = Path(self.security.keys_dir) / f"{name}.key_secret"
+            check_secret_file(path)
             self._keys[name] = zmq.auth.load_certificate(str(path))
         return self._keys[name]
 
     def _server_public(self) -> bytes:
-        import zmq.auth
-
         self._keypair("client")  # validates keys_dir
         return zmq.auth.load_certificate(str(Path(self.security.keys_dir) / "server.key"))[0]
 
@@ -209,8 +245,6 @@ class SocketFactory:
         """ZAP handler: only clients holding the cluster's client key may connect."""
         if self._auth is not None:
             return
-        from zmq.auth.thread import ThreadAuthenticator
-
         self._auth = ThreadAuthenticator(self.ctx)
         self._auth.start()
         self._auth.configure_curve(domain="*", location=self.security.keys_dir)

@@ -2,7 +2,8 @@
 
 Invariant: a sender never grows an unbounded queue. When the receiver is slow, the HWM fills and
 `send()` awaits (backpressure) until there is room or its deadline passes; it never drops. The
-receiver drops undecodable messages, counts them and keeps receiving.
+receiver drops undecodable messages and messages over its `Limits` (checked before decoding),
+counts them (`inbox.refused_<code>`), logs them at a limited rate and keeps receiving.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class StreamReceiver:
             frames = await self.sock.recv_multipart(copy=False)
             try:
                 msg = self.codec.decode(frames)
-            except WireError as e:
+            except WireError as e:  # the codec raises nothing else
                 self.counters[f"inbox.refused_{e.code}"] += 1
                 self._log.warning(str(e.code), f"{self.name}: dropped inbox message: {e}")
                 continue

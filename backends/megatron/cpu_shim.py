@@ -1,4 +1,5 @@
-"""CPU stand-ins for the few `torch.cuda` calls megatron-core makes, for CPU tests and the CPU run of bench/megatron_gpu.py; the backend never imports it.
+"""CPU stand-ins for the few `torch.cuda` calls megatron-core makes: for CPU tests and the CPU
+run of bench/megatron_gpu.py only; the backend itself never imports it.
 
 Role: lets megatron-core build and run a GPTModel on a CPU-only torch (CI) without any change to
 the backend code: `torch.cuda.current_device()` answers "cpu", `synchronize` / `manual_seed` do

@@ -48,6 +48,7 @@ from backends.megatron.mcore import (
 from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
 from backends.megatron.parallel import gather_hf_state_dict
 from models.load import load_model as load_hf
+from transport.dtypes import torch_dtype
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
 SHAPE_FIELDS = frozenset({
@@ -109,9 +110,10 @@ def _coerce(key: str, value: Any, declared: Any) -> Any:
     if not isinstance(value, str) or kind not in (torch.dtype, bool, int, float):
         return value
     if kind is torch.dtype:
-        if not isinstance(getattr(torch, value, None), torch.dtype):
-            raise ValueError(f"megatron option {key}={value!r} is not a torch dtype name")
-        return getattr(torch, value)
+        try:
+            return torch_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"megatron option {key}={value!r}: {e}") from None
     if kind is bool:
         if value.lower() not in ("true", "false"):
             raise ValueError(f"megatron option {key}={value!r}: expected true or false")

@@ -1,0 +1,136 @@
+"""Reading safetensors checkpoints: the one reader of weights written as safetensors.
+
+Role: a checkpoint is a `.safetensors` file, or a directory holding either a Hugging Face
+`model.safetensors.index.json` (its `weight_map` names the shards) or `*.safetensors` files (one
+`model.safetensors`, or shards without an index). `safetensors_files` resolves it, `read_header`
+and `safetensors_shapes` read headers only (no tensor bytes), `iter_safetensors` yields one tensor
+at a time (for copying into a preallocated buffer) and `load_safetensors` returns {name: tensor},
+optionally only some names, on a device, in a dtype. Used by the weight memory (memory/), the
+engine's /update_weights_from_disk and the trainer's resume.
+Invariant: a missing or malformed checkpoint (no such path, no safetensors in the directory, an
+index naming a missing shard, a corrupt header, a name asked for that no file holds, a name held
+twice) raises ValueError naming the path and what was expected; nothing is read partially silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from transport.dtypes import safetensors_dtype, torch_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+_EXPECTED = (f"expected a .safetensors file or a checkpoint directory with model.safetensors "
+             f"(or {INDEX_FILE} and its shards)")
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors files of the checkpoint at `path`, in shard order."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path} is not a safetensors file; {_EXPECTED}")
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint at {path}: {_EXPECTED}")
+    if (path / INDEX_FILE).is_file():
+        files = sorted({path / f for f in _weight_map(path).values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{path / INDEX_FILE} names shards that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors in {path}: {_EXPECTED}")
+    return files
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    index = directory / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is malformed (expected JSON with a weight_map of tensor name "
+                         f"-> shard file): {e!r}") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and "/" not in v for v in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
+    return weight_map
+
+
+def read_header(file: str | Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of one safetensors file, in the order of the data in the file;
+    reads the header only."""
+    file = Path(file)
+    try:
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= file.stat().st_size - 8:
+                raise ValueError(f"header length {n} does not fit the file")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        return {name: (safetensors_dtype(h["dtype"]), tuple(int(s) for s in h["shape"]))
+                for name, h in items}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"{file} is not a valid safetensors file: {e}") from None
+
+
+def safetensors_shapes(path: str | Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of the checkpoint, file by file in data order;
+    no tensor is read."""
+    out, seen = [], set()
+    for f in safetensors_files(path):
+        for name, (dtype, shape) in read_header(f).items():
+            _check_once(name, seen, path)
+            out.append((name, dtype, shape))
+    return out
+
+
+def iter_safetensors(path: str | Path, names: Iterable[str] | None = None,
+                     device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint, one tensor at a time (file by file, in data order);
+    only `names` (each must exist) when given."""
+    wanted = None if names is None else set(names)
+    files = safetensors_files(path)
+    headers = {f: read_header(f) for f in files}
+    if wanted is not None:
+        missing = wanted - {n for h in headers.values() for n in h}
+        if missing:
+            raise ValueError(f"checkpoint {path} has no tensor {sorted(missing)[:5]}")
+    seen: set[str] = set()
+    for f in files:
+        keep = [n for n in headers[f] if wanted is None or n in wanted]
+        for name in keep:
+            _check_once(name, seen, path)
+        if not keep:
+            continue
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as fh:
+                for name in keep:
+                    yield name, fh.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{f} is not a valid safetensors file: {e}") from None
+
+
+def load_safetensors(path: str | Path, names: Iterable[str] | None = None,
+                     device: str | torch.device = "cpu",
+                     dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
+    """{name: tensor} of the checkpoint at `path` (a file or an HF directory, sharded or not),
+    only `names` when given, on `device`; with `dtype`, floating-point tensors are cast to it
+    (integer and bool tensors keep theirs, as `from_pretrained(dtype=...)` does)."""
+    cast = None if dtype is None else torch_dtype(dtype)
+    out = {}
+    for name, t in iter_safetensors(path, names, device):
+        out[name] = t.to(cast) if cast is not None and t.is_floating_point() else t
+    return out
+
+
+def _check_once(name: str, seen: set[str], path: str | Path) -> None:
+    if name in seen:
+        raise ValueError(f"checkpoint {path} holds {name!r} in more than one file")
+    seen.add(name)

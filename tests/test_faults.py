@@ -1,0 +1,175 @@
+"""Faults that must not end or stall a run: a worker or the router killed and restarted (same
+address, current weights), a worker unreachable during a weight push, an actor that gives up
+(the run ends at once with its message), failing episodes on the console."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from actors.inference import InferenceWorker
+from actors.rollout import RolloutActor, RolloutConfig
+from engine.client import SglangClient
+from engine.weight_sync import DiskSync
+from models.load import save_checkpoint
+from runtime.actor import EndRun
+from tests.helpers import context, running
+from tests.misbehaving import Idle
+from tests.test_cluster import exit_info, launch, write_hosts
+from tests.test_weight_sync import assert_same_weights, trained
+from transport.schema import Sample
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_a_restarted_worker_keeps_its_port_and_catches_up_to_the_newest_weights(
+        ipc, tmp_path):
+    run_dir = tmp_path / "run"
+    model, tok = trained(3)
+    save_checkpoint(model, tok, str(run_dir / "weights" / "v7"))
+    (run_dir / "weights" / "v8").mkdir(parents=True)  # the trainer died while writing v8
+    cfg = InferenceWorker.Config(model="tiny-qwen2")
+    first = InferenceWorker(context("w0", ipc, run_dir=str(run_dir)), cfg)
+    async with running(first, 30):
+        url = first.bound.http
+        assert first.scheduler.weight_version == "7"  # v8 is incomplete: the one before
+        assert_same_weights(dict(first.scheduler.model.named_parameters()), model)
+    again = InferenceWorker(context("w0", ipc, run_dir=str(run_dir)), cfg)
+    async with running(again, 30):
+        assert again.bound.http == url  # clients and the router reach the new process
+    assert json.loads((run_dir / "ports" / "w0.json").read_text())["http"] == int(
+        url.rsplit(":", 1)[1])
+
+
+async def test_disk_push_skips_an_unreachable_worker_and_updates_the_others(ipc, tmp_path):
+    worker = InferenceWorker(context("w1", ipc), InferenceWorker.Config(model="tiny-qwen2"))
+    async with running(worker, 30):
+        live = SglangClient(worker.bound.http, timeout_s=10)
+        dead = SglangClient("http://127.0.0.1:9", timeout_s=2, retries=1, backoff_s=0.05)
+        try:
+            model, tok = trained(5)
+            save_checkpoint(model, tok, str(tmp_path / "v1"))
+            sync = DiskSync([live, dead])
+            await sync.push(str(tmp_path / "v1"), "1")
+            assert sync.unreachable == ["http://127.0.0.1:9"]
+            assert await live.get_weight_version() == "1"
+            assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
+        finally:
+            await live.close()
+            await dead.close()
+
+
+def test_router_child_dies_with_a_killed_router_actor(tmp_path):
+    """kill -9 of the router actor: its sglang-router process (own session) goes too."""
+    hosts = write_hosts(tmp_path, """
+[actors.w]
+cls = "actors.inference:InferenceWorker"
+config = { model = "tiny-qwen2" }
+[actors.router]
+cls = "actors.router:RouterActor"
+after = ["w"]
+config = { router = { log_level = "warn" } }
+""")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        router = wait_for_child(proc, "router READY", "runtime.child")
+        children = router.children()
+        assert children, "the router actor started no sglang-router process"
+        router.kill()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"sglang-router outlived its actor: {alive}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for_child(proc: subprocess.Popen, line: str, cmd_part: str,
+                   timeout_s: float = 90) -> psutil.Process:
+    """The launcher's child process whose spec names the actor in `line` ("<name> READY")."""
+    name = line.split()[0]
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        text = proc.stdout.readline()
+        seen.append(text)
+        if line in text:
+            for child in psutil.Process(proc.pid).children():
+                if any(cmd_part in part for part in child.cmdline()) and any(
+                        part.endswith(f"{name}.json") for part in child.cmdline()):
+                    return child
+            raise AssertionError(f"no child process for {name}")
+        if not text and proc.poll() is not None:
+            break
+    raise AssertionError(f"never saw {line!r}: {''.join(seen)}")
+
+
+def test_an_actor_that_gives_up_ends_the_run_with_its_message(tmp_path):
+    hosts = write_hosts(tmp_path, """
+[actors.quitter]
+cls = "tests.misbehaving:GivesUp"
+primary = true
+restart = { max_restarts = 5 }
+""")
+    result = launch(hosts, tmp_path / "run")
+    assert result.returncode == 1, result.stdout
+    assert "quitter: the data source is empty" in result.stdout  # the notice on the console
+    assert "quitter ended the run: EndRun: nothing to train on" in result.stdout
+    assert exit_info(tmp_path / "run")["actors"]["quitter"]["restarts"] == 0  # not restarted
+
+
+def _groups(statuses: list[list[str]], domain: str = "math") -> list[list[Sample]]:
+    return [[Sample(group_id=f"g{g}", index=i, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                    rollout_logprobs=[-1.0], reward=0.0, domain=domain, status=s)
+             for i, s in enumerate(group)] for g, group in enumerate(statuses)]
+
+
+def test_rollout_reports_failing_episodes_and_ends_the_run_after_dead_batches(ipc):
+    cfg = RolloutConfig(envs=[], model="tiny-qwen2", max_failed_batches=3,
+                        failure_notice_interval_s=0.0)
+    actor = RolloutActor(context("rollout", ipc), cfg)
+    notes: list[str] = []
+    actor.notify = notes.append
+    actor.failed_batches, actor.last_notice = 0, -1e9
+    actor.last_failure = "math task 't7' (episode b0-g0-1): ZeroDivisionError: division by zero"
+    actor.check_failures(0, _groups([["ok", "failed"], ["failed", "failed"]]))
+    assert notes == ["3/4 episodes failed in batch 0 (math: 3); last: math task 't7' (episode "
+                     "b0-g0-1): ZeroDivisionError: division by zero"]
+    assert actor.failed_batches == 0  # one group had a good episode
+    dead = _groups([["failed", "failed"], ["failed", "aborted"]])
+    actor.check_failures(1, dead)
+    actor.check_failures(2, dead)
+    try:
+        with pytest.raises(EndRun, match="every episode of 3 consecutive batches failed "
+                                         ".*task 't7'"):
+            actor.check_failures(3, dead)
+    finally:
+        actor.factory.close()
+
+
+async def test_a_long_wait_on_a_peer_is_reported_until_it_ends(ipc):
+    actor = Idle(context("waiter", ipc, stall_report_s=0.1))
+    notes: list[str] = []
+    actor.notify = notes.append
+    async with running(actor):
+        async with actor.waiting_for("buffer's batch for step 3"):
+            while len(notes) < 2:  # reported, and again while it lasts
+                await asyncio.sleep(0.02)
+        count = len(notes)
+        await asyncio.sleep(0.3)
+    assert len(notes) == count  # nothing once the wait ended
+    assert notes[0].startswith("still waiting for buffer's batch for step 3 since ")

@@ -1,0 +1,256 @@
+"""The trainer's settings, one typed struct per component (`[actors.trainer.config]` in hosts.toml).
+
+Role: every option the training library reads, declared once with its units or choices, and
+checked when the config is loaded: each component checks itself in `__post_init__`, and
+`TrainConfig.__post_init__` checks the pairs that span components, so an incompatible pair fails
+at load with a message naming both options and what to change. The trainer actor's own settings
+(its peers, the number of steps, checkpoints, weight sync) extend `TrainConfig` in
+`actors/trainer.py`. hosts.toml shape:
+
+    [actors.trainer.config]
+    model = "..."
+    optimizer = { lr = 1e-4, grad_clip = 1.0 }
+    micro_batches = { size = 16 }
+    loss = { advantage_estimator = "grpo", eps_clip = 0.2 }
+    kl = { coef = 0.1, use_kl_loss = true }
+    parallel = { dp = 2 }
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from algos.advantages import TOKEN_REWARDS, check_estimator
+from algos.kl import ESTIMATORS as KL_ESTIMATORS
+from algos.mismatch import MismatchConfig
+from algos.opd import OpdConfig, check_placement
+from logic.teachers import TeacherSpec, route_table
+
+
+class OptimizerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The policy's optimizer (AdamW)."""
+
+    lr: float = 1e-4  # learning rate
+    weight_decay: float = 0.0  # decoupled weight decay
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
+    # fp32 master weights and optimizer state behind 16-bit parameters (training/master_weights.py);
+    # None = on for bfloat16/float16, false = pure 16-bit updates
+    master_weights: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"optimizer needs lr >= 0, weight_decay >= 0, grad_clip >= 0 "
+                             f"(0 = no clipping); got lr = {self.lr}, weight_decay = "
+                             f"{self.weight_decay}, grad_clip = {self.grad_clip}")
+
+
+class MicroBatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How a step's samples are split into forward/backward passes."""
+
+    size: int = 16  # samples per micro-batch (when max_tokens = 0)
+    max_tokens: int = 0  # token cap per micro-batch, first-fit-decreasing packing (0 = off)
+    forward_by_length: bool | None = None  # unpadded forward per length; None = fp32 on CPU only
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.max_tokens < 0:
+            raise ValueError(f"micro_batches needs size >= 1 and max_tokens >= 0 (0 = no cap); "
+                             f"got size = {self.size}, max_tokens = {self.max_tokens}")
+
+
+class LossConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Advantages and the policy loss (PPO-clip)."""
+
+    # grpo | dr_grpo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (GAE + critic)
+    # | none (A = 0: pure distillation, needs opd)
+    advantage_estimator: str = "grpo"
+    std_normalization: bool = True  # grpo only: false = Dr.GRPO (same as estimator "dr_grpo")
+    gamma: float = 1.0  # per-token discount (reinforce_plus_plus, ppo)
+    gae_lambda: float = 0.95  # GAE lambda (ppo)
+    temperature: float = 1.0  # must equal the rollout's sampling temperature
+    eps_clip: float = 0.2  # PPO clip: ratio bounded below by 1 - eps_clip
+    eps_clip_high: float | None = None  # upper bound 1 + eps_clip_high (None = eps_clip)
+    dual_clip_c: float | None = None  # > 1: cap the loss of negative-advantage tokens at -c*A
+    entropy_coef: float = 0.0  # entropy bonus weight
+
+    def __post_init__(self) -> None:
+        check_estimator(self.advantage_estimator)
+        est = self.advantage_estimator
+        if not self.std_normalization and est not in ("grpo", "dr_grpo"):
+            raise ValueError(f"std_normalization = false and advantage_estimator = {est!r} "
+                             "conflict: std_normalization only applies to grpo; remove it")
+        if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1):
+            raise ValueError(f"need 0 < gamma <= 1 and 0 <= gae_lambda <= 1, got gamma = "
+                             f"{self.gamma}, gae_lambda = {self.gae_lambda}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), "
+                             f"got {self.temperature}")
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator in effect (grpo with std_normalization = false is dr_grpo)."""
+        if self.advantage_estimator == "grpo" and not self.std_normalization:
+            return "dr_grpo"
+        return self.advantage_estimator
+
+
+class KlConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A KL(policy || reference) to a frozen reference policy (algos/kl.py)."""
+
+    coef: float = 0.0  # weight of the KL; 0 = no reference model
+    estimator: str = "k3"  # k1 | k2 | k3
+    use_kl_loss: bool = False  # the KL as a loss term: + coef * sample-mean KL
+    in_reward: bool = False  # the KL as reward shaping: token reward -coef * KL_t
+    ref_model: str = ""  # reference checkpoint ("" = a frozen copy of `model`'s initial weights)
+
+    def __post_init__(self) -> None:
+        if self.estimator not in KL_ESTIMATORS:
+            raise ValueError(f"estimator = {self.estimator!r}; use one of {KL_ESTIMATORS}")
+        if self.use_kl_loss and self.in_reward:
+            raise ValueError("use_kl_loss = true and in_reward = true conflict: the KL is either "
+                             "a loss term or reward shaping; set one of them false")
+        if self.coef < 0:
+            raise ValueError(f"coef must be >= 0, got {self.coef}")
+        if self.coef > 0 and not (self.use_kl_loss or self.in_reward):
+            raise ValueError(f"coef = {self.coef} needs use_kl_loss = true or in_reward = true "
+                             "(how the KL enters the update)")
+        if (self.use_kl_loss or self.in_reward) and self.coef == 0:
+            which = "use_kl_loss" if self.use_kl_loss else "in_reward"
+            raise ValueError(f"{which} = true and coef = 0 conflict: set coef > 0 or {which} "
+                             "= false")
+        if self.ref_model and self.coef == 0:
+            raise ValueError(f"ref_model = {self.ref_model!r} is unused with coef = 0; set coef "
+                             "(and use_kl_loss or in_reward) or remove ref_model")
+
+
+class CheckpointConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """When the trainer writes checkpoints (model, optimizer, step, version)."""
+
+    save_every: int = 0  # steps between checkpoints (0 = only at the end)
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0 (0 = only at the end), got "
+                             f"{self.save_every}")
+
+
+class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How each new version reaches the inference workers (engine/weight_sync.py)."""
+
+    # disk (safetensors + /update_weights_from_disk), distributed (a torch.distributed group
+    # with every worker: NCCL on GPU, gloo on CPU), tensor (weights in the request body;
+    # colocated workers on the same host)
+    path: Literal["disk", "distributed", "tensor"] = "disk"
+    bucket_mib: int = 512  # bucket size of the distributed and tensor paths, MiB
+    keep_versions: int = 2  # disk path: pushed weight versions kept on disk
+
+    def __post_init__(self) -> None:
+        if self.bucket_mib < 1 or self.keep_versions < 1:
+            raise ValueError(f"weight_sync needs bucket_mib >= 1 and keep_versions >= 1, got "
+                             f"bucket_mib = {self.bucket_mib}, keep_versions = "
+                             f"{self.keep_versions}")
+
+
+class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Data-parallel ranks on the trainer's host (training/ranks.py): the actor is rank 0 and
+    starts the others; on CUDA rank r uses the r-th device from `device`, on CPU gloo processes.
+    Colocated teachers: every rank holds its own (own slots, arena, NVMe dir <dir>-rank<r>)."""
+
+    dp: int = 1  # data-parallel ranks (1 = the actor alone)
+    timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank), seconds
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.timeout_s <= 0:
+            raise ValueError(f"need dp >= 1 and timeout_s > 0, got dp = {self.dp}, "
+                             f"timeout_s = {self.timeout_s}")
+
+
+class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The value model of `loss.advantage_estimator = "ppo"`."""
+
+    model: str = ""  # backbone checkpoint ("" = the policy's initial checkpoint); fresh value head
+    lr: float = 1e-5  # critic AdamW learning rate
+    weight_decay: float = 0.0  # critic AdamW weight decay
+    value_clip: float = 0.2  # bound on |V - V_old| in the clipped value loss (0 = unclipped)
+    grad_clip: float = 1.0  # max global gradient norm of the critic (0 = no clipping)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.value_clip < 0 or self.grad_clip < 0:
+            raise ValueError(f"critic needs lr > 0, value_clip >= 0, grad_clip >= 0; got "
+                             f"lr = {self.lr}, value_clip = {self.value_clip}, "
+                             f"grad_clip = {self.grad_clip}")
+
+
+class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where colocated teachers live between uses."""
+
+    gpu_slots: int = 1  # device slots for teachers (the student stays resident apart)
+    host_budget_bytes: int = 0  # pinned host budget for teachers, bytes (0 = all of them)
+    nvme_dir: str = ""  # teachers beyond the host budget ("" = <run_dir>/teachers-nvme)
+    lookahead: int = 1  # switches prefetched ahead
+
+
+class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What the training library reads (training/*.py): the model, its components, the step's
+    algorithm. Incompatible options fail at load, naming both."""
+
+    model: str  # initial checkpoint: an HF directory or a built-in tiny model name
+    device: str = "cpu"  # torch device of the policy (and of the reference/critic while in use)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
+    seed: int = 0  # torch seed (and the initialisation of built-in tiny models)
+    backend: Literal["torch", "megatron"] = "torch"  # megatron: megatron-core GPTModel (GPU)
+    # megatron TransformerConfig/GPTModel options, passed through (the launcher's --megatron-*)
+    megatron: dict[str, Any] = {}
+    optimizer: OptimizerConfig = OptimizerConfig()  # the policy's AdamW
+    micro_batches: MicroBatchConfig = MicroBatchConfig()  # forward/backward split of a step
+    loss: LossConfig = LossConfig()  # advantages and the PPO-clip policy loss
+    kl: KlConfig = KlConfig()  # KL to a frozen reference (loss term or reward shaping)
+    critic: CriticConfig | None = None  # the value model; required by (only by) "ppo"
+    offload_aux_models: bool = True  # reference/critic weights on the CPU between uses (on GPU)
+    mismatch: MismatchConfig = MismatchConfig()  # TIS / rejection / decoupled PPO / bypass
+    # on-policy distillation (algos/opd.py): None = off. With `teachers` the teachers run here,
+    # colocated on weight memory; without, their signal comes from the teacher pool's servers
+    opd: OpdConfig | None = None
+    teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
+    teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
+    parallel: ParallelConfig = ParallelConfig()  # data-parallel ranks on this host
+
+    def __post_init__(self) -> None:
+        check_algorithm(self)
+
+
+def check_algorithm(cfg: TrainConfig) -> None:
+    """ValueError naming both options of any incompatible pair that spans components (each
+    component checks its own fields)."""
+    est = cfg.loss.advantage_estimator
+    if est == "ppo" and cfg.critic is None:
+        raise ValueError("loss.advantage_estimator = 'ppo' needs a critic: add critic = {} (a "
+                         "value model from the policy's checkpoint) or critic = { model = ..., "
+                         "lr = ... }")
+    if est != "ppo" and cfg.critic is not None:
+        raise ValueError(f"critic is set but loss.advantage_estimator = {est!r} uses no value "
+                         "model; use advantage_estimator = 'ppo' or remove critic")
+    if cfg.kl.in_reward and est not in TOKEN_REWARDS:
+        raise ValueError(f"kl.in_reward = true and loss.advantage_estimator = {est!r} conflict: "
+                         f"{est} ignores token rewards; use kl.use_kl_loss = true or one of "
+                         f"{TOKEN_REWARDS}")
+    _check_opd(cfg)
+    if cfg.parallel.dp > 1 and cfg.backend == "megatron":
+        raise ValueError(f"parallel.dp = {cfg.parallel.dp} and backend = 'megatron' conflict: "
+                         "the actor runs megatron as one rank; run multi-rank megatron under "
+                         "torchrun (backends.megatron) or use backend = 'torch'")
+
+
+def _check_opd(cfg: TrainConfig) -> None:
+    if cfg.teachers and cfg.opd is None:
+        raise ValueError("teachers are set but opd is not: add opd = { mode = ..., kl_coef = ... }"
+                         " or remove teachers")
+    if cfg.opd is None:
+        if cfg.loss.advantage_estimator == "none":
+            raise ValueError("loss.advantage_estimator = 'none' (A = 0) trains nothing without "
+                             "opd; set opd = { ... } or choose an estimator")
+        return
+    route_table(cfg.teachers)
+    if not cfg.teachers:  # the signal comes from teacher servers through the teacher pool
+        check_placement(cfg.opd, "server")

@@ -1,0 +1,78 @@
+"""How the train step runs a model over micro-batches: the one thing that differs per backend.
+
+Role: `training.step.train_on_batch` is the whole algorithm (advantages, KL, critic, OPD,
+mismatch corrections, clipping, master weights) and calls a `ModelRunner` for the two model
+passes it needs:
+- `logprobs(mbs, temperature, by_length)`: a no-grad pass, response-aligned [B, R] log-probs per
+  micro-batch (None on a pipeline stage without logits);
+- `forward_backward(mbs, temperature, loss_fn, with_logits, by_length)`: forward with grad and
+  backward of every micro-batch, where `loss_fn(i, logp, ent, logits)` turns micro-batch i's
+  response-aligned log-probs and entropies [B, R] (and, when `with_logits`, the response
+  logits [B, R, V], else None) into the loss to backpropagate. Only stages with logits call it.
+plus `is_last_stage` (this rank computes losses and statistics) and `share(stats)` (the last
+stage's statistics on every rank of the model, so global rank 0 reports them).
+
+`TorchRunner` serves any model with a whole forward (transformers, or a megatron model at
+pipeline size 1): it loops the micro-batches. `backends.megatron.pipeline.PipelineRunner` runs
+megatron's pipeline schedule. Invariant: on the same weights both give the same log-probs,
+gradients and losses (up to float summation order); a runner never changes what is computed,
+only where.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from training.aux_models import micro_batch_logprobs
+from training.colocated_teachers import student_pass
+
+# (micro-batch index, log-probs [B, R], entropies [B, R], response logits [B, R, V] or None)
+# -> the loss tensor to backpropagate
+LossFn = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class ModelRunner(Protocol):
+    is_last_stage: bool  # this rank has the logits: it computes losses and statistics
+    whole_model: bool  # this rank can run the model's whole forward by itself
+    device: torch.device
+
+    def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
+                 ) -> list[torch.Tensor] | None: ...
+
+    def forward_backward(self, mbs: Sequence[Any], temperature: float, loss_fn: LossFn,
+                         with_logits: bool = False, by_length: bool = False) -> None: ...
+
+    def share(self, stats: dict[str, float]) -> dict[str, float]: ...
+
+
+class TorchRunner:
+    """A model with a whole forward (`model(input_ids=..., attention_mask=...).logits`), one
+    micro-batch at a time."""
+
+    is_last_stage = True
+    whole_model = True
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
+                 ) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [micro_batch_logprobs(self.model, mb, temperature, by_length, False)[0]
+                    for mb in mbs]
+
+    def forward_backward(self, mbs: Sequence[Any], temperature: float, loss_fn: LossFn,
+                         with_logits: bool = False, by_length: bool = False) -> None:
+        for i, mb in enumerate(mbs):
+            if with_logits:  # the distribution terms need the logits: one padded forward
+                logp, ent, logits = student_pass(self.model, mb, temperature)
+            else:
+                (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
+                                                           by_length), None
+            loss_fn(i, logp, ent, logits).backward()
+
+    def share(self, stats: dict[str, float]) -> dict[str, float]:
+        return stats
