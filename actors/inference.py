@@ -38,6 +38,7 @@ class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # on (re)start, load the newest weight version the trainer wrote under <run_dir>/weights
     # (weight_sync = "disk") before serving, so a restarted worker serves current weights
     catch_up: bool = True
+    max_body_bytes: int = 64 << 20  # larger HTTP request bodies get 413 (weight tensors: 256 MiB)
 
 
 class InferenceWorker(Actor):
@@ -63,7 +64,7 @@ class InferenceWorker(Actor):
         info = {"model_path": cfg.model, "tokenizer_path": cfg.model, "host": cfg.host,
                 "device": cfg.device, "dtype": cfg.dtype, "random_seed": cfg.seed,
                 "batch_wait_ms": cfg.batch_wait_ms}
-        self.server = EngineServer(self.scheduler, info)
+        self.server = EngineServer(self.scheduler, info, max_body_bytes=cfg.max_body_bytes)
         self._runner, port = await start_server(self.server, cfg.host,
                                                 self.stable_port("http", cfg.host, cfg.port))
         info["port"] = port

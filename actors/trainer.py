@@ -95,6 +95,8 @@ class TrainerActor(Actor):
         self._closers.append(lambda: self.pool.shutdown(wait=True))
         self.state = await self._in_thread(load_train_state, cfg, self.ctx.run_dir or ".",
                                            self.ctx.resume)
+        for skipped in self.state.skipped_checkpoints:
+            self.notify(f"resume skipped a damaged checkpoint: {skipped}")
         self.clients = [SglangClient(self.peer(w).http) for w in cfg.workers]
         for c in self.clients:
             self._closers.append(c.close)
@@ -124,9 +126,10 @@ class TrainerActor(Actor):
         await self.push_weights()  # workers serve exactly the trainer's weights from the start
         while self.state.step < cfg.num_steps:
             t0 = time.monotonic()
-            batch: TrainBatch = await self.buffer.call(
-                GetBatch(step=self.state.step, trainer_version=self.state.version),
-                cfg.batch_timeout_s)
+            async with self.waiting_for(f"{cfg.buffer}'s batch for step {self.state.step}"):
+                batch: TrainBatch = await self.buffer.call(
+                    GetBatch(step=self.state.step, trainer_version=self.state.version),
+                    cfg.batch_timeout_s)
             t_wait = time.monotonic() - t0
             self.state.next_teachers = batch.next_teachers
             await self._set_phase("train")

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import reprlib
 import uuid
 from typing import Any
 
@@ -187,8 +188,8 @@ def parse_sampling_params(sp: Any, prompt_len: int, context_len: int) -> Samplin
         raise RequestError(f"unknown sampling_params {unknown}")
     for key, default in SAMPLING_DEFAULT_ONLY.items():
         if key in sp and sp[key] is not None and sp[key] != default:
-            raise RequestError(f"sampling_params.{key}={sp[key]!r} is not supported by this "
-                               f"engine (only {default!r})")
+            raise RequestError(f"sampling_params.{key}={reprlib.repr(sp[key])} is not supported "
+                               f"by this engine (only {default!r})")
     p = _checked_numbers(sp)
     _check_range(prompt_len < context_len, f"The input ({prompt_len} tokens) is longer than the "
                  f"model's context length ({context_len} tokens).")
@@ -231,7 +232,7 @@ def _number(sp: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if not _is_num(value):
-        raise RequestError(f"sampling_params.{key} must be a number, got {value!r}")
+        raise RequestError(f"sampling_params.{key} must be a number, got {reprlib.repr(value)}")
     return float(value)
 
 
@@ -250,7 +251,8 @@ def _boolean(sp: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"sampling_params.{key} must be true or false, got {value!r}")
+        raise RequestError(f"sampling_params.{key} must be true or false, got "
+                           f"{reprlib.repr(value)}")
     return value
 
 
@@ -279,7 +281,8 @@ def _rids(value: Any, n: int, batch: bool) -> list[str]:
         return [value] if not batch else [f"{value}_{i}" for i in range(n)]
     if isinstance(value, list) and len(value) == n and all(isinstance(r, str) for r in value):
         if len(set(value)) != n:
-            raise RequestError(f"Duplicate request IDs detected within the request: {value}")
+            raise RequestError(f"Duplicate request IDs detected within the request: "
+                               f"{reprlib.repr(value)}")
         return value
     raise RequestError("rid must be a string or a list of strings, one per prompt")
 
@@ -324,9 +327,10 @@ def _check_logprob_args(want: Any, start: Any, top: Any, prompt_len: int) -> Non
         raise RequestError("return_logprob must be true or false")
     if not _is_int(start) or not -1 <= start < prompt_len:
         raise RequestError(f"logprob_start_len must be -1 or in [0, {prompt_len}) for a prompt of "
-                           f"{prompt_len} tokens, got {start!r}")
+                           f"{prompt_len} tokens, got {reprlib.repr(start)}")
     if not _is_int(top) or top < 0:
-        raise RequestError(f"top_logprobs_num must be a non-negative integer, got {top!r}")
+        raise RequestError(f"top_logprobs_num must be a non-negative integer, got "
+                           f"{reprlib.repr(top)}")
 
 
 # ----------------------------------------------------------------------------- pure formatting

@@ -46,7 +46,7 @@ from transport.dtypes import torch_dtype
 
 MAX_BODY_BYTES = 64 << 20  # default limit of a request body (bytes; 413 above it)
 MAX_TENSOR_BODY_BYTES = 256 << 20  # /update_weights_from_tensor bodies carry weights (bytes)
-MAX_JSON_CONTAINERS = 1 << 20  # '[' and '{' bytes in a JSON body (count; 413 above it)
+MAX_JSON_CONTAINERS = 1 << 18  # '[' and '{' bytes in a JSON body (count; 413 above it)
 MAX_JSON_VALUES = 1 << 22  # ',' bytes in a JSON body (count; 413 above it)
 
 

@@ -171,7 +171,7 @@ async def test_16_mib_header_is_refused_fast_without_memory_growth(ipc, factory)
                 elapsed = time.perf_counter() - t0
                 grown = proc.memory_info().rss - rss
                 del frame
-                assert elapsed < 0.5, elapsed
+                assert elapsed < 3.0, elapsed  # typically ~0.05 s (16 MiB over ipc)
                 assert grown < 100 << 20, grown
             assert actor.counters["control.refused_too_large"] == 2
             assert peer.answers[7].code == ErrorCode.TOO_LARGE
@@ -193,7 +193,7 @@ async def test_huge_json_body_gets_413_quickly_and_the_worker_keeps_serving(ipc)
         writer.close()
         await writer.wait_closed()
         assert b" 413 " in status_line, status_line
-        assert time.perf_counter() - t0 < 0.5
+        assert time.perf_counter() - t0 < 3.0  # ~1 ms: refused before the body is read
         # within the byte limit but too many values to parse quickly: 413 without parsing
         status, body = await post(client, "/generate",
                                   data=b"[" + b"0," * ((1 << 22) + 1) + b"0]")
@@ -204,7 +204,7 @@ async def test_huge_json_body_gets_413_quickly_and_the_worker_keeps_serving(ipc)
         status, body = await post(client, "/generate",
                                   data=b'{"input_ids": [' + b"1," * ((1 << 22) - 1) + b"1]}")
         assert status == 400 and "longer than the model's context" in body["error"]["message"]
-        assert time.perf_counter() - t0 < 3.0 and await lag < 2.0
+        assert time.perf_counter() - t0 < 5.0 and await lag < 5.0  # the heartbeat allows 30 s
         # streamed without a length: refused once the limit is passed while reading
         worker.server.max_body_bytes = worker.server.weights.max_body_bytes = 4 << 20
 
@@ -449,3 +449,35 @@ async def test_fuzz_worker_http(ipc):
         assert statuses[400] > 100 and not any(s >= 500 for s in statuses)
         await check_worker(client)
     assert time.monotonic() - t0 < 30
+
+
+async def test_fuzz_buffer_inbox(ipc, factory):
+    """The inbox (a PULL socket, no reply path) drops and counts what it cannot decode, and the
+    buffer drops and counts well-typed groups it must refuse; a valid group still goes in."""
+    rng = random.Random(99)
+    actor = BufferActor(context("buffer", ipc, limits=SMALL),
+                        BufferConfig(group_size=2, groups_per_batch=1))
+    async with running(actor):
+        push = factory.connect(zmq.PUSH, actor.bound.inbox)
+        sender = StreamSender(factory, actor.bound.inbox)
+        try:
+            sent = 0
+            for i in range(200):
+                await push.send_multipart(fuzz_case(rng, "control", 1000 + i)[0], copy=True)
+                sent += 1
+            bad = [[sample("x", 2)], [sample("x", 0)] * 3, [sample("x", 0), sample("y", 1)]]
+            for samples in bad:
+                await sender.send(SampleGroup(samples=samples))
+            await sender.send(SampleGroup(samples=[sample("g", 0), sample("g", 1)]))
+            async with asyncio.timeout(10):
+                while actor.logic.counters["added"] < 2:
+                    await asyncio.sleep(0.01)
+            inbox = {k: v for k, v in actor.counters.items() if k.startswith("inbox.")}
+            refused = sum(v for k, v in inbox.items() if k.startswith("inbox.refused_"))
+            assert refused - inbox["inbox.refused_invalid"] + inbox["inbox.received"] == \
+                sent + len(bad) + 1
+            assert inbox["inbox.refused_invalid"] == len(bad)
+            assert actor.logic.ready_groups() == 1 and actor.status == Status.RUNNING
+        finally:
+            push.close(linger=0)
+            sender.close()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from models.load import load_model
 from training.aux_models import AuxModel, CriticModel
+from training.checkpoints import resumable_checkpoint
 from training.colocated_teachers import ColocatedTeachers
 from training.config import TrainConfig
 from training.master_weights import make_optimizer
@@ -57,10 +58,11 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState
     if cfg.teachers:
         state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
                                                 cfg.teacher_memory, run_dir, cfg.seed)
-    latest = latest_checkpoint(Path(run_dir) / "checkpoints")
-    if resume and latest is not None:
-        state.load(latest, cfg.device)
-        log.info("resumed from %s (step %d)", latest, state.step)
+    if resume:
+        latest, state.skipped_checkpoints = resumable_checkpoint(Path(run_dir) / "checkpoints")
+        if latest is not None:
+            state.load(latest, cfg.device)
+            log.info("resumed from %s (step %d)", latest, state.step)
     return state
 
 
@@ -75,8 +77,3 @@ def load_megatron(cfg: TrainConfig, dtype: torch.dtype):
                                 store=dist.HashStore(), rank=0, world_size=1)
         initialize_parallel(1, 1, cfg.seed)
     return load_model(cfg.model, cfg.megatron, cfg.device, dtype, cfg.seed)
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    done = sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists())
-    return done[-1] if done else None

@@ -2,9 +2,9 @@
 
 Role: everything a checkpoint holds. `ref` (the frozen reference policy) and `critic` (the value
 model with its optimizer) are `training.aux_models` weight sets, present only when the configured
-algorithm needs them. Invariant: a checkpoint directory is complete only once
-`trainer_state.pt` exists (written last); the critic's weights and optimizer go in `critic.pt`
-before it. The reference is never saved: it is rebuilt from its source (`ref_model`, or the
+algorithm needs them. Invariant: a checkpoint directory is complete or absent (written under a
+temporary name with a manifest of checksums, then renamed: training/checkpoints.py); the
+critic's weights and optimizer go in `critic.pt`. The reference is never saved: it is rebuilt from its source (`ref_model`, or the
 initial checkpoint), so a resumed run keeps the same reference.
 """
 
@@ -19,6 +19,7 @@ import torch
 from memory.layout import module_tensors
 from memory.safetensors_io import load_safetensors
 from models.load import save_checkpoint
+from training.checkpoints import write_checkpoint
 from training.master_weights import move_optimizer
 
 
@@ -34,6 +35,7 @@ class TrainState:
         self.next_teachers: list[str] = []  # the buffer's hint: teachers of the next batch
         self.step = 0
         self.version = 0
+        self.skipped_checkpoints: list[str] = []  # newer checkpoints a resume found damaged
 
     @property
     def pad_id(self) -> int:
@@ -47,16 +49,17 @@ class TrainState:
         tmp.replace(path)
 
     def save(self, path: Path) -> None:
-        """Model as an HF directory plus optimizer/step/version; the state file is written last,
-        so a directory without it is an incomplete checkpoint and is never resumed from."""
-        path.mkdir(parents=True, exist_ok=True)
+        """Model as an HF directory plus optimizer/step/version, written atomically with a
+        manifest of checksums (training/checkpoints.py): a checkpoint is complete or absent."""
+        write_checkpoint(path, self._write)
+
+    def _write(self, path: Path) -> None:
         save_checkpoint(self.model, self.tokenizer, path)
         if self.critic is not None:
             torch.save(self.critic.checkpoint(), path / "critic.pt")
         torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step,
                     "version": self.version, "rng": torch.get_rng_state()},
-                   path / "trainer_state.pt.tmp")
-        (path / "trainer_state.pt.tmp").replace(path / "trainer_state.pt")
+                   path / "trainer_state.pt")
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full weights (what the workers load), for the in-memory weight-sync paths."""

@@ -6,6 +6,13 @@ numpy array in a body becomes an extension value `[dtype, shape, frame_index]` i
 view over the received frame (zero-copy). Large tensors between processes of one host may instead
 go through a shared-memory arena (`transport.shm`), referenced the same way. Pickle is never used.
 Every decode failure is a `WireError` carrying an `ErrorCode`, so callers can answer or count it.
+
+Receiving untrusted bytes, in this order: `peek_envelope` reads version, kind and request id from
+the first bytes (bounded, no recursion; for attributing errors); the `Limits` on frames and bytes
+are checked; `scan_header` walks the header's structure iteratively against the depth, container
+and value limits without building anything; only then is it decoded, typed (the schema bounds the
+depth; tensor references decode typed too). Nothing untrusted is ever decoded untyped, and
+`decode` raises nothing but WireError.
 """
 
 from __future__ import annotations
@@ -36,13 +43,14 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_depth: int = 16  # arrays/maps nested in the header (levels; the schema needs 6)
     max_container_len: int = 1 << 22  # entries in one header array or map (count; 4 Mi)
     max_header_items: int = 1 << 23  # values in the whole header, all levels (count; 8 Mi;
-    # scanning costs up to ~70 ns and decoding up to ~64 bytes per value; raise it for
-    # batches of more than ~8 M tokens, e.g. top-k distillation)
+    # scanning costs up to ~70 ns and decoding up to ~64 bytes per value; a TrainBatch holds
+    # ~3 per response token, more with teacher top-k: raise it for bigger batches)
 
     def __post_init__(self):
         for name in self.__struct_fields__:
-            if getattr(self, name) < 1:
-                raise ValueError(f"limits: {name} must be >= 1, got {getattr(self, name)}")
+            low = 0 if name == "max_frames" else 1  # max_frames = 0: no tensor frames at all
+            if getattr(self, name) < low:
+                raise ValueError(f"limits: {name} must be >= {low}, got {getattr(self, name)}")
 
 
 class WireError(Exception):
@@ -151,9 +159,10 @@ class Codec:
         before anything is decoded; every failure is a WireError, nothing else escapes."""
         if not frames:
             raise WireError(ErrorCode.UNDECODABLE, "empty message")
-        env = peek_envelope(_view(frames[0]))
+        head = _view(frames[0])
+        env = peek_envelope(head)
         try:
-            views = self._checked_views(frames, env)
+            views = self._checked_views(head, frames, env)
             scan_header(views[0], self.limits)
             header = self._decode_header(views, env)
         except WireError as e:
@@ -161,12 +170,13 @@ class Codec:
             raise
         return Decoded(header.kind, header.id, header.body)
 
-    def _checked_views(self, frames: Sequence[Any], env: Envelope) -> list[memoryview]:
+    def _checked_views(self, head: memoryview, frames: Sequence[Any],
+                       env: Envelope) -> list[memoryview]:
         lim = self.limits
         if len(frames) - 1 > lim.max_frames:
             raise WireError(ErrorCode.TOO_LARGE, f"{len(frames) - 1} frames, limit is "
                             f"{lim.max_frames} (limits.max_frames)")
-        views = [_view(f) for f in frames]
+        views = [head, *map(_view, frames[1:])]
         if views[0].nbytes > lim.max_header_bytes:
             raise WireError(ErrorCode.TOO_LARGE, f"header of {views[0].nbytes} bytes, limit is "
                             f"{lim.max_header_bytes} (limits.max_header_bytes)")
@@ -187,7 +197,7 @@ class Codec:
         except WireError:
             raise
         except msgspec.DecodeError as e:  # ValidationError included
-            raise _classify(env, e) from None
+            raise _classify(views[0], env, e) from None
         except Exception as e:  # noqa: BLE001 - a receive boundary: nothing but WireError leaves
             raise WireError(ErrorCode.UNDECODABLE, f"header not decodable: "
                             f"{type(e).__name__}: {e}") from None
@@ -243,11 +253,12 @@ class Envelope(NamedTuple):
     v: int | None  # protocol version; None unless the frame starts like a header
     kind: int  # a Kind, or 0 when the frame is not header-shaped (no error is attributed)
     req_id: int  # 0 when not attributable
-    type_name: str  # the body's "type" tag ("" when unreadable), at most 64 characters
+    body_at: int  # offset of the body map (-1: none); `body_type()` reads its tag lazily
 
 
-_NO_ENVELOPE = Envelope(None, 0, 0, "")
+_NO_ENVELOPE = Envelope(None, 0, 0, -1)
 _KINDS = frozenset(int(k) for k in Kind)
+_MAP32 = (0xde, 0xdf)  # map16, map32 heads (fixmaps are 0x80-0x8f)
 _INT_WIDTH = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
               0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}
 _HEAD_WIDTH = {0xdc: ("array", 2), 0xdd: ("array", 4), 0xde: ("map", 2), 0xdf: ("map", 4),
@@ -282,37 +293,45 @@ def _read_head(mv: memoryview, p: int) -> tuple[str, int, int]:
 
 
 def peek_envelope(mv: memoryview) -> Envelope:
-    """(version, kind, request id, body type) from a header's first bytes: reads a few dozen
-    bytes at most, never recurses, never builds untrusted objects. kind and req_id are only
-    set for a frame shaped like a header ([int, Kind, int >= 0, {...}]), so that an error
-    answer goes only where a request can be attributed."""
+    """(version, kind, request id, body offset) from a header's first bytes: reads at most
+    ~30 bytes, never recurses, never builds untrusted objects. kind and req_id are only set for
+    a frame shaped like a header ([int, Kind, int >= 0, {...}]), so that an error answer goes
+    only where a request can be attributed."""
     try:
-        major, entries, p = _read_head(mv, 0) if mv.nbytes else ("", 0, 0)
-        if (major, entries) != ("array", 4):
+        if mv[0] != 0x94:  # fixarray of 4: how every header starts
             return _NO_ENVELOPE
-        v, p = _read_int(mv, p)
-        kind, p = _read_int(mv, p)
-        req_id, p = _read_int(mv, p)
-        major, entries, p = _read_head(mv, p)
-        if kind not in _KINDS or req_id < 0 or major != "map":
-            return Envelope(v, 0, 0, "")
-        return Envelope(v, kind, req_id, _type_tag(mv, p) if entries else "")
+        v, kind = mv[1], mv[2]
+        if v < 0x80 and kind < 0x80:  # the usual: both positive fixints
+            req_id, p = _read_int(mv, 3)
+        else:
+            v, p = _read_int(mv, 1)
+            kind, p = _read_int(mv, p)
+            req_id, p = _read_int(mv, p)
+        if kind not in _KINDS or req_id < 0 or not (0x80 <= mv[p] <= 0x8f or mv[p] in _MAP32):
+            return Envelope(v, 0, 0, -1)
+        return Envelope(v, kind, req_id, p)
     except (IndexError, KeyError, ValueError):
         return _NO_ENVELOPE
 
 
-def _type_tag(mv: memoryview, p: int) -> str:
-    major, n, p = _read_head(mv, p)
-    if (major, bytes(mv[p:p + n])) != ("str", b"type"):
+def body_type(mv: memoryview, env: Envelope) -> str:
+    """The body's "type" tag (at most 64 characters), "" when it cannot be read."""
+    try:
+        major, entries, p = _read_head(mv, env.body_at) if env.body_at >= 0 else ("", 0, 0)
+        major, n, p = _read_head(mv, p) if entries else ("", 0, p)
+        if (major, bytes(mv[p:p + n])) != ("str", b"type"):
+            return ""
+        major, n, p = _read_head(mv, p + n)
+        return bytes(mv[p:p + min(n, 64)]).decode("utf-8", "replace") if major == "str" else ""
+    except (IndexError, ValueError):
         return ""
-    major, n, p = _read_head(mv, p + n)
-    return bytes(mv[p:p + min(n, 64)]).decode("utf-8", "replace") if major == "str" else ""
 
 
-def _classify(env: Envelope, err: Exception) -> WireError:
+def _classify(mv: memoryview, env: Envelope, err: Exception) -> WireError:
     text = str(err)
     if "Invalid value" in text and "$[3].type" in text:
-        return WireError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {env.type_name!r}")
+        return WireError(ErrorCode.UNKNOWN_MESSAGE,
+                         f"unknown message type {body_type(mv, env)!r}")
     return WireError(ErrorCode.UNDECODABLE, f"invalid message: {text}")
 
 
@@ -332,22 +351,27 @@ def _leaf_sizes() -> list[int]:
 
 
 _LEAF = _leaf_sizes()
-_LEAF_NP = np.array(_LEAF, dtype=np.int64)
+_SIZE_CLASS = {n: bytes(b for b in range(256) if _LEAF[b] == n) for n in set(_LEAF) - {0}}
 # str/bin/ext with a length prefix: first byte -> (bytes of the length, extra bytes before data)
 _VAR = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),
         0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}
 # containers: first byte -> (bytes of the count, values per entry)
 _CONT = {**{b: (0, 2) for b in range(0x81, 0x90)}, **{b: (0, 1) for b in range(0x91, 0xa0)},
          0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}
-_STRIDE_MIN = 32  # containers at least this long first try the vectorised same-leaf skip
+_STRIDE_MIN = 32  # containers at least this long first try skipping same-size leaves at once
+_SMALL_HEADER = 4096  # headers up to this many bytes may skip the walk (see scan_header)
+_NOT_CONTAINER = bytes(b for b in range(256) if b not in _CONT)  # bytes that cannot nest
 
 
 def scan_header(buf: memoryview, limits: Limits) -> None:
     """Walk the msgpack structure of a header without building anything, checking nesting
     depth, container lengths and the total number of values against `limits`; TOO_LARGE or
     UNDECODABLE WireError. Iterative (an explicit stack), so deep nesting cannot recurse; a
-    long run of identical leaves (token ids, log-probs, masks) is skipped vectorised."""
+    container of same-size leaves (log-probs, masks) is skipped vectorised, and a small header
+    that provably fits every limit (`_within_limits_by_size`) is not walked at all."""
     mv = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+    if _within_limits_by_size(mv, limits):
+        return
     try:
         end = _walk(mv, limits)
     except IndexError:
@@ -358,15 +382,25 @@ def scan_header(buf: memoryview, limits: Limits) -> None:
                         f"header")
 
 
+def _within_limits_by_size(mv: memoryview, limits: Limits) -> bool:
+    """True when a small header provably cannot break a limit, so the walk can be skipped:
+    every value takes at least a byte (so neither items nor one container's entries can
+    outnumber the bytes) and every level of nesting starts with a container byte (counted
+    anywhere, an over-count). Truncation and garbage are then left to the typed decode."""
+    n = mv.nbytes
+    if n > _SMALL_HEADER or n > limits.max_header_items or n > limits.max_container_len:
+        return False
+    return len(bytes(mv).translate(None, _NOT_CONTAINER)) < limits.max_depth
+
+
 def _walk(mv: memoryview, limits: Limits) -> int:
     """Offset just past the first msgpack value of mv; see scan_header. Stack entries are the
     values left in each open container, negative for a container not yet started."""
-    stack, p, items, flat, leaf = [-1], 0, 1, None, _LEAF
+    stack, p, items, leaf = [-1], 0, 1, _LEAF
     while stack:
         left = stack.pop()
         if left <= -_STRIDE_MIN and leaf[mv[p]]:
-            flat = np.frombuffer(mv, np.uint8) if flat is None else flat
-            p, left = _skip_same_size(flat, p, -left)
+            p, left = _skip_same_size(mv, p, -left)
         left = abs(left)
         while left:
             for i in range(left):  # the hot loop: a run of fixed-size leaves
@@ -397,11 +431,12 @@ def _walk(mv: memoryview, limits: Limits) -> int:
     return p
 
 
-def _skip_same_size(flat: np.ndarray, p: int, count: int) -> tuple[int, int]:
-    """Skip a container's values at once when all are fixed-size leaves of one size."""
-    size = _LEAF[int(flat[p])]
+def _skip_same_size(mv: memoryview, p: int, count: int) -> tuple[int, int]:
+    """Skip a container's values at once when all are fixed-size leaves of one size: then
+    every size-th byte from p starts such a leaf (checked in C: strided copy, translate)."""
+    size = _LEAF[mv[p]]
     stop = p + count * size
-    if stop <= flat.size and bool((_LEAF_NP[flat[p:stop:size]] == size).all()):
+    if stop <= mv.nbytes and not mv[p:stop:size].tobytes().translate(None, _SIZE_CLASS[size]):
         return stop, 0
     return p, count
 
