@@ -20,7 +20,7 @@ import traceback
 import msgspec
 
 from engine.client import SglangClient
-from engine.session import HttpSession
+from engine.session import HttpSession, SessionFailed
 from envs.loader import load_envs
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, EndRun
@@ -60,6 +60,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     # (no episode of any task succeeded); 0 = never
     max_failed_batches: int = 3
     failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
+    resend_batches: int = 4  # batches of groups kept to re-send to a restarted buffer
     request_timeout_s: float = 120.0
     permit_timeout_s: float = 3600.0  # how long to wait for the trainer
 
@@ -83,6 +84,11 @@ class RolloutActor(Actor):
         self.out = self.stream_to(cfg.sink or cfg.buffer)
         self.gate = asyncio.Semaphore(cfg.max_concurrency)
         self.failed_batches, self.last_notice, self.last_failure = 0, -1e9, ""
+        self.env_errors = 0  # episodes of the current batch the environment failed
+        # the last groups sent, re-sent to a restarted buffer
+        self.sent: collections.deque = collections.deque(
+            maxlen=cfg.resend_batches * cfg.groups_per_batch)
+        self.buffer_epoch = ""
 
     def rpc_handlers(self):
         return {EvalRequest: self.eval_request}
@@ -93,14 +99,17 @@ class RolloutActor(Actor):
 
     async def run(self) -> None:
         cfg = self.config
-        first = await self.buffer.call(RolloutPermit(batch_index=0), cfg.permit_timeout_s)
+        first = await self.call_retrying(self.buffer, RolloutPermit(batch_index=0),
+                                         cfg.permit_timeout_s)
+        self.buffer_epoch = first.buffer_epoch
         batch_index = first.start_batch
         tasks = self.envs.tasks("train", cfg.seed)
         tasks = itertools.islice(tasks, batch_index * cfg.groups_per_batch, None)
         while cfg.num_batches == 0 or batch_index < cfg.num_batches:
             async with self.waiting_for(f"{cfg.buffer}'s permit for batch {batch_index}"):
-                permit = await self.buffer.call(RolloutPermit(batch_index=batch_index),
-                                                cfg.permit_timeout_s)
+                permit = await self.call_retrying(
+                    self.buffer, RolloutPermit(batch_index=batch_index), cfg.permit_timeout_s)
+            await self._resend_if_buffer_restarted(permit.buffer_epoch)
             if cfg.eval_every and batch_index % cfg.eval_every == 0:
                 await self.evaluate(batch_index)
             batch = [next(tasks) for _ in range(cfg.groups_per_batch)]
@@ -116,8 +125,22 @@ class RolloutActor(Actor):
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p}
         samples = await asyncio.gather(*(self.play(task, sampling, group_id, i)
                                          for i in range(cfg.group_size)))
-        await self.out.send(SampleGroup(samples=list(samples)))
+        group = SampleGroup(samples=list(samples))
+        self.sent.append(group)
+        await self.out.send(group)
         return list(samples)
+
+    async def _resend_if_buffer_restarted(self, epoch: str) -> None:
+        """A new buffer process may have lost groups in flight to the old one: send the recent
+        ones again (it drops those it restored from its journal as duplicates)."""
+        if epoch == self.buffer_epoch:
+            return
+        self.buffer_epoch = epoch
+        self.counters["resent_groups"] += len(self.sent)
+        log.info("%s: the buffer restarted; re-sending %d recent groups", self.name,
+                 len(self.sent))
+        for group in list(self.sent):
+            await self.out.send(group)
 
     async def play(self, task, sampling: dict, group_id: str, index: int):
         env = self.envs.env_for(task)
@@ -135,6 +158,8 @@ class RolloutActor(Actor):
             except Exception as e:  # an env or generation failure fails this sample only
                 self.counters["episodes_failed"] += 1
                 self.counters[f"episodes_failed/{domain}"] += 1
+                if not isinstance(e, SessionFailed):  # the environment's own failure
+                    self.env_errors += 1
                 self.last_failure = (f"{domain} task {task.id!r} (episode {group_id}-{index}): "
                                      f"{type(e).__name__}: {e}")
                 log.warning("%s: episode %s-%d failed: %s", self.name, group_id, index, e)
@@ -165,7 +190,11 @@ class RolloutActor(Actor):
         `max_failed_batches` batches in a row with no successful group end the run."""
         failed = [s for g in groups for s in g if s.status != "ok"]
         dead_groups = sum(all(s.status != "ok" for s in g) for g in groups)
-        self.failed_batches = self.failed_batches + 1 if dead_groups == len(groups) else 0
+        # a batch counts as dead when every group failed and the environment raised (workers
+        # that are down fail generation instead: that ends when they are back, not the run)
+        env_errors, self.env_errors = self.env_errors, 0
+        dead = dead_groups == len(groups) and env_errors > 0
+        self.failed_batches = self.failed_batches + 1 if dead else 0
         limit = self.config.max_failed_batches
         if limit and self.failed_batches >= limit:
             raise EndRun(f"every episode of {limit} consecutive batches failed (batch "

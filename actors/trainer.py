@@ -28,6 +28,7 @@ import json
 import logging
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -112,6 +113,7 @@ class TrainerActor(Actor):
         if hasattr(self.sync, "close"):
             self._closers.append(self.sync.close)
         self.buffer = await self.connect(cfg.buffer)
+        self.epoch = uuid.uuid4().hex  # a restarted trainer is a new epoch for the buffer
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
         self.run_dir = Path(self.ctx.run_dir or ".")
         self.ranks, self._warned_stale = None, False
@@ -127,9 +129,9 @@ class TrainerActor(Actor):
         while self.state.step < cfg.num_steps:
             t0 = time.monotonic()
             async with self.waiting_for(f"{cfg.buffer}'s batch for step {self.state.step}"):
-                batch: TrainBatch = await self.buffer.call(
-                    GetBatch(step=self.state.step, trainer_version=self.state.version),
-                    cfg.batch_timeout_s)
+                batch: TrainBatch = await self.call_retrying(self.buffer, GetBatch(
+                    step=self.state.step, trainer_version=self.state.version,
+                    trainer_epoch=self.epoch), cfg.batch_timeout_s)
             t_wait = time.monotonic() - t0
             self.state.next_teachers = batch.next_teachers
             await self._set_phase("train")
@@ -142,14 +144,14 @@ class TrainerActor(Actor):
             t_sync = time.monotonic() - t0 - t_wait - t_train
             every = cfg.checkpoint.save_every
             if every and self.state.step % every == 0:
-                await self._in_thread(self.save_checkpoint)
+                await self.checkpoint()
             stats.update({"time/wait_batch_s": t_wait, "time/train_s": t_train,
                           "time/weight_sync_s": t_sync, "time/step_s": time.monotonic() - t0,
                           "version": self.state.version})
             self._warn_stale_sampled_opd(stats)
             if self.metrics:
                 self.metrics.publish(stats, step=self.state.step, total_steps=cfg.num_steps)
-        await self._in_thread(self.save_checkpoint)
+        await self.checkpoint()
         if self.rollout is not None:
             await self.final_eval()
 
@@ -212,7 +214,9 @@ class TrainerActor(Actor):
         else:
             named = await self._in_thread(self.state.named_weights)
             await self.sync.push(named, str(version))
-        await self.buffer.call(VersionUpdate(version=version, step=self.state.step))
+        await self.call_retrying(self.buffer, VersionUpdate(
+            version=version, step=self.state.step, trainer_epoch=self.epoch),
+            self.config.batch_timeout_s)
 
     async def _set_phase(self, phase: str) -> None:
         """Colocated mode: one side's memory leaves the device while the other side works."""
@@ -228,6 +232,13 @@ class TrainerActor(Actor):
             self.metrics.publish({f"memory/{phase}/trainer_device_bytes":
                                   self.state.device_bytes(self.config.device)},
                                  step=self.state.step)
+
+    async def checkpoint(self) -> None:
+        """Save, then tell the buffer: batches of earlier steps are never needed again."""
+        await self._in_thread(self.save_checkpoint)
+        await self.call_retrying(self.buffer, VersionUpdate(
+            version=self.state.version, step=self.state.step, trainer_epoch=self.epoch,
+            checkpointed=True), self.config.batch_timeout_s)
 
     def save_checkpoint(self) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"

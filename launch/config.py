@@ -35,6 +35,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 30.0  # an actor silent this long is killed and restarted
     progress_interval_s: float = 5.0  # console progress lines per actor at most this often
     stall_report_s: float = 60.0  # a wait on a peer longer than this is said on the console
+    request_retry_s: float = 30.0  # idempotent requests (permits, batches) re-sent this often
 
 
 class HostConfig(msgspec.Struct, forbid_unknown_fields=True):

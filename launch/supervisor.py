@@ -124,7 +124,8 @@ class Supervisor:
             security=self.cfg.security, limits=self.cfg.limits, shm=self.cfg.shm,
             heartbeat_interval_s=run.heartbeat_interval_s,
             start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
-            run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s)
+            run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s,
+            request_retry_s=run.request_retry_s)
         spec_path = self.run_dir / "specs" / f"{name}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}

@@ -20,7 +20,13 @@ Staleness, precisely:
   v >= i - max_staleness. Such a batch has w >= i - max_staleness and, consumed at version i, is
   at most max_staleness versions old. max_staleness = 0 is synchronous on-policy (batch i waits for
   version i: generation and training alternate); 1 lets batch i + 1 be generated while the trainer
-  steps on batch i.
+  steps on batch i. Dropped groups are made up for: each groups_per_batch of them (rounded up)
+  permit one batch more, so failed episodes cost extra generation, never a stalled run; the
+  staleness bound itself is enforced where it matters, when groups are emitted.
+- Steps: `batch_for_step` remembers the batch emitted for each optimizer step (the last
+  `replay_steps` of them), so asking again for a step returns the same batch, and a trainer
+  restarted from a checkpoint (`restart_trainer`) trains again on exactly the batches its lost
+  steps consumed; `forget_before` drops what a checkpoint made unnecessary.
 
 Invariant (`accounting()`): every sample `add()` accepted is in exactly one place: emitted,
 pending (an open group, or a ready one not yet emitted), or one `dropped_*` counter:
@@ -50,7 +56,8 @@ STATUSES = ("ok", "failed", "aborted")
 SAMPLE_COUNTERS = ("added", "emitted", "dropped_duplicate", "dropped_stale", "dropped_overflow",
                    "dropped_failed_group", "dropped_failed_sample")
 GROUP_COUNTERS = ("groups_completed", "groups_emitted", "groups_dropped_stale",
-                  "groups_dropped_failed", "groups_dropped_overflow", "batches_emitted")
+                  "groups_dropped_failed", "groups_dropped_overflow", "batches_emitted",
+                  "batches_replayed", "batches_not_replayable", "trainer_restarts")
 
 
 class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,6 +67,9 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_pending_groups: int = 1024  # open plus ready-but-not-emitted groups held at most
     min_ok_per_group: int = 2  # a complete group with fewer ok samples is dropped
     max_sample_tokens: int = 1 << 20  # prompt plus response tokens of one sample, at most
+    # emitted batches kept by step, so a trainer restarted from a checkpoint trains again on
+    # exactly the batches its lost steps had consumed (steps since its last checkpoint)
+    replay_steps: int = 64
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_batch", "max_pending_groups", "min_ok_per_group",
@@ -148,6 +158,8 @@ class RolloutBuffer:
         self._open: dict[str, dict[int, Sample]] = {}  # incomplete groups by index
         self._ready: dict[str, list[Sample]] = {}  # ok samples of ready groups, completion order
         self._closed: dict[str, str] = {}  # group id -> "complete" | "stale" | "overflow"
+        self.history: dict[int, list[Sample]] = {}  # emitted batch by optimizer step
+        self._replay_from = -1  # a restarted trainer replays history from this step on
 
     # ------------------------------------------------------------------ input
     def add(self, sample: Sample) -> str:
@@ -236,6 +248,38 @@ class RolloutBuffer:
         self._count("emitted", len(batch))
         return batch
 
+    def batch_for_step(self, step: int, trainer_version: int) -> list[Sample] | None:
+        """The batch of optimizer step `step`: the one emitted for it before (a repeated request,
+        or a restarted trainer replaying lost steps), else `next_batch` (None while not ready).
+        Asking again for a step is therefore idempotent."""
+        if step in self.history:
+            if step >= self._replay_from >= 0:
+                self.counters["batches_replayed"] += 1
+                self._replay_from = step + 1
+            return self.history[step]
+        batch = self.next_batch(trainer_version)
+        if batch is not None:
+            self.history[step] = batch
+            for old in [s for s in self.history if s <= step - self.config.replay_steps]:
+                del self.history[old]
+        return batch
+
+    def restart_trainer(self, version: int, step: int) -> None:
+        """A trainer process resumed from a checkpoint at (`version`, `step`): versions may go
+        back (a lower version keeps every held group fresh); the batches it emitted for steps
+        >= `step` are handed out again, in order, before any new one."""
+        self.counters["trainer_restarts"] += 1
+        lost = [s for s in self.history if s >= step]
+        if self.history and step < min(self.history) and lost:
+            self.counters["batches_not_replayable"] += min(self.history) - step
+        self.trainer_version = version
+        self._replay_from = step
+
+    def forget_before(self, step: int) -> None:
+        """The trainer checkpointed at `step`: batches of earlier steps are never replayed."""
+        for old in [s for s in self.history if s < step]:
+            del self.history[old]
+
     def upcoming_teachers(self) -> list[str]:
         """Teachers of the ready groups (the next batch's), in the order they will be trained:
         a hint for the trainer's weight memory to load the first of them early."""
@@ -247,10 +291,18 @@ class RolloutBuffer:
         return list(seen)
 
     def may_start_batch(self, batch_index: int, trainer_version: int) -> bool:
-        """The rollout's permit: generation of batch `batch_index` (0-based) may start."""
+        """The rollout's permit: generation of batch `batch_index` (0-based) may start. Groups
+        dropped (failed, stale, overflow) are made up for: every groups_per_batch of them (or
+        part) allow one batch more, so a batch short of ready groups never stalls the run."""
         if batch_index < 0:
             raise ValueError(f"batch_index must be >= 0, got {batch_index}")
-        return trainer_version >= batch_index - self.config.max_staleness
+        return trainer_version >= batch_index - self.config.max_staleness - self.makeup_batches()
+
+    def makeup_batches(self) -> int:
+        """Batches the rollout may generate beyond the staleness rule to replace lost groups."""
+        dropped = (self.counters["groups_dropped_failed"] + self.counters["groups_dropped_stale"]
+                   + self.counters["groups_dropped_overflow"])
+        return -(-dropped // self.config.groups_per_batch)
 
     def pending_capacity_left(self) -> int:
         """How many more groups may be opened before new ones overflow."""

@@ -31,7 +31,7 @@ import msgspec
 
 from transport.codec import Limits
 from transport.metrics import MetricsPublisher
-from transport.rpc import Handler, RpcClient, RpcServer
+from transport.rpc import DeadlineExceeded, Handler, RpcClient, RpcServer
 from transport.schema import (
     Ack,
     Dead,
@@ -85,6 +85,7 @@ class ActorContext(msgspec.Struct, forbid_unknown_fields=True):
     run_dir: str = ""  # the run directory (checkpoints, weights, logs live under it)
     resume: bool = False  # continue from the latest checkpoint in run_dir
     stall_report_s: float = 60.0  # a wait on a peer longer than this is reported on the console
+    request_retry_s: float = 30.0  # an idempotent request unanswered this long is sent again
 
 
 class EndRun(Exception):
@@ -253,6 +254,20 @@ class Actor:
             ack = await self._report(Heartbeat(actor=self.name, status=self.status, seq=seq))
             if isinstance(ack, Ack) and ack.stop:
                 self.stop("supervisor asked to stop")
+
+    async def call_retrying(self, client: RpcClient, msg: Msg, total_s: float) -> Msg:
+        """`client.call(msg)` for an idempotent request, sent again after every
+        `request_retry_s` without an answer (a peer that restarted lost the first), until
+        `total_s` has passed (then DeadlineExceeded, as a plain call)."""
+        deadline = time.monotonic() + total_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await client.call(msg, min(self.ctx.request_retry_s, max(left, 0.001)))
+            except DeadlineExceeded:
+                if time.monotonic() >= deadline:
+                    raise
+                self.counters[f"retried.{type(msg).__name__}"] += 1
 
     @contextlib.asynccontextmanager
     async def waiting_for(self, what: str) -> AsyncIterator[None]:

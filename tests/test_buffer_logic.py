@@ -311,3 +311,56 @@ def test_check_version_is_monotone_one_step_at_a_time():
             (3, 3, -1, "step = -1")]:
         with pytest.raises(ValueError, match=message):
             check_version("trainer_version", seen, new, step)
+
+
+# ----------------------------------------------------------------------------- steps, restarts
+def test_the_batch_of_a_step_is_the_same_when_asked_again():
+    buf = buffer(max_staleness=1)
+    add_group(buf, "a")
+    add_group(buf, "b")
+    first = buf.batch_for_step(0, 0)
+    assert keys(first) == [("a", 0), ("a", 1)]
+    assert buf.batch_for_step(0, 0) is first  # a re-sent request: no second batch
+    assert keys(buf.batch_for_step(1, 1)) == [("b", 0), ("b", 1)]
+    assert buf.counters["batches_emitted"] == 2 and buf.counters["batches_replayed"] == 0
+
+
+def test_a_restarted_trainer_replays_the_batches_of_its_lost_steps_in_order():
+    buf = buffer(max_staleness=1, replay_steps=8)
+    for step, gid in enumerate("abcd"):
+        add_group(buf, gid, w=step)
+        assert keys(buf.batch_for_step(step, step))[0] == (gid, 0)
+    buf.forget_before(1)  # the trainer checkpointed at step 1
+    buf.restart_trainer(version=1, step=1)  # ... and died after step 3; resumed at step 1
+    assert buf.trainer_version == 1  # versions may go back for a new trainer epoch
+    replayed = [keys(buf.batch_for_step(s, 1 + s - 1))[0][0] for s in (1, 2, 3)]
+    assert replayed == ["b", "c", "d"]  # the very batches those steps consumed
+    assert buf.counters["batches_replayed"] == 3 and buf.counters["batches_emitted"] == 4
+    assert buf.batch_for_step(4, 4) is None  # then new batches, as usual
+    add_group(buf, "e", w=4)
+    assert keys(buf.batch_for_step(4, 4))[0] == ("e", 0)
+    assert 0 not in buf.history  # forgotten at the checkpoint
+
+
+def test_history_is_bounded_by_replay_steps():
+    buf = buffer(max_staleness=10, replay_steps=2)
+    for step in range(5):
+        add_group(buf, f"g{step}")
+        buf.batch_for_step(step, 0)
+    assert sorted(buf.history) == [3, 4]
+    buf.restart_trainer(version=0, step=1)  # steps 1 and 2 can no longer be replayed
+    assert buf.counters["batches_not_replayable"] == 2
+
+
+def test_dropped_groups_are_made_up_by_extra_permits():
+    """A failed group used to leave the trainer's batch short forever at max_staleness = 0."""
+    buf = buffer(max_staleness=0, groups_per_batch=2)
+    assert buf.may_start_batch(0, 0) and not buf.may_start_batch(1, 0)
+    add_group(buf, "ok")
+    buf.add(mk("bad", 0, status="failed"))
+    buf.add(mk("bad", 1, status="failed"))  # the group is dropped: batch 0 is one group short
+    assert buf.batch_for_step(0, 0) is None
+    assert buf.makeup_batches() == 1 and buf.may_start_batch(1, 0)  # one more batch may start
+    add_group(buf, "extra")
+    assert keys(buf.batch_for_step(0, 0)) == [("ok", 0), ("ok", 1), ("extra", 0), ("extra", 1)]
+    buf.accounting()

@@ -144,15 +144,20 @@ def test_rollout_reports_failing_episodes_and_ends_the_run_after_dead_batches(ip
     actor = RolloutActor(context("rollout", ipc), cfg)
     notes: list[str] = []
     actor.notify = notes.append
-    actor.failed_batches, actor.last_notice = 0, -1e9
+    actor.failed_batches, actor.last_notice, actor.env_errors = 0, -1e9, 0
     actor.last_failure = "math task 't7' (episode b0-g0-1): ZeroDivisionError: division by zero"
     actor.check_failures(0, _groups([["ok", "failed"], ["failed", "failed"]]))
     assert notes == ["3/4 episodes failed in batch 0 (math: 3); last: math task 't7' (episode "
                      "b0-g0-1): ZeroDivisionError: division by zero"]
     assert actor.failed_batches == 0  # one group had a good episode
     dead = _groups([["failed", "failed"], ["failed", "aborted"]])
+    actor.check_failures(1, dead)  # the workers were down (no environment error): not counted
+    assert actor.failed_batches == 0
+    actor.env_errors = 4
     actor.check_failures(1, dead)
+    actor.env_errors = 4
     actor.check_failures(2, dead)
+    actor.env_errors = 4
     try:
         with pytest.raises(EndRun, match="every episode of 3 consecutive batches failed "
                                          ".*task 't7'"):

@@ -207,6 +207,7 @@ class RolloutPermit(Msg):
 class Permit(Msg):
     trainer_version: int
     start_batch: int  # the first batch the trainer still needs (resume position)
+    buffer_epoch: str = ""  # changes when the buffer process restarts (re-send recent groups)
 
 
 class GetBatch(Msg):
@@ -214,6 +215,7 @@ class GetBatch(Msg):
 
     step: int
     trainer_version: int
+    trainer_epoch: str = ""  # one per trainer process: a new one means it restarted (resumed)
 
 
 class TrainBatch(Msg):
@@ -228,6 +230,8 @@ class VersionUpdate(Msg):
 
     version: int
     step: int
+    trainer_epoch: str = ""  # as in GetBatch
+    checkpointed: bool = False  # the trainer saved a checkpoint at `step`: no replay before it
 
 
 class EvalRequest(Msg):
