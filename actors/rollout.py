@@ -74,6 +74,16 @@ class RolloutActor(Actor):
         check_model_path(config.model)
         load_envs([msgspec.to_builtins(e) for e in config.envs])
 
+    def __init__(self, ctx, config=None):
+        super().__init__(ctx, config)
+        cfg = self.config
+        self.failed_batches, self.last_notice, self.last_failure = 0, -1e9, ""
+        self.env_errors = 0  # episodes of the current batch the environment failed
+        # the last groups sent, re-sent to a restarted buffer
+        self.sent: collections.deque = collections.deque(
+            maxlen=cfg.resend_batches * cfg.groups_per_batch)
+        self.buffer_epoch = ""
+
     async def on_start(self) -> None:
         cfg = self.config
         self.envs = load_envs([msgspec.to_builtins(e) for e in cfg.envs])
@@ -83,12 +93,7 @@ class RolloutActor(Actor):
         self.buffer = await self.connect(cfg.buffer)
         self.out = self.stream_to(cfg.sink or cfg.buffer)
         self.gate = asyncio.Semaphore(cfg.max_concurrency)
-        self.failed_batches, self.last_notice, self.last_failure = 0, -1e9, ""
-        self.env_errors = 0  # episodes of the current batch the environment failed
-        # the last groups sent, re-sent to a restarted buffer
-        self.sent: collections.deque = collections.deque(
-            maxlen=cfg.resend_batches * cfg.groups_per_batch)
-        self.buffer_epoch = ""
+
 
     def rpc_handlers(self):
         return {EvalRequest: self.eval_request}

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from transport.metrics import MetricsSubscriber
 from transport.schema import Metrics
-from transport.sockets import SocketFactory
+from transport.sockets import Security, SocketFactory
 
 
 def resolve(target: str) -> str:
@@ -60,9 +60,20 @@ class Board:
         return table
 
 
+def security_of(target: str, keys_dir: str | None) -> Security:
+    """CURVE settings: `--keys-dir`, else those of the run directory's config.json (so a run
+    with CURVE on is watched with its keys), else none."""
+    if keys_dir:
+        return Security(curve=True, keys_dir=keys_dir)
+    config = Path(target) / "config.json"
+    if config.is_file():
+        return msgspec.convert(json.loads(config.read_text()).get("security", {}), Security)
+    return Security()
+
+
 async def watch(endpoint: str, jsonl: str | None, duration_s: float | None,
-                live: bool) -> int:
-    factory = SocketFactory()
+                live: bool, security: Security | None = None) -> int:
+    factory = SocketFactory(security=security)
     sub = MetricsSubscriber(factory, endpoint)
     board = Board()
     out = open(jsonl, "a") if jsonl else None
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl", help="append every record to this file as JSON lines")
     parser.add_argument("--duration-s", type=float, help="stop after this many seconds")
     parser.add_argument("--no-live", action="store_true", help="no table (with --jsonl)")
+    parser.add_argument("--keys-dir", help="CURVE keys of a run with security.curve = true "
+                                           "(read from RUN_DIR/config.json when not given)")
     args = parser.parse_args(argv)
     try:
         endpoint = resolve(args.target)
@@ -115,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(watch(endpoint, args.jsonl, args.duration_s, not args.no_live))
+        security = security_of(args.target, args.keys_dir)
+        return asyncio.run(watch(endpoint, args.jsonl, args.duration_s, not args.no_live,
+                                 security))
     except KeyboardInterrupt:
         return 0
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from transport.metrics import MetricsSubscriber
-from transport.sockets import SocketFactory
+from transport.metrics import MetricsPublisher, MetricsSubscriber
+from transport.sockets import Security, SocketFactory, make_curve_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = """
@@ -313,3 +313,79 @@ def test_children_exit_when_the_launcher_dies(tmp_path):
     assert not alive, f"children outlived the launcher by 5 s: {alive}"
     logs = [(tmp_path / "run" / "logs" / f"{n}.log").read_text() for n in ("a", "b")]
     assert all("stopping (launcher died)" in log or "signal SIGTERM" in log for log in logs), logs
+
+
+DEMO = """
+[actors.scaler]
+cls = "examples.demo:Scaler"
+[actors.consumer]
+cls = "examples.demo:Consumer"
+[actors.producer]
+cls = "examples.demo:Producer"
+after = ["scaler", "consumer"]
+primary = true
+config = { num_items = 200, interval_s = 0.03 }
+"""
+
+
+async def _secured_metrics(endpoints: dict, keys: Path) -> tuple[set[str], int]:
+    """(actors seen by a subscriber holding the keys while an intruder without them publishes,
+    records a subscriber without keys got)."""
+    good = SocketFactory(security=Security(curve=True, keys_dir=str(keys)))
+    plain = SocketFactory()
+    sub = MetricsSubscriber(good, endpoints["metrics"])
+    snoop = MetricsSubscriber(plain, endpoints["metrics"])
+    intruder = MetricsPublisher(plain, endpoints["metrics_in"], "intruder")
+    seen: set[str] = set()
+    snooped = 0
+    try:
+        deadline = time.monotonic() + 40
+        while not {"scaler", "consumer", "producer"} <= seen and time.monotonic() < deadline:
+            intruder.publish({"fake": 1.0}, step=1)
+            try:
+                seen.add((await asyncio.wait_for(sub.recv(), 0.2)).actor)
+            except TimeoutError:
+                pass
+        for _ in range(10):  # the intruder keeps trying; the snooper keeps listening
+            intruder.publish({"fake": 1.0}, step=1)
+            try:
+                seen.add((await asyncio.wait_for(sub.recv(), 0.1)).actor)
+            except TimeoutError:
+                pass
+            try:
+                await asyncio.wait_for(snoop.recv(), 0.05)
+                snooped += 1
+            except TimeoutError:
+                pass
+    finally:
+        for s in (sub, snoop, intruder):
+            s.close()
+        good.close()
+        plain.close()
+    return seen, snooped
+
+
+def test_curve_over_tcp_covers_the_metrics_stream(tmp_path):
+    """With CURVE on, metrics of every actor arrive at a subscriber holding the cluster's keys;
+    a publisher without them cannot inject records and a subscriber without them gets none."""
+    keys = tmp_path / "keys"
+    make_curve_keys(keys)
+    hosts = write_hosts(tmp_path, DEMO + f'\n[security]\ncurve = true\nkeys_dir = "{keys}"\n',
+                        extra_run='transport = "tcp"')
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_file(run_dir / "endpoints.json", 40)
+        endpoints = json.loads((run_dir / "endpoints.json").read_text())
+        assert endpoints["metrics"].startswith("tcp://")
+        seen, snooped = asyncio.run(_secured_metrics(endpoints, keys))
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, out
+    assert seen == {"scaler", "consumer", "producer"}  # and never "intruder"
+    assert snooped == 0
+    assert (keys / "server.key_secret").stat().st_mode & 0o777 == 0o600

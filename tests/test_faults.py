@@ -144,7 +144,6 @@ def test_rollout_reports_failing_episodes_and_ends_the_run_after_dead_batches(ip
     actor = RolloutActor(context("rollout", ipc), cfg)
     notes: list[str] = []
     actor.notify = notes.append
-    actor.failed_batches, actor.last_notice, actor.env_errors = 0, -1e9, 0
     actor.last_failure = "math task 't7' (episode b0-g0-1): ZeroDivisionError: division by zero"
     actor.check_failures(0, _groups([["ok", "failed"], ["failed", "failed"]]))
     assert notes == ["3/4 episodes failed in batch 0 (math: 3); last: math task 't7' (episode "
