@@ -109,6 +109,7 @@ class BufferActor(Actor):
         self.trainer_step = 0
         self.trainer_epoch = ""
         self.buffer_epoch = uuid.uuid4().hex
+        self.batch_waiters = 0  # GetBatch requests waiting for a batch
         self._log = RateLimitedLog(log)
         self.journal = None
         if self.ctx.run_dir:
@@ -161,7 +162,8 @@ class BufferActor(Actor):
         async with self.changed:
             await self.changed.wait_for(lambda: self.trainer_version >= 0 and
                                         self.logic.may_start_batch(msg.batch_index,
-                                                                   self.trainer_version))
+                                                                   self.trainer_version,
+                                                                   self.batch_waiters > 0))
         return Permit(trainer_version=self.trainer_version, start_batch=self.trainer_step,
                       buffer_epoch=self.buffer_epoch)
 
@@ -181,8 +183,12 @@ class BufferActor(Actor):
             return batch is not None
 
         async with self.changed:
-            self.changed.notify_all()  # the version may unblock a permit
-            await self.changed.wait_for(ready)
+            self.batch_waiters += 1
+            try:
+                self.changed.notify_all()  # the version, or a waiting trainer, may unblock a permit
+                await self.changed.wait_for(ready)
+            finally:
+                self.batch_waiters -= 1
         self._publish()
         return TrainBatch(step=msg.step, samples=batch, counters=dict(self.logic.counters),
                           next_teachers=self.logic.upcoming_teachers())

@@ -290,12 +290,18 @@ class RolloutBuffer:
                     seen.setdefault(sample.teacher)
         return list(seen)
 
-    def may_start_batch(self, batch_index: int, trainer_version: int) -> bool:
+    def may_start_batch(self, batch_index: int, trainer_version: int,
+                        trainer_waiting: bool = False) -> bool:
         """The rollout's permit: generation of batch `batch_index` (0-based) may start. Groups
         dropped (failed, stale, overflow) are made up for: every groups_per_batch of them (or
-        part) allow one batch more, so a batch short of ready groups never stalls the run."""
+        part) allow one batch more, so a batch short of ready groups never stalls the run. And
+        whenever the trainer waits for a batch that the groups held (ready or still open) cannot
+        fill, generation may go on whatever the batch index (after a trainer went back to an
+        older checkpoint than the batches it can replay)."""
         if batch_index < 0:
             raise ValueError(f"batch_index must be >= 0, got {batch_index}")
+        if trainer_waiting and len(self._ready) + len(self._open) < self.config.groups_per_batch:
+            return True
         return trainer_version >= batch_index - self.config.max_staleness - self.makeup_batches()
 
     def makeup_batches(self) -> int:

@@ -364,3 +364,15 @@ def test_dropped_groups_are_made_up_by_extra_permits():
     add_group(buf, "extra")
     assert keys(buf.batch_for_step(0, 0)) == [("ok", 0), ("ok", 1), ("extra", 0), ("extra", 1)]
     buf.accounting()
+
+
+def test_a_waiting_trainer_that_went_back_gets_new_batches():
+    """A trainer resumed from a checkpoint older than the batches the buffer can replay asks
+    for steps the rollout is past: while nothing held can fill its batch, permits are given."""
+    buf = buffer(max_staleness=1, groups_per_batch=2)
+    buf.restart_trainer(version=5, step=5)
+    assert not buf.may_start_batch(14, 5)  # by the batch index alone: 8 versions ahead
+    assert buf.may_start_batch(14, 5, trainer_waiting=True)
+    add_group(buf, "a", w=5)
+    add_group(buf, "b", w=5)  # enough held for its batch: back to the index rule
+    assert not buf.may_start_batch(14, 5, trainer_waiting=True)
