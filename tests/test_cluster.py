@@ -50,8 +50,9 @@ def exit_info(run_dir: Path) -> dict:
     return json.loads((run_dir / "exit.json").read_text())
 
 
-def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
-    hosts = write_hosts(tmp_path, """
+def demo(num_items: int) -> str:
+    """The demo cluster: a producer sending `num_items` items through a scaler to a consumer."""
+    return f"""
 [actors.scaler]
 cls = "examples.demo:Scaler"
 [actors.consumer]
@@ -60,8 +61,12 @@ cls = "examples.demo:Consumer"
 cls = "examples.demo:Producer"
 after = ["scaler", "consumer"]
 primary = true
-config = { num_items = 120, interval_s = 0.03 }
-""")
+config = {{ num_items = {num_items}, interval_s = 0.03 }}
+"""
+
+
+def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
+    hosts = write_hosts(tmp_path, demo(120))
     run_dir = tmp_path / "run"
     jsonl = tmp_path / "watch.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
@@ -315,18 +320,6 @@ def test_children_exit_when_the_launcher_dies(tmp_path):
     assert all("stopping (launcher died)" in log or "signal SIGTERM" in log for log in logs), logs
 
 
-DEMO = """
-[actors.scaler]
-cls = "examples.demo:Scaler"
-[actors.consumer]
-cls = "examples.demo:Consumer"
-[actors.producer]
-cls = "examples.demo:Producer"
-after = ["scaler", "consumer"]
-primary = true
-config = { num_items = 200, interval_s = 0.03 }
-"""
-
 
 async def _secured_metrics(endpoints: dict, keys: Path) -> tuple[set[str], int]:
     """(actors seen by a subscriber holding the keys while an intruder without them publishes,
@@ -370,7 +363,7 @@ def test_curve_over_tcp_covers_the_metrics_stream(tmp_path):
     a publisher without them cannot inject records and a subscriber without them gets none."""
     keys = tmp_path / "keys"
     make_curve_keys(keys)
-    hosts = write_hosts(tmp_path, DEMO + f'\n[security]\ncurve = true\nkeys_dir = "{keys}"\n',
+    hosts = write_hosts(tmp_path, demo(200) + f'\n[security]\ncurve = true\nkeys_dir = "{keys}"\n',
                         extra_run='transport = "tcp"')
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
