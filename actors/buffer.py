@@ -98,37 +98,17 @@ class Journal:
         self.file.close()
 
 
-class BufferActor(Actor):
-    Config = BufferConfig
-    role = "buffer"
+class BufferState:
+    """The buffer's logic plus what the trainer last said of itself, changed only by `apply`:
+    the live actor and a journal replay (here, or in bench/faults.py) take the same path."""
 
-    async def on_start(self) -> None:
-        self.logic = RolloutBuffer(self.config)
-        self.changed = asyncio.Condition()
+    def __init__(self, logic: RolloutBuffer):
+        self.logic = logic
         self.trainer_version = -1  # unknown until the trainer announces itself
         self.trainer_step = 0
         self.trainer_epoch = ""
-        self.buffer_epoch = uuid.uuid4().hex
-        self.batch_waiters = 0  # GetBatch requests waiting for a batch
-        self._log = RateLimitedLog(log)
-        self.journal = None
-        if self.ctx.run_dir:
-            self.journal = Journal(Path(self.ctx.run_dir) / "buffer" / f"{self.name}.journal")
-            self._closers.append(self.journal.close)
-            for entry in self.journal.entries:
-                self._apply(entry)
-            if self.journal.entries:
-                self.notify(f"restored from its journal: {len(self.journal.entries)} entries, "
-                            f"trainer at step {self.trainer_step} (version "
-                            f"{self.trainer_version}), {self.logic.ready_groups()} groups ready")
 
-    def _record(self, entry: JournalEntry) -> None:
-        """Journal `entry`, then apply it: the one path for every state change."""
-        if self.journal is not None:
-            self.journal.append(entry)
-        self._apply(entry)
-
-    def _apply(self, entry: JournalEntry) -> None:
+    def apply(self, entry: JournalEntry) -> None:
         if entry.kind == "group":
             for sample in entry.group.samples:
                 self.logic.add(sample)
@@ -142,6 +122,47 @@ class BufferActor(Actor):
                 self.logic.forget_before(entry.step)
         elif entry.kind == "batch":  # replay: the same call that emitted it
             self.logic.batch_for_step(entry.step, entry.version)
+
+
+class BufferActor(Actor):
+    Config = BufferConfig
+    role = "buffer"
+
+    async def on_start(self) -> None:
+        self.logic = RolloutBuffer(self.config)
+        self.state = BufferState(self.logic)
+        self.changed = asyncio.Condition()
+        self.buffer_epoch = uuid.uuid4().hex
+        self.batch_waiters = 0  # GetBatch requests waiting for a batch
+        self._log = RateLimitedLog(log)
+        self.journal = None
+        if self.ctx.run_dir:
+            self.journal = Journal(Path(self.ctx.run_dir) / "buffer" / f"{self.name}.journal")
+            self._closers.append(self.journal.close)
+            for entry in self.journal.entries:
+                self.state.apply(entry)
+            if self.journal.entries:
+                self.notify(f"restored from its journal: {len(self.journal.entries)} entries, "
+                            f"trainer at step {self.trainer_step} (version "
+                            f"{self.trainer_version}), {self.logic.ready_groups()} groups ready")
+
+    def _record(self, entry: JournalEntry) -> None:
+        """Journal `entry`, then apply it: the one path for every state change."""
+        if self.journal is not None:
+            self.journal.append(entry)
+        self.state.apply(entry)
+
+    @property
+    def trainer_version(self) -> int:
+        return self.state.trainer_version
+
+    @property
+    def trainer_step(self) -> int:
+        return self.state.trainer_step
+
+    @property
+    def trainer_epoch(self) -> str:
+        return self.state.trainer_epoch
 
     def rpc_handlers(self):
         return {RolloutPermit: self.permit, GetBatch: self.get_batch,

@@ -29,9 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 
-from actors.buffer import Journal
+from actors.buffer import BufferState, Journal
 from logic.buffer import BufferConfig, RolloutBuffer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,21 +140,10 @@ def duplicated_samples(run_dir: Path, config: BufferConfig) -> int:
     hands out the remembered batch and emits nothing), from its journal."""
     journal = Journal(run_dir / "buffer" / "buffer.journal")
     journal.close()
-    logic, epoch, version = _Counting(config), "", -1
-    for e in journal.entries:
-        if e.kind == "group":
-            for sample in e.group.samples:
-                logic.add(sample)
-        elif e.kind == "version":
-            if e.epoch != epoch and version >= 0:
-                logic.restart_trainer(e.version, e.step)
-            epoch, version = e.epoch, e.version
-            logic.set_trainer_version(e.version)
-            if e.checkpointed:
-                logic.forget_before(e.step)
-        else:
-            logic.batch_for_step(e.step, e.version)
-    return sum(n - 1 for n in logic.emitted_keys.values())
+    state = BufferState(_Counting(config))
+    for entry in journal.entries:
+        state.apply(entry)
+    return sum(n - 1 for n in state.logic.emitted_keys.values())
 
 
 def run_fault(fault: str, folder: Path, steps: int, save_every: int,
@@ -183,7 +173,8 @@ def run_fault(fault: str, folder: Path, steps: int, save_every: int,
     survived = code == 0 and final_version(run_dir) == steps
     if fault == "corrupt_checkpoint":
         survived = survived and "resume skipped a damaged checkpoint" in text
-    config = BufferConfig(group_size=8, groups_per_batch=16, max_staleness=1)
+    config = msgspec.convert(json.loads((run_dir / "config.json").read_text())["actors"]
+                             ["buffer"]["config"], BufferConfig)  # the run's own
     out = {"fault": fault, "at_step": at, "exit": code, "survived": survived,
            "lost": lost_samples(run_dir), "duplicated": duplicated_samples(run_dir, config),
            "orphans": orphans}
