@@ -57,7 +57,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_batches: int = 0  # stop after this many batches (0 = until the run ends)
     retries: int = 3  # attempts per turn after the first
     # the run fails (exit 1) after this many consecutive batches in which every group failed
-    # (no episode of any task succeeded); 0 = never
+    # and the environment raised (workers that are down do not count); 0 = never
     max_failed_batches: int = 3
     failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
     resend_batches: int = 4  # batches of groups kept to re-send to a restarted buffer
@@ -192,7 +192,8 @@ class RolloutActor(Actor):
 
     def check_failures(self, batch_index: int, groups: list) -> None:
         """Failing episodes reach the console (per domain, with the last exception and task);
-        `max_failed_batches` batches in a row with no successful group end the run."""
+        `max_failed_batches` batches in a row with no successful group and an environment
+        error end the run."""
         failed = [s for g in groups for s in g if s.status != "ok"]
         dead_groups = sum(all(s.status != "ok" for s in g) for g in groups)
         # a batch counts as dead when every group failed and the environment raised (workers
