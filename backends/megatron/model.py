@@ -238,8 +238,8 @@ class MegatronCausalLM(torch.nn.Module):
         if use_cache:
             raise ValueError("the megatron backend has no KV cache (use_cache=True)")
         if not (self.core.pre_process and self.core.post_process):
-            raise ValueError("with pipeline parallelism a stage has no whole forward: use "
-                             "backends.megatron.pipeline.pipeline_logprobs")
+            raise ValueError("with pipeline parallelism a stage has no whole forward: run it "
+                             "through backends.megatron.pipeline.PipelineRunner")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)

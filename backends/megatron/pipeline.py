@@ -102,9 +102,3 @@ class PipelineRunner:
         dist.broadcast_object_list(box, parallel_state.get_pipeline_model_parallel_last_rank(),
                                    group=parallel_state.get_pipeline_model_parallel_group())
         return box[0]
-
-
-def pipeline_logprobs(model: MegatronCausalLM, mbs: Sequence[Any], temperature: float
-                      ) -> list[torch.Tensor] | None:
-    """Response-aligned log-probs per micro-batch on the last stage, None on other stages."""
-    return PipelineRunner(model).logprobs(mbs, temperature)
