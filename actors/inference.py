@@ -19,6 +19,7 @@ import torch
 from engine.scheduler import Scheduler
 from engine.server import EngineServer, start_server
 from runtime.actor import Actor
+from runtime.devices import gpu_ids
 from transport.dtypes import model_dtype
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class InferenceWorker(Actor):
     Config = InferenceWorkerConfig
     role = "inference"
 
+    @classmethod
+    def gpus(cls, config: InferenceWorkerConfig, env: dict[str, str], host: str) -> list[str]:
+        return gpu_ids([config.device], env, host)
+
     def __init__(self, ctx, config=None):
         super().__init__(ctx, config)
         self.scheduler: Scheduler | None = None
@@ -69,6 +74,7 @@ class InferenceWorker(Actor):
                                                 self.stable_port("http", cfg.host, cfg.port))
         info["port"] = port
         self.bound.http = f"http://{cfg.host}:{port}"
+        self.bound.devices = gpu_ids([cfg.device])
 
     async def _catch_up(self, folder: Path) -> None:
         """Load the newest complete version in `folder` (v<N> directories); a partial one (the

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ import msgspec
 from engine.client import wait_for_health
 from runtime.actor import Actor
 from runtime.child import die_with_parent
+from runtime.devices import gpu_ids
 from runtime.passthrough import refuse_owned, render
 from runtime.procs import log_tail, terminate
 
@@ -91,6 +93,14 @@ def server_command(cfg: SglangWorkerConfig, port: int) -> list[str]:
             "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size), *render(cfg.sglang)]
 
 
+def server_devices(cfg: SglangWorkerConfig) -> list[str]:
+    """The CUDA devices (as the server's process numbers them) its tp_size x dp_size ranks
+    use: SGLang places rank i on `base_gpu_id + i * gpu_id_step`."""
+    opts = {k.replace("-", "_"): v for k, v in cfg.sglang.items()}
+    base, step = int(opts.get("base_gpu_id", 0)), int(opts.get("gpu_id_step", 1))
+    return [f"cuda:{base + i * step}" for i in range(cfg.tp_size * cfg.dp_size)]
+
+
 def argparse_error(path: Path) -> str:
     """The `prog: error: ...` line argparse printed before exiting, or ''."""
     try:
@@ -111,6 +121,10 @@ class SglangWorker(Actor):
         if config.tp_size < 1 or config.dp_size < 1:
             raise ValueError("tp_size and dp_size must be at least 1")
 
+    @classmethod
+    def gpus(cls, config: SglangWorkerConfig, env: dict[str, str], host: str) -> list[str]:
+        return gpu_ids(server_devices(config), {**env, **config.env}, host)
+
     def __init__(self, ctx, config=None):
         super().__init__(ctx, config)
         self.proc: asyncio.subprocess.Process | None = None
@@ -129,6 +143,7 @@ class SglangWorker(Actor):
             self.router_url = self.peer(cfg.register_with).http
             await self._register()
         self.bound.http = self.url
+        self.bound.devices = self.gpus(cfg, dict(os.environ), socket.gethostname())
 
     async def _spawn(self, cmd: list[str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,10 +34,11 @@ from typing import Literal
 
 from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
-from engine.weight_sync import make_weight_sync
+from engine.weight_sync import DiskSync, SyncError, make_weight_sync, plan_groups
 from logic.teachers import check_vocab
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor
+from runtime.actor import Actor, ActorView
+from runtime.devices import gpu_ids
 from training.config import CheckpointConfig, TrainConfig, WeightSyncConfig
 from training.ranks import RankGroup
 from training.setup import load_train_state
@@ -90,6 +91,38 @@ class TrainerActor(Actor):
             raise ValueError("`megatron` options are set but backend = 'torch'; set "
                              "backend = 'megatron' or remove them")
 
+    @classmethod
+    def gpus(cls, config: TrainerConfig, env: dict[str, str], host: str) -> list[str]:
+        return gpu_ids([config.device], env, host)  # the GPU weights are sent from (rank 0)
+
+    @classmethod
+    def check_peers(cls, name: str, config: TrainerConfig, actors: dict[str, ActorView]) -> None:
+        """Every worker is an actor of the run; a distributed weight sync's placement can be
+        served (engine.weight_sync.plan_groups: no worker on the trainer's GPU, no CPU worker
+        under NCCL)."""
+        missing = [w for w in config.workers if w not in actors]
+        if missing:
+            raise ValueError(f"`workers` names {missing}, which are not actors of this run; "
+                             f"actors are {sorted(actors)}")
+        unreachable = [w for w in config.workers if w not in actors[name].after]
+        if unreachable:
+            raise ValueError(f"`workers` names {unreachable}, missing from the trainer's "
+                             f"`after` list: add them there, so that it starts after them and "
+                             f"can reach them")
+        if config.weight_sync.path != "distributed":
+            return
+        try:
+            plan_groups([actors[w].gpus for w in config.workers], actors[name].gpus,
+                        [f"[actors.{w}]" for w in config.workers])
+        except SyncError as e:
+            raise ValueError(str(e)) from None
+        if config.device.startswith("cuda"):
+            cpu = [w for w in config.workers if not actors[w].gpus]
+            if cpu:
+                raise ValueError(f"weight_sync.path = 'distributed' from device "
+                                 f"{config.device!r} uses NCCL, but worker(s) {cpu} run on the "
+                                 f"CPU: put them on GPUs, or use weight_sync.path = 'disk'")
+
     async def on_start(self) -> None:
         cfg = self.config
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
@@ -108,10 +141,16 @@ class TrainerActor(Actor):
                 mem.remote_read = RemoteReader(await self.connect(cfg.prefetcher),
                                                asyncio.get_running_loop(), mem.arena,
                                                str(mem.store.root))
-        self.sync = await make_weight_sync(cfg.weight_sync.path, self.clients, cfg.device,
-                                           cfg.weight_sync.bucket_mib << 20)
+        ws = cfg.weight_sync
+        self.sync = await make_weight_sync(
+            ws.path, self.clients, cfg.device, ws.bucket_mib << 20, names=list(cfg.workers),
+            devices=[self.peer(w).devices for w in cfg.workers],
+            own_devices=gpu_ids([cfg.device]), timeout_s=ws.timeout_s, retries=ws.retries,
+            master_address=ws.master_address)
         if hasattr(self.sync, "close"):
             self._closers.append(self.sync.close)
+        # versions go through disk when the configured path fails (weight_sync.fallback)
+        self.disk_sync = self.sync if ws.path == "disk" else DiskSync(self.clients)
         self.buffer = await self.connect(cfg.buffer)
         self.epoch = uuid.uuid4().hex  # a restarted trainer is a new epoch for the buffer
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
@@ -147,7 +186,8 @@ class TrainerActor(Actor):
                 await self.checkpoint()
             stats.update({"time/wait_batch_s": t_wait, "time/train_s": t_train,
                           "time/weight_sync_s": t_sync, "time/step_s": time.monotonic() - t0,
-                          "version": self.state.version})
+                          "version": self.state.version,
+                          "weight_sync/fallbacks": self.counters["weight_sync.fallbacks"]})
             self._warn_stale_sampled_opd(stats)
             if self.metrics:
                 self.metrics.publish(stats, step=self.state.step, total_steps=cfg.num_steps)
@@ -201,22 +241,36 @@ class TrainerActor(Actor):
                                  step=self.state.step, total_steps=self.config.num_steps)
 
     async def push_weights(self) -> None:
-        """Send this version to every worker (`weight_sync`), then tell the buffer."""
-        version = self.state.version
-        if self.config.weight_sync.path == "disk":  # written once, loaded by every worker
-            path = self.run_dir / "weights" / f"v{version}"
-            await self._in_thread(self.state.save_weights, path)
-            await self.sync.push(str(path), str(version))
-            versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
-            for old in sorted(versions, key=lambda p: int(p.name[1:]))[
-                    :-self.config.weight_sync.keep_versions]:
-                shutil.rmtree(old, ignore_errors=True)
+        """Send this version to every worker (`weight_sync`), then tell the buffer. A failed
+        distributed/tensor push goes through disk instead when `weight_sync.fallback = "disk"`,
+        said on the console with the failing worker and the cause."""
+        version, ws = self.state.version, self.config.weight_sync
+        if ws.path == "disk":
+            await self._push_disk(version)
         else:
-            named = await self._in_thread(self.state.named_weights)
-            await self.sync.push(named, str(version))
+            try:
+                named = await self._in_thread(self.state.named_weights)
+                await self.sync.push(named, str(version))
+            except SyncError as e:
+                if ws.fallback != "disk":
+                    raise
+                self.counters["weight_sync.fallbacks"] += 1
+                self.notify(f"weight version {version} over {ws.path} failed ({e}); sent "
+                            f"through disk instead (the next version tries {ws.path} again)")
+                await self._push_disk(version)
         await self.call_retrying(self.buffer, VersionUpdate(
             version=version, step=self.state.step, trainer_epoch=self.epoch),
             self.config.batch_timeout_s)
+
+    async def _push_disk(self, version: int) -> None:
+        """Write the version once under <run_dir>/weights/v<N>; every worker loads it."""
+        path = self.run_dir / "weights" / f"v{version}"
+        await self._in_thread(self.state.save_weights, path)
+        await self.disk_sync.push(str(path), str(version))
+        versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+        for old in sorted(versions, key=lambda p: int(p.name[1:]))[
+                :-self.config.weight_sync.keep_versions]:
+            shutil.rmtree(old, ignore_errors=True)
 
     async def _set_phase(self, phase: str) -> None:
         """Colocated mode: one side's memory leaves the device while the other side works."""

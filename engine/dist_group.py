@@ -15,7 +15,10 @@ default group, which an inference server or a single-GPU trainer does not have.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -43,10 +46,85 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     return group
 
 
+def in_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` in a thread of its own; the returned future resolves on the running loop.
+    Rendezvous and collectives block, and one waiting for a peer that is gone blocks until the
+    group's timeout (or until the peer's side of the group is torn down): in its own thread it
+    holds up neither the event loop nor later calls. Not a daemon thread: the process's exit
+    joins it, since a thread that used a process group and ends while the interpreter shuts
+    down can abort the process ("terminate called without an active exception", seen with
+    gloo in a few exits out of ten)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not future.cancelled():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=f"dist-{fn.__name__}").start()
+    return future
+
+
 def destroy(group) -> None:
     dist.destroy_process_group(group)
+
+
+def abort(group) -> None:
+    """Give a group up while a collective may still be waiting in it (a peer is gone): NCCL's
+    communicator is aborted, which ends a kernel that waits for the peer; a gloo collective
+    still waits for its timeout in the thread that called it, so callers never wait on that
+    thread. The group cannot be used again either way."""
+    try:
+        c10d._abort_process_group(group)
+    except Exception:  # noqa: BLE001 - an older torch, or a group already torn down
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - nothing more can be done for it
+            pass
 
 
 def broadcast(tensor: torch.Tensor, group) -> None:
     """Rank 0 sends `tensor`; every other rank receives into it (in place)."""
     dist.broadcast(tensor, src=0, group=group)
+
+
+def broadcast_many(tensors: list[torch.Tensor], groups: list) -> None:
+    """Rank 0 sends every tensor to every group (each group its own communicator, so no GPU is
+    twice in one), all collectives in flight together; returns when all have completed. On
+    CUDA they run on a side stream that first waits for the current one: the transfer sees
+    the latest writes, and a collective stuck on a lost peer never blocks the stream other
+    threads compute on."""
+    cuda = bool(tensors) and tensors[0].is_cuda
+    stream = torch.cuda.Stream(tensors[0].device) if cuda else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        works = [dist.broadcast(t, src=0, group=g, async_op=True) for g in groups for t in tensors]
+        for work in works:
+            work.wait()
+    if stream is not None:
+        stream.synchronize()
+
+
+def receive_many(tensors: list[torch.Tensor], group) -> None:
+    """A receiving rank's side of `broadcast_many`: fills `tensors` in place, in order. On CUDA
+    on a side stream (allocated by the caller on the current one), synchronized before return,
+    so the engine's own stream never waits on the sender."""
+    cuda = bool(tensors) and tensors[0].is_cuda
+    stream = torch.cuda.Stream(tensors[0].device) if cuda else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for t in tensors:
+            dist.broadcast(t, src=0, group=group)
+    if stream is not None:
+        stream.synchronize()
+

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -222,9 +223,13 @@ class WeightEndpoints:
         self.scheduler = scheduler
         self.max_body_bytes, self.max_tensor_body_bytes = max_body_bytes, max_tensor_body_bytes
         self.group_timeout_s = group_timeout_s  # rendezvous and each collective must finish
-        self.groups: dict[str, tuple[Any, str]] = {}  # group name -> (process group, backend)
-        # group joins and receives block; they run here, off the event loop and the engine thread
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-group")
+        # group name -> its process group, backend and thread: joins and receives block, so they
+        # run in the group's own thread, off the event loop and the engine thread; a receive
+        # stuck on a lost sender holds only that thread (until the group's timeout), never the
+        # next group's join
+        self.groups: dict[str, _JoinedGroup] = {}
+        # decoding a tensor body copies every tensor: off the event loop too
+        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="weight-decode")
 
     def add_routes(self, app: web.Application) -> None:
         add = app.router.add_route
@@ -233,9 +238,6 @@ class WeightEndpoints:
         add("POST", "/update_weights_from_distributed", self.update_from_distributed)
         add("POST", "/destroy_weights_update_group", self.destroy_group)
         add("POST", "/update_weights_from_tensor", self.update_from_tensor)
-
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         try:
@@ -257,14 +259,17 @@ class WeightEndpoints:
         if backend == "nccl" and not str(self.scheduler.device).startswith("cuda"):
             return _answer(False, "backend nccl needs a CUDA device; this worker runs on "
                                   f"{self.scheduler.device}: use backend gloo")
+        joined = _JoinedGroup(backend)
+        self.groups[name] = joined  # taken now: a second join of the name is refused meanwhile
         try:
-            group = await self._in_pool(
-                lambda: dist_group.new_group(backend, args["master_address"], args["master_port"],
-                                             args["rank_offset"], args["world_size"], name,
-                                             self.group_timeout_s))
+            joined.handle = await joined.run(
+                dist_group.new_group, backend, args["master_address"], args["master_port"],
+                args["rank_offset"], args["world_size"], name, self.group_timeout_s)
         except Exception as e:  # noqa: BLE001 - reported to the caller
+            if self.groups.get(name) is joined:
+                del self.groups[name]
+            await joined.leave()
             return _answer(False, f"Failed to init the weight update group {name!r}: {e}")
-        self.groups[name] = (group, backend)
         return _answer(True, "Succeeded to initialize custom process group.")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
@@ -275,10 +280,13 @@ class WeightEndpoints:
         if args["group_name"] not in self.groups:
             return _answer(False, f"no weight update group {args['group_name']!r}; call "
                                   f"/init_weights_update_group first")
-        group, backend = self.groups[args["group_name"]]
-        device = self.scheduler.device if backend == "nccl" else "cpu"
+        joined = self.groups[args["group_name"]]
+        if joined.handle is None:
+            return _answer(False, f"weight update group {args['group_name']!r} is still "
+                                  f"being joined")
+        device = self.scheduler.device if joined.backend == "nccl" else "cpu"
         try:  # receive everything first: the sender's broadcasts must always complete
-            tensors = await self._in_pool(_receive, args, group, device)
+            tensors = await joined.run(_receive, args, joined.handle, device)
         except Exception as e:  # noqa: BLE001 - a broken group is reported, the engine goes on
             return _answer(False, f"Failed to receive weights: {e}")
         ok, message, _ = await self.scheduler.update_weights(
@@ -289,7 +297,8 @@ class WeightEndpoints:
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         try:
             body = await _json(request, self.max_tensor_body_bytes)
-            args = await self._in_pool(parse_update_tensor, body)
+            args = await asyncio.get_running_loop().run_in_executor(
+                self._decode_pool, parse_update_tensor, body)
         except WeightRequestError as e:
             return _refused(e)
         ok, message, _ = await self.scheduler.update_weights(
@@ -306,24 +315,47 @@ class WeightEndpoints:
             if isinstance(body, dict) else None
         if not isinstance(name, str) or name not in self.groups:
             return _answer(False, f"no weight update group {name!r}")
-        group, _ = self.groups.pop(name)
-        await self._in_pool(dist_group.destroy, group)
+        await self.groups.pop(name).leave()
         return _answer(True, "Succeeded to destroy custom process group.")
 
     async def close(self) -> None:
-        for group, _ in self.groups.values():
-            await self._in_pool(dist_group.destroy, group)
+        for joined in self.groups.values():
+            await joined.leave()
         self.groups.clear()
-        self._pool.shutdown(wait=True)
+        self._decode_pool.shutdown(wait=False)
+
+
+class _JoinedGroup:
+    """A weight-update group this engine joined. Its blocking calls (join, receives) run in
+    threads of their own (engine.dist_group.in_thread): one stuck on a lost sender holds nothing
+    else up."""
+
+    def __init__(self, backend: str):
+        self.backend, self.handle = backend, None
+        self._job: asyncio.Future | None = None
+
+    def run(self, fn, *args) -> asyncio.Future:
+        self._job = dist_group.in_thread(fn, *args)
+        return self._job
+
+    async def leave(self) -> None:
+        """An idle group is destroyed, a busy one (a receive waiting for a sender that is gone)
+        aborted; waits at most 10 s for either."""
+        handle, busy = self.handle, self._job is not None and not self._job.done()
+        self.handle = None
+        if handle is not None:
+            with contextlib.suppress(Exception, TimeoutError):
+                await asyncio.wait_for(dist_group.in_thread(
+                    dist_group.abort if busy else dist_group.destroy, handle), 10.0)
 
 
 def _receive(args: dict[str, Any], group, device: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, dtype, shape in zip(args["names"], args["dtypes"], args["shapes"]):
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist_group.broadcast(tensor, group)
-        out[name] = tensor
-    return out
+    """Receive one bucket; its tensors are allocated on the current stream (the engine's
+    copies from them are ordered after the receive's synchronize, see dist_group)."""
+    tensors = [torch.empty(shape, dtype=dtype, device=device)
+               for dtype, shape in zip(args["dtypes"], args["shapes"])]
+    dist_group.receive_many(tensors, group)
+    return dict(zip(args["names"], tensors))
 
 
 def _disk_args(body: Any) -> tuple[str, str | None, bool]:

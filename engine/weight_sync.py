@@ -5,11 +5,13 @@ Role: the one place a trainer pushes a weight version to inference workers (real
 embedded engine: the same requests reach both). Three paths:
 - `DiskSync`: the trainer wrote an HF checkpoint; every worker loads it
   (`/update_weights_from_disk`). Works everywhere, costs a disk round trip.
-- `DistributedSync`: the trainer is rank 0 of a torch.distributed group that every worker
-  joined (`/init_weights_update_group`, each server's ranks `rank_offset + tp_rank`); tensors
-  are broadcast in buckets of at most `bucket_bytes`, each bucket announced by one
+- `DistributedSync`: the trainer is rank 0 of torch.distributed groups the workers joined
+  (`/init_weights_update_group`, each server's ranks `rank_offset + tp_rank`); tensors are
+  broadcast in buckets of at most `bucket_bytes`, each bucket announced by one
   `/update_weights_from_distributed` (names, dtypes, shapes in broadcast order). NCCL on GPUs,
-  gloo on CPU.
+  gloo on CPU. NCCL takes one rank per GPU in a group, so workers sharing a GPU go to
+  different groups (`plan_groups`); a failed push gives its groups up, forms new ones and
+  sends again before it fails.
 - `TensorSync` (colocated): tensors go in the request body (`/update_weights_from_tensor`), in
   buckets. `serializer = "safetensors"` for the embedded engine (it never unpickles); for real
   SGLang `serializer = "sglang"` uses SGLang's own MultiprocessingSerializer (CUDA IPC handles,
@@ -32,7 +34,7 @@ import base64
 import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Iterable, Iterator, Literal
+from typing import Any, AsyncIterator, Awaitable, Iterable, Iterator, Literal
 
 import torch
 
@@ -148,7 +150,8 @@ class TensorSync:
         self.clients, self.serializer, self.bucket_bytes = clients, serializer, bucket_bytes
         self.tp_sizes = tp_sizes or [1] * len(clients)  # serialized copies per worker (TP ranks)
         self.pause_mode = pause_mode
-        self.executor = executor  # serializes off the event loop when given (None: inline)
+        # serializing copies every tensor: never on the event loop (None: a pool of its own)
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="weight-serialize")
 
     def serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
         if self.serializer == "sglang":  # SGLang's own format: pickled CUDA IPC handles
@@ -165,95 +168,260 @@ class TensorSync:
             parts = list(buckets(named, self.bucket_bytes))
             for i, bucket in enumerate(parts):
                 last = i == len(parts) - 1
-                payload = (await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.serialize, bucket) if self.executor
-                    else self.serialize(bucket))
+                payload = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.serialize, bucket)
                 await _all_ok({c.base_url: c.update_weights_from_tensor(
                     [payload] * tp, weight_version=version if last else None, flush_cache=last)
                     for c, tp in zip(self.clients, self.tp_sizes)})
         await check_versions(self.clients, version)
 
 
+def plan_groups(workers: list[list[str]], trainer: list[str], names: list[str]) -> list[list[int]]:
+    """Workers (by index) per weight-update group, so that no GPU is in a group twice: NCCL
+    refuses two ranks on one device in a communicator. `workers[i]` is worker i's GPU ids
+    (runtime/devices.py; [] on CPU), `trainer` the sender's. The k-th worker on a GPU goes to
+    group k: as many groups as the most workers sharing one GPU. A worker on the trainer's own
+    GPU cannot be served (rank 0 is there) and raises SyncError naming it, the GPU and the
+    paths that can serve it."""
+    mine = set(trainer)
+    groups: list[tuple[list[int], set[str]]] = []
+    for i, gpus in enumerate(workers):
+        shared = sorted(set(gpus) & mine)
+        if shared:
+            raise SyncError(
+                f"worker {names[i]} runs on {shared[0]}, the GPU the trainer sends from: a "
+                f"NCCL group holds one rank per GPU. Move the worker (or the trainer) to "
+                f"another GPU, or set weight_sync.path = 'tensor' (colocated on one GPU) or "
+                f"'disk'")
+        for members, used in groups:
+            if used.isdisjoint(gpus):
+                members.append(i)
+                used.update(gpus)
+                break
+        else:
+            groups.append(([i], set(gpus)))
+    return [members for members, _ in groups]
+
+
+class _Group:
+    """One weight-update group: its name, its workers (indices) and rank 0's handle."""
+
+    def __init__(self, name: str, members: list[int]):
+        self.name, self.members, self.handle = name, members, None
+
+
 class DistributedSync:
-    """The trainer as rank 0 of a weight-update group every worker joined; see the module
-    docstring. `connect()` once, `push()` per version, `close()` at the end."""
+    """The trainer as rank 0 of weight-update groups the workers joined; see the module
+    docstring. `connect()` once (or let `push()` do it), `push()` per version, `close()` at the
+    end.
+
+    Placement: `devices` (each worker's GPU ids; None = unknown, one group) and `own_devices`
+    (the trainer's) go through `plan_groups`, so workers sharing a GPU are in different groups;
+    every bucket is broadcast into every group.
+
+    Failures never hang the caller: every step (rendezvous, each bucket) ends within
+    `timeout_s` or as soon as one worker refuses; then the groups are given up on both sides
+    (a collective stuck in a thread is left to its timeout, with a fresh thread for what
+    follows), new groups are formed and the version is sent again, `retries` times, before
+    SyncError names each failing worker and its cause. No collective and no copy runs on the
+    event loop."""
 
     def __init__(self, clients: list[SglangClient], backend: Literal["nccl", "gloo"] = "nccl",
                  master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = dist_group.DEFAULT_GROUP_NAME, bucket_bytes: int = 512 << 20,
-                 ranks_per_worker: list[int] | None = None, timeout_s: float = 600.0,
-                 pause_mode: str = "abort"):
+                 ranks_per_worker: list[int] | None = None, timeout_s: float = 120.0,
+                 pause_mode: str = "abort", devices: list[list[str]] | None = None,
+                 own_devices: list[str] | None = None, names: list[str] | None = None,
+                 retries: int = 1):
         self.clients, self.backend, self.group_name = clients, backend, group_name
         self.master_address, self.master_port = master_address, master_port
         self.bucket_bytes, self.timeout_s, self.pause_mode = bucket_bytes, timeout_s, pause_mode
         self.ranks = ranks_per_worker  # each server's TP size; None = ask /server_info
+        self.devices = devices or [[] for _ in clients]
+        self.own_devices = own_devices or []
+        self.names = names or [c.base_url for c in clients]
+        self.retries = retries
         self.device = "cuda" if backend == "nccl" else "cpu"  # where broadcast tensors live
-        self.group = None
-        # the blocking rendezvous and broadcasts run here while the loop drives the HTTP calls
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
+        self.groups: list[_Group] = []
+        self.generation = 0  # group names carry it: a re-formed group never meets an old one
+        self.reconnects = 0  # groups formed again after a failure
+        self._jobs: list[asyncio.Future] = []  # rendezvous and broadcasts in flight
 
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def _in_thread(self, fn, *args) -> asyncio.Future:
+        """Blocking calls run in threads of their own while the loop drives the HTTP calls."""
+        self._jobs = [j for j in self._jobs if not j.done()]
+        self._jobs.append(dist_group.in_thread(fn, *args))
+        return self._jobs[-1]
+
+    @property
+    def group(self):
+        """Rank 0's handle of the first group (None before connect)."""
+        return self.groups[0].handle if self.groups else None
 
     async def connect(self) -> None:
+        """Form the groups; SyncError (and nothing left half-joined) if any worker fails."""
         if self.ranks is None:  # SGLang reports tp_size; the embedded engine has one rank
-            infos = await asyncio.gather(*(c.server_info() for c in self.clients))
-            self.ranks = [int(info.get("tp_size", 1)) for info in infos]
-        port = self.master_port or free_port(self.master_address)
-        world = 1 + sum(self.ranks)
-        offsets = [1 + sum(self.ranks[:i]) for i in range(len(self.clients))]
-        joins = {c.base_url: c.init_weights_update_group(self.master_address, port, off, world,
-                                                         self.group_name, self.backend)
-                 for c, off in zip(self.clients, offsets)}
-        mine = self._in_pool(dist_group.new_group, self.backend, self.master_address, port, 0,
-                             world, self.group_name, self.timeout_s)
-        results = await asyncio.gather(_all_ok(joins), mine, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise SyncError(f"weight update group {self.group_name!r} not formed: {r}")
-        self.group = results[1]
-
-    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for _, tensor in bucket:
-                dist_group.broadcast(tensor.detach().to(self.device).contiguous(), self.group)
+            infos = await _settle({self.names[i]: c.server_info()
+                                   for i, c in enumerate(self.clients)}, self.timeout_s,
+                                  "asking the workers' tp_size")
+            self.ranks = [int(infos[n].get("tp_size", 1)) for n in self.names]
+        plan = plan_groups(self.devices, self.own_devices, self.names)
+        self.generation += 1
+        groups = [_Group(f"{self.group_name}-{self.generation}-{k}", members)
+                  for k, members in enumerate(plan)]
+        calls: dict[str, Any] = {}
+        for k, g in enumerate(groups):
+            try:
+                port = self.master_port + k if self.master_port \
+                    else free_port(self.master_address)
+            except OSError as e:
+                raise SyncError(f"no port for the weight update group on master_address "
+                                f"{self.master_address!r} (the trainer's address as the "
+                                f"workers reach it): {e}") from None
+            world = 1 + sum(self.ranks[i] for i in g.members)
+            offset = 1
+            for i in g.members:
+                calls[self.names[i]] = _succeeded(self.clients[i].init_weights_update_group(
+                    self.master_address, port, offset, world, g.name, self.backend))
+                offset += self.ranks[i]
+            calls[f"trainer (rank 0 of {g.name})"] = self._in_thread(
+                dist_group.new_group, self.backend, self.master_address, port, 0, world,
+                g.name, self.timeout_s)
+        try:
+            results = await _settle(calls, self.timeout_s, "forming the weight update groups")
+        except SyncError:
+            self.groups = groups  # so that what did form is given up on both sides
+            await self._give_up()
+            raise
+        for g in groups:
+            g.handle = results[f"trainer (rank 0 of {g.name})"]
+        self.groups = groups
+        if len(groups) > 1:
+            log.info("weight sync: %d groups so that no GPU is in one twice: %s", len(groups),
+                     "; ".join(", ".join(self.names[i] for i in g.members) for g in groups))
 
     async def push(self, named: NamedTensors, version: str) -> None:
-        if self.group is None:
-            raise SyncError("call connect() before push()")
-        async with paused(self.clients, self.pause_mode):
+        named = list(named)  # sent again after a failure
+        for attempt in range(self.retries + 1):
+            try:
+                if not self.groups:
+                    if attempt or self.generation:
+                        self.reconnects += 1
+                    await self.connect()
+                await self._push_once(named, version)
+                return
+            except SyncError as e:
+                await self._give_up()
+                if attempt == self.retries:
+                    raise
+                log.warning("weight version %s: %s; forming the groups again (attempt %d of "
+                            "%d)", version, e, attempt + 2, self.retries + 1)
+
+    async def _push_once(self, named: list[tuple[str, torch.Tensor]], version: str) -> None:
+        handles = [g.handle for g in self.groups]
+        members = [(i, g.name) for g in self.groups for i in g.members]
+        async with paused([self.clients[i] for i, _ in members], self.pause_mode):
             parts = list(buckets(named, self.bucket_bytes))
-            for i, bucket in enumerate(parts):
-                last = i == len(parts) - 1
-                names = [n for n, _ in bucket]
+            for n, bucket in enumerate(parts):
+                last = n == len(parts) - 1
+                names = [name for name, _ in bucket]
                 dtypes = [dtype_name(t.dtype) for _, t in bucket]
                 shapes = [list(t.shape) for _, t in bucket]
-                announce = _all_ok({c.base_url: c.update_weights_from_distributed(
-                    names, dtypes, shapes, self.group_name,
-                    weight_version=version if last else None, flush_cache=last)
-                    for c in self.clients})
-                await asyncio.gather(announce, self._in_pool(self._broadcast, bucket))
-        await check_versions(self.clients, version)
+                calls: dict[str, Any] = {self.names[i]: _succeeded(
+                    self.clients[i].update_weights_from_distributed(
+                        names, dtypes, shapes, group,
+                        weight_version=version if last else None, flush_cache=last))
+                    for i, group in members}
+                calls["trainer's broadcast"] = self._in_thread(self._broadcast, bucket, handles)
+                await _settle(calls, self.timeout_s,
+                              f"weight version {version}, bucket {n + 1} of {len(parts)}")
+        await check_versions([self.clients[i] for i, _ in members], version)
+
+    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]], handles: list) -> None:
+        with torch.no_grad():
+            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+            dist_group.broadcast_many(tensors, handles)
+
+    async def _give_up(self) -> None:
+        """Leave every group on both sides without waiting on a collective that may be stuck:
+        the workers first (bounded), then ours: destroyed when idle, else aborted (the thread
+        in the collective stays there until the group's timeout; nothing waits for it)."""
+        groups, self.groups = self.groups, []
+        if not groups:
+            return
+        leave = [self.clients[i].destroy_weights_update_group(g.name)
+                 for g in groups for i in g.members]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*leave, return_exceptions=True),
+                                   min(self.timeout_s, 10.0))
+        busy = any(not j.done() for j in self._jobs)
+        self._jobs = []
+        for h in (g.handle for g in groups if g.handle is not None):
+            release = dist_group.abort if busy else dist_group.destroy
+            with contextlib.suppress(Exception, TimeoutError):
+                await asyncio.wait_for(dist_group.in_thread(release, h), 10.0)
 
     async def close(self) -> None:
-        """Leave the group on both sides (workers first: they answer while still joined)."""
-        if self.group is not None:
-            await asyncio.gather(*(c.destroy_weights_update_group(self.group_name)
-                                   for c in self.clients), return_exceptions=True)
-            await self._in_pool(dist_group.destroy, self.group)
-            self.group = None
-        self._pool.shutdown(wait=True)
+        """Leave the groups (workers first: they answer while still joined); bounded."""
+        await self._give_up()
+
+
+async def _succeeded(request: Awaitable[Any]) -> Any:
+    """A worker's answer, raised as SyncError when it says `success: false`."""
+    r = await request
+    if isinstance(r, dict) and not r.get("success", True):
+        raise SyncError(r.get("message", r))
+    return r
+
+
+async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float, what: str) -> dict:
+    """Await every call (named by who answers it); the first failure, or `timeout_s` with
+    calls unanswered, raises SyncError naming each failed or silent one. Nothing is awaited
+    past that: a thread stuck in a collective is left to its own timeout."""
+    futures = {name: asyncio.ensure_future(c) for name, c in calls.items()}
+    done, pending = await asyncio.wait(futures.values(), timeout=timeout_s,
+                                       return_when=asyncio.FIRST_EXCEPTION)
+    failed = [(name, f.exception()) for name, f in futures.items()
+              if f in done and f.exception() is not None]
+    if failed or pending:
+        for f in pending:
+            f.cancel()
+        why = [f"{name}: {_short(e)}" for name, e in failed]
+        if not failed:
+            why = [f"{name}: no answer within {timeout_s:g} s" for name, f in futures.items()
+                   if f in pending]
+        raise SyncError(f"{what} failed on " + "; ".join(why))
+    return {name: f.result() for name, f in futures.items()}
+
+
+def _short(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) < 500 else text[:500] + "..."
 
 
 async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
-                           bucket_bytes: int):
-    """The weight-sync path named `kind` (disk | tensor | distributed), connected; a
-    distributed group uses NCCL when the trainer's `device` is CUDA, else gloo."""
+                           bucket_bytes: int, *, names: list[str] | None = None,
+                           devices: list[list[str]] | None = None,
+                           own_devices: list[str] | None = None, timeout_s: float = 120.0,
+                           retries: int = 1, master_address: str = "127.0.0.1"):
+    """The weight-sync path named `kind` (disk | tensor | distributed); a distributed group
+    uses NCCL when the trainer's `device` is CUDA, else gloo. Its groups form at the first push;
+    a placement no group can serve (`plan_groups`) raises SyncError here."""
     if kind == "disk":
         return DiskSync(clients)
     if kind == "tensor":
         return TensorSync(clients, bucket_bytes=bucket_bytes)
-    sync = DistributedSync(clients, "nccl" if device.startswith("cuda") else "gloo",
-                           bucket_bytes=bucket_bytes)
-    await sync.connect()
-    return sync
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    names = names or [c.base_url for c in clients]
+    if devices is not None:
+        plan_groups(devices, own_devices or [], names)
+        if backend == "nccl":
+            cpu = [n for n, d in zip(names, devices) if not d]
+            if cpu:
+                raise SyncError(f"weight_sync.path = 'distributed' from a CUDA trainer uses "
+                                f"NCCL, but worker(s) {', '.join(cpu)} run on the CPU: put them "
+                                f"on GPUs, or use weight_sync.path = 'disk'")
+    return DistributedSync(clients, backend, master_address, bucket_bytes=bucket_bytes,
+                           devices=devices,
+                           own_devices=own_devices, names=names, timeout_s=timeout_s,
+                           retries=retries)

@@ -8,6 +8,7 @@ field, raised before any process starts.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from runtime import passthrough as pt
+from runtime.actor import ActorView
 from runtime.loading import ConfigError, actor_config, import_actor
 from transport.codec import Limits
 from transport.shm import ShmConfig
@@ -152,6 +154,7 @@ def _check(cfg: ClusterConfig, path: Path) -> None:
                  "actor on the local host (leave exec empty)")
     if not cfg.actors:
         fail("actors", "cls", "declare at least one [actors.<name>] table")
+    views: dict[str, ActorView] = {}
     for name, entry in cfg.actors.items():
         table = f"actors.{name}"
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", name):
@@ -165,8 +168,17 @@ def _check(cfg: ClusterConfig, path: Path) -> None:
         config = actor_config(cls, entry.config, f"{path}: table [{table}.config]")
         try:
             cls.check_config(config)
+            host = entry.host or names[0]
+            views[name] = ActorView(cls, config, host,
+                                    cls.gpus(config, {**os.environ, **entry.env}, host),
+                                    list(entry.after))
         except ValueError as e:
             raise ConfigError(f"{path}: table [{table}.config]: {e}") from None
+    for name, view in views.items():
+        try:
+            view.cls.check_peers(name, view.config, views)
+        except ValueError as e:
+            raise ConfigError(f"{path}: table [actors.{name}.config]: {e}") from None
     start_order(cfg, path)
 
 

@@ -97,6 +97,16 @@ class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):
     """This actor takes no settings."""
 
 
+class ActorView(msgspec.Struct, frozen=True):
+    """One actor of a run as the launcher sees it before anything starts (for check_peers)."""
+
+    cls: type  # the Actor subclass
+    config: Any  # its decoded Config
+    host: str  # the [[hosts]] name it runs on
+    gpus: list[str]  # its cls.gpus(config, env, host)
+    after: list[str] = []  # actors it starts after: its peers
+
+
 class Actor:
     Config: type[msgspec.Struct] = EmptyConfig
     role = "actor"
@@ -129,6 +139,18 @@ class Actor:
     def check_config(cls, config: Any) -> None:
         """Checks that need more than types (paths exist, classes import); raise ValueError.
         The launcher calls this when it loads hosts.toml, before anything starts."""
+
+    @classmethod
+    def gpus(cls, config: Any, env: dict[str, str], host: str) -> list[str]:
+        """The physical GPUs this actor computes on (runtime/devices.py ids) when started
+        with `env` on `host`; [] for CPU-only actors. Used by peers' `check_peers`."""
+        return []
+
+    @classmethod
+    def check_peers(cls, name: str, config: Any, actors: dict[str, ActorView]) -> None:
+        """Checks across actors (placement, matching settings); raise ValueError naming both
+        places and what to change. Called at load after every actor's `check_config`, with
+        every actor of the run (this one included) by name."""
 
     async def on_start(self) -> None:
         """Open resources and connect to peers; raising fails the start."""

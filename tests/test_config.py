@@ -120,9 +120,12 @@ name = "local"
 cls = "actors.buffer:BufferActor"
 config = { group_size = 4, groups_per_batch = 2 }
 
+[actors.w]
+cls = "actors.inference:InferenceWorker"
+
 [actors.trainer]
 cls = "actors.trainer:TrainerActor"
-after = ["buffer"]
+after = ["buffer", "w"]
 config = { model = "MODEL", workers = ["w"] }
 
 [actors.rollout]

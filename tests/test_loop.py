@@ -58,16 +58,17 @@ num_steps = {steps}
 mode = "{mode}"
 checkpoint = {{ save_every = 2 }}
 micro_batches = {{ size = 8 }}
-weight_sync = {{ path = "{sync}" }}
+weight_sync = {{ path = "{sync}"{sync_opts} }}
 parallel = {{ dp = {dp} }}
 """
 
 
 def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, staleness: int = 1,
-        mode: str = "decoupled", sync: str = "disk", dp: int = 1
+        mode: str = "decoupled", sync: str = "disk", dp: int = 1, sync_opts: str = ""
         ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync, dp=dp))
+    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync, dp=dp,
+                                  sync_opts=sync_opts))
     cmd = [sys.executable, "-m", "launch.cluster", str(hosts)]
     cmd += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -139,3 +140,22 @@ def test_weights_over_a_process_group(tmp_path):
     # would show as a mismatch of order 1e-2 or more after the trained version 1 arrives
     assert steps[-1]["values"]["train/engine_logprob_abs_diff"] < 1e-5, steps[-1]["values"]
     assert all(r["values"]["train/engine_logprob_abs_diff"] < 1e-3 for r in steps)
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_distributed_push_falls_back_to_disk(tmp_path):
+    """192.0.2.1 (TEST-NET) is no address of this host: no group can form, so every version
+    goes through disk, said on the console with the cause, and the run completes."""
+    run_dir = tmp_path / "run"
+    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, sync="distributed",
+                        sync_opts=', master_address = "192.0.2.1", retries = 0')
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert [r["values"]["version"] for r in steps] == [1, 2]
+    # the first push (version 0) and one per step went through disk
+    assert [r["values"]["weight_sync/fallbacks"] for r in steps] == [2, 3]
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v1", "v2"]
+    notices = [line for line in result.stdout.splitlines() if "sent through disk" in line]
+    assert len(notices) == 3, result.stdout[-3000:]
+    assert "weight version 2 over distributed failed" in notices[-1]
+    assert "master_address '192.0.2.1'" in notices[-1]
+    assert steps[-1]["values"]["train/engine_logprob_abs_diff"] < 1e-5  # disk carried them

@@ -138,18 +138,30 @@ class CheckpointConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How each new version reaches the inference workers (engine/weight_sync.py)."""
 
-    # disk (safetensors + /update_weights_from_disk), distributed (a torch.distributed group
-    # with every worker: NCCL on GPU, gloo on CPU), tensor (weights in the request body;
-    # colocated workers on the same host)
+    # disk (safetensors + /update_weights_from_disk), distributed (torch.distributed groups
+    # with the workers: NCCL on GPU, gloo on CPU; workers sharing a GPU go to different
+    # groups), tensor (weights in the request body; colocated workers on the same host)
     path: Literal["disk", "distributed", "tensor"] = "disk"
     bucket_mib: int = 512  # bucket size of the distributed and tensor paths, MiB
     keep_versions: int = 2  # disk path: pushed weight versions kept on disk
+    # distributed: the trainer's address as the workers reach it (its TCP store and rank 0)
+    master_address: str = "127.0.0.1"
+    # distributed: group rendezvous and each bucket's transfer must finish within this, s
+    timeout_s: float = 120.0
+    retries: int = 1  # distributed: a failed push forms its groups again and resends this often
+    # when a distributed/tensor push still fails: "disk" sends that version through disk (the
+    # console says which worker failed and why; the next push tries `path` again), "none"
+    # fails the trainer (its restart policy applies)
+    fallback: Literal["disk", "none"] = "disk"
 
     def __post_init__(self) -> None:
         if self.bucket_mib < 1 or self.keep_versions < 1:
             raise ValueError(f"weight_sync needs bucket_mib >= 1 and keep_versions >= 1, got "
                              f"bucket_mib = {self.bucket_mib}, keep_versions = "
                              f"{self.keep_versions}")
+        if self.timeout_s <= 0 or self.retries < 0:
+            raise ValueError(f"weight_sync needs timeout_s > 0 and retries >= 0, got "
+                             f"timeout_s = {self.timeout_s}, retries = {self.retries}")
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -107,6 +107,7 @@ class Endpoints(Msg):
     rpc: str = ""
     inbox: str = ""
     http: str = ""  # base URL of an HTTP server the actor runs (inference workers, router)
+    devices: list[str] = []  # physical GPUs it computes on (runtime/devices.py ids; [] = CPU)
 
 
 class Ready(Msg):
