@@ -5,8 +5,10 @@ gets every sample routed to its teacher (`Sample.teacher`, by domain, else the d
 else "" and counted in `opd/unrouted_samples`). Then:
 - mode "server": each sample is scored by its teacher's inference server (an embedded worker
   named by `worker`, or any SGLang-compatible `url`) with `max_new_tokens = 0` and
-  `logprob_start_len = len(prompt)` (`top_logprobs_num = top_k` for top-k), requests batched per
-  teacher, with retries and a timeout; a sample whose teacher keeps failing is marked
+  `logprob_start_len = len(prompt) - 1` (`top_logprobs_num = top_k` for top-k; SGLang answers
+  null for the first token of that window, the last prompt token: logic/teachers.py), requests
+  batched per teacher, with retries and a timeout; a sample whose teacher keeps failing, or
+  whose reply is malformed (logged with the teacher and the sample), is marked
   (`teacher = ""`), counted in `opd/<teacher>/failed_samples`, and passed on: the run continues;
 - mode "colocated": samples are only routed; the trainer runs the teachers on its own device
   from its weight memory (`training/colocated_teachers.py`).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import reprlib
 import time
 from typing import Literal
 
@@ -28,7 +31,15 @@ import msgspec
 
 from algos.opd import OpdConfig, check_placement
 from engine.client import SglangClient
-from logic.teachers import TeacherSpec, check_vocab, parse_scores, route, route_table, score_request
+from logic.teachers import (
+    ScoreError,
+    TeacherSpec,
+    check_vocab,
+    parse_scores,
+    route,
+    route_table,
+    score_request,
+)
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor
 from transport.schema import Msg, Sample, SampleGroup
@@ -104,32 +115,43 @@ class TeacherPool(Actor):
     async def _score(self, name: str, samples: list[Sample]) -> None:
         cfg = self.config
         k = cfg.opd.top_k if cfg.opd.mode == "top_k" else 0
+        st = self.stats[name]
         t0 = time.perf_counter()
         for start in range(0, len(samples), cfg.max_batch):
             part = samples[start:start + cfg.max_batch]
-            bodies = [score_request(s.prompt_ids, s.response_ids, cfg.temperature, k)
-                      for s in part]
             try:
+                bodies = [score_request(s.prompt_ids, s.response_ids, cfg.temperature, k)
+                          for s in part]
                 replies = await self.clients[name].generate(
                     [b["input_ids"] for b in bodies], bodies[0]["sampling_params"],
                     logprob_start_len=[b["logprob_start_len"] for b in bodies],
                     **({"top_logprobs_num": k} if k else {}))
-                for s, reply in zip(part, replies):
-                    s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs = \
-                        parse_scores(reply, s.response_ids, k)
+                if not isinstance(replies, list) or len(replies) != len(part):
+                    raise ScoreError(f"{len(part)} requests answered by {reprlib.repr(replies)}")
             except Exception as e:  # noqa: BLE001 - the teacher failed: mark, count, go on
                 log.warning("teacher %s failed to score %d samples: %s", name, len(part), e)
-                for s in part:
-                    s.teacher = ""
-                self.stats[name]["failed_samples"] += len(part)
+                self._fail(name, part)
                 continue
-            st = self.stats[name]
-            for s in part:
+            for s, reply in zip(part, replies):
+                where = f"teacher {name!r}, sample {s.group_id}/{s.index}"
+                try:
+                    s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs = \
+                        parse_scores(reply, s.prompt_ids, s.response_ids, k, where)
+                except ScoreError as e:  # this reply only: the batch's others stand
+                    log.warning("%s", e)
+                    self._fail(name, [s])
+                    continue
                 for lp, tlp, m in zip(s.rollout_logprobs, s.teacher_logprobs, s.loss_mask):
                     if m:
                         st["tokens"] += 1
                         st["kl_sum"] += lp - tlp
-        self.stats[name]["time_s"] += time.perf_counter() - t0
+        st["time_s"] += time.perf_counter() - t0
+
+    def _fail(self, name: str, samples: list[Sample]) -> None:
+        """No signal for these samples: trained without distillation, counted per teacher."""
+        for s in samples:
+            s.teacher = ""
+        self.stats[name]["failed_samples"] += len(samples)
 
     def _publish(self) -> None:
         if not self.metrics:

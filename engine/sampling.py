@@ -43,7 +43,9 @@ class GenRequest:
     input_ids: list[int]
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: no input log-probs; k >= 0: from prompt token k on
+    # -1: no input log-probs; k >= 0: the window input_ids[k:] (k == len(input_ids): empty).
+    # The server resolves SGLang's -1 default before the request gets here (engine/server.py).
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
 
 
@@ -61,8 +63,11 @@ class GenResult:
     e2e_latency: float
     output_logprobs: list[float]  # one per output token
     output_top: list[TopList]  # one per output token (empty lists unless top_logprobs_num > 0)
-    input_logprobs: list[float | None]  # prompt tokens from logprob_start_len on; None: no context
+    # one per token of the window input_ids[logprob_start_len:] (empty when not computed, e.g.
+    # aborted before its prefill); entry 0 is None (see input_logprobs below)
+    input_logprobs: list[float | None]
     input_top: list[TopList | None]
+    retractions: int = 0  # times its KV cache was dropped (pause mode "retract")
 
 
 
@@ -119,22 +124,24 @@ def top_list(logprobs: torch.Tensor, k: int) -> TopList:
     return list(zip(vals.tolist(), ids.tolist()))
 
 
-def input_logprobs(logits: torch.Tensor, tokens: list[int], start: int, temperature: float,
+def input_logprobs(logits: torch.Tensor, window: list[int], temperature: float,
                    top_k: int) -> tuple[list[float | None], list[TopList | None]]:
-    """Prompt log-probs from `start` on: entry j = log p(tokens[j] | tokens[:j]); token 0 has None.
+    """SGLang's input log-probs over a window of the sequence, `window = input_ids[start:]`.
 
-    `logits` are the row's logits over exactly `tokens` (padding removed).
+    `logits[i]` are the logits at the position of `window[i]` (at least len(window) - 1 rows).
+    Entry 0 is None whatever its context: SGLang reports no log-prob for the first token of the
+    returned window (so a caller wanting log p(x_s | x_<s) asks from s - 1); entry i >= 1 is
+    log p(window[i] | everything before it), from logits[i - 1]. Top lists alike (None first).
     """
-    logprobs = logits_to_logprobs(logits[:-1], temperature) if len(tokens) > 1 else None
-    values: list[float | None] = []
-    tops: list[TopList | None] = []
-    for j in range(start, len(tokens)):
-        if j == 0:
-            values.append(None)
-            tops.append(None)
-        else:
-            values.append(float(logprobs[j - 1, tokens[j]]))
-            tops.append(top_list(logprobs[j - 1], top_k))
+    if not window:
+        return [], []
+    values: list[float | None] = [None]
+    tops: list[TopList | None] = [None]
+    if len(window) > 1:
+        logprobs = logits_to_logprobs(logits[:len(window) - 1], temperature)
+        targets = torch.tensor(window[1:], dtype=torch.long)
+        values += logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+        tops += [top_list(row, top_k) for row in logprobs]
     return values, tops
 
 

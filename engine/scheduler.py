@@ -13,14 +13,17 @@ How a request runs:
   a wave wait for the next wave (they never join a running one), so a wave's shapes only shrink.
 - Every forward pass, the sampling and the log-prob math run in one dedicated worker thread
   (`ThreadPoolExecutor(1)`), so the event loop keeps serving HTTP while the model computes.
-  Prefill keeps the logits of every position only when a request of the wave asked for prompt
-  log-probs (logprob_start_len >= 0); otherwise only the last position's.
+  Prefill keeps the logits of the last N positions of every row, N the longest input log-prob
+  window of the wave (input_ids[logprob_start_len:]; 1 when none asked, since the last
+  position's logits are the ones sampled from).
 
 Invariants:
 - The log-prob reported for a generated token is `algos.logprobs.logits_to_logprobs(logits, T)`
   at the request's sampling temperature T (T = 0, greedy, counts as 1), i.e. exactly what
   `algos.logprobs.token_logprobs(model, full_sequence, temperature=T)` gives for that position.
-  top_p / top_k / min_p change which token is drawn, never the reported log-prob.
+  top_p / top_k / min_p change which token is drawn, never the reported log-prob. Input
+  log-probs are the same function of the prompt's logits, over SGLang's window (the first
+  entry of the window None: engine/sampling.py `input_logprobs`).
 - A request with `sampling_seed` draws from its own `torch.Generator` seeded with it, so its
   output does not depend on which other requests share its wave.
 - Control operations (weight update, release/resume) run on the loop task at a safe point:
@@ -52,8 +55,9 @@ import collections
 import dataclasses
 import random
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -109,6 +113,7 @@ class _Seq:
     input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     input_top: list[TopList | None] = dataclasses.field(default_factory=list)
     input_done: bool = False
+    retractions: int = 0  # KV cache dropped by a "retract" pause (meta_info.total_retractions)
     abort_message: str | None = None
     finish: dict[str, Any] | None = None
 
@@ -211,7 +216,7 @@ class Scheduler:
 
     @classmethod
     async def create(cls, source: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                     seed: int = 0, **kw) -> "Scheduler":
+                     seed: int = 0, **kw) -> Scheduler:
         """Load `source` (tiny name or HF dir) in the engine's own thread, then build the engine."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="engine-forward")
         try:
@@ -413,6 +418,9 @@ class Scheduler:
         self._drop_aborted(wave)
         while self.paused and wave.seqs:
             if self.paused == "retract":
+                if wave.cache is not None:  # counted once per drop, as SGLang counts retracts
+                    for s in wave.seqs:
+                        s.retractions += 1
                 wave.cache, wave.mask, wave.keep = None, None, None
             await self._run_ops(idle=False)
             if not self.paused:
@@ -479,23 +487,25 @@ class Scheduler:
                 mask = torch.cat([wave.mask, torch.ones((len(wave.seqs), 1), dtype=torch.long)], 1)
                 position_ids = mask.sum(-1, keepdim=True) - 1
             wave.keep, wave.mask = None, mask
-            keep_all = prefill and any(self._wants_input_logprobs(s) for s in wave.seqs)
+            # rows are left-padded, so the last `keep` positions of every row are its last
+            # `keep` tokens (a window never reaches into the padding: it lies within its row)
+            keep = max([self._window_len(s) for s in wave.seqs if prefill] + [1])
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=position_ids.to(self.device),
                              **{self._cache_kw: wave.cache},
-                             use_cache=True, logits_to_keep=0 if keep_all else 1)
+                             use_cache=True, logits_to_keep=keep)
             logits = out.logits.float().cpu()
-            return [self._row(s, logits[b], int(mask[b].sum()), prefill)
-                    for b, s in enumerate(wave.seqs)]
+            return [self._row(s, logits[b], prefill) for b, s in enumerate(wave.seqs)]
 
-    def _row(self, s: _Seq, logits: torch.Tensor, real: int, prefill: bool) -> _RowOut:
-        """Sample row `s` from its last-position logits; prompt log-probs on its first prefill."""
+    def _row(self, s: _Seq, logits: torch.Tensor, prefill: bool) -> _RowOut:
+        """Sample row `s` from its last-position logits; input log-probs on its first prefill
+        (`logits` [K, V] are those of the row's last K positions)."""
         req, out = s.req, _RowOut()
         temperature = effective_temperature(req.params.temperature)
         if prefill and self._wants_input_logprobs(s):
-            prompt_logits = logits[logits.shape[0] - real:][:len(req.input_ids)]
+            window = req.input_ids[req.logprob_start_len:]
             out.input_logprobs, out.input_top = input_logprobs(
-                prompt_logits, req.input_ids, req.logprob_start_len, temperature,
+                logits[logits.shape[0] - len(window):], window, temperature,
                 req.top_logprobs_num)
         if req.params.max_new_tokens == 0:
             return out
@@ -509,6 +519,13 @@ class Scheduler:
     @staticmethod
     def _wants_input_logprobs(s: _Seq) -> bool:
         return not s.input_done and s.req.return_logprob and s.req.logprob_start_len >= 0
+
+    @classmethod
+    def _window_len(cls, s: _Seq) -> int:
+        """Positions whose logits the input log-probs need (the window input_ids[start:])."""
+        if not cls._wants_input_logprobs(s):
+            return 0
+        return len(s.req.input_ids) - s.req.logprob_start_len
 
     def _load_into_model(self, source: str) -> None:
         """Copy the weights of `source` (a checkpoint's safetensors, or a built-in tiny model
@@ -573,7 +590,7 @@ class Scheduler:
             text=visible_text(self.tokenizer, s), finish_reason=s.finish,
             weight_version=self.weight_version, e2e_latency=time.monotonic() - s.created,
             output_logprobs=s.output_logprobs, output_top=s.output_top,
-            input_logprobs=s.input_logprobs, input_top=s.input_top))
+            input_logprobs=s.input_logprobs, input_top=s.input_top, retractions=s.retractions))
 
     def _fail_all(self, error: Exception) -> None:
         for s in list(self._queue) + list(self._active):

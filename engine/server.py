@@ -16,10 +16,18 @@ Matched against (read in the public sglang sources, no server was run):
   `UpdateWeightFromDiskReqInput` and the other weight updates: engine/weight_endpoints.py,
   `Release/ResumeMemoryOccupationReqInput` (tags), `AbortReq` (rid, abort_all);
 - `tokenizer_manager.py`: meta_info keys (id, finish_reason, prompt_tokens, weight_version,
-  completion_tokens, cached_tokens, e2e_latency, input/output_token_logprobs as
-  [logprob, token_id, text-or-null] triples, input/output_top_logprobs lists of triples per
+  total_retractions, completion_tokens, cached_tokens, e2e_latency, input/output_token_logprobs
+  as [logprob, token_id, text-or-null] triples, input/output_top_logprobs lists of triples per
   position with null where a position has none) and the pause logic (new requests wait while
   paused; "abort" aborts everything in flight);
+- `scheduler_output_processor_mixin.py`, `scheduler.py` and `schedule_batch.py`: the input
+  log-prob window. `input_token_logprobs` has one entry per token of input_ids[logprob_start_len:]
+  and the FIRST entry's logprob is null whatever its context (the scheduler prepends None to the
+  next-token log-probs of the window and drops the last one); `input_top_logprobs` likewise
+  starts with null. logprob_start_len = -1 (the default) means len(input_ids) - 1 (one entry,
+  null) for a generating request and len(input_ids) (no entry) for max_new_tokens = 0;
+  logprob_start_len >= len(input_ids) is refused. Fixtures of these answers, with the versions
+  read: tests/fixtures/sglang/;
 - `schedule_batch.py`: finish reasons {"type": "stop", "matched": id|str}, {"type": "length",
   "length": n}, {"type": "abort", "message", "status_code", "err_type"};
 - `sampling_params.py` `verify()`: the range checks and their messages.
@@ -30,8 +38,11 @@ Deliberate differences / not confirmed:
   unless left at their defaults; so are penalties, min_new_tokens, n > 1 and grammars.
 - `/get_weight_version` answers {"weight_version": v} as SGLang ~0.5.x does; the newest SGLang
   answers 404 there and reports it in `/model_info` only (both are served here).
-- With logprob_start_len = -1 (the default) `input_token_logprobs` is `[]`; what SGLang returns
-  in that case (possibly one entry) was not confirmed.
+- SGLang answers logprob_start_len >= len(input_ids) with an abort whose status 400 becomes an
+  HTTP 400; here it is refused by the parser with 400 (message differs).
+- With max_new_tokens = 0, `output_token_logprobs` and `output_top_logprobs` are `[]` here; some
+  SGLang versions report the next position's top-k in `output_top_logprobs` there (not read by
+  any client of this project).
 - Log-probs are those of the temperature-scaled distribution, log_softmax(logits / T) (T = 0
   counts as 1), for output and input tokens alike; top_p / top_k / min_p never renormalise them
   (stock SGLang; slime's top-p patch is not implemented). That SGLang scales input-token
@@ -316,10 +327,24 @@ def parse_generate(body: Any, tokenizer, vocab_size: int,
     requests = []
     for i, ids in enumerate(prompts):
         _check_logprob_args(want_lp[i], starts[i], tops[i], len(ids))
+        params = parse_sampling_params(sps[i], len(ids), context_len)
         requests.append(GenRequest(
-            rid=rids[i], input_ids=ids, params=parse_sampling_params(sps[i], len(ids), context_len),
-            return_logprob=want_lp[i], logprob_start_len=starts[i], top_logprobs_num=tops[i]))
+            rid=rids[i], input_ids=ids, params=params, return_logprob=want_lp[i],
+            logprob_start_len=logprob_window_start(want_lp[i], starts[i], len(ids),
+                                                   params.max_new_tokens),
+            top_logprobs_num=tops[i]))
     return requests, batch
+
+
+def logprob_window_start(want: bool, start: int, prompt_len: int, max_new_tokens: int) -> int:
+    """Where SGLang's input log-prob window starts: `start` as asked, and for -1 (the default)
+    the last input token (one entry, null) or, for a max_new_tokens = 0 request, past the end
+    (no entry); -1 (none) when no log-probs were asked for."""
+    if not want:
+        return -1
+    if start >= 0:
+        return start
+    return prompt_len if max_new_tokens == 0 else prompt_len - 1
 
 
 def _check_logprob_args(want: Any, start: Any, top: Any, prompt_len: int) -> None:
@@ -357,13 +382,14 @@ def format_result(result: GenResult, req: GenRequest, tokenizer, with_text: bool
         "finish_reason": result.finish_reason,
         "prompt_tokens": len(result.prompt_ids),
         "weight_version": result.weight_version,
+        "total_retractions": result.retractions,
         "completion_tokens": len(result.output_ids),
         "cached_tokens": 0,
         "e2e_latency": result.e2e_latency,
     }
     if req.return_logprob:
-        start = max(req.logprob_start_len, 0)
-        in_ids = result.prompt_ids[start:] if req.logprob_start_len >= 0 else []
+        # the window input_ids[start:]; empty when the request ended before its prefill
+        in_ids = result.prompt_ids[req.logprob_start_len:][:len(result.input_logprobs)]
         meta["input_token_logprobs"] = _triples(list(zip(result.input_logprobs, in_ids)),
                                                 tokenizer, with_text)
         meta["output_token_logprobs"] = _triples(

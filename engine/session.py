@@ -50,7 +50,7 @@ class HttpSession:
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += lps
-        self.versions.append(int(meta.get("weight_version") or 0))
+        self.versions.append(weight_version(meta.get("weight_version")))
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         self._text.append(text)
         return text
@@ -95,3 +95,16 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     bos = getattr(tokenizer, "bos_token_id", None)
     return ([bos] if bos is not None else []) + list(ids)
+
+
+def weight_version(value) -> int:
+    """A reply's `meta_info.weight_version` as the trainer's version number. The trainer pushes
+    str(version); a server that has had no push yet reports SGLang's default, the string
+    "default" (or nothing): it serves the weights it was started from, which are version 0."""
+    if value in (None, "", "default"):
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise SessionFailed(f"weight_version {value!r} in the reply is no version this trainer "
+                            f"pushed (they are integers)") from None

@@ -7,14 +7,24 @@ A teacher whose vocabulary differs from the student's is refused before anything
 ids are compared, not texts, since distillation compares log-probs of the same token ids.
 
 Server replies: a teacher server (the embedded worker or SGLang) scores `prompt + response` with
-`max_new_tokens = 0`, `logprob_start_len = len(prompt)` and, for top-k, `top_logprobs_num = k`;
-`meta_info.input_token_logprobs` then holds one `[logprob, token_id, text]` per response token,
-and `meta_info.input_top_logprobs` one list of k such triples per response token.
-Invariant: every parsed reply is response-aligned and checked against the response's token ids.
+`max_new_tokens = 0`, `logprob_start_len = len(prompt) - 1` and, for top-k, `top_logprobs_num = k`.
+SGLang's `meta_info.input_token_logprobs` then holds one `[logprob, token_id, text]` per token of
+the window `input_ids[len(prompt) - 1:]` (the last prompt token, then each response token), and
+the FIRST entry's logprob is null: SGLang reports none for the first token of the returned
+window, whatever context precedes it. Starting the window one token early therefore puts that
+null on the last prompt token and gives every response token, the first one included, its real
+log-prob. `meta_info.input_top_logprobs` is aligned the same way (null, then one list of up to k
+triples per response token). tests/fixtures/sglang/ holds such answers and the SGLang version
+they follow.
+Invariant: every parsed reply is response-aligned and checked against the sample's token ids; a
+null anywhere but the window's first position, a missing or non-finite value, or other tokens is
+a ScoreError naming the teacher and the sample.
 """
 
 from __future__ import annotations
 
+import math
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,36 +87,87 @@ def check_vocab(student: Any, teacher: Any, name: str) -> None:
             raise ValueError(f"teacher {name!r}: {attr} differs from the student's")
 
 
-def parse_scores(reply: dict, response_ids: Sequence[int], top_k: int = 0
-                 ) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """(log-probs, top-k ids, top-k log-probs) per response token from a scoring reply."""
-    meta = reply["meta_info"]
-    triples = meta["input_token_logprobs"]
-    if len(triples) != len(response_ids):
-        raise ValueError(f"teacher scored {len(triples)} tokens for a response of "
-                         f"{len(response_ids)}")
-    ids = [t[1] for t in triples]
-    if ids != list(response_ids):
-        raise ValueError("teacher scored other tokens than the response's")
-    logprobs = [float(t[0]) for t in triples]
-    top_ids: list[list[int]] = []
-    top_lps: list[list[float]] = []
-    if top_k:
-        tops = meta["input_top_logprobs"]
-        top_ids = [[int(t[1]) for t in pos] for pos in tops]
-        top_lps = [[float(t[0]) for t in pos] for pos in tops]
-    return logprobs, top_ids, top_lps
+class ScoreError(ValueError):
+    """A teacher server's reply that cannot be read as scores of the sample it was asked about."""
 
 
 def score_request(prompt_ids: Sequence[int], response_ids: Sequence[int], temperature: float,
                   top_k: int = 0) -> dict[str, Any]:
-    """The /generate body that scores a response under a teacher (no generation)."""
+    """The /generate body that scores a response under a teacher (no generation); the log-prob
+    window starts at the prompt's last token (see the module docstring)."""
+    if not prompt_ids:
+        raise ValueError("cannot score a response without a prompt: the first response token's "
+                         "log-prob needs at least one token before it")
     body: dict[str, Any] = {"input_ids": list(prompt_ids) + list(response_ids),
                             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
-                            "return_logprob": True, "logprob_start_len": len(prompt_ids)}
+                            "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1}
     if top_k:
         body["top_logprobs_num"] = top_k
     return body
+
+
+def parse_scores(reply: Any, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                 top_k: int = 0, where: str = "teacher reply"
+                 ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """(log-probs, top-k ids, top-k log-probs) per response token from the reply to
+    `score_request(prompt_ids, response_ids, ...)`; ScoreError (prefixed with `where`, e.g.
+    "teacher 'arith', sample g3/1") if the reply is not one."""
+    meta = reply.get("meta_info") if isinstance(reply, dict) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(entries, list):
+        raise ScoreError(f"{where}: the reply has no meta_info.input_token_logprobs list (was "
+                         f"it asked with return_logprob?): {reprlib.repr(reply)}")
+    if not prompt_ids:
+        raise ScoreError(f"{where}: a sample without a prompt cannot be scored")
+    window = [prompt_ids[-1], *response_ids]
+    if len(entries) != len(window):
+        raise ScoreError(
+            f"{where}: {len(entries)} input log-probs for a window of {len(window)} tokens (the "
+            f"last prompt token and {len(response_ids)} response tokens); the request must ask "
+            f"from logprob_start_len = len(prompt) - 1 = {len(prompt_ids) - 1}")
+    ids = [e[1] if isinstance(e, (list, tuple)) and len(e) >= 2 else None for e in entries]
+    if ids != window:
+        i = next(i for i, (a, b) in enumerate(zip(ids, window)) if a != b)
+        raise ScoreError(f"{where}: scored other tokens than the sample's: window position {i} "
+                         f"is {reprlib.repr(entries[i])}, expected token {window[i]}")
+    logprobs = [_logprob(e[0], where, i, "input_token_logprobs")
+                for i, e in enumerate(entries) if i > 0]
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    if top_k:
+        tops = meta.get("input_top_logprobs")
+        if not isinstance(tops, list) or len(tops) != len(window):
+            raise ScoreError(f"{where}: meta_info.input_top_logprobs must hold {len(window)} "
+                             f"positions (asked with top_logprobs_num = {top_k}), got "
+                             f"{reprlib.repr(tops)}")
+        for i, position in enumerate(tops[1:], start=1):
+            if not isinstance(position, list) or not 1 <= len(position) <= top_k or not all(
+                    isinstance(t, (list, tuple)) and len(t) >= 2 and _is_int(t[1])
+                    for t in position):
+                raise ScoreError(f"{where}: input_top_logprobs at window position {i} must be "
+                                 f"1 to {top_k} [logprob, token_id, text] entries, got "
+                                 f"{reprlib.repr(position)}")
+            top_ids.append([int(t[1]) for t in position])
+            top_lps.append([_logprob(t[0], where, i, "input_top_logprobs") for t in position])
+    return logprobs, top_ids, top_lps
+
+
+def _logprob(value: Any, where: str, i: int, field: str) -> float:
+    """A log-prob at window position i >= 1, where SGLang always reports a number."""
+    if value is None:
+        raise ScoreError(f"{where}: {field} has null at window position {i} (response token "
+                         f"{i - 1}); SGLang puts null only at the window's first position, so "
+                         "the reply is malformed (or the value was not finite: JSON has no "
+                         "-inf)")
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)):
+        raise ScoreError(f"{where}: {field} at window position {i} is "
+                         f"{reprlib.repr(value)}, not a finite log-prob")
+    return float(value)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def teacher_order(teachers: Sequence[str]) -> list[str]:

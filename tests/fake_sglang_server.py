@@ -9,6 +9,10 @@
 - with `--fake-hang`, never answers (for health timeouts); otherwise serves the embedded engine
   (engine/server.py) for `--model-path` on `--host`/`--port`, plus `GET /test/weights` (the
   model's parameters as a safetensors blob) so tests compare weights bit for bit.
+Its /generate answers are SGLang's in shape (the input log-prob window with null at its first
+entry, finish reasons, meta_info keys: checked against tests/fixtures/sglang/ by
+tests/test_sglang_conformance.py). One known difference: `weight_version` starts at "0" (the
+engine's default) where SGLang reports "default" until its first weight update.
 """
 
 from __future__ import annotations

@@ -68,11 +68,13 @@ async def test_generate_response_shapes(ipc):
         assert meta["finish_reason"] == {"type": "length", "length": 6}
         assert (meta["prompt_tokens"], meta["completion_tokens"]) == (5, 6)
         assert meta["cached_tokens"] == 0 and meta["weight_version"] == "0"
+        assert meta["total_retractions"] == 0
         assert len(single["output_ids"]) == 6
         triples = meta["output_token_logprobs"]
         assert [t[1] for t in triples] == single["output_ids"]
         assert all(isinstance(t[0], float) and t[0] <= 0 and t[2] is None for t in triples)
-        assert meta["input_token_logprobs"] == []  # logprob_start_len defaults to -1
+        # logprob_start_len -1 (the default) is SGLang's window of the last prompt token: null
+        assert meta["input_token_logprobs"] == [[None, PROMPT[-1], None]]
         assert "output_top_logprobs" not in meta
         assert single["text"] == worker.scheduler.tokenizer.decode(single["output_ids"],
                                                                    skip_special_tokens=True)
@@ -108,7 +110,11 @@ async def test_teacher_scoring_input_logprobs_and_top_logprobs(ipc):
 
         tail = await client.generate(seq, {"max_new_tokens": 0}, logprob_start_len=3)
         assert [e[1] for e in tail["meta_info"]["input_token_logprobs"]] == seq[3:]
-        assert tail["meta_info"]["input_token_logprobs"] == entries[3:]
+        # SGLang: null at the window's first token although it has context; the rest agree
+        assert tail["meta_info"]["input_token_logprobs"][0] == [None, seq[3], None]
+        assert tail["meta_info"]["input_token_logprobs"][1:] == entries[4:]
+        default = await client.generate(seq, {"max_new_tokens": 0})  # -1 when scoring: none
+        assert default["meta_info"]["input_token_logprobs"] == []
 
         top = await client.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0},
                                     logprob_start_len=0, top_logprobs_num=3)
@@ -190,7 +196,7 @@ async def test_concurrent_requests_share_waves_and_match_sequential(ipc):
 
 # ----------------------------------------------------------------------------- weights
 async def test_update_weights_from_disk(ipc, tmp_path):
-    async with serve(ipc) as (worker, client):
+    async with serve(ipc) as (_worker, client):
         greedy = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
         before = await client.generate(PROMPT, greedy)
         model, tok = build_tiny("tiny-qwen2", seed=0)
@@ -298,6 +304,7 @@ async def test_pause_holds_and_continue_resumes_unchanged(ipc, mode):
         assert torch.allclose(torch.tensor(out_logprobs(result)),
                               torch.tensor(out_logprobs(reference)), atol=1e-5, rtol=0)
         assert late_result["meta_info"]["finish_reason"]["type"] == "length"
+        assert result["meta_info"]["total_retractions"] == (mode == "retract")
 
 
 async def test_pause_abort_mode_and_abort_request(ipc):
@@ -377,7 +384,7 @@ async def test_client_disconnect_aborts_and_stop_fails_in_flight_requests(ipc):
 
 # ----------------------------------------------------------------------------- errors
 async def test_malformed_requests_get_400_and_server_keeps_serving(ipc):
-    async with serve(ipc) as (worker, client):
+    async with serve(ipc) as (_worker, client):
         bad = [
             (None, b"{not json"),
             ({"sampling_params": {"max_new_tokens": 2}}, None),
@@ -411,7 +418,7 @@ async def test_malformed_requests_get_400_and_server_keeps_serving(ipc):
 
 
 async def test_control_endpoints(ipc):
-    async with serve(ipc) as (worker, client):
+    async with serve(ipc) as (_worker, client):
         assert await client.health()
         session = client._get_session()
         for path in ("/health_generate", "/get_server_info", "/get_model_info", "/model_info"):

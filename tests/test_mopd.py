@@ -3,14 +3,29 @@ HTTP API, colocated teachers under a budget that forces swaps, and distillation 
 
 from __future__ import annotations
 
+import collections
+import copy
+import logging
+
 import pytest
 import torch
 
+from actors.teacher_pool import TeacherPool, TeacherPoolConfig
 from actors.trainer import TrainerConfig
 from algos.logprobs import token_logprobs
 from algos.opd import OpdConfig
-from logic.teachers import TeacherSpec, check_vocab, parse_scores, route, route_table, score_request
+from engine.client import SglangClient
+from logic.teachers import (
+    ScoreError,
+    TeacherSpec,
+    check_vocab,
+    parse_scores,
+    route,
+    route_table,
+    score_request,
+)
 from models.load import load_model
+from tests.helpers import context
 from tests.test_engine import serve
 from training.batching import make_micro_batch
 from training.colocated_teachers import ColocatedTeachers, TeacherMemoryConfig
@@ -71,23 +86,125 @@ def test_teacher_with_another_vocabulary_is_refused():
         check_vocab(student, Shifted(student), "odd")
 
 
-async def test_server_scores_equal_a_local_forward(ipc):
-    model, tok = load_model("examples/teacher-arith", "cpu", torch.float32)
-    s = samples(tok)[1]
-    async with serve(ipc, model="examples/teacher-arith") as (_, client):
-        body = score_request(s.prompt_ids, s.response_ids, 1.0, top_k=3)
-        reply = await client.generate([body["input_ids"]], body["sampling_params"],
-                                      logprob_start_len=[body["logprob_start_len"]],
-                                      top_logprobs_num=3)
-    lps, top_ids, top_lps = parse_scores(reply[0], s.response_ids, top_k=3)
+def float64_scores(model, s: Sample, temperature: float) -> torch.Tensor:
+    """[R, V] float64 log-probs of the distributions the response tokens were drawn from, by a
+    float64 copy of `model` at `temperature` (row j: the one predicting response token j)."""
+    ref = copy.deepcopy(model).double()
     with torch.no_grad():
-        ref = token_logprobs(model, torch.tensor([s.prompt_ids + s.response_ids]))[0]
-    ref = ref[len(s.prompt_ids) - 1:]
-    assert torch.allclose(torch.tensor(lps), ref, atol=1e-5, rtol=0)
-    assert len(top_ids) == len(s.response_ids) and all(len(t) == 3 for t in top_ids)
-    assert max(top_lps[0]) >= lps[0] - 1e-6  # the top-1 is at least the sampled token's
-    with pytest.raises(ValueError, match="other tokens"):
-        parse_scores(reply[0], [t + 1 for t in s.response_ids], top_k=0)
+        logits = ref(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
+    return torch.log_softmax(logits[len(s.prompt_ids) - 1:-1] / temperature, dim=-1)
+
+
+def check_scores(lps, top_ids, top_lps, ref: torch.Tensor, s: Sample, k: int) -> None:
+    want = ref.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+    assert len(lps) == len(s.response_ids)
+    assert lps[0] == pytest.approx(want[0].item(), abs=1e-5)  # the first response token too
+    assert torch.allclose(torch.tensor(lps, dtype=torch.float64), want, atol=1e-5, rtol=0)
+    if k:  # each position's k ids carry their reference log-probs and are the k largest
+        assert len(top_ids) == len(s.response_ids) and all(len(t) == k for t in top_ids)
+        got = torch.tensor(top_lps, dtype=torch.float64)
+        assert torch.allclose(got, ref.gather(1, torch.tensor(top_ids)), atol=1e-5, rtol=0)
+        assert torch.all(got[:, -1] >= ref.topk(k, dim=-1).values[:, -1] - 1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_server_scores_equal_a_float64_forward(ipc, temperature):
+    """The teacher path against the embedded engine: SGLang's null lands on the last prompt
+    token and every response token, the first one included, gets the teacher's log-prob."""
+    model, tok = load_model("examples/teacher-arith", "cpu", torch.float32)
+    batch = samples(tok)
+    bodies = [score_request(s.prompt_ids, s.response_ids, temperature, top_k=3) for s in batch]
+    async with serve(ipc, model="examples/teacher-arith") as (_, client):
+        replies = await client.generate([b["input_ids"] for b in bodies],
+                                        bodies[0]["sampling_params"],
+                                        logprob_start_len=[b["logprob_start_len"] for b in bodies],
+                                        top_logprobs_num=3)
+        probe = batch[1]
+        old_style = await client.generate(probe.prompt_ids + probe.response_ids,
+                                          {"max_new_tokens": 0}, return_logprob=True,
+                                          logprob_start_len=len(probe.prompt_ids))
+    for s, reply in zip(batch, replies):
+        meta = reply["meta_info"]
+        assert meta["input_token_logprobs"][0] == [None, s.prompt_ids[-1], None]
+        assert meta["input_top_logprobs"][0] is None
+        scores = parse_scores(reply, s.prompt_ids, s.response_ids, 3, "teacher 'arith'")
+        check_scores(*scores, float64_scores(model, s, temperature), s, k=3)
+    with pytest.raises(ScoreError, match="other tokens than the sample's: window position 1"):
+        parse_scores(replies[1], probe.prompt_ids, [t + 1 for t in probe.response_ids])
+    # asked from len(prompt) (the request before this fix), the first response token gets null
+    assert old_style["meta_info"]["input_token_logprobs"][0][:2] == [None, probe.response_ids[0]]
+    with pytest.raises(ScoreError, match="logprob_start_len = len.prompt. - 1"):
+        parse_scores(old_style, probe.prompt_ids, probe.response_ids, 0, "teacher 'arith'")
+
+
+def pool_for(ipc, url: str, clients: dict, top_k: int = 0):
+    """A server-mode TeacherPool with its clients set (no actor loop: `_score` is called)."""
+    cfg = TeacherPoolConfig(student="examples/base-tiny", mode="server", max_retries=1,
+                            request_timeout_s=30.0, opd=OpdConfig(
+                                mode="top_k" if top_k else "sampled", top_k=top_k),
+                            teachers=[TeacherSpec(name="arith", model="examples/teacher-arith",
+                                                  domains=["math", "reverse"], url=url)])
+    pool = TeacherPool(context("teachers", ipc), cfg)
+    pool.clients = clients
+    pool.stats = collections.defaultdict(collections.Counter)
+    return pool
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+async def test_teacher_pool_scores_through_the_engine(ipc, top_k):
+    """TeacherPool._score end to end against the embedded engine: every sample scored (the first
+    response token included) and the batch's token count and KL published."""
+    model, tok = load_model("examples/teacher-arith", "cpu", torch.float32)
+    batch = samples(tok)
+    async with serve(ipc, model="examples/teacher-arith") as (worker, client):
+        pool = pool_for(ipc, worker.bound.http, {"arith": client}, top_k)
+        try:
+            await pool._score("arith", batch)
+        finally:
+            pool.factory.close()
+    assert all(s.teacher for s in batch) and pool.stats["arith"]["failed_samples"] == 0
+    for s in batch:
+        check_scores(s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs,
+                     float64_scores(model, s, 1.0), s, top_k)
+    tokens = sum(len(s.response_ids) for s in batch)
+    kl = sum(-1.0 - lp for s in batch for lp in s.teacher_logprobs)  # rollout log-probs -1
+    assert pool.stats["arith"]["tokens"] == tokens
+    assert pool.stats["arith"]["kl_sum"] == pytest.approx(kl, rel=1e-9)
+
+
+class Replies:
+    """A teacher client answering /generate with prepared replies (one per request)."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    async def generate(self, input_ids, sampling_params, **extra):
+        return self.replies[:len(input_ids)]
+
+
+async def test_a_malformed_reply_fails_only_its_sample(ipc, caplog):
+    """A null where SGLang never puts one (inside the response) marks and counts that sample,
+    with the teacher and the sample named; the other replies of the batch are used."""
+    model, tok = load_model("examples/teacher-arith", "cpu", torch.float32)
+    batch = samples(tok)[:3]
+    bodies = [score_request(s.prompt_ids, s.response_ids, 1.0) for s in batch]
+    async with serve(ipc, model="examples/teacher-arith") as (_, client):
+        replies = await client.generate([b["input_ids"] for b in bodies],
+                                        bodies[0]["sampling_params"],
+                                        logprob_start_len=[b["logprob_start_len"] for b in bodies])
+    replies[1]["meta_info"]["input_token_logprobs"][2][0] = None
+    pool = pool_for(ipc, "http://unused", {"arith": Replies(replies)})
+    try:
+        with caplog.at_level(logging.WARNING, logger="actors.teacher_pool"):
+            await pool._score("arith", batch)
+    finally:
+        pool.factory.close()
+    assert [bool(s.teacher) for s in batch] == [True, False, True]
+    assert pool.stats["arith"]["failed_samples"] == 1 and batch[1].teacher_logprobs == []
+    assert ("teacher 'arith', sample g0/1: input_token_logprobs has null at window position 2 "
+            "(response token 1)") in caplog.text
+    check_scores(batch[2].teacher_logprobs, [], [], float64_scores(model, batch[2], 1.0),
+                 batch[2], 0)
 
 
 @pytest.mark.parametrize("logits", [False, True])
@@ -159,7 +276,7 @@ def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode
 
 def attach_topk(batch: list[Sample], k: int) -> None:
     for t in TEACHERS:
-        model, tok = load_model(t.model, "cpu", torch.float32)
+        model, _tok = load_model(t.model, "cpu", torch.float32)
         for s in batch:
             if s.teacher != t.name:
                 continue
@@ -205,20 +322,10 @@ def test_per_teacher_mode_terms_equal_separate_runs(tmp_path):
 
 
 async def test_a_failing_teacher_server_marks_and_counts_its_samples(ipc):
-    from actors.teacher_pool import TeacherPool, TeacherPoolConfig
-    from engine.client import SglangClient
-    from tests.helpers import context
-
     _, tok = load_model("examples/base-tiny", "cpu", torch.float32)
-    cfg = TeacherPoolConfig(student="examples/base-tiny", mode="server", max_retries=1,
-                            request_timeout_s=2.0, teachers=[TeacherSpec(
-                                name="arith", model="examples/teacher-arith", domains=["math"],
-                                url="http://127.0.0.1:9")])  # nothing listens there
-    pool = TeacherPool(context("teachers", ipc), cfg)
-    pool.clients = {"arith": SglangClient("http://127.0.0.1:9", timeout_s=2.0, retries=1,
-                                          backoff_s=0.01)}
-    import collections
-    pool.stats = collections.defaultdict(collections.Counter)
+    url = "http://127.0.0.1:9"  # nothing listens there
+    pool = pool_for(ipc, url, {"arith": SglangClient(url, timeout_s=2.0, retries=1,
+                                                     backoff_s=0.01)})
     batch = [s for s in samples(tok) if s.domain == "math"]
     try:
         await pool._score("arith", batch)
