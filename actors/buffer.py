@@ -14,23 +14,35 @@ Restarts: every state change (a sample group, a trainer version, an emitted batc
 to a journal in the run directory (`buffer/<name>.journal`) before or as it is applied; a
 restarted buffer replays it through the same pure logic and is where it was (groups in flight,
 ready groups, counters, the batch of every recent step). Each buffer process has its own
-`buffer_epoch` (in every Permit), so the rollout re-sends its recent groups to a new one (known
-ones are dropped as duplicates). A trainer restarted from a checkpoint announces a new
-`trainer_epoch`: its version may go back, and the batches its lost steps consumed are handed
-out again (`RolloutBuffer.restart_trainer`).
+`buffer_epoch` (in every Permit), so the rollout re-sends its recent groups to a new one, as
+requests (`resend`) so that they are told from new groups: samples the buffer already has are
+counted as `resent_copies`, not added again (`RolloutBuffer.add_resent`). A trainer restarted
+from a checkpoint announces a new `trainer_epoch`: its version may go back, and the batches its
+lost steps consumed are handed out again (`RolloutBuffer.restart_trainer`).
+
+Compaction: once `journal_compact_bytes` (and at least the last snapshot's size) were appended
+since the last snapshot, the journal is replaced by one "snapshot" record of the whole state
+(`BufferState.snapshot`: the logic's state, with the remembered batches of the steps a resumed
+trainer may ask again, and what the trainer said of itself), so it stays proportional to the
+live state instead of the run's length. The snapshot is written to `<name>.journal.tmp`, flushed
+and fsync'ed, then renamed over the journal (and the directory fsync'ed): a crash before the
+rename leaves the old journal whole (the temp file is removed on the next start), after it the
+new one; replaying either gives the same state. A failed compaction is logged and the journal
+kept as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 
-from logic.buffer import BufferConfig, RolloutBuffer, check_group, check_version
+from logic.buffer import BufferConfig, BufferSnapshot, RolloutBuffer, check_group, check_version
 from runtime.actor import Actor
 from transport.schema import (
     Ack,
@@ -52,24 +64,34 @@ log = logging.getLogger(__name__)
 class JournalEntry(msgspec.Struct, array_like=True, omit_defaults=True):
     """One state change of the buffer, in the order it was applied."""
 
-    kind: str  # "group" | "version" | "batch"
+    kind: str  # "group" | "resend" | "version" | "batch" | "snapshot"
     group: SampleGroup | None = None
     version: int = 0
     step: int = 0
     epoch: str = ""  # the trainer's (version entries)
     checkpointed: bool = False
+    # the whole state ("snapshot" entries; version/step/epoch: what the trainer said of itself)
+    snapshot: BufferSnapshot | None = None
 
 
 class Journal:
     """Length-prefixed msgpack records appended to one file; a record cut short by a crash
-    ends the replay and is cut off."""
+    ends the replay and is cut off. `compact` replaces the file by one record, atomically."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.tmp = path.with_name(path.name + ".tmp")
+        if self.tmp.exists():  # a compaction died before its rename: the journal is whole
+            log.warning("buffer journal %s: removed %s, left by a compaction that did not "
+                        "finish (the journal before it is complete)", path, self.tmp.name)
+            self.tmp.unlink()
         self.encoder = msgspec.msgpack.Encoder()
+        self.size = 0  # bytes in the file
+        self.snapshot_size = 0  # bytes of the snapshot record it starts with (0: none)
+        self.base = 0  # bytes after the last compaction (or a failed one): `due` counts from it
         self.entries = self._read()
-        self.file = open(path, "ab")
+        self.file = open(path, "ab")  # noqa: SIM115 - open for the journal's lifetime
 
     def _read(self) -> list[JournalEntry]:
         if not self.path.exists():
@@ -81,21 +103,67 @@ class Journal:
             if at + 4 + n > len(data):
                 break
             entries.append(decoder.decode(data[at + 4:at + 4 + n]))
+            if entries[-1].kind == "snapshot":
+                self.snapshot_size = self.base = at + 4 + n
             at += 4 + n
         if at < len(data):
             log.warning("buffer journal %s: cut off a partial last record (%d bytes)", self.path,
                         len(data) - at)
             with open(self.path, "r+b") as f:
                 f.truncate(at)
+        self.size = at
         return entries
 
-    def append(self, entry: JournalEntry) -> None:
+    def _frame(self, entry: JournalEntry) -> bytes:
         record = self.encoder.encode(entry)
-        self.file.write(len(record).to_bytes(4, "little") + record)
+        return len(record).to_bytes(4, "little") + record
+
+    def append(self, entry: JournalEntry) -> None:
+        record = self._frame(entry)
+        self.file.write(record)
         self.file.flush()  # in the OS's hands: survives the process being killed
+        self.size += len(record)
+
+    def due(self, every_bytes: int) -> bool:
+        """Whether `compact` is due: `every_bytes` (0 = never), and at least the snapshot's own
+        size, appended since the last compaction (so rewriting costs at most one byte per byte
+        appended, and the file stays under 2 x snapshot + every_bytes + one record)."""
+        return every_bytes > 0 and self.size - self.base >= max(every_bytes, self.base)
+
+    def compact(self, snapshot: JournalEntry) -> None:
+        """Replace the file by the one record `snapshot` (which must give, replayed alone, the
+        state every record so far gives): temp file, fsync, rename, fsync of the directory.
+        OSError leaves the journal as it was."""
+        record = self._frame(snapshot)
+        new = open(self.tmp, "wb")  # noqa: SIM115 - kept open: it becomes the journal's file
+        try:
+            new.write(record)
+            new.flush()
+            os.fsync(new.fileno())  # the data is on disk before the name points at it
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            new.close()
+            self.tmp.unlink(missing_ok=True)
+            raise
+        # the same open file, now named `path`: appends go on after the record
+        old, self.file = self.file, new
+        self.size = self.snapshot_size = self.base = len(record)
+        try:
+            old.close()  # flushed at every append: nothing left to write
+            _fsync_dir(self.path.parent)  # the rename itself survives a power loss
+        except OSError as e:  # the rename happened; only its durability is in doubt
+            log.warning("buffer journal %s: after compacting it: %s", self.path, e)
 
     def close(self) -> None:
         self.file.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class BufferState:
@@ -112,6 +180,9 @@ class BufferState:
         if entry.kind == "group":
             for sample in entry.group.samples:
                 self.logic.add(sample)
+        elif entry.kind == "resend":
+            for sample in entry.group.samples:
+                self.logic.add_resent(sample)
         elif entry.kind == "version":
             if entry.epoch != self.trainer_epoch and self.trainer_version >= 0:
                 self.logic.restart_trainer(entry.version, entry.step)
@@ -122,6 +193,17 @@ class BufferState:
                 self.logic.forget_before(entry.step)
         elif entry.kind == "batch":  # replay: the same call that emitted it
             self.logic.batch_for_step(entry.step, entry.version)
+        elif entry.kind == "snapshot":  # the whole state, as `snapshot` wrote it
+            self.logic.restore(entry.snapshot)
+            self.trainer_version, self.trainer_step = entry.version, entry.step
+            self.trainer_epoch = entry.epoch
+        else:
+            raise ValueError(f"buffer journal: unknown entry kind {entry.kind!r}")
+
+    def snapshot(self) -> JournalEntry:
+        """One entry that `apply`, on a fresh state, turns into exactly this state."""
+        return JournalEntry("snapshot", version=self.trainer_version, step=self.trainer_step,
+                            epoch=self.trainer_epoch, snapshot=self.logic.snapshot())
 
 
 class BufferActor(Actor):
@@ -142,15 +224,39 @@ class BufferActor(Actor):
             for entry in self.journal.entries:
                 self.state.apply(entry)
             if self.journal.entries:
-                self.notify(f"restored from its journal: {len(self.journal.entries)} entries, "
-                            f"trainer at step {self.trainer_step} (version "
-                            f"{self.trainer_version}), {self.logic.ready_groups()} groups ready")
+                n = len(self.journal.entries)
+                what = (f"a snapshot and {n - 1} entries after it" if self.journal.snapshot_size
+                        else f"{n} entries")
+                self.notify(f"restored from its journal ({what}): trainer at step "
+                            f"{self.trainer_step} (version {self.trainer_version}), "
+                            f"{self.logic.ready_groups()} groups ready")
+            self.journal.entries = []  # replayed: not kept
+            self._compact_if_due()
 
     def _record(self, entry: JournalEntry) -> None:
         """Journal `entry`, then apply it: the one path for every state change."""
         if self.journal is not None:
             self.journal.append(entry)
         self.state.apply(entry)
+        self._compact_if_due()
+
+    def _compact_if_due(self) -> None:
+        """Replace the journal by a snapshot of the state once enough was appended (call it
+        only when every journaled entry is applied, and nothing applied is unjournaled)."""
+        journal = self.journal
+        if journal is None or not journal.due(self.config.journal_compact_bytes):
+            return
+        before = journal.size
+        try:
+            journal.compact(self.state.snapshot())
+        except OSError as e:
+            self.counters["journal.compact_failed"] += 1
+            journal.base = journal.size  # try again once as much again was appended
+            self._log.warning("compact", f"{self.name}: journal compaction failed, the journal "
+                              f"is kept as it is ({before} bytes): {e}")
+            return
+        self.counters["journal.compactions"] += 1
+        log.info("%s: journal compacted from %d to %d bytes", self.name, before, journal.size)
 
     @property
     def trainer_version(self) -> int:
@@ -166,16 +272,27 @@ class BufferActor(Actor):
 
     def rpc_handlers(self):
         return {RolloutPermit: self.permit, GetBatch: self.get_batch,
-                VersionUpdate: self.version_update}
+                VersionUpdate: self.version_update, SampleGroup: self.resend}
 
     async def on_inbox(self, msg: Msg) -> None:
         if not isinstance(msg, SampleGroup):
             self.counters["inbox.unexpected"] += 1
             return
         if self._invalid(msg, lambda: check_group(msg.samples, self.config)):
+            self.counters["inbox.refused_invalid"] += 1
             return
         self._record(JournalEntry("group", group=msg))
         await self._notify()
+
+    async def resend(self, msg: SampleGroup) -> Ack | ErrorReply:
+        """A group the rollout sends again because this buffer process is new (the one before
+        may have died with it in flight): what the books already hold counts as a copy."""
+        refused = self._invalid(msg, lambda: check_group(msg.samples, self.config))
+        if refused:
+            return refused
+        self._record(JournalEntry("resend", group=msg))
+        await self._notify()
+        return Ack()
 
     async def permit(self, msg: RolloutPermit) -> Permit | ErrorReply:
         if msg.batch_index < 0:
@@ -197,10 +314,15 @@ class BufferActor(Actor):
         def ready() -> bool:
             nonlocal batch
             known = msg.step in self.logic.history
+            replayed = self.logic.counters["batches_replayed"]
             batch = self.logic.batch_for_step(msg.step, self.trainer_version)
-            if batch is not None and not known and self.journal is not None:
+            # a new batch, or a remembered one handed out again to a restarted trainer, changed
+            # the state (a request asked again did not): journaled, so a replay gets there too
+            changed = not known or self.logic.counters["batches_replayed"] != replayed
+            if batch is not None and changed and self.journal is not None:
                 self.journal.append(JournalEntry("batch", step=msg.step,
                                                  version=self.trainer_version))
+                self._compact_if_due()
             return batch is not None
 
         async with self.changed:
@@ -250,8 +372,6 @@ class BufferActor(Actor):
         except ValueError as e:
             rtype = type(msg).__name__
             self.counters[f"buffer.refused_{rtype}"] += 1
-            if isinstance(msg, SampleGroup):
-                self.counters["inbox.refused_invalid"] += 1
             self._log.warning(f"invalid:{rtype}", f"{self.name}: refused {rtype}: {e}")
             return ErrorReply(code=ErrorCode.INVALID_VALUE, message=str(e), request_type=rtype)
 
@@ -261,9 +381,12 @@ class BufferActor(Actor):
 
     def _publish(self) -> None:
         if self.metrics:
-            # the books: added = emitted + pending + dropped_* (checked by accounting())
-            self.metrics.publish({f"buffer/{k}": v for k, v in self.logic.accounting().items()},
-                                 step=self.trainer_step)
+            # the books: added = emitted + pending + dropped_* (checked by accounting()); re-sent
+            # copies (resent_copies) are outside them
+            values = {f"buffer/{k}": v for k, v in self.logic.accounting().items()}
+            if self.journal is not None:
+                values["buffer/journal_bytes"] = self.journal.size
+            self.metrics.publish(values, step=self.trainer_step)
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, **{f"buffer.{k}": v for k, v in self.logic.counters.items()}}

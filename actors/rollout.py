@@ -6,6 +6,16 @@ tasks with at most `max_concurrency` episodes in flight, and streams each finish
 buffer. `/generate` goes to the router (sticky per episode through `X-SMG-Routing-Key`). An
 episode whose environment raises becomes a `failed` sample, counted and passed on, never dropped.
 Every `eval_every` batches it scores the eval tasks of each domain greedily.
+
+Accounting: `samples_generated` counts the samples of every training group handed to the sink
+the first time (eval episodes are not), `samples_resent` those sent again to a restarted buffer.
+Both are run totals kept in `<run_dir>/rollout/<name>.totals.json` (rewritten before each send,
+so a restarted rollout goes on counting) and published with each batch. The buffer counts a
+re-sent sample it already had as a copy, not as an added one (re-sends are requests, when the
+buffer is the sink, so that it can tell them from new groups), so that after any fault
+samples_generated = the buffer's added + what is still in flight to it, and added = emitted +
+pending + dropped_* (`bench.faults` checks both). Through a teacher pool (`sink`) re-sends go the
+way of every group, and the buffer counts the copies among them as dropped_duplicate.
 """
 
 from __future__ import annotations
@@ -14,8 +24,10 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import time
 import traceback
+from pathlib import Path
 
 import msgspec
 
@@ -24,6 +36,7 @@ from engine.session import HttpSession, SessionFailed
 from envs.loader import load_envs
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, EndRun
+from transport.rpc import RemoteError
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -65,6 +78,15 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     permit_timeout_s: float = 3600.0  # how long to wait for the trainer
 
 
+class RolloutTotals(msgspec.Struct):
+    """What the rollout handed on over the whole run, all its processes together
+    (`<run_dir>/rollout/<name>.totals.json`)."""
+
+    samples_generated: int = 0  # samples of training groups sent to the sink, the first time
+    samples_resent: int = 0  # samples sent again to a restarted buffer
+    starts: int = 0  # rollout processes that counted here (a restart adds one)
+
+
 class RolloutActor(Actor):
     Config = RolloutConfig
     role = "rollout"
@@ -83,6 +105,8 @@ class RolloutActor(Actor):
         self.sent: collections.deque = collections.deque(
             maxlen=cfg.resend_batches * cfg.groups_per_batch)
         self.buffer_epoch = ""
+        self.totals = RolloutTotals()
+        self.totals_path: Path | None = None  # where they are kept (none without a run dir)
 
     async def on_start(self) -> None:
         cfg = self.config
@@ -93,7 +117,18 @@ class RolloutActor(Actor):
         self.buffer = await self.connect(cfg.buffer)
         self.out = self.stream_to(cfg.sink or cfg.buffer)
         self.gate = asyncio.Semaphore(cfg.max_concurrency)
-
+        if self.ctx.run_dir:
+            self.totals_path = Path(self.ctx.run_dir) / "rollout" / f"{self.name}.totals.json"
+            if self.totals_path.exists():
+                try:
+                    self.totals = msgspec.json.decode(self.totals_path.read_bytes(),
+                                                      type=RolloutTotals)
+                except msgspec.DecodeError as e:
+                    raise ValueError(f"{self.totals_path}: not the rollout's totals ({e}); "
+                                     f"remove it to count from 0 (bench.faults' accounting of "
+                                     f"this run is then off)") from None
+        self.totals.starts += 1
+        self._save_totals()
 
     def rpc_handlers(self):
         return {EvalRequest: self.eval_request}
@@ -130,22 +165,58 @@ class RolloutActor(Actor):
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p}
         samples = await asyncio.gather(*(self.play(task, sampling, group_id, i)
                                          for i in range(cfg.group_size)))
-        group = SampleGroup(samples=list(samples))
-        self.sent.append(group)
-        await self.out.send(group)
+        await self.send_group(SampleGroup(samples=list(samples)))
         return list(samples)
+
+    async def send_group(self, group: SampleGroup) -> None:
+        """Hand a new group to the sink: counted (and the count kept) first, so a process
+        killed here leaves it counted and in flight, never delivered and uncounted."""
+        self.sent.append(group)
+        self.totals.samples_generated += len(group.samples)
+        self._save_totals()
+        await self.out.send(group)
 
     async def _resend_if_buffer_restarted(self, epoch: str) -> None:
         """A new buffer process may have lost groups in flight to the old one: send the recent
-        ones again (it drops those it restored from its journal as duplicates)."""
+        ones again. When the buffer is the sink they go as requests (`BufferActor.resend`), so
+        that it counts the ones it restored from its journal as copies, not as new samples;
+        else through the sink, as they went the first time."""
         if epoch == self.buffer_epoch:
             return
+        cfg = self.config
         self.buffer_epoch = epoch
-        self.counters["resent_groups"] += len(self.sent)
-        log.info("%s: the buffer restarted; re-sending %d recent groups", self.name,
-                 len(self.sent))
-        for group in list(self.sent):
-            await self.out.send(group)
+        groups = list(self.sent)
+        self.counters["resent_groups"] += len(groups)
+        log.info("%s: the buffer restarted; re-sending %d recent groups", self.name, len(groups))
+        to_buffer = cfg.sink in ("", cfg.buffer)
+        for group in groups:
+            if not to_buffer:
+                self.totals.samples_resent += len(group.samples)
+                self._save_totals()
+                await self.out.send(group)
+                continue
+            try:
+                await self.call_retrying(self.buffer, group, cfg.permit_timeout_s)
+            except RemoteError as e:  # refused as its first copy was: nothing to take again
+                self.counters["resend_refused"] += 1
+                log.warning("%s: the buffer refused re-sent group %s: %s", self.name,
+                            group.samples[0].group_id, e)
+                continue
+            self.totals.samples_resent += len(group.samples)  # acknowledged: in its books
+            self._save_totals()
+
+    def _save_totals(self) -> None:
+        """Write the run totals (temp file, then rename: a kill leaves the old or the new)."""
+        if self.totals_path is None:
+            return
+        self.totals_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.totals_path.with_name(self.totals_path.name + ".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.totals))
+        os.replace(tmp, self.totals_path)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, **{f"totals.{k}": v for k, v in
+                                    msgspec.structs.asdict(self.totals).items()}}
 
     async def play(self, task, sampling: dict, group_id: str, index: int):
         env = self.envs.env_for(task)
@@ -221,7 +292,9 @@ class RolloutActor(Actor):
         values: dict[str, float] = {"rollout/tokens_per_s": tokens / max(wall_s, 1e-9),
                                     "rollout/batch_s": wall_s,
                                     "rollout/failed": sum(s.status != "ok" for s in samples),
-                                    "rollout/trainer_version": trainer_version}
+                                    "rollout/trainer_version": trainer_version,
+                                    "rollout/samples_generated": self.totals.samples_generated,
+                                    "rollout/samples_resent": self.totals.samples_resent}
         for domain in sorted({s.domain for s in samples}):
             mine = [s for s in samples if s.domain == domain]
             values[f"rollout/reward/{domain}"] = sum(s.reward for s in mine) / len(mine)

@@ -1,8 +1,9 @@
 """Fault injection on the main job: one fault per run, each run must complete with nothing lost.
 
-`python -m bench.faults [--steps 30] [--save-every 5] [--seed 0] [--only buffer,trainer,...]`
-runs `examples/local.toml` (shortened to `--steps` steps, a checkpoint every `--save-every`)
-once per fault:
+`python -m bench.faults [--steps 30] [--save-every 5] [--seed 0] [--only buffer,trainer,...]
+[--compact-bytes 65536]` runs `examples/local.toml` (shortened to `--steps` steps, a checkpoint
+every `--save-every`, the buffer's journal compacted every `--compact-bytes`, so that faults
+meet compacted journals) once per fault:
 - `kill -9` of each actor (worker0, worker1, router, buffer, rollout, trainer) at a random step;
   the launcher restarts it and the run must finish every step;
 - `kill -9` of the launcher at a random step: every actor process must be gone within 5 s, then
@@ -12,8 +13,21 @@ once per fault:
 Per run it checks: exit code 0, the trainer's final version = steps, the buffer's books
 (`added = emitted + pending + dropped_*`, else the difference is `lost_samples`), samples emitted
 twice outside a replay for a restarted trainer (`duplicated_samples`, from the buffer's journal
-replayed through the buffer logic), and processes of the run alive after it ended (`orphans`).
+replayed through the buffer logic; a compacted journal shows the emissions after its snapshot,
+and the replay's `accounting()` fails if a group was taken twice), processes of the run alive
+after it ended (`orphans`), and that every sample the rollout generated is accounted for once
+(`unreconciled_samples`):
+- generated (the rollout's run total, `rollout/<name>.totals.json`) = trained (emitted) +
+  dropped (by reason) + pending + in flight (not in the buffer's books); re-sent copies are in
+  none of them (`resent_copies`, and `late_originals` for first copies that arrived after their
+  re-sent copy was taken), so in flight must be >= 0 (it was negative by the re-sent copies
+  when they were counted as added) and at most one batch per rollout process (groups counted
+  but not delivered when a process was killed or the run stopped);
+- the rollout's `samples_resent` = the buffer's `resent_copies` + `resent_taken` (re-sends are
+  acknowledged requests);
+- the replay's books balance; what misses counts as unreconciled.
 Final line: RESULT faults=N survived=N unsurvived=N lost_samples=N duplicated_samples=N orphans=N
+unreconciled_samples=N
 """
 
 from __future__ import annotations
@@ -40,8 +54,13 @@ ACTORS = ("worker0", "worker1", "router", "buffer", "rollout", "trainer")
 FAULTS = ACTORS + ("launcher", "corrupt_checkpoint")
 
 
-def hosts_file(folder: Path, steps: int, save_every: int) -> Path:
+def hosts_file(folder: Path, steps: int, save_every: int, compact_bytes: int) -> Path:
     text = (ROOT / "examples" / "local.toml").read_text()
+    text, found = re.subn(r"(\[actors\.buffer\]\ncls = [^\n]*\nconfig = \{[^}\n]*?) \}",
+                          rf"\1, journal_compact_bytes = {compact_bytes} }}", text)
+    if found != 1:
+        raise RuntimeError("examples/local.toml: no one-line `config = { ... }` right under "
+                           "[actors.buffer] to set journal_compact_bytes in; update hosts_file")
     text = re.sub(r"num_steps = \d+", f"num_steps = {steps}", text)
     text = re.sub(r"checkpoint = \{ save_every = \d+ \}",
                   f"checkpoint = {{ save_every = {save_every} }}", text)
@@ -134,16 +153,53 @@ class _Counting(RolloutBuffer):
                 (s.group_id, s.index), 0) + 1
         return batch
 
+    def restore(self, snap) -> None:  # a compacted journal: its remembered batches were emitted
+        super().restore(snap)
+        for batch in self.history.values():
+            for s in batch:
+                self.emitted_keys.setdefault((s.group_id, s.index), 1)
 
-def duplicated_samples(run_dir: Path, config: BufferConfig) -> int:
-    """Samples the buffer emitted in more than one batch (a replay for a restarted trainer
-    hands out the remembered batch and emits nothing), from its journal."""
+
+def replay_journal(run_dir: Path, config: BufferConfig) -> tuple[BufferState, Journal]:
     journal = Journal(run_dir / "buffer" / "buffer.journal")
     journal.close()
     state = BufferState(_Counting(config))
     for entry in journal.entries:
         state.apply(entry)
+    return state, journal
+
+
+def duplicated_samples(state: BufferState) -> int:
+    """Samples the buffer emitted in more than one batch (a replay for a restarted trainer
+    hands out the remembered batch and emits nothing), from its journal."""
     return sum(n - 1 for n in state.logic.emitted_keys.values())
+
+
+def reconcile(run_dir: Path, state: BufferState, config: BufferConfig) -> dict:
+    """generated = trained + dropped (by reason) + in flight, from the rollout's run totals
+    and the buffer's books as its journal replays them; `unreconciled` is what misses."""
+    totals = json.loads((run_dir / "rollout" / "rollout.totals.json").read_text())
+    logic, error = state.logic, ""
+    try:
+        logic.accounting()
+    except AssertionError as e:
+        error = str(e)
+    books = logic.counters
+    pending = len(logic.pending_keys())
+    dropped = {k: v for k, v in books.items() if k.startswith("dropped_") and v}
+    in_flight = totals["samples_generated"] - books["added"]  # not (yet) in the books
+    bound = totals["starts"] * config.group_size * config.groups_per_batch
+    resent_gap = totals["samples_resent"] - books["resent_copies"] - books["resent_taken"]
+    books_gap = books["added"] - books["emitted"] - pending - sum(dropped.values())
+    out = {"generated": totals["samples_generated"], "trained": books["emitted"],
+           "dropped": dropped, "pending": pending, "in_flight": in_flight,
+           "resent": totals["samples_resent"], "resent_copies": books["resent_copies"],
+           "resent_taken": books["resent_taken"], "late_originals": books["late_originals"],
+           "unreconciled": (max(-in_flight, 0) + max(in_flight - bound, 0) + abs(resent_gap)
+                            + abs(books_gap))}
+    if error:
+        out["books_error"] = error
+    return out
 
 
 def run_fault(fault: str, folder: Path, steps: int, save_every: int,
@@ -159,7 +215,7 @@ def run_fault(fault: str, folder: Path, steps: int, save_every: int,
         run.until(rf"{fault} failed .*restart 1/")
     else:
         if fault == "corrupt_checkpoint":
-            newest = sorted((run_dir / "checkpoints").glob("step_*[0-9]"))[-1]
+            newest = max((run_dir / "checkpoints").glob("step_*[0-9]"))
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait()
         orphans += run.orphans()
@@ -175,9 +231,11 @@ def run_fault(fault: str, folder: Path, steps: int, save_every: int,
         survived = survived and "resume skipped a damaged checkpoint" in text
     config = msgspec.convert(json.loads((run_dir / "config.json").read_text())["actors"]
                              ["buffer"]["config"], BufferConfig)  # the run's own
+    state, journal = replay_journal(run_dir, config)
     out = {"fault": fault, "at_step": at, "exit": code, "survived": survived,
-           "lost": lost_samples(run_dir), "duplicated": duplicated_samples(run_dir, config),
-           "orphans": orphans}
+           "lost": lost_samples(run_dir), "duplicated": duplicated_samples(state),
+           "orphans": orphans, **reconcile(run_dir, state, config),
+           "journal_bytes": journal.size, "journal_compacted": journal.snapshot_size > 0}
     if not survived:
         out["tail"] = text[-2000:]
     return out
@@ -189,13 +247,15 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=",".join(FAULTS), help="comma-separated faults")
+    ap.add_argument("--compact-bytes", type=int, default=65536,
+                    help="the buffer's journal_compact_bytes (0: never compact)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results = []
     for fault in args.only.split(","):
         with tempfile.TemporaryDirectory(prefix=f"faults-{fault}-") as tmp:
             folder = Path(tmp)
-            hosts_file(folder, args.steps, args.save_every)
+            hosts_file(folder, args.steps, args.save_every, args.compact_bytes)
             t0 = time.monotonic()
             result = run_fault(fault, folder, args.steps, args.save_every, rng)
             result["wall_s"] = round(time.monotonic() - t0, 1)
@@ -205,7 +265,8 @@ def main() -> None:
     print(f"RESULT faults={len(results)} survived={survived} "
           f"unsurvived={len(results) - survived} lost_samples={sum(r['lost'] for r in results)} "
           f"duplicated_samples={sum(r['duplicated'] for r in results)} "
-          f"orphans={sum(r['orphans'] for r in results)}")
+          f"orphans={sum(r['orphans'] for r in results)} "
+          f"unreconciled_samples={sum(r['unreconciled'] for r in results)}")
 
 
 if __name__ == "__main__":

@@ -30,13 +30,30 @@ Staleness, precisely:
 
 Invariant (`accounting()`): every sample `add()` accepted is in exactly one place: emitted,
 pending (an open group, or a ready one not yet emitted), or one `dropped_*` counter:
-- dropped_duplicate: its (group_id, index) arrived before, or its group was already complete;
+- dropped_duplicate: its (group_id, index) arrived before, or its group was already complete
+  (a second generation of the same sample, e.g. by a restarted rollout);
 - dropped_stale: its group was (or became) stale;
 - dropped_overflow: its group would have exceeded max_pending_groups (later siblings follow);
 - dropped_failed_group: its complete group had fewer than min_ok_per_group ok samples;
 - dropped_failed_sample: it was failed/aborted in a group that was kept (its ok siblings go on).
 Group ids of complete or dropped groups are remembered for the buffer's lifetime (one dict entry
-each), so no group is ever emitted twice.
+each), so no group is ever emitted twice (checked: one closed "complete" id per
+groups_completed).
+
+Re-sent groups (`add_resent`): a producer sends its recent groups again to a restarted buffer,
+some of which the buffer already has (from its journal) and some it never got (lost in flight to
+the process that died). A re-sent sample already in the books is a copy, counted in
+`resent_copies` only: it is not `added` again, so the books count every sample once. One that is
+not goes in as any sample (`added`, and `resent_taken` too) and is remembered: if its first copy
+still arrives later (a stream drained after the re-send), that one is counted in
+`late_originals` only. So a producer's count of samples it generated equals `added` plus what is
+still in flight to the buffer, and its count of re-sent samples resent_copies + resent_taken.
+Groups are assumed whole (as the rollout sends them): a re-sent sample of a closed group is a
+copy. Limit: a key remembered that way and generated again by a restarted producer counts as a
+late original, not as dropped_duplicate.
+
+Snapshots (`snapshot`, `restore`): the whole state but the config, so that the buffer actor can
+replace its journal by one record (compaction) and replay it to exactly this state.
 
 Input checks (`check_sample`, `check_group`, `check_version`) are pure and raise ValueError saying
 what to change; the actor runs them before anything changes state and answers or counts the
@@ -45,6 +62,7 @@ refusal (a refused group or version changes nothing).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 
@@ -54,10 +72,12 @@ from transport.schema import Sample
 
 STATUSES = ("ok", "failed", "aborted")
 SAMPLE_COUNTERS = ("added", "emitted", "dropped_duplicate", "dropped_stale", "dropped_overflow",
-                   "dropped_failed_group", "dropped_failed_sample")
+                   "dropped_failed_group", "dropped_failed_sample", "resent_copies", "resent_taken",
+                   "late_originals")
 GROUP_COUNTERS = ("groups_completed", "groups_emitted", "groups_dropped_stale",
                   "groups_dropped_failed", "groups_dropped_overflow", "batches_emitted",
                   "batches_replayed", "batches_not_replayable", "trainer_restarts")
+CLOSED = ("complete", "stale", "overflow")  # why a group id is closed
 
 
 class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -70,12 +90,21 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
     # emitted batches kept by step, so a trainer restarted from a checkpoint trains again on
     # exactly the batches its lost steps had consumed (steps since its last checkpoint)
     replay_steps: int = 64
+    # the buffer actor's journal (<run_dir>/buffer/<name>.journal, replayed on restart) is
+    # rewritten as one snapshot of the live state once this many bytes, and at least the
+    # snapshot's own size, were appended since the last one, so it stays under twice its last
+    # snapshot plus this; 0 = never (it then grows with the run, by about 23 kB a step on
+    # examples/local.toml)
+    journal_compact_bytes: int = 1 << 20
 
     def __post_init__(self):
         for name in ("group_size", "groups_per_batch", "max_pending_groups", "min_ok_per_group",
                      "max_sample_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"buffer config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.journal_compact_bytes < 0:
+            raise ValueError(f"buffer config: journal_compact_bytes must be >= 0 (0 = never "
+                             f"compact), got {self.journal_compact_bytes}")
         if self.max_staleness < 0:
             raise ValueError(f"buffer config: max_staleness must be >= 0 (0 = on-policy), "
                              f"got {self.max_staleness}")
@@ -148,6 +177,19 @@ def check_version(field: str, seen: int, version: int, step: int) -> None:
                          f"versions only advance one step at a time (send {seen} or {seen + 1})")
 
 
+class BufferSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Everything a RolloutBuffer holds but its config (`snapshot` / `restore`)."""
+
+    trainer_version: int
+    counters: dict[str, int]
+    open: list[list[Sample]]  # each incomplete group's samples, in arrival order
+    ready: list[list[Sample]]  # ok samples of each ready group, oldest completion first
+    closed: dict[str, list[str]]  # "complete" | "stale" | "overflow" -> group ids
+    history: dict[int, list[Sample]]  # emitted batch by optimizer step
+    replay_from: int = -1
+    resent_first: list[tuple[str, int]] = []  # (group_id, index) first taken from a re-send
+
+
 class RolloutBuffer:
     """Groups samples, drops what is stale, failed or repeated, and cuts trainer batches."""
 
@@ -160,15 +202,22 @@ class RolloutBuffer:
         self._closed: dict[str, str] = {}  # group id -> "complete" | "stale" | "overflow"
         self.history: dict[int, list[Sample]] = {}  # emitted batch by optimizer step
         self._replay_from = -1  # a restarted trainer replays history from this step on
+        # samples that went in from a re-send (their first copy was not here): that first copy,
+        # should it still arrive, is a late original
+        self._resent_first: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------------ input
     def add(self, sample: Sample) -> str:
         """Take one sample; returns what became of it: "pending", "complete" (its group is now
-        ready) or the dropped_* counter it went to. ValueError for a malformed sample (not
+        ready), the dropped_* counter it went to, or "late_originals" (the first copy of a
+        sample already taken from a re-send). ValueError for a malformed sample (not
         counted)."""
         self._validate(sample)
-        self.counters["added"] += 1
         gid = sample.group_id
+        if (gid, sample.index) in self._resent_first:
+            self._resent_first.discard((gid, sample.index))
+            return self._count("late_originals", 1)
+        self.counters["added"] += 1
         if gid in self._closed:
             reason = {"complete": "dropped_duplicate", "stale": "dropped_stale",
                       "overflow": "dropped_overflow"}[self._closed[gid]]
@@ -189,6 +238,19 @@ class RolloutBuffer:
         if len(group) == self.config.group_size:
             return self._complete(gid)
         return "pending"
+
+    def add_resent(self, sample: Sample) -> str:
+        """Take one sample of a group its producer sent again (to a restarted buffer): a copy
+        of a sample already in the books is counted in `resent_copies` and nothing else; any
+        other goes in as `add` takes it (and counts in `resent_taken`). Returns as `add`."""
+        self._validate(sample)
+        gid, index = sample.group_id, sample.index
+        if gid in self._closed or index in self._open.get(gid, ()):
+            return self._count("resent_copies", 1)
+        outcome = self.add(sample)
+        self.counters["resent_taken"] += 1
+        self._resent_first.add((gid, index))
+        return outcome
 
     def _validate(self, sample: Sample) -> None:
         check_sample(sample, self.config)
@@ -322,10 +384,42 @@ class RolloutBuffer:
         keys = {(gid, i) for gid, group in self._open.items() for i in group}
         return keys | {(s.group_id, s.index) for ok in self._ready.values() for s in ok}
 
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self) -> BufferSnapshot:
+        """The whole state but the config; `restore` of it gives this state back exactly."""
+        closed: dict[str, list[str]] = {reason: [] for reason in CLOSED}
+        for gid, reason in self._closed.items():
+            closed[reason].append(gid)
+        return BufferSnapshot(
+            trainer_version=self.trainer_version, counters=dict(self.counters),
+            open=[list(group.values()) for group in self._open.values()],
+            ready=[list(ok) for ok in self._ready.values()],
+            closed={reason: gids for reason, gids in closed.items() if gids},
+            history={step: list(batch) for step, batch in self.history.items()},
+            replay_from=self._replay_from, resent_first=sorted(self._resent_first))
+
+    def restore(self, snap: BufferSnapshot) -> None:
+        """Replace the whole state (but the config) by `snap`'s, in place."""
+        unknown = set(snap.closed) - set(CLOSED)
+        if unknown or any(not group for group in snap.open + snap.ready):
+            raise ValueError(f"buffer snapshot is damaged: closed reasons {sorted(unknown)} "
+                             f"(known: {CLOSED}) or an empty group")
+        self.trainer_version = snap.trainer_version
+        self.counters.clear()
+        self.counters.update(dict.fromkeys(SAMPLE_COUNTERS + GROUP_COUNTERS, 0))
+        self.counters.update(snap.counters)
+        self._open = {group[0].group_id: {s.index: s for s in group} for group in snap.open}
+        self._ready = {ok[0].group_id: list(ok) for ok in snap.ready}
+        self._closed = {gid: reason for reason, gids in snap.closed.items() for gid in gids}
+        self.history = {step: list(batch) for step, batch in snap.history.items()}
+        self._replay_from = snap.replay_from
+        self._resent_first = set(snap.resent_first)
+
     # ------------------------------------------------------------------ accounting
     def accounting(self) -> dict[str, int]:
         """Counters plus `pending`, `open_groups`, `ready_groups`; raises AssertionError unless
-        added == emitted + pending + sum(dropped_*)."""
+        added == emitted + pending + sum(dropped_*) (re-sent copies are in none of them) and
+        each completed or overflowed group was so once."""
         pending = sum(map(len, self._open.values())) + sum(map(len, self._ready.values()))
         dropped = sum(v for k, v in self.counters.items() if k.startswith("dropped_"))
         if self.counters["added"] != self.counters["emitted"] + pending + dropped:
@@ -334,5 +428,13 @@ class RolloutBuffer:
                                  f"dropped {dropped} ({self.counters})")
         if set(self._open) & set(self._closed) or set(self._ready) - set(self._closed):
             raise AssertionError("buffer accounting broken: a group is both open and closed")
+        reasons = collections.Counter(self._closed.values())
+        for reason, counter in (("complete", "groups_completed"),
+                                ("overflow", "groups_dropped_overflow")):
+            if reasons[reason] != self.counters[counter]:
+                raise AssertionError(f"buffer accounting broken: {reasons[reason]} group ids "
+                                     f"closed as {reason!r} but {counter} = "
+                                     f"{self.counters[counter]} (a group id was forgotten and "
+                                     f"its group taken again)")
         return {**self.counters, "pending": pending, "open_groups": len(self._open),
                 "ready_groups": len(self._ready)}

@@ -1,5 +1,6 @@
 """RolloutBuffer logic: group completion, staleness (hand-worked), failures, duplicates, overflow,
-and the accounting invariant under a long random sequence of operations."""
+re-sent groups, snapshots, and the accounting invariant under a long random sequence of
+operations."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import random
 import msgspec
 import pytest
 
-from logic.buffer import BufferConfig, RolloutBuffer, Sample, check_group, check_version
+from logic.buffer import (
+    BufferConfig,
+    BufferSnapshot,
+    RolloutBuffer,
+    Sample,
+    check_group,
+    check_version,
+)
 
 
 def mk(gid: str, index: int, w: int = 0, status: str = "ok") -> Sample:
@@ -39,7 +47,8 @@ def test_config_checks():
                         ({"max_staleness": -1}, "max_staleness must be >= 0"),
                         ({"group_size": 1}, "min_ok_per_group \\(2\\) must be <= group_size"),
                         ({"groups_per_batch": 8, "max_pending_groups": 4},
-                         "max_pending_groups \\(4\\) must be >= groups_per_batch")]:
+                         "max_pending_groups \\(4\\) must be >= groups_per_batch"),
+                        ({"journal_compact_bytes": -1}, "journal_compact_bytes must be >= 0")]:
         with pytest.raises(ValueError, match=message):
             BufferConfig(**{"group_size": 2, "groups_per_batch": 1, **kw})
 
@@ -376,3 +385,151 @@ def test_a_waiting_trainer_that_went_back_gets_new_batches():
     add_group(buf, "a", w=5)
     add_group(buf, "b", w=5)  # enough held for its batch: back to the index rule
     assert not buf.may_start_batch(14, 5, trainer_waiting=True)
+
+
+# ----------------------------------------------------------------------------- re-sent groups
+def test_resent_samples_are_counted_once_whether_the_buffer_had_them_or_not():
+    """After a buffer restart the rollout re-sends "a" (restored from the journal), "b" (lost in
+    flight to the dead process) and "c" (emitted, then stale-dropped "s"); the first copy of "b"
+    arrives after all; a restarted rollout generates "a" again."""
+    buf = buffer(max_staleness=0)
+    add_group(buf, "a")
+    add_group(buf, "c")
+    add_group(buf, "s", w=0)
+    assert keys(buf.next_batch(0)) == [("a", 0), ("a", 1)]
+    buf.set_trainer_version(1)  # "c" and "s" are now stale: dropped
+    generated = 8 + 2  # a, c, s and b by the rollout, then a again by a restarted one
+    outcomes = [buf.add_resent(mk(gid, i)) for gid in ("a", "c", "s") for i in (0, 1)]
+    assert outcomes == ["resent_copies"] * 6  # in the books already
+    assert [buf.add_resent(mk("b", i, w=1)) for i in (0, 1)] == ["pending", "complete"]
+    assert buf.add_resent(mk("b", 0, w=1)) == "resent_copies"  # a second re-send: a copy
+    assert [buf.add(mk("b", i, w=1)) for i in (0, 1)] == ["late_originals"] * 2
+    assert buf.add(mk("a", 1, w=1)) == "dropped_duplicate"  # generated again: a real drop
+    assert buf.add(mk("a", 0, w=1)) == "dropped_duplicate"
+    acc = buf.accounting()
+    assert acc["added"] == generated == 10  # a, c, s, b once each, and the second "a"
+    assert acc["emitted"] == 2 and acc["pending"] == 2 and acc["dropped_stale"] == 4
+    assert acc["dropped_duplicate"] == 2
+    assert acc["resent_copies"] == 7 and acc["resent_taken"] == 2 and acc["late_originals"] == 2
+    assert buf.add(mk("b", 0, w=1)) == "dropped_duplicate"  # the late original came only once
+
+
+def test_accounting_fails_when_a_group_is_taken_twice():
+    buf = buffer()
+    add_group(buf, "g")
+    buf.next_batch(0)
+    del buf._closed["g"]  # as if a restart or a snapshot had forgotten the group
+    add_group(buf, "g")  # ... so that it goes in again: the sample books still balance
+    assert buf.counters["added"] == buf.counters["emitted"] + len(buf.pending_keys()) == 4
+    with pytest.raises(AssertionError, match="1 group ids closed as 'complete' but "
+                                             "groups_completed = 2"):
+        buf.accounting()
+
+
+# ----------------------------------------------------------------------------- snapshots
+def state_of(buf: RolloutBuffer) -> dict:
+    """Every attribute but the config (so a new one is compared too), in order where the order
+    decides what the buffer does (ready groups are emitted oldest first)."""
+    state = {k: v for k, v in vars(buf).items() if k != "config"}
+    state["_open"] = [(gid, list(group.items())) for gid, group in buf._open.items()]
+    state["_ready"] = list(buf._ready.items())
+    state["history"] = list(buf.history.items())
+    return state
+
+
+def round_trip(buf: RolloutBuffer) -> RolloutBuffer:
+    """A fresh buffer restored from `buf`'s snapshot, through msgpack as the journal stores it."""
+    wire = msgspec.msgpack.encode(buf.snapshot())
+    fresh = RolloutBuffer(buf.config)
+    fresh.restore(msgspec.msgpack.decode(wire, type=BufferSnapshot))
+    return fresh
+
+
+def test_a_snapshot_restores_every_part_of_the_state():
+    buf = buffer(group_size=3, groups_per_batch=1, max_staleness=1, max_pending_groups=3)
+    add_group(buf, "e")
+    buf.batch_for_step(0, 0)  # "e" emitted for step 0
+    add_group(buf, "r")  # ready
+    buf.add(mk("o", 2))
+    buf.add(mk("o", 0))  # open, indices in arrival order 2, 0
+    buf.add_resent(mk("t", 1))  # taken from a re-send
+    buf.add(mk("x", 0))  # overflow: 3 groups held
+    buf.restart_trainer(version=0, step=0)  # step 0 will be replayed
+    buf.set_trainer_version(3)  # "r" and "o" (version 0) are stale now; "t" too
+    add_group(buf, "f", w=3)
+    fresh = round_trip(buf)
+    assert state_of(fresh) == state_of(buf)
+    assert [gid for gid, _ in state_of(fresh)["_ready"]] == ["f"]
+    assert fresh._closed == {"e": "complete", "r": "complete", "x": "overflow", "o": "stale",
+                             "t": "stale", "f": "complete"}
+    assert fresh._resent_first == {("t", 1)} and fresh._replay_from == 0
+    assert keys(fresh.history[0]) == [("e", 0), ("e", 1), ("e", 2)]
+    assert fresh.counters["added"] == 3 + 3 + 2 + 1 + 1 + 3  # e, r, o, t, x, f
+    assert fresh.counters["resent_taken"] == 1 and fresh.counters["dropped_stale"] == 6
+    assert fresh.trainer_version == 3
+    # and it goes on as the original does: step 0 replayed, then "f"
+    assert keys(fresh.batch_for_step(0, 3)) == keys(buf.batch_for_step(0, 3))
+    assert fresh.counters["batches_replayed"] == buf.counters["batches_replayed"] == 1
+    assert fresh.add(mk("t", 1)) == buf.add(mk("t", 1)) == "late_originals"
+
+
+def test_a_damaged_snapshot_is_refused():
+    snap = buffer().snapshot()
+    snap.closed = {"complete": ["a"], "vanished": ["b"]}
+    with pytest.raises(ValueError, match="closed reasons \\['vanished'\\]"):
+        buffer().restore(snap)
+
+
+@pytest.mark.parametrize("seed", [31, 32, 33])
+def test_restored_buffers_behave_as_the_original_under_random_operations(seed):
+    """At random points the buffer is snapshot and restored into a fresh one; every buffer so
+    far then gets the same operations (samples, re-sends, batches, versions, checkpoints,
+    trainer restarts), and all must stay equal."""
+    rng = random.Random(seed)
+    config = BufferConfig(group_size=3, groups_per_batch=2, max_staleness=1,
+                          max_pending_groups=6, min_ok_per_group=2, replay_steps=4)
+    buffers, rollout = [RolloutBuffer(config)], RandomRollout(rng, 1)
+    version, step, checkpoint, sent, held = 0, 0, 0, [], []
+    for _ in range(2500):
+        op = rng.random()
+        if op < 0.75:
+            sample = rollout.next_sample(version)
+            sent.append(sample)
+            fate = rng.random()
+            if fate < 0.1:  # lost in flight (to a buffer that died)
+                continue
+            if fate < 0.2:  # held up in flight: it arrives later
+                held.append(sample)
+                continue
+            outcomes = {buf.add(sample) for buf in buffers}
+        elif op < 0.78 and held:
+            late = held.pop(rng.randrange(len(held)))
+            outcomes = {buf.add(late) for buf in buffers}
+        elif op < 0.83 and sent:
+            resent = rng.choice(sent[-30:])
+            outcomes = {buf.add_resent(resent) for buf in buffers}
+        elif op < 0.93:
+            batches = [buf.batch_for_step(step, version) for buf in buffers]
+            outcomes = {tuple(keys(b)) if b else None for b in batches}
+            if batches[0] is not None:
+                step, version = step + 1, version + 1
+        elif op < 0.95:
+            checkpoint = step
+            for buf in buffers:
+                buf.forget_before(checkpoint)
+            outcomes = {None}
+        elif op < 0.97 and step > checkpoint:  # the trainer died; resumed from its checkpoint
+            back = step - checkpoint
+            for buf in buffers:
+                buf.restart_trainer(version - back, checkpoint)
+            step, version, outcomes = checkpoint, version - back, {None}
+        else:
+            buffers.append(round_trip(buffers[0]))
+            outcomes = {None}
+        assert len(outcomes) == 1  # every buffer answered alike
+    states = [state_of(buf) for buf in buffers]
+    assert len(buffers) > 40 and all(state == states[0] for state in states[1:])
+    acc = buffers[0].accounting()
+    for counter in ("emitted", "dropped_duplicate", "dropped_stale", "resent_copies",
+                    "resent_taken", "late_originals", "batches_replayed"):
+        assert acc[counter] > 0, counter  # the sequence exercised every path
