@@ -8,6 +8,12 @@ forward them. Every option of the `router` table (and `--router-<option>` on the
 command line, see runtime/passthrough.py) passes through to sglang-router: `key = value` becomes
 `--key value`, `true` a bare flag. With `dynamic_workers = true` the router may start with no
 worker: SGLang workers register themselves at run time (actors/sglang_worker.py, POST /workers).
+
+Hostile HTTP input: this actor parses no request itself; sglang-router does, typed (serde, with
+its nesting limit: malformed or too deep JSON gets 400, wrong types 422), after refusing a body
+over `max_body_bytes` with 413 unread. That bound is the embedded workers' own (64 MiB) instead
+of sglang-router's 512 MiB default, which it would buffer per request only for the worker to
+refuse it. A bad request never reaches a worker and never stops the router.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     port: int = 0  # 0 = pick a free port
     health_timeout_s: float = 60.0  # the router must answer /health within this
     dynamic_workers: bool = False  # workers register themselves (POST /workers); may start empty
+    max_body_bytes: int = 64 << 20  # larger request bodies get 413 before they are read (bytes;
+    # sglang-router's max_payload_size; as the embedded workers' max_body_bytes)
     router: dict[str, Any] = {}  # sglang-router options, passed through as --key value
 
 
@@ -47,6 +55,7 @@ def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list
         cmd += ["--policy", cfg.policy]
     else:
         cmd += ["--then-policy", cfg.policy]
+    cmd += ["--max-payload-size", str(cfg.max_body_bytes)]
     options = dict(cfg.router)
     if "prometheus_port" not in options:  # its fixed default collides between routers
         cmd += ["--prometheus-port", str(free_port(cfg.host))]
@@ -54,7 +63,8 @@ def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list
 
 
 # Options the router actor sets itself -> the config field that sets each.
-OWNED = {"host": "host", "port": "port", "worker_urls": "workers", "policy": "policy"}
+OWNED = {"host": "host", "port": "port", "worker_urls": "workers", "policy": "policy",
+         "max_payload_size": "max_body_bytes"}
 
 
 class RouterActor(Actor):
@@ -64,6 +74,8 @@ class RouterActor(Actor):
     @classmethod
     def check_config(cls, config: RouterConfig) -> None:
         refuse_owned(config.router, OWNED, "router")
+        if config.max_body_bytes < 1:
+            raise ValueError(f"router: max_body_bytes must be >= 1, got {config.max_body_bytes}")
 
     async def on_start(self) -> None:
         cfg = self.config

@@ -14,8 +14,19 @@ import pytest
 import torch
 import zmq
 
-from transport.codec import EXT_SHM, EXT_TENSOR, Codec, Limits, WireError
-from transport.schema import PROTOCOL_VERSION, Blob, ErrorCode, Kind, Ping, Scale, WorkItem
+from transport.codec import EXT_SHM, EXT_TENSOR, Codec, Limits, WireError, scan_header
+from transport.schema import (
+    PROTOCOL_VERSION,
+    Blob,
+    ErrorCode,
+    Kind,
+    Ping,
+    Sample,
+    SampleGroup,
+    Scale,
+    TrainBatch,
+    WorkItem,
+)
 from transport.shm import PREFIX, SHM_DIR, ShmChannel, ShmConfig
 
 # Every dtype of the brief that this torch build has (float8 variants included where present).
@@ -611,6 +622,7 @@ def test_huge_header_of_empty_maps_is_refused_fast_and_small():
              (body_field("SampleGroup", "samples", array32(n, b"\x80")), 3.0),
              (body_field("SampleGroup", "samples", b"\x94" + array32(n // 4, b"\x80") * 4), 3.0),
              # leaves of mixed sizes are walked one by one: max_header_items bounds the walk
+             # (the empty maps are objects; the numbers between them have their own limit)
              (body_field("SampleGroup", "samples", b"\x94" + mixed * 4), 5.0)]
     for frame, budget_s in cases:
         assert len(frame) >= n
@@ -620,6 +632,241 @@ def test_huge_header_of_empty_maps_is_refused_fast_and_small():
         assert err.code == ErrorCode.TOO_LARGE, err
         assert elapsed < budget_s, f"{err.message}: {elapsed:.2f} s"
         assert proc.memory_info().rss - rss < 100 << 20
+
+
+def test_millions_of_tiny_containers_are_refused_fast_and_small():
+    """Arrays, maps and strings are what make a small header costly (a walk step each, and an
+    object of ~60 bytes or more once decoded): millions of tiny ones are refused by
+    max_header_items before anything is built; alike rows at C speed, others walked."""
+    import psutil
+
+    proc = psutil.Process()
+    rows = 4 << 20
+    # 4 values, 7 objects: [0], [0, 128], [[nil]], {"a": []}
+    mixed = b"\x91\x00" + b"\x92\x00\xcc\x80" + b"\x91\x91\xc0" + b"\x81\xa1a\x90"
+    # budgets with room for a loaded 2-core machine (there: ~0.06 s for the alike rows, which
+    # the old walk took ~5 s to refuse; ~2 s for the mixed ones, walked up to the limit)
+    cases = [(body_field("Sample", "teacher_topk_ids", array32(rows, b"\x91\x00")), 1.0),
+             (body_field("Sample", "teacher_topk_logprobs",
+                         b"\x94" + array32(rows // 4, b"\x92\xcb" + bytes(8) + b"\x01") * 4), 1.0),
+             (body_field("SampleGroup", "samples",
+                         b"\xdd" + rows.to_bytes(4, "big") + mixed * (rows // 4)), 6.0)]
+    for frame, budget_s in cases:
+        rss, t0 = proc.memory_info().rss, time.perf_counter()
+        err = wire_error(Codec(), [frame])
+        elapsed = time.perf_counter() - t0
+        assert err.code == ErrorCode.TOO_LARGE and "limits.max_header_items" in err.message, err
+        assert f"more than {Limits().max_header_items} arrays, maps" in err.message
+        assert elapsed < budget_s, f"{err.message}: {elapsed:.2f} s"
+        assert proc.memory_info().rss - rss < 100 << 20
+    # the same rows under the limit are accepted: the limit, not the shape, refused them
+    # (1000 rows, their array, the body map, the header array and 3 strings)
+    ok = body_field("Sample", "teacher_topk_ids", array32(1000, b"\x91\x00"))
+    scan_header(memoryview(ok), Limits(max_header_items=1006))
+    assert "max_header_items" in wire_error(Codec(Limits(max_header_items=1005)), [ok]).message
+
+
+def test_numbers_have_their_own_limit():
+    """Ints, floats, bools and nils count against max_header_numbers, never max_header_items:
+    300k token ids and log-probs fit a limit of 40 objects."""
+    ids = list(range(0, 400_000, 4))  # every msgpack int width: fixint, uint8, uint16, uint32
+    sample = Sample(group_id="g", index=1, domain="d", prompt_ids=[], response_ids=ids,
+                    loss_mask=[1] * len(ids), rollout_logprobs=[-0.5 - i for i in range(len(ids))])
+    frames = Codec().encode(Kind.EVENT, 0, SampleGroup(samples=[sample]))
+    numbers = 3 + 1 + 3 * len(ids)  # version, kind, id; index; the three lists
+    got = Codec(Limits(max_header_items=40, max_header_numbers=numbers)).decode(frames).body
+    assert got.samples[0].response_ids == ids and got.samples[0].rollout_logprobs[-1] == -99_999.5
+    err = wire_error(Codec(Limits(max_header_numbers=numbers - 1)), frames)
+    assert err.code == ErrorCode.TOO_LARGE
+    assert err.message == \
+        f"header holds more than {numbers - 1} numbers (limits.max_header_numbers)"
+    assert "max_header_items" in wire_error(Codec(Limits(max_header_items=15)), frames).message
+
+
+def topk_batch(samples: int, tokens: int, k: int, prompt: int, vocab: int = 151_936) -> TrainBatch:
+    """A TrainBatch of on-policy distillation with teacher top-k signals, as the buffer sends
+    it to the trainer: token ids of a Qwen-sized vocabulary (every msgpack int width), sorted
+    float64 log-probs."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(samples):
+        ids = rng.integers(0, vocab, size=(tokens, k))
+        logprobs = -np.sort(rng.exponential(2.0, size=(tokens, k)), axis=1)
+        out.append(Sample(group_id=f"g{i // 8}", index=i % 8, domain="math",
+                          prompt_ids=rng.integers(0, vocab, prompt).tolist(),
+                          response_ids=ids[:, 0].tolist(), loss_mask=[1] * tokens,
+                          rollout_logprobs=logprobs[:, 0].tolist(), reward=1.0, weight_version=3,
+                          teacher="math-teacher", teacher_logprobs=logprobs[:, 1].tolist(),
+                          teacher_topk_ids=ids.tolist(), teacher_topk_logprobs=logprobs.tolist()))
+    return TrainBatch(step=7, samples=out, counters={"groups": samples // 8})
+
+
+def test_big_topk_train_batch_round_trips_within_the_default_limits():
+    """64 samples x 4096 response tokens x top-20 ids and log-probs: 11 Mi numbers and 0.5 Mi
+    rows (73 MiB of header), refused by the old single limit of 8 Mi values. Numbers count
+    against max_header_numbers, rows and the other objects against max_header_items."""
+    samples, tokens, k, prompt = 64, 4096, 20, 512
+    batch = topk_batch(samples, tokens, k, prompt)
+    frames = Codec().encode(Kind.REPLY, 5, batch)
+    assert len(frames) == 1 and len(frames[0]) > 64 << 20
+    numbers = samples * (prompt + 4 * tokens + 2 * k * tokens)  # the lists; a few scalars more
+    rows = samples * 2 * tokens
+    assert numbers + rows > 1 << 23
+    got = Codec().decode(as_zmq_would(frames))
+    assert got.req_id == 5 and isinstance(got.body, TrainBatch)
+    assert got.body.samples[63].teacher_topk_ids[4095] == batch.samples[63].teacher_topk_ids[4095]
+    assert Codec().encode(Kind.REPLY, 5, got.body)[0] == frames[0]  # every value came back
+    del got, batch
+    # the counts are exact: a few scalars per sample besides the lists, ~20 objects per sample
+    # besides the rows; one number less than the lists hold is refused
+    scan_header(memoryview(frames[0]), Limits(max_header_numbers=numbers + 8 * samples,
+                                              max_header_items=rows + 32 * samples))
+    err = wire_error(Codec(Limits(max_header_numbers=numbers - 1)), frames)
+    assert err.code == ErrorCode.TOO_LARGE and "max_header_numbers" in err.message
+    err = wire_error(Codec(Limits(max_header_items=rows - 1)), frames)
+    assert err.code == ErrorCode.TOO_LARGE and "max_header_items" in err.message
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    """Random msgpack-able data shaped like headers: scalars of every width, strings, bytes,
+    extensions, rows of numbers alike or not, runs of same-size leaves, nesting, maps."""
+    if depth > 3 or rng.random() < 0.4:
+        return rng.choice([
+            lambda: rng.randint(-40, 200), lambda: rng.randint(-2**63, 2**64 - 1),
+            lambda: rng.choice([127, 128, 255, 256, 65535, 65536, 2**32, -32, -33, -129]),
+            lambda: rng.random(), lambda: None, lambda: rng.random() < 0.5,
+            lambda: "x" * rng.choice([0, 1, 31, 32, 300]), lambda: b"y" * rng.choice([0, 300]),
+            lambda: msgspec.msgpack.Ext(5, b"z" * rng.choice([1, 2, 3, 4, 8, 16, 300]))])()
+    shape = rng.random()
+    if shape < 0.25:  # rows of numbers, as top-k signals
+        make = rng.choice([rng.random, lambda: rng.randint(0, 127), lambda: rng.randint(0, 2**17)])
+        k = rng.choice([1, 2, 15, 16, 20, 31, 32])
+        return [[make() for _ in range(k)] for _ in range(rng.choice([1, 31, 32, 40]))]
+    if shape < 0.4:  # runs of one value size, numbers or not
+        make = rng.choice([rng.random, lambda: 3, dict, list, lambda: "ab"])
+        return [make() for _ in range(rng.choice([0, 1, 31, 32, 33, 70]))]
+    if shape < 0.75:
+        return [random_value(rng, depth + 1) for _ in range(rng.choice([0, 1, 2, 3, 15, 16]))]
+    return {rng.choice(["a", "bb", 1, 2.5]) if rng.random() < 0.3 else f"k{i}":
+            random_value(rng, depth + 1) for i in range(rng.choice([0, 1, 2, 16]))}
+
+
+def reference_counts(value, depth: int = 1) -> tuple[int, int, int]:
+    """(numbers, objects, nesting depth of non-empty containers) of Python data, by recursion."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 1, 0, 0
+    if not isinstance(value, (list, dict)):
+        return 0, 1, 0
+    children = [x for kv in value.items() for x in kv] if isinstance(value, dict) else value
+    numbers, objects, deepest = 0, 1, depth if value else 0
+    for child in children:
+        n, o, d = reference_counts(child, depth + 1)
+        numbers, objects, deepest = numbers + n, objects + o, max(deepest, d)
+    return numbers, objects, deepest
+
+
+_REF_NUMBER = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+               0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8}  # first byte -> bytes after it
+_REF_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}  # bin, str: length bytes
+_REF_EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # ext: length bytes (then a type byte)
+
+
+def reference_scan(frame: bytes) -> tuple[int, int, int]:
+    """(numbers, objects, nesting depth) of the one msgpack value that `frame` must be, read
+    byte by byte with recursion, straight from the msgpack spec; ValueError if it is not."""
+    def read(p: int, n: int) -> int:
+        if p + n > len(frame):
+            raise ValueError("truncated")
+        return int.from_bytes(frame[p:p + n], "big")
+
+    def value(p: int, depth: int) -> tuple[int, int, int, int]:  # end, numbers, objects, depth
+        b = read(p, 1)
+        if b < 0x80 or b >= 0xe0 or b in _REF_NUMBER:
+            end = p + 1 + _REF_NUMBER.get(b, 0)
+            read(p + 1, end - p - 1)
+            return end, 1, 0, 0
+        if 0xa0 <= b <= 0xbf or b in _REF_SIZED or b in _REF_EXT or 0xd4 <= b <= 0xd8:
+            if 0xa0 <= b <= 0xbf:
+                start, length = p + 1, b & 0x1f
+            elif 0xd4 <= b <= 0xd8:
+                start, length = p + 2, 1 << (b - 0xd4)
+            else:
+                width = _REF_SIZED.get(b) or _REF_EXT[b]
+                start, length = p + 1 + width + (b in _REF_EXT), read(p + 1, width)
+            read(start, length)
+            return start + length, 0, 1, 0
+        if 0x80 <= b <= 0x9f:
+            count, p, per = b & 0x0f, p + 1, 2 if b < 0x90 else 1
+        elif b in (0xdc, 0xdd, 0xde, 0xdf):
+            width = 2 if b in (0xdc, 0xde) else 4
+            count, p, per = read(p + 1, width), p + 1 + width, 2 if b >= 0xde else 1
+        else:
+            raise ValueError(f"0x{b:02x} starts no value")
+        numbers, objects, deepest = 0, 1, depth if count else 0
+        for _ in range(count * per):
+            p, n, o, d = value(p, depth + 1)
+            numbers, objects, deepest = numbers + n, objects + o, max(deepest, d)
+        return p, numbers, objects, deepest
+
+    end, numbers, objects, depth = value(0, 1)
+    if end != len(frame):
+        raise ValueError("trailing bytes")
+    return numbers, objects, depth
+
+
+def test_scan_counts_agree_with_a_reference_on_random_headers():
+    """The scan's shortcuts (same-size runs, alike rows, short rows walked in place) count
+    exactly what a plain recursive reading of the msgpack spec counts, at every limit, on
+    random frames and on corrupted ones; a frame the reference cannot read is undecodable."""
+    rng = random.Random(7)
+    roomy = {"max_header_numbers": 1 << 30, "max_header_items": 1 << 30, "max_depth": 64,
+             "max_container_len": 1 << 30}
+
+    def refusal(frame: bytes, **limits) -> str:
+        try:
+            scan_header(memoryview(frame), Limits(**{**roomy, **limits}))
+        except WireError as e:
+            return e.message
+        return ""
+
+    def check(frame: bytes, counts: tuple[int, int, int]) -> None:
+        numbers, objects, depth = counts
+        assert refusal(frame, max_header_numbers=max(numbers, 1),
+                       max_header_items=max(objects, 1), max_depth=max(depth, 1)) == ""
+        if numbers > 1:
+            assert "max_header_numbers" in refusal(frame, max_header_numbers=numbers - 1)
+        if objects > 1:
+            assert "max_header_items" in refusal(frame, max_header_items=objects - 1)
+        if depth > 1:
+            assert "max_depth" in refusal(frame, max_depth=depth - 1)
+
+    # [5000 zero bytes, value]: over 4 KiB, so that every frame is walked (a smaller one that
+    # fits every limit by its size is left to the typed decode)
+    head = b"\x92" + msgspec.msgpack.encode(bytes(5000))
+    readable = unreadable = 0
+    for _ in range(400):
+        value = random_value(rng)
+        encoded = msgspec.msgpack.encode(value)
+        assert reference_scan(encoded) == reference_counts(value)
+        check(head + encoded, reference_scan(head + encoded))
+        for _ in range(4):
+            broken = bytearray(head + encoded)
+            at = rng.randrange(len(head), len(broken))
+            if rng.random() < 0.6:
+                broken[at] = rng.randrange(256)
+            else:
+                del broken[at:]
+            try:
+                counts = reference_scan(bytes(broken))
+            except ValueError:
+                with pytest.raises(WireError) as err:
+                    scan_header(memoryview(bytes(broken)), Limits(**roomy))
+                assert err.value.code == ErrorCode.UNDECODABLE, err.value
+                unreadable += 1
+            else:
+                check(bytes(broken), counts)
+                readable += 1
+    assert readable > 100 and unreadable > 100  # both kinds of corruption were checked
 
 
 def test_header_limits_are_checked_before_decoding():

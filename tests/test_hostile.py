@@ -162,9 +162,12 @@ async def test_16_mib_header_is_refused_fast_without_memory_growth(ipc, factory)
         try:
             n = 16 << 20
             quarter = b"\xdd" + (n // 4).to_bytes(4, "big") + b"\x80\x90" * (n // 8)
+            rows = b"\xdd" + (n // 8).to_bytes(4, "big") + b"\x91\x00" * (n // 8)  # [0], [0]...
             for i, frame in enumerate([b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n,
                                        header(with_field("Ping", "payload",
-                                                         b"\x94" + quarter * 4), 7)]):
+                                                         b"\x94" + quarter * 4), 7),
+                                       header(with_field("Sample", "teacher_topk_ids",
+                                                         b"\x94" + rows * 4), 8)]):
                 rss, t0 = proc.memory_info().rss, time.perf_counter()
                 await peer.send([frame])
                 assert isinstance(await probe(peer, 100 + i), Pong)
@@ -173,8 +176,10 @@ async def test_16_mib_header_is_refused_fast_without_memory_growth(ipc, factory)
                 del frame
                 assert elapsed < 3.0, elapsed  # typically ~0.05 s (16 MiB over ipc)
                 assert grown < 100 << 20, grown
-            assert actor.counters["control.refused_too_large"] == 2
+            assert actor.counters["control.refused_too_large"] == 3
             assert peer.answers[7].code == ErrorCode.TOO_LARGE
+            assert peer.answers[8].code == ErrorCode.TOO_LARGE
+            assert "limits.max_header_items" in peer.answers[8].message
         finally:
             peer.close()
 

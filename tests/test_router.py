@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import msgspec
 import pytest
@@ -12,6 +14,7 @@ from actors.router import RouterActor, RouterConfig, router_command
 from engine.client import SglangClient
 from engine.session import HttpSession
 from models.tokenizer import build_char_tokenizer
+from runtime.actor import Status
 from tests.helpers import context, running
 
 PROMPT = [1, 5, 6, 7]
@@ -66,6 +69,81 @@ def test_router_command_passes_options_through():
     assert empty[empty.index("--retries") + 1] == "2"
     with pytest.raises(msgspec.ValidationError, match="router_args"):  # the old name is gone
         msgspec.convert({"router_args": {}}, RouterConfig)
+
+
+def test_router_body_limit_is_the_workers_and_set_by_the_actor():
+    default = router_command(RouterConfig(), ["http://a:1"], 1)
+    assert default[default.index("--max-payload-size") + 1] == str(64 << 20)
+    assert RouterConfig().max_body_bytes == InferenceWorker.Config().max_body_bytes
+    small = router_command(RouterConfig(max_body_bytes=4096), ["http://a:1"], 1)
+    assert small[small.index("--max-payload-size") + 1] == "4096"
+    with pytest.raises(ValueError, match="set `max_body_bytes`"):
+        RouterActor.check_config(RouterConfig(router={"max_payload_size": 1 << 30}))
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1"):
+        RouterActor.check_config(RouterConfig(max_body_bytes=0))
+
+
+async def router_post(url: str, data: bytes, length: int | None = None) -> tuple[int, str]:
+    """(status, body) of a raw POST /generate (Content-Length `length`, else the data's) on a
+    connection of its own: the router answers a body it refuses before reading it and closes,
+    so sending may fail midway (ignored)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (length or len(data))
+                     + data)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body.decode("utf-8", "replace")
+
+
+async def test_router_refuses_oversized_and_malformed_bodies_and_keeps_serving(ipc):
+    """Hostile HTTP at the router: a body over max_body_bytes gets 413 unread, malformed or too
+    deep JSON 400, wrong types 422, each answered by sglang-router itself (its messages, not
+    the worker's `{"error": ...}`); the router process and the actor keep running."""
+    cfg = InferenceWorker.Config(model="tiny-qwen2", batch_wait_ms=1.0)
+    w0 = InferenceWorker(context("w0", ipc), cfg)
+    async with running(w0, 30):
+        router = RouterActor(context("router", ipc, peers={"w0": w0.bound}),
+                             RouterConfig(max_body_bytes=1 << 20, router={"log_level": "error"}))
+        async with running(router, 60):
+            url = router.bound.http
+            t0 = time.perf_counter()
+            over = b'{"input_ids": [' + b"1," * ((1 << 19) - 8) + b"1]}"  # 1 MiB + 2 bytes
+            assert await router_post(url, over) == (413, "length limit exceeded")
+            # declared too large: answered from Content-Length, before a byte of the body is sent
+            assert await router_post(url, b'{"input_ids": [', 200 << 20) == \
+                (413, "length limit exceeded")
+            assert time.perf_counter() - t0 < 5.0  # ~10 ms: neither body was buffered
+            # exactly at the limit: forwarded, and refused by the worker in its own words
+            at_limit = b'{"input_ids": [' + b"1," * ((1 << 19) - 9) + b"1]}"
+            assert len(at_limit) == 1 << 20
+            status, text = await router_post(url, at_limit)
+            assert status == 400 and "longer than the model's context" in text, text
+            deep = b"[" * 2000 + b"]" * 2000
+            cases = [(b'{"input_ids": [1, 2,', 400, "Failed to parse the request body as JSON"),
+                     (b"\xff\xfe not json", 400, "Failed to parse the request body as JSON"),
+                     (b'{"input_ids": ' + deep + b"}", 400, "recursion limit exceeded"),
+                     (b"[" * 100_000 + b"]" * 100_000, 422, "invalid type: sequence"),
+                     (b'{"input_ids": "abc", "sampling_params": 5}', 422,
+                      "Failed to deserialize the JSON body")]
+            for body, want_status, words in cases:
+                status, text = await router_post(url, body)
+                assert status == want_status and words in text, (body[:40], status, text[:200])
+            assert router.proc.returncode is None and router.status == Status.RUNNING
+            client = SglangClient(url)
+            try:
+                out = await client.generate(PROMPT, {"max_new_tokens": 2, "temperature": 0.0})
+                assert len(out["output_ids"]) == 2
+            finally:
+                await client.close()
 
 
 async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):

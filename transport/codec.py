@@ -9,16 +9,17 @@ Every decode failure is a `WireError` carrying an `ErrorCode`, so callers can an
 
 Receiving untrusted bytes, in this order: `peek_envelope` reads version, kind and request id from
 the first bytes (bounded, no recursion; for attributing errors); the `Limits` on frames and bytes
-are checked; `scan_header` walks the header's structure iteratively against the depth, container
-and value limits without building anything; only then is it decoded, typed (the schema bounds the
-depth; tensor references decode typed too). Nothing untrusted is ever decoded untyped, and
-`decode` raises nothing but WireError.
+are checked; `scan_header` walks the header's structure iteratively against the depth, container,
+number and object limits without building anything; only then is it decoded, typed (the schema
+bounds the depth; tensor references decode typed too). Nothing untrusted is ever decoded untyped,
+and `decode` raises nothing but WireError.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -42,9 +43,16 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_header_bytes: int = 256 << 20  # the msgpack header frame alone (bytes; 256 MiB)
     max_depth: int = 16  # arrays/maps nested in the header (levels; the schema needs 6)
     max_container_len: int = 1 << 22  # entries in one header array or map (count; 4 Mi)
-    max_header_items: int = 1 << 23  # values in the whole header, all levels (count; 8 Mi;
-    # scanning costs up to ~70 ns and decoding up to ~64 bytes per value; a TrainBatch holds
-    # ~3 per response token, more with teacher top-k: raise it for bigger batches)
+    max_header_items: int = 1 << 21  # arrays, maps, strings, binaries and extensions in the
+    # whole header, all levels (count; 2 Mi): each may be walked one by one (up to ~1 us) and
+    # decodes to an object of ~60 bytes or more. A TrainBatch holds ~20 per sample, plus 2 per
+    # response token with teacher top-k (a row of ids, one of log-probs): 0.5 Mi for 64 samples
+    # x 4096 tokens; a max_header_bytes header of k = 20 top-k rows holds ~2 Mi
+    max_header_numbers: int = 1 << 25  # ints, floats, bools and nils in the whole header
+    # (count; 32 Mi): each decodes to 8-40 bytes; runs of one size and rows laid out alike are
+    # scanned vectorised, mixed sizes at up to ~70 ns each. A TrainBatch holds ~4 per response
+    # token, plus 2 * k with teacher top-k: 11 Mi for 64 samples x 4096 tokens x k = 20
+    # (73 MiB of header; a max_header_bytes header of them holds ~39 Mi)
 
     def __post_init__(self):
         for name in self.__struct_fields__:
@@ -336,39 +344,48 @@ def _classify(mv: memoryview, env: Envelope, err: Exception) -> WireError:
 
 
 # ------------------------------------------------------------------------------ bounded scan
-def _leaf_sizes() -> list[int]:
+def _value_sizes(numbers_only: bool) -> list[int]:
     """Size in bytes of each fixed-size msgpack value by its first byte (0: not fixed-size).
-    Empty arrays and maps (0x90, 0x80) count as leaves: they hold nothing."""
+    Numbers are nil, bool, int and float; the other fixed-size values (fixstr, fixext, and
+    empty arrays and maps: they hold nothing) are objects, left out with `numbers_only`."""
     size = [0] * 256
-    for b in [*range(0x00, 0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3, 0x80, 0x90]:
+    for b in [*range(0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3]:
         size[b] = 1
-    for b in range(0xa0, 0xc0):
-        size[b] = 1 + (b & 0x1f)
     for b, n in {0xca: 5, 0xcb: 9, 0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3,
-                 0xd2: 5, 0xd3: 9, 0xd4: 3, 0xd5: 4, 0xd6: 6, 0xd7: 10, 0xd8: 18}.items():
+                 0xd2: 5, 0xd3: 9}.items():
         size[b] = n
+    if not numbers_only:
+        size[0x80] = size[0x90] = 1
+        for b in range(0xa0, 0xc0):
+            size[b] = 1 + (b & 0x1f)
+        for b, n in {0xd4: 3, 0xd5: 4, 0xd6: 6, 0xd7: 10, 0xd8: 18}.items():
+            size[b] = n
     return size
 
 
-_LEAF = _leaf_sizes()
+_LEAF = _value_sizes(numbers_only=False)
+_NUMBER = _value_sizes(numbers_only=True)
 _SIZE_CLASS = {n: bytes(b for b in range(256) if _LEAF[b] == n) for n in set(_LEAF) - {0}}
+_NUMBER_CLASS = {n: bytes(b for b in range(256) if _NUMBER[b] == n) for n in set(_NUMBER) - {0}}
+_NUMBER_BYTES = bytes(b for b in range(256) if _NUMBER[b])
 # str/bin/ext with a length prefix: first byte -> (bytes of the length, extra bytes before data)
 _VAR = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),
         0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}
 # containers: first byte -> (bytes of the count, values per entry)
 _CONT = {**{b: (0, 2) for b in range(0x81, 0x90)}, **{b: (0, 1) for b in range(0x91, 0xa0)},
          0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}
-_STRIDE_MIN = 32  # containers at least this long first try skipping same-size leaves at once
+_STRIDE_MIN = 32  # containers at least this long first try skipping their values at once
 _SMALL_HEADER = 4096  # headers up to this many bytes may skip the walk (see scan_header)
 _NOT_CONTAINER = bytes(b for b in range(256) if b not in _CONT)  # bytes that cannot nest
 
 
 def scan_header(buf: memoryview, limits: Limits) -> None:
     """Walk the msgpack structure of a header without building anything, checking nesting
-    depth, container lengths and the total number of values against `limits`; TOO_LARGE or
-    UNDECODABLE WireError. Iterative (an explicit stack), so deep nesting cannot recurse; a
-    container of same-size leaves (log-probs, masks) is skipped vectorised, and a small header
-    that provably fits every limit (`_within_limits_by_size`) is not walked at all."""
+    depth, container lengths, and the numbers and the objects (everything else) in it against
+    `limits`; TOO_LARGE or UNDECODABLE WireError. Iterative (an explicit stack), so deep
+    nesting cannot recurse; a container of same-size leaves (log-probs, masks) or of rows of
+    numbers laid out alike (top-k log-probs) is skipped vectorised, and a small header that
+    provably fits every limit (`_within_limits_by_size`) is not walked at all."""
     mv = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
     if _within_limits_by_size(mv, limits):
         return
@@ -384,76 +401,151 @@ def scan_header(buf: memoryview, limits: Limits) -> None:
 
 def _within_limits_by_size(mv: memoryview, limits: Limits) -> bool:
     """True when a small header provably cannot break a limit, so the walk can be skipped:
-    every value takes at least a byte (so neither items nor one container's entries can
-    outnumber the bytes) and every level of nesting starts with a container byte (counted
+    every value takes at least a byte (so neither numbers, objects nor one container's entries
+    can outnumber the bytes) and every level of nesting starts with a container byte (counted
     anywhere, an over-count). Truncation and garbage are then left to the typed decode."""
     n = mv.nbytes
-    if n > _SMALL_HEADER or n > limits.max_header_items or n > limits.max_container_len:
+    if n > min(_SMALL_HEADER, limits.max_header_items, limits.max_header_numbers,
+               limits.max_container_len):
         return False
     return len(bytes(mv).translate(None, _NOT_CONTAINER)) < limits.max_depth
 
 
 def _walk(mv: memoryview, limits: Limits) -> int:
     """Offset just past the first msgpack value of mv; see scan_header. Stack entries are the
-    values left in each open container, negative for a container not yet started."""
-    stack, p, items, leaf = [-1], 0, 1, _LEAF
+    values left in each open container, negative for a container not yet started. Objects are
+    counted and checked one by one, numbers per run of them: the walk passes max_header_numbers
+    by at most one container's values before it stops."""
+    number, leaf, nbytes = _NUMBER, _LEAF, mv.nbytes
+    max_numbers, max_objects = limits.max_header_numbers, limits.max_header_items
+    max_depth, max_entries = limits.max_depth, limits.max_container_len
+    stack, p, numbers, objects = [-1], 0, 0, 0
     while stack:
         left = stack.pop()
-        if left <= -_STRIDE_MIN and leaf[mv[p]]:
-            p, left = _skip_same_size(mv, p, -left)
+        if left <= -_STRIDE_MIN:
+            p, left, nums, objs = _skip_uniform(mv, p, -left, len(stack) + 1, limits)
+            numbers, objects = numbers + nums, objects + objs
         left = abs(left)
         while left:
-            for i in range(left):  # the hot loop: a run of fixed-size leaves
-                size = leaf[mv[p]]
+            for i in range(left):  # the hot loop: a run of numbers
+                size = number[mv[p]]
                 if not size:
-                    left -= i
                     break
                 p += size
             else:
+                numbers += left
                 break
-            b, left = mv[p], left - 1
-            if b in _VAR:
+            numbers, objects, left = numbers + i, objects + 1, left - i - 1
+            if numbers > max_numbers or objects > max_objects:
+                break
+            b = mv[p]
+            if b in _CONT:
+                width, per = _CONT[b]
+                entries = (b & 0x0f if not width else mv[p + 1] << 8 | mv[p + 2] if width == 2
+                           else _fixed(mv, p + 1, width))
+                p += 1 + width
+                values = entries * per
+                if values > nbytes - p or len(stack) >= max_depth or entries > max_entries:
+                    _check_container(entries, per, len(stack) + 1, nbytes - p, limits)
+                if values >= _STRIDE_MIN:
+                    stack += [left, -values]
+                    break
+                for j in range(values):  # a short container (a top-k row): walked in place
+                    size = number[mv[p]]
+                    if not size:
+                        break
+                    p += size
+                else:
+                    numbers += values
+                    continue
+                numbers += j
+                stack += [left, values - j]
+                break
+            elif leaf[b]:  # fixstr, fixext, empty array or map
+                p += leaf[b]
+            elif b in _VAR:
                 width, extra = _VAR[b]
                 p += 1 + width + extra + _fixed(mv, p + 1, width)
-            elif b in _CONT:
-                width, per = _CONT[b]
-                count = _fixed(mv, p + 1, width) if width else b & 0x0f
-                p += 1 + width
-                items += _check_container(count, per, len(stack) + 1, items, mv.nbytes - p,
-                                          limits)
-                stack += [left, -count * per]
-                break
             else:
                 raise WireError(ErrorCode.UNDECODABLE, f"byte 0x{b:02x} at offset {p} does "
                                 f"not start a msgpack value")
-    if p > mv.nbytes:
+        if numbers > max_numbers or objects > max_objects:
+            _check_counts(numbers, objects, limits)
+    if p > nbytes:
         raise IndexError(p)
     return p
 
 
-def _skip_same_size(mv: memoryview, p: int, count: int) -> tuple[int, int]:
-    """Skip a container's values at once when all are fixed-size leaves of one size: then
-    every size-th byte from p starts such a leaf (checked in C: strided copy, translate)."""
+def _skip_uniform(mv: memoryview, p: int, count: int, depth: int,
+                  limits: Limits) -> tuple[int, int, int, int]:
+    """(offset, values left, numbers, objects) after trying to skip a container's `count`
+    values at once: same-size leaves, or short rows of numbers laid out alike (each row an array
+    at `depth`); (p, count, 0, 0) when they are neither."""
     size = _LEAF[mv[p]]
-    stop = p + count * size
-    if stop <= mv.nbytes and not mv[p:stop:size].tobytes().translate(None, _SIZE_CLASS[size]):
-        return stop, 0
-    return p, count
+    if size:  # every size-th byte from p must start such a leaf (checked in C)
+        stop = p + count * size
+        firsts = mv[p:stop:size].tobytes() if stop <= mv.nbytes else b""
+        if firsts and not firsts.translate(None, _SIZE_CLASS[size]):
+            objects = len(firsts.translate(None, _NUMBER_BYTES))
+            return stop, 0, count - objects, objects
+        return p, count, 0, 0
+    row = _row_layout(mv, p)
+    if row is None:
+        return p, count, 0, 0
+    length, layout = row
+    stop = p + count * length
+    if stop > mv.nbytes:
+        return p, count, 0, 0
+    # every row has the first row's head bytes and, at each of its entries' offsets, a number
+    # of that entry's size (strided copies, in C): then each row is `length` bytes as well
+    if all(mv[p + i:stop:length].tobytes().count(mv[p + i]) == count
+           for i in range(layout[0][0])) \
+            and all(not mv[p + at:stop:length].tobytes().translate(None, _NUMBER_CLASS[size])
+                    for at, size in layout):
+        _check_container(len(layout), 1, depth, mv.nbytes - p, limits)
+        return stop, 0, count * len(layout), count
+    return p, count, 0, 0
 
 
-def _check_container(count: int, per: int, depth: int, items: int, remaining: int,
-                     limits: Limits) -> int:
-    """The number of values a container adds, after checking it against the limits."""
-    if count * per > remaining:
-        raise WireError(ErrorCode.UNDECODABLE, f"a container declares {count} entries but "
+def _row_layout(mv: memoryview, p: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """(length, [(offset, size) of each entry]) when the value at p is a short array (1 to
+    _STRIDE_MIN - 1 entries: longer ones are skipped on their own) of numbers, else None.
+    Short, so that checking rows against it stays a few dozen C calls."""
+    b = mv[p]
+    if b not in _CONT or _CONT[b][1] != 1:
+        return None
+    width = _CONT[b][0]
+    entries = _fixed(mv, p + 1, width) if width else b & 0x0f
+    if not 0 < entries < _STRIDE_MIN:
+        return None
+    at, layout = 1 + width, []
+    for _ in range(entries):
+        size = _NUMBER[mv[p + at]]
+        if not size:
+            return None
+        layout.append((at, size))
+        at += size
+    return at, layout
+
+
+def _check_container(entries: int, per: int, depth: int, remaining: int,
+                     limits: Limits) -> None:
+    """Check a container of `entries` (of `per` values each) opening at `depth`."""
+    if entries * per > remaining:
+        raise WireError(ErrorCode.UNDECODABLE, f"a container declares {entries} entries but "
                         f"only {remaining} bytes follow")
     if depth > limits.max_depth:
         raise WireError(ErrorCode.TOO_LARGE, f"header nests deeper than {limits.max_depth} "
                         f"levels (limits.max_depth)")
-    if count > limits.max_container_len:
-        raise WireError(ErrorCode.TOO_LARGE, f"a container of {count} entries, limit is "
+    if entries > limits.max_container_len:
+        raise WireError(ErrorCode.TOO_LARGE, f"a container of {entries} entries, limit is "
                         f"{limits.max_container_len} (limits.max_container_len)")
-    if items + count * per > limits.max_header_items:
+
+
+def _check_counts(numbers: int, objects: int, limits: Limits) -> None:
+    if objects > limits.max_header_items:
+        raise WireError(ErrorCode.TOO_LARGE, f"header holds more than {limits.max_header_items} "
+                        f"arrays, maps, strings, binaries and extensions (limits.max_header_items)")
+    if numbers > limits.max_header_numbers:
         raise WireError(ErrorCode.TOO_LARGE, f"header holds more than "
-                        f"{limits.max_header_items} values (limits.max_header_items)")
-    return count * per
+                        f"{limits.max_header_numbers} numbers (limits.max_header_numbers)")
