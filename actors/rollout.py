@@ -75,7 +75,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
     resend_batches: int = 4  # batches of groups kept to re-send to a restarted buffer
     request_timeout_s: float = 120.0
-    permit_timeout_s: float = 3600.0  # how long to wait for the trainer
+    # a wait for the buffer's permit (the trainer's progress) longer than this ends the run with
+    # a message (reported every [run] stall_report_s while it lasts), seconds
+    permit_timeout_s: float = 3600.0
 
 
 class RolloutTotals(msgspec.Struct):
@@ -139,14 +141,17 @@ class RolloutActor(Actor):
 
     async def run(self) -> None:
         cfg = self.config
-        first = await self.call_retrying(self.buffer, RolloutPermit(batch_index=0),
-                                         cfg.permit_timeout_s)
+        async with self.waiting_for(f"{cfg.buffer}'s first permit", cfg.permit_timeout_s,
+                                    "permit_timeout_s"):
+            first = await self.call_retrying(self.buffer, RolloutPermit(batch_index=0),
+                                             cfg.permit_timeout_s)
         self.buffer_epoch = first.buffer_epoch
         batch_index = first.start_batch
         tasks = self.envs.tasks("train", cfg.seed)
         tasks = itertools.islice(tasks, batch_index * cfg.groups_per_batch, None)
         while cfg.num_batches == 0 or batch_index < cfg.num_batches:
-            async with self.waiting_for(f"{cfg.buffer}'s permit for batch {batch_index}"):
+            async with self.waiting_for(f"{cfg.buffer}'s permit for batch {batch_index}",
+                                        cfg.permit_timeout_s, "permit_timeout_s"):
                 permit = await self.call_retrying(
                     self.buffer, RolloutPermit(batch_index=batch_index), cfg.permit_timeout_s)
             await self._resend_if_buffer_restarted(permit.buffer_epoch)

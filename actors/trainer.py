@@ -57,7 +57,9 @@ class TrainerConfig(TrainConfig, kw_only=True):
     rollout: str = ""  # peer asked for a final evaluation after the last step ("" = none)
     num_steps: int = 20  # optimizer steps; the run completes after the last one
     mode: Literal["decoupled", "colocated"] = "decoupled"  # colocated needs max_staleness = 0
-    batch_timeout_s: float = 3600.0  # how long to wait for the buffer, seconds
+    # a wait on the buffer longer than this ends the run with a message (while it lasts, the
+    # console reports it every [run] stall_report_s), seconds
+    batch_timeout_s: float = 3600.0
     prefetcher: str = ""  # peer (actors.prefetcher) doing the teachers' NVMe reads ("" = here)
     checkpoint: CheckpointConfig = CheckpointConfig()  # when checkpoints are written
     weight_sync: WeightSyncConfig = WeightSyncConfig()  # how versions reach the workers
@@ -167,7 +169,8 @@ class TrainerActor(Actor):
         await self.push_weights()  # workers serve exactly the trainer's weights from the start
         while self.state.step < cfg.num_steps:
             t0 = time.monotonic()
-            async with self.waiting_for(f"{cfg.buffer}'s batch for step {self.state.step}"):
+            async with self.waiting_for(f"{cfg.buffer}'s batch for step {self.state.step}",
+                                        cfg.batch_timeout_s, "batch_timeout_s"):
                 batch: TrainBatch = await self.call_retrying(self.buffer, GetBatch(
                     step=self.state.step, trainer_version=self.state.version,
                     trainer_epoch=self.epoch), cfg.batch_timeout_s)

@@ -292,12 +292,23 @@ class Actor:
                 self.counters[f"retried.{type(msg).__name__}"] += 1
 
     @contextlib.asynccontextmanager
-    async def waiting_for(self, what: str) -> AsyncIterator[None]:
+    async def waiting_for(self, what: str, limit_s: float | None = None,
+                          setting: str = "") -> AsyncIterator[None]:
         """Wrap a wait on a peer: while it lasts longer than `stall_report_s`, the console says
-        which actor waits for what, and since when (repeated at that interval)."""
-        reporter = self.spawn(self._report_stall(what, time.time()), "stall")
+        which actor waits for what, and since when (repeated at that interval). A wait that
+        times out (`limit_s`, the config field `setting` sets it) ends the run with a message
+        naming both (EndRun): restarting the waiting actor would not make the peer answer."""
+        since = time.time()
+        reporter = self.spawn(self._report_stall(what, since), "stall")
         try:
             yield
+        except TimeoutError:  # DeadlineExceeded included
+            if limit_s is None:
+                raise
+            raise EndRun(f"{self.name} waited {time.time() - since:.0f} s for {what} without an "
+                         f"answer (limit {limit_s:g} s, `{setting}`): see the stall reports and "
+                         f"that actor's log; raise `{setting}` if such waits are expected") \
+                from None
         finally:
             reporter.cancel()
 

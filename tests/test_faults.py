@@ -25,6 +25,7 @@ from tests.helpers import context, running
 from tests.misbehaving import Idle
 from tests.test_cluster import exit_info, launch, write_hosts
 from tests.test_weight_sync import assert_same_weights, trained
+from transport.rpc import DeadlineExceeded
 from transport.schema import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,3 +178,16 @@ async def test_a_long_wait_on_a_peer_is_reported_until_it_ends(ipc):
         await asyncio.sleep(0.3)
     assert len(notes) == count  # nothing once the wait ended
     assert notes[0].startswith("still waiting for buffer's batch for step 3 since ")
+
+
+async def test_a_wait_past_its_limit_ends_the_run_naming_the_wait_and_the_setting(ipc):
+    actor = Idle(context("waiter", ipc, stall_report_s=60))
+    async with running(actor):
+        with pytest.raises(EndRun, match="waiter waited 0 s for buffer's batch for step 3 "
+                                         ".*limit 0.2 s, `batch_timeout_s`.*raise "
+                                         "`batch_timeout_s`"):
+            async with actor.waiting_for("buffer's batch for step 3", 0.2, "batch_timeout_s"):
+                raise DeadlineExceeded("no reply in 0.2 s")
+        with pytest.raises(TimeoutError):  # no limit named: the error is the caller's to handle
+            async with actor.waiting_for("something"):
+                raise TimeoutError
