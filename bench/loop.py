@@ -7,8 +7,12 @@ step time goes (waiting for a batch, training, weight sync), and the train-rollo
 mismatch (`logprob_abs_diff` includes the policy lag of stale samples; the RESULT reports the
 synchronous run's, where trainer and workers hold the same weights).
 `python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]
+[--worker-devices cuda:1,cuda:1] [--weight-sync disk|distributed] [--compare-sync]
 [--dp-size 1]`.
 Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... logprob_abs_diff=...
+With --compare-sync: staleness 1 with weight_sync distributed, then disk (both workers may share
+one GPU, e.g. --device cuda:0 --worker-devices cuda:1,cuda:1): RESULT nccl_sync_s=...
+disk_sync_s=... (gloo_sync_s on CPU).
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ name = "local"
 [actors.worker0]
 cls = "actors.inference:InferenceWorker"
 env = {{ OMP_NUM_THREADS = "{threads}" }}
-config = {{ model = "{model}", device = "{device}", dtype = "{dtype}", seed = 0 }}
+config = {{ model = "{model}", device = "{w0}", dtype = "{dtype}", seed = 0 }}
 
 [actors.worker1]
 cls = "actors.inference:InferenceWorker"
 env = {{ OMP_NUM_THREADS = "{threads}" }}
-config = {{ model = "{model}", device = "{device}", dtype = "{dtype}", seed = 1 }}
+config = {{ model = "{model}", device = "{w1}", dtype = "{dtype}", seed = 1 }}
 
 [actors.router]
 cls = "actors.router:RouterActor"
@@ -75,17 +79,21 @@ mode = "{mode}"
 optimizer = {{ lr = 1e-4 }}
 micro_batches = {{ size = 64 }}
 parallel = {{ dp = {dp} }}
+weight_sync = {{ path = "{sync}" }}
 """
 
 
 def run_once(args: argparse.Namespace, staleness: int, root: Path,
-             mode: str = "decoupled") -> dict:
-    hosts = root / f"{mode}-staleness{staleness}.toml"
+             mode: str = "decoupled", sync: str | None = None) -> dict:
+    sync = sync or args.weight_sync
+    w0, w1 = (args.worker_devices.split(",") if args.worker_devices
+              else [args.device, args.device])
+    hosts = root / f"{mode}-staleness{staleness}-{sync}.toml"
     hosts.write_text(HOSTS.format(model=args.model, device=args.device, dtype=args.dtype,
                                   group=args.group_size, groups=args.groups, steps=args.steps,
                                   staleness=staleness, mode=mode, threads=args.threads,
-                                  dp=args.dp_size))
-    run_dir = root / f"run-{mode}-staleness{staleness}"
+                                  dp=args.dp_size, w0=w0, w1=w1, sync=sync))
+    run_dir = root / f"run-{mode}-staleness{staleness}-{sync}"
     t0 = time.monotonic()
     gpu = GpuMemory() if args.device.startswith("cuda") else None
     result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
@@ -179,6 +187,18 @@ def run_colocated(args, root: Path) -> None:
           f"(train {colo['train_s']:.3g} s, weight sync {colo['weight_sync_s']:.3g} s)")
 
 
+def compare_sync(args: argparse.Namespace, root: Path) -> None:
+    """Distributed (NCCL on CUDA, gloo on CPU) against disk, the same run otherwise, in turn."""
+    runs = {sync: run_once(args, 1, root, sync=sync) for sync in ("distributed", "disk")}
+    print(f"{'':20}{'distributed':>14}{'disk':>14}")
+    for key in ("weight_sync_s", "step_s", "samples_per_s", "engine_logprob_abs_diff"):
+        print(f"{key:20}{runs['distributed'][key]:14.4g}{runs['disk'][key]:14.4g}")
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    dist, disk = runs["distributed"]["weight_sync_s"], runs["disk"]["weight_sync_s"]
+    print(f"RESULT {backend}_sync_s={dist:.4f} disk_sync_s={disk:.4f} "
+          f"disk_vs_{backend}={disk / dist:.2f} workers={args.worker_devices or args.device}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
@@ -195,10 +215,19 @@ def main() -> None:
                         help="also run colocated mode (staleness 0) and report it")
     parser.add_argument("--only-colocated", action="store_true",
                         help="run only colocated mode and report its memory per phase")
+    parser.add_argument("--worker-devices", default="",
+                        help="the two workers' devices, e.g. cuda:1,cuda:1 (default: --device)")
+    parser.add_argument("--weight-sync", default="disk", choices=["disk", "distributed"],
+                        help="how versions reach the workers (trainer's weight_sync.path)")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="only: staleness 1 with weight_sync distributed, then disk; "
+                             "reports each one's weight sync time per step")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
     if args.only_colocated:
         return run_colocated(args, root)
+    if args.compare_sync:
+        return compare_sync(args, root)
     runs = {k: run_once(args, k, root) for k in (0, 1)}
     if args.colocated:
         run_colocated(args, root)
