@@ -10,7 +10,7 @@ from bench.loop import HOSTS
 root, steps, staleness, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 open(f"{root}/hosts.toml", "w").write(HOSTS.format(
     model="qwen2-0.5b-shape", device="cuda", dtype="bfloat16", group=8, groups=16, steps=steps,
-    staleness=staleness, mode=mode, threads=4))
+    staleness=staleness, mode=mode, threads=4, dp=1, w0="cuda", w1="cuda", sync="disk"))
 PY
 timeout 200 python3 -m launch.cluster "$root/hosts.toml" --run-dir "$root/run" 2>&1 | tail -40
 for f in "$root"/run/logs/*.log; do tail -n 15 "$f" > "$out/$(basename "$f")"; done

@@ -26,7 +26,8 @@ def start(tmp_path: Path, env: str = "envs.builtin.arith:ArithEnv", steps: int =
           max_failed_batches: int = 3, only: bool = False) -> tuple[subprocess.Popen, Path]:
     """The short loop of tests/test_loop.py (staleness 1, a checkpoint every 2 steps) with
     `env` for the arithmetic domain (`only`: no other domain)."""
-    text = HOSTS.format(steps=steps, staleness=1, mode="decoupled", sync="disk", dp=1)
+    text = HOSTS.format(steps=steps, staleness=1, mode="decoupled", sync="disk", dp=1,
+                        sync_opts="")
     if only:
         text = text.replace('  {{ cls = "envs.builtin.reverse:ReverseEnv", options = {{ partial = '
                             'true }} }},\n'.replace("{{", "{").replace("}}", "}"), "")
