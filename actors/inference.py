@@ -18,6 +18,7 @@ import torch
 
 from engine.scheduler import Scheduler
 from engine.server import EngineServer, start_server
+from memory.device_usage import process_device_bytes
 from runtime.actor import Actor
 from runtime.devices import gpu_ids
 from transport.dtypes import model_dtype
@@ -98,10 +99,14 @@ class InferenceWorker(Actor):
     def _publish_memory(self) -> None:
         if self.metrics and self.scheduler is not None:
             s = self.scheduler.stats()
-            self.metrics.publish({"memory/device_bytes": device_bytes(self.scheduler.model,
-                                                                      self.config.device),
-                                  "memory/released": float(bool(s["released"])),
-                                  "engine/waves": s["waves"], "engine/running": s["running"]})
+            values = {"memory/device_bytes": device_bytes(self.scheduler.model,
+                                                          self.config.device),
+                      "memory/released": float(bool(s["released"])),
+                      "engine/waves": s["waves"], "engine/running": s["running"]}
+            nvml = process_device_bytes() if self.config.device.startswith("cuda") else None
+            if nvml is not None:  # what nvidia-smi shows for this process
+                values["memory/nvml_bytes"] = nvml
+            self.metrics.publish(values)
 
     async def on_stop(self, reason: str) -> None:
         if self._runner is not None:

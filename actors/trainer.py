@@ -36,6 +36,7 @@ from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
 from engine.weight_sync import DiskSync, SyncError, make_weight_sync, plan_groups
 from logic.teachers import check_vocab
+from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView
 from runtime.devices import gpu_ids
@@ -286,9 +287,12 @@ class TrainerActor(Actor):
             await self._in_thread(self.to_device, "cpu")
             await asyncio.gather(*(c.resume_memory_occupation() for c in self.clients))
         if self.metrics:
-            self.metrics.publish({f"memory/{phase}/trainer_device_bytes":
-                                  self.state.device_bytes(self.config.device)},
-                                 step=self.state.step)
+            values = {f"memory/{phase}/trainer_device_bytes":
+                      self.state.device_bytes(self.config.device)}
+            nvml = process_device_bytes()
+            if nvml is not None:  # what nvidia-smi shows: allocator cache and context included
+                values[f"memory/{phase}/trainer_nvml_bytes"] = nvml
+            self.metrics.publish(values, step=self.state.step)
 
     async def checkpoint(self) -> None:
         """Save, then tell the buffer: batches of earlier steps are never needed again."""

@@ -122,13 +122,18 @@ def memory_by_phase(records: list[dict]) -> dict[str, float]:
     for r in records:
         v = r["values"]
         for phase in ("train", "generate"):
-            key = f"memory/{phase}/trainer_device_bytes"
-            if key in v:
-                name = f"trainer while {'training' if phase == 'train' else 'generating'}"
-                seen.setdefault(name, []).append(v[key] / 2**20)
+            for kind, label in (("device", "allocated"), ("nvml", "nvml")):
+                key = f"memory/{phase}/trainer_{kind}_bytes"
+                if key in v:
+                    name = (f"trainer while {'training' if phase == 'train' else 'generating'}"
+                            f" ({label})")
+                    seen.setdefault(name, []).append(v[key] / 2**20)
         if "memory/released" in v:
-            name = f"{r['actor']} {'released' if v['memory/released'] else 'serving'}"
-            seen.setdefault(name, []).append(v["memory/device_bytes"] / 2**20)
+            for key, label in (("memory/device_bytes", "allocated"), ("memory/nvml_bytes", "nvml")):
+                if key in v:
+                    name = (f"{r['actor']} {'released' if v['memory/released'] else 'serving'} "
+                            f"({label})")
+                    seen.setdefault(name, []).append(v[key] / 2**20)
     return {k: round(statistics.median(v), 1) for k, v in sorted(seen.items())}
 
 

@@ -76,6 +76,7 @@ from engine.sampling import (
     sample_token,
     top_list,
 )
+from memory.device_usage import give_back_cached
 from memory.safetensors_io import load_safetensors
 from models.load import load_model
 from models.tiny import TINY
@@ -555,6 +556,7 @@ class Scheduler:
         for name, p in self.model.named_parameters():
             self._param_shapes[name] = p.shape
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        give_back_cached(self.device)  # else the allocator keeps the freed blocks (NVML shows them)
 
     def _restore_weights(self) -> None:
         for name, p in self.model.named_parameters():

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from memory.device_usage import give_back_cached
 from memory.layout import module_tensors
 from memory.safetensors_io import load_safetensors
 from models.load import save_checkpoint
@@ -94,8 +95,11 @@ class TrainState:
 
     def to_device(self, device: str) -> None:
         """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
+        old = next(self.model.parameters()).device
         self.model.to(device)
         move_optimizer(self.optimizer, device)
+        if old != torch.device(device):
+            give_back_cached(str(old))  # the freed blocks go back to the driver, not the cache
 
     def device_bytes(self, device: str) -> int:
         if device.startswith("cuda"):
