@@ -41,10 +41,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from logic.buffer import BufferConfig, BufferSnapshot, RolloutBuffer, check_group, check_version
 from runtime.actor import Actor
+from transport import records
 from transport.schema import (
+    TOPK_IDS_DTYPE,
+    TOPK_LOGPROBS_DTYPE,
     Ack,
     ErrorCode,
     ErrorReply,
@@ -76,7 +80,9 @@ class JournalEntry(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class Journal:
     """Length-prefixed msgpack records appended to one file; a record cut short by a crash
-    ends the replay and is cut off. `compact` replaces the file by one record, atomically."""
+    ends the replay and is cut off. `compact` replaces the file by one record, atomically.
+    Records are `transport.records` (numpy arrays inline: a sample's teacher top-k); journals
+    written before top-k were arrays (nested lists) are read too."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +92,7 @@ class Journal:
             log.warning("buffer journal %s: removed %s, left by a compaction that did not "
                         "finish (the journal before it is complete)", path, self.tmp.name)
             self.tmp.unlink()
-        self.encoder = msgspec.msgpack.Encoder()
+        self.encoder = records.encoder()
         self.size = 0  # bytes in the file
         self.snapshot_size = 0  # bytes of the snapshot record it starts with (0: none)
         self.base = 0  # bytes after the last compaction (or a failed one): `due` counts from it
@@ -97,12 +103,18 @@ class Journal:
         if not self.path.exists():
             return []
         data, entries, at = self.path.read_bytes(), [], 0
-        decoder = msgspec.msgpack.Decoder(JournalEntry)
+        decoder = records.decoder(JournalEntry, _lists_as_topk)
         while at + 4 <= len(data):
             n = int.from_bytes(data[at:at + 4], "little")
             if at + 4 + n > len(data):
                 break
-            entries.append(decoder.decode(data[at + 4:at + 4 + n]))
+            try:
+                entries.append(decoder.decode(memoryview(data)[at + 4:at + 4 + n]))
+            except msgspec.ValidationError as e:
+                raise ValueError(f"buffer journal {self.path}: the record at byte {at} cannot "
+                                 f"be read ({e}); it was written by another version of the "
+                                 f"project, or damaged: move the journal away to start the "
+                                 f"buffer empty") from None
             if entries[-1].kind == "snapshot":
                 self.snapshot_size = self.base = at + 4 + n
             at += 4 + n
@@ -156,6 +168,24 @@ class Journal:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _lists_as_topk(tp: type, obj: object) -> np.ndarray | None:
+    """Journals written before protocol 2 hold a sample's top-k as rows of numbers: read them
+    as the arrays they are now (integer rows: ids, int32; rows with floats: log-probs, float32;
+    server log-probs are never all integral). Anything else is refused (ValidationError)."""
+    if tp is not np.ndarray or not isinstance(obj, list):
+        raise TypeError(f"expected an array, got {type(obj).__name__}")
+    if not obj:
+        return None
+    rows = np.asarray(obj)  # ValueError for ragged rows
+    if rows.ndim != 2 or rows.dtype.kind not in "iuf":
+        raise ValueError(f"top-k rows of {rows.dtype} shaped {rows.shape}, not rows of numbers")
+    if rows.dtype.kind == "f":
+        return rows.astype(TOPK_LOGPROBS_DTYPE)
+    if rows.min() < 0 or rows.max() > np.iinfo(TOPK_IDS_DTYPE).max:
+        raise ValueError("top-k token ids outside int32")
+    return rows.astype(TOPK_IDS_DTYPE)
 
 
 def _fsync_dir(path: Path) -> None:

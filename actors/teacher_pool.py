@@ -5,7 +5,8 @@ gets every sample routed to its teacher (`Sample.teacher`, by domain, else the d
 else "" and counted in `opd/unrouted_samples`). Then:
 - mode "server": each sample is scored by its teacher's inference server (an embedded worker
   named by `worker`, or any SGLang-compatible `url`) with `max_new_tokens = 0` and
-  `logprob_start_len = len(prompt) - 1` (`top_logprobs_num = top_k` for top-k; SGLang answers
+  `logprob_start_len = len(prompt) - 1` (`top_logprobs_num = top_k` for top-k, kept as
+  [response, k] int32 / float32 arrays that travel as tensor frames; SGLang answers
   null for the first token of that window, the last prompt token: logic/teachers.py), requests
   batched per teacher, with retries and a timeout; a sample whose teacher keeps failing, or
   whose reply is malformed (logged with the teacher and the sample), is marked

@@ -67,8 +67,9 @@ import itertools
 import math
 
 import msgspec
+import numpy as np
 
-from transport.schema import Sample
+from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE, Sample
 
 STATUSES = ("ok", "failed", "aborted")
 SAMPLE_COUNTERS = ("added", "emitted", "dropped_duplicate", "dropped_stale", "dropped_overflow",
@@ -149,9 +150,27 @@ def _check_ok_lengths(sample: Sample, where: str) -> None:
                          f"length of response_ids ({n})")
     if not set(sample.loss_mask) <= {0, 1}:
         raise ValueError(f"{where}: loss_mask may hold only 0 and 1")
-    teacher = (sample.teacher_logprobs, sample.teacher_topk_ids, sample.teacher_topk_logprobs)
-    if any(len(x) > n for x in teacher):
+    if len(sample.teacher_logprobs) > n:
         raise ValueError(f"{where}: teacher log-probs must not outnumber the {n} response tokens")
+    _check_topk(sample, n, where)
+
+
+def _check_topk(sample: Sample, n: int, where: str) -> None:
+    """Top-k, when present: [n, k] arrays of Sample's dtypes, ids >= 0, log-probs finite."""
+    ids, lps = sample.teacher_topk_ids, sample.teacher_topk_logprobs
+    if ids is None and lps is None:
+        return
+    for name, value, dtype in (("teacher_topk_ids", ids, TOPK_IDS_DTYPE),
+                               ("teacher_topk_logprobs", lps, TOPK_LOGPROBS_DTYPE)):
+        if not isinstance(value, np.ndarray) or value.dtype != dtype:
+            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise ValueError(f"{where}: {name} must be an array of {dtype} (both top-k "
+                             f"arrays or neither), got {got}")
+    if ids.ndim != 2 or ids.shape != lps.shape or ids.shape[0] != n or ids.shape[1] < 1:
+        raise ValueError(f"{where}: teacher top-k ids {ids.shape} and log-probs {lps.shape} "
+                         f"must both be [{n}, k] (one row per response token, k >= 1)")
+    if ids.size and (ids.min() < 0 or not np.isfinite(lps).all()):
+        raise ValueError(f"{where}: teacher top-k ids must be >= 0 and log-probs finite")
 
 
 def check_group(samples: list[Sample], config: BufferConfig) -> None:

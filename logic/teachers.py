@@ -18,7 +18,9 @@ triples per response token). tests/fixtures/sglang/ holds such answers and the S
 they follow.
 Invariant: every parsed reply is response-aligned and checked against the sample's token ids; a
 null anywhere but the window's first position, a missing or non-finite value, or other tokens is
-a ScoreError naming the teacher and the sample.
+a ScoreError naming the teacher and the sample. Top-k come out as [response_len, k] arrays
+(`Sample`'s int32 ids and float32 log-probs), so every position must hold the same number of
+entries, token ids must fit int32, and log-probs float32.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from algos.opd import OpdConfig
+from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
+
+TOPK_ID_LIMIT = 1 << 31  # token ids of a top-k reply must fit TOPK_IDS_DTYPE (int32)
 
 
 class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -108,10 +114,12 @@ def score_request(prompt_ids: Sequence[int], response_ids: Sequence[int], temper
 
 def parse_scores(reply: Any, prompt_ids: Sequence[int], response_ids: Sequence[int],
                  top_k: int = 0, where: str = "teacher reply"
-                 ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+                 ) -> tuple[list[float], np.ndarray | None, np.ndarray | None]:
     """(log-probs, top-k ids, top-k log-probs) per response token from the reply to
     `score_request(prompt_ids, response_ids, ...)`; ScoreError (prefixed with `where`, e.g.
-    "teacher 'arith', sample g3/1") if the reply is not one."""
+    "teacher 'arith', sample g3/1") if the reply is not one. The top-k are
+    [len(response_ids), k] arrays (`Sample`'s dtypes; None without top_k), k the number of
+    entries the server gave per position: 1 to top_k, the same at every position."""
     meta = reply.get("meta_info") if isinstance(reply, dict) else None
     entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
     if not isinstance(entries, list):
@@ -132,24 +140,35 @@ def parse_scores(reply: Any, prompt_ids: Sequence[int], response_ids: Sequence[i
                          f"is {reprlib.repr(entries[i])}, expected token {window[i]}")
     logprobs = [_logprob(e[0], where, i, "input_token_logprobs")
                 for i, e in enumerate(entries) if i > 0]
-    top_ids: list[list[int]] = []
-    top_lps: list[list[float]] = []
-    if top_k:
-        tops = meta.get("input_top_logprobs")
-        if not isinstance(tops, list) or len(tops) != len(window):
-            raise ScoreError(f"{where}: meta_info.input_top_logprobs must hold {len(window)} "
-                             f"positions (asked with top_logprobs_num = {top_k}), got "
-                             f"{reprlib.repr(tops)}")
-        for i, position in enumerate(tops[1:], start=1):
-            if not isinstance(position, list) or not 1 <= len(position) <= top_k or not all(
-                    isinstance(t, (list, tuple)) and len(t) >= 2 and _is_int(t[1])
-                    for t in position):
-                raise ScoreError(f"{where}: input_top_logprobs at window position {i} must be "
-                                 f"1 to {top_k} [logprob, token_id, text] entries, got "
-                                 f"{reprlib.repr(position)}")
-            top_ids.append([int(t[1]) for t in position])
-            top_lps.append([_logprob(t[0], where, i, "input_top_logprobs") for t in position])
-    return logprobs, top_ids, top_lps
+    if not top_k:
+        return logprobs, None, None
+    tops = meta.get("input_top_logprobs")
+    if not isinstance(tops, list) or len(tops) != len(window):
+        raise ScoreError(f"{where}: meta_info.input_top_logprobs must hold {len(window)} "
+                         f"positions (asked with top_logprobs_num = {top_k}), got "
+                         f"{reprlib.repr(tops)}")
+    top_ids: list[int] = []  # row after row, flat
+    top_lps: list[float] = []
+    width = len(tops[1]) if len(tops) > 1 and isinstance(tops[1], list) else top_k
+    for i, position in enumerate(tops[1:], start=1):
+        if not isinstance(position, list) or not 1 <= len(position) <= top_k or not all(
+                isinstance(t, (list, tuple)) and len(t) >= 2 and _is_int(t[1])
+                and 0 <= t[1] < TOPK_ID_LIMIT for t in position):
+            raise ScoreError(f"{where}: input_top_logprobs at window position {i} must be "
+                             f"1 to {top_k} [logprob, token_id, text] entries (token ids in "
+                             f"[0, {TOPK_ID_LIMIT})), got {reprlib.repr(position)}")
+        if len(position) != width:
+            raise ScoreError(f"{where}: input_top_logprobs holds {width} entries at window "
+                             f"position 1 but {len(position)} at position {i}; a server "
+                             f"returns the same number (top_logprobs_num) at every position")
+        top_ids += [t[1] for t in position]
+        top_lps += [_logprob(t[0], where, i, "input_top_logprobs") for t in position]
+    shape = (len(response_ids), width)
+    lps = np.array(top_lps, dtype=np.float64)
+    if lps.size and np.abs(lps).max() > np.finfo(TOPK_LOGPROBS_DTYPE).max:
+        raise ScoreError(f"{where}: input_top_logprobs holds log-probs beyond float32's range")
+    return (logprobs, np.array(top_ids, dtype=TOPK_IDS_DTYPE).reshape(shape),
+            lps.astype(TOPK_LOGPROBS_DTYPE).reshape(shape))
 
 
 def _logprob(value: Any, where: str, i: int, field: str) -> float:

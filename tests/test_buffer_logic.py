@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 
 from logic.buffer import (
@@ -306,6 +307,41 @@ def test_check_sample_and_group_refuse_out_of_range_values():
     with pytest.raises(ValueError, match="index must be in"):  # add() runs the same checks
         buf.add(mk("g", 99))
     assert buf.accounting()["added"] == 0
+
+
+def with_topk(sample: Sample, k: int = 3, seed: int = 0) -> Sample:
+    """`sample` with a teacher's top-k: [response length, k] int32 ids, float32 log-probs."""
+    rng = np.random.default_rng(seed)
+    n = len(sample.response_ids)
+    return msgspec.structs.replace(
+        sample, teacher="t", teacher_topk_ids=rng.integers(0, 50, (n, k)).astype(np.int32),
+        teacher_topk_logprobs=-rng.exponential(1.0, (n, k)).astype(np.float32))
+
+
+def test_check_sample_refuses_malformed_topk_arrays():
+    cfg = BufferConfig(group_size=2, groups_per_batch=1)
+    good = with_topk(mk("g", 0))
+    check_group([good], cfg)
+    ids, lps = good.teacher_topk_ids, good.teacher_topk_logprobs
+    for change, message in [
+            ({"teacher_topk_logprobs": None}, "teacher_topk_logprobs must be an array of float32"),
+            ({"teacher_topk_ids": None}, "teacher_topk_ids must be an array of int32"),
+            ({"teacher_topk_ids": ids.astype(np.int64)}, "must be an array of int32 .* got int64"),
+            ({"teacher_topk_logprobs": lps.astype(np.float64)}, "got float64"),
+            ({"teacher_topk_ids": ids.tolist()}, "array of int32 .* got list"),
+            ({"teacher_topk_ids": ids[:1], "teacher_topk_logprobs": lps[:1]},
+             r"ids \(1, 3\) and log-probs \(1, 3\) must both be \[2, k\]"),
+            ({"teacher_topk_logprobs": lps[:, :2]}, r"must both be \[2, k\]"),
+            ({"teacher_topk_ids": ids[:, :0], "teacher_topk_logprobs": lps[:, :0]}, "k >= 1"),
+            ({"teacher_topk_ids": ids.reshape(-1), "teacher_topk_logprobs": lps.reshape(-1)},
+             r"must both be \[2, k\]"),
+            ({"teacher_topk_ids": ids - 50}, "ids must be >= 0"),
+            ({"teacher_topk_logprobs": np.where(lps < -0.5, np.nan, lps).astype(np.float32)},
+             "log-probs finite")]:
+        with pytest.raises(ValueError, match=message):
+            check_group([msgspec.structs.replace(good, **change)], cfg)
+    # a failed sample is never trained on: its top-k are not looked at (as its other lists)
+    check_group([msgspec.structs.replace(good, status="failed", teacher_topk_ids=ids[:1])], cfg)
 
 
 def test_check_version_is_monotone_one_step_at_a_time():

@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 
 import msgspec
+import numpy as np
+import pytest
 
 from actors.buffer import BufferActor, BufferState, Journal, JournalEntry
 from actors.rollout import RolloutActor, RolloutConfig, RolloutTotals
 from logic.buffer import BufferConfig, RolloutBuffer
 from tests.helpers import context, running
-from tests.test_buffer_logic import keys, mk, state_of
+from tests.test_buffer_logic import keys, mk, state_of, with_topk
 from transport.rpc import RpcClient
 from transport.schema import ErrorReply, GetBatch, SampleGroup, TrainBatch, VersionUpdate
 
@@ -270,6 +272,95 @@ async def test_the_journal_stays_bounded_over_a_long_run(ipc, tmp_path):
     ids = sum(len(msgspec.msgpack.encode(f"b{step}-g{j}")) for step in range(100, 600)
               for j in range(2))
     assert max(compacted[400:]) - max(compacted[100:300]) < 2 * ids
+
+
+# ----------------------------------------------------------------------------- top-k arrays
+def topk_group(gid: str, w: int = 0, k: int = 4) -> SampleGroup:
+    """A group whose samples carry a teacher's top-k arrays (distinct values per sample)."""
+    return SampleGroup(samples=[with_topk(mk(gid, i, w), k, seed=hash((gid, i)) % 1000)
+                                for i in (0, 1)])
+
+
+def samples_by_key(samples) -> dict:
+    return {(s.group_id, s.index): s for s in samples}
+
+
+def assert_same_topk(got, want) -> None:
+    for name, dtype in (("teacher_topk_ids", np.int32), ("teacher_topk_logprobs", np.float32)):
+        a, b = getattr(got, name), getattr(want, name)
+        assert isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == b.shape, name
+        assert a.tobytes() == b.tobytes(), name
+
+
+@pytest.mark.parametrize("compact", [0, 1])
+async def test_topk_arrays_survive_the_journal_exactly(ipc, tmp_path, compact):
+    """Samples with top-k arrays, replayed from journal records (compact = 0) or from a
+    snapshot holding them (compact = 1 byte), come back with every array's dtype, shape and
+    bits: in the ready groups and in the remembered batch of a step."""
+    cfg = BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1,
+                       journal_compact_bytes=compact)
+    sent = [topk_group("a"), topk_group("b"), SampleGroup(samples=[mk("c", 0)])]
+    first = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), cfg)
+    async with running(first):
+        for g in sent:
+            await first.on_inbox(g)
+        batch0 = await first.get_batch(GetBatch(step=0, trainer_version=0, trainer_epoch="t"))
+        assert (first.counters["journal.compactions"] > 0) == bool(compact)
+    want = samples_by_key(s for g in sent for s in g.samples)
+    journal = Journal(tmp_path / "buffer" / "buf.journal")
+    journal.close()
+    if compact:  # the snapshot itself holds top-k samples
+        snap = journal.entries[0].snapshot
+        held = [s for g in snap.open + snap.ready + list(snap.history.values()) for s in g]
+        assert sum(s.teacher_topk_ids is not None for s in held) >= 2
+        for s in held:
+            if s.teacher_topk_ids is not None:
+                assert_same_topk(s, want[(s.group_id, s.index)])
+    second = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), cfg)
+    async with running(second):
+        again = await second.get_batch(GetBatch(step=0, trainer_version=0, trainer_epoch="t"))
+        step1 = await second.get_batch(GetBatch(step=1, trainer_version=0, trainer_epoch="t"))
+        assert second.logic.pending_keys() == {("c", 0)}
+    assert keys(again.samples) == keys(batch0.samples) == [("a", 0), ("a", 1)]
+    assert keys(step1.samples) == [("b", 0), ("b", 1)]
+    for s in again.samples + step1.samples:
+        assert_same_topk(s, want[(s.group_id, s.index)])
+    c0 = second.logic._open["c"][0]
+    assert c0.teacher_topk_ids is None and c0.teacher_topk_logprobs is None
+
+
+async def test_a_journal_from_before_topk_arrays_is_read(ipc, tmp_path):
+    """Journals written before protocol 2 hold top-k as rows of numbers (the plain msgpack
+    encoder of then): replayed as int32 / float32 arrays of the same values. A record that
+    cannot be read is refused naming the journal and the record's byte offset."""
+    arrays = topk_group("a")
+    as_lists = SampleGroup(samples=[msgspec.structs.replace(
+        s, teacher_topk_ids=s.teacher_topk_ids.tolist(),
+        teacher_topk_logprobs=s.teacher_topk_logprobs.tolist()) for s in arrays.samples])
+    path = tmp_path / "buffer" / "buf.journal"
+    path.parent.mkdir(parents=True)
+    old = [msgspec.msgpack.encode(JournalEntry("group", group=g))
+           for g in (as_lists, SampleGroup(samples=[mk("b", 0)]))]
+    assert b"\xc7" not in old[0][:40] and b"\x94" in old[0]  # rows, no extension
+    path.write_bytes(b"".join(len(r).to_bytes(4, "little") + r for r in old))
+    buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    async with running(buf):
+        await buf.on_inbox(topk_group("c"))  # appended in the new format after the old records
+        reply = await buf.get_batch(GetBatch(step=0, trainer_version=0, trainer_epoch="t"))
+    assert keys(reply.samples) == [("a", 0), ("a", 1)]
+    for got, want in zip(reply.samples, arrays.samples, strict=True):
+        assert_same_topk(got, want)
+    journal = Journal(path)
+    journal.close()
+    assert [e.group.samples[0].group_id for e in journal.entries[:3]] == ["a", "b", "c"]
+    # ragged rows (what no server sent) in an old record: refused, with where to look
+    ragged = msgspec.structs.replace(as_lists.samples[0], teacher_topk_ids=[[1, 2], [3]])
+    bad = msgspec.msgpack.encode(JournalEntry("group", group=SampleGroup(samples=[ragged])))
+    path.write_bytes(path.read_bytes() + len(bad).to_bytes(4, "little") + bad)
+    at = path.stat().st_size - len(bad) - 4
+    with pytest.raises(ValueError, match=f"buffer journal .*buf.journal: the record at byte {at} "
+                                         "cannot be read .*teacher_topk_ids"):
+        Journal(path)
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -594,7 +594,7 @@ def body_field(type_name: str, field: str, value: bytes, req_id: int = 9) -> byt
 
 def test_deeply_nested_header_is_a_wire_error_not_a_recursion_error():
     """Failure 8: 2,000 nested arrays (a 2 KB frame) raised RecursionError in the untyped peek."""
-    for frame in (nested(2000), b"\x94\x01\x01\x05" + nested(2000),
+    for frame in (nested(2000), bytes([0x94, PROTOCOL_VERSION, 1, 5]) + nested(2000),
                   body_field("Blob", "payload", nested(100_000))):
         err = wire_error(Codec(), [bytearray(frame)])
         assert err.code in (ErrorCode.TOO_LARGE, ErrorCode.UNDECODABLE), err
@@ -685,46 +685,93 @@ def test_numbers_have_their_own_limit():
 
 def topk_batch(samples: int, tokens: int, k: int, prompt: int, vocab: int = 151_936) -> TrainBatch:
     """A TrainBatch of on-policy distillation with teacher top-k signals, as the buffer sends
-    it to the trainer: token ids of a Qwen-sized vocabulary (every msgpack int width), sorted
-    float64 log-probs."""
+    it to the trainer: [tokens, k] int32 token ids of a Qwen-sized vocabulary and sorted
+    float32 log-probs per sample."""
     rng = np.random.default_rng(0)
     out = []
     for i in range(samples):
-        ids = rng.integers(0, vocab, size=(tokens, k))
-        logprobs = -np.sort(rng.exponential(2.0, size=(tokens, k)), axis=1)
+        ids = rng.integers(0, vocab, size=(tokens, k)).astype(np.int32)
+        logprobs = (-np.sort(rng.exponential(2.0, size=(tokens, k)), axis=1)).astype(np.float32)
         out.append(Sample(group_id=f"g{i // 8}", index=i % 8, domain="math",
                           prompt_ids=rng.integers(0, vocab, prompt).tolist(),
                           response_ids=ids[:, 0].tolist(), loss_mask=[1] * tokens,
                           rollout_logprobs=logprobs[:, 0].tolist(), reward=1.0, weight_version=3,
                           teacher="math-teacher", teacher_logprobs=logprobs[:, 1].tolist(),
-                          teacher_topk_ids=ids.tolist(), teacher_topk_logprobs=logprobs.tolist()))
+                          teacher_topk_ids=ids, teacher_topk_logprobs=logprobs))
     return TrainBatch(step=7, samples=out, counters={"groups": samples // 8})
 
 
-def test_big_topk_train_batch_round_trips_within_the_default_limits():
-    """64 samples x 4096 response tokens x top-20 ids and log-probs: 11 Mi numbers and 0.5 Mi
-    rows (73 MiB of header), refused by the old single limit of 8 Mi values. Numbers count
-    against max_header_numbers, rows and the other objects against max_header_items."""
+def assert_same_topk(got: Sample, want: Sample) -> None:
+    """dtype, shape and every bit of both top-k arrays."""
+    for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, name
+        assert a.tobytes() == b.tobytes(), name
+
+
+def test_big_topk_train_batch_travels_as_frames_not_header_numbers():
+    """64 samples x 4096 response tokens x top-20: the top-k arrays go as 128 raw frames (40
+    MiB), so the header holds only the per-token lists (it held 73 MiB of 11 Mi numbers and
+    0.5 Mi rows when top-k were nested lists), and come back bit for bit, dtype and shape."""
     samples, tokens, k, prompt = 64, 4096, 20, 512
     batch = topk_batch(samples, tokens, k, prompt)
     frames = Codec().encode(Kind.REPLY, 5, batch)
-    assert len(frames) == 1 and len(frames[0]) > 64 << 20
-    numbers = samples * (prompt + 4 * tokens + 2 * k * tokens)  # the lists; a few scalars more
-    rows = samples * 2 * tokens
-    assert numbers + rows > 1 << 23
+    assert len(frames) == 1 + 2 * samples
+    assert sum(memoryview(f).nbytes for f in frames[1:]) == samples * tokens * k * (4 + 4)
+    assert len(frames[0]) < 8 << 20
     got = Codec().decode(as_zmq_would(frames))
     assert got.req_id == 5 and isinstance(got.body, TrainBatch)
-    assert got.body.samples[63].teacher_topk_ids[4095] == batch.samples[63].teacher_topk_ids[4095]
-    assert Codec().encode(Kind.REPLY, 5, got.body)[0] == frames[0]  # every value came back
+    for a, b in zip(got.body.samples, batch.samples, strict=True):
+        assert_same_topk(a, b)
+        assert a.response_ids == b.response_ids and a.teacher_logprobs == b.teacher_logprobs
+    again = Codec().encode(Kind.REPLY, 5, got.body)  # every value came back
+    assert again[0] == frames[0] and all(bytes(x) == bytes(y) for x, y in zip(again, frames))
     del got, batch
-    # the counts are exact: a few scalars per sample besides the lists, ~20 objects per sample
-    # besides the rows; one number less than the lists hold is refused
+    # top-k count against neither header limit now: the lists and a few scalars per sample,
+    # ~20 objects per sample (two of them the top-k extensions); one number less is refused
+    numbers = samples * (prompt + 4 * tokens)
     scan_header(memoryview(frames[0]), Limits(max_header_numbers=numbers + 8 * samples,
-                                              max_header_items=rows + 32 * samples))
+                                              max_header_items=32 * samples))
     err = wire_error(Codec(Limits(max_header_numbers=numbers - 1)), frames)
     assert err.code == ErrorCode.TOO_LARGE and "max_header_numbers" in err.message
-    err = wire_error(Codec(Limits(max_header_items=rows - 1)), frames)
-    assert err.code == ErrorCode.TOO_LARGE and "max_header_items" in err.message
+
+
+def topk_sample(ids: np.ndarray | None, logprobs: np.ndarray | None, n: int = 0) -> Sample:
+    n = n if ids is None else len(ids)
+    return Sample(group_id="g", index=0, domain="math", prompt_ids=[1], response_ids=[2] * n,
+                  loss_mask=[1] * n, rollout_logprobs=[-1.0] * n, teacher="t",
+                  teacher_topk_ids=ids, teacher_topk_logprobs=logprobs)
+
+
+def test_topk_arrays_round_trip_exactly_and_absent_ones_stay_absent():
+    ids = np.array([[7, 0, 2**31 - 1], [5, 4, 3]], dtype=np.int32)
+    lps = np.array([[-0.0, -1e-30, -3.4e38], [np.nextafter(np.float32(-1), 0), -2.5, -88.7]],
+                   dtype=np.float32)
+    plain = topk_sample(None, None, n=2)  # no top-k: nothing on the wire for it, None back
+    got = roundtrip(SampleGroup(samples=[topk_sample(ids, lps), topk_sample(ids[:0], lps[:0]),
+                                         plain]))
+    assert_same_topk(got.samples[0], topk_sample(ids, lps))
+    assert got.samples[0].teacher_topk_logprobs[0, 0].tobytes() == np.float32(-0.0).tobytes()
+    assert_same_topk(got.samples[1], topk_sample(ids[:0], lps[:0]))  # [0, 3]: no response yet
+    assert got.samples[2].teacher_topk_ids is None and got.samples[2].teacher_topk_logprobs is None
+    assert b"teacher_topk" not in Codec().encode(Kind.EVENT, 0, plain)[0]
+
+
+def test_a_peer_of_the_list_protocol_is_refused_by_version():
+    """Protocol 1 sent top-k as rows of numbers in the header: a peer still speaking it gets
+    PROTOCOL_MISMATCH (checked before anything is decoded), not a confusing type error; the
+    same rows under this protocol's version are a typed decode error."""
+    assert PROTOCOL_VERSION == 2
+    sample = {"type": "Sample", "group_id": "g", "index": 0, "domain": "d", "prompt_ids": [1],
+              "response_ids": [2], "loss_mask": [1], "rollout_logprobs": [-1.0],
+              "teacher_topk_ids": [[3, 4]], "teacher_topk_logprobs": [[-0.1, -2.0]]}
+    for v, code, message in [(1, ErrorCode.PROTOCOL_MISMATCH,
+                              "peer speaks protocol 1, this actor speaks 2"),
+                             (2, ErrorCode.UNDECODABLE, "cannot decode list")]:
+        frame = msgspec.msgpack.encode([v, int(Kind.EVENT), 0,
+                                        {"type": "SampleGroup", "samples": [sample]}])
+        err = wire_error(Codec(), [frame])
+        assert err.code == code and message in err.message, err
 
 
 def random_value(rng: random.Random, depth: int = 0):

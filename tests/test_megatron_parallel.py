@@ -191,7 +191,8 @@ def _case_setup(name: str, model):
                 lp = torch.log_softmax(teacher(input_ids=ids).logits[0, :-1].float(), -1)
             top = lp[len(s.prompt_ids) - 1:].topk(cfg.opd.top_k, dim=-1)
             s.teacher = "t"
-            s.teacher_topk_ids, s.teacher_topk_logprobs = top.indices.tolist(), top.values.tolist()
+            s.teacher_topk_ids = top.indices.numpy().astype("int32")  # as parse_scores gives
+            s.teacher_topk_logprobs = top.values.numpy().astype("float32")
     # through fp32 master weights (in fp32 they change nothing numerically)
     opt = MasterWeightOptimizer(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
     return TrainState(model, tok, opt, ref, critic), cfg, samples

@@ -6,14 +6,16 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import math
 
+import numpy as np
 import pytest
 import torch
 
 from actors.teacher_pool import TeacherPool, TeacherPoolConfig
 from actors.trainer import TrainerConfig
 from algos.logprobs import token_logprobs
-from algos.opd import OpdConfig
+from algos.opd import OpdConfig, distribution_reverse_kl, opd_loss
 from engine.client import SglangClient
 from logic.teachers import (
     ScoreError,
@@ -28,11 +30,17 @@ from models.load import load_model
 from tests.helpers import context
 from tests.test_engine import serve
 from training.batching import make_micro_batch
-from training.colocated_teachers import ColocatedTeachers, TeacherMemoryConfig
+from training.colocated_teachers import (
+    ColocatedTeachers,
+    TeacherMemoryConfig,
+    prepare_opd,
+    student_pass,
+)
 from training.config import LossConfig, MicroBatchConfig, OptimizerConfig
 from training.state import TrainState
 from training.step import train_on_batch
-from transport.schema import Sample
+from transport.codec import Codec
+from transport.schema import Kind, Sample, TrainBatch
 
 TEACHERS = [TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"]),
             TeacherSpec(name="reverse", model="examples/teacher-reverse", domains=["reverse"])]
@@ -100,11 +108,16 @@ def check_scores(lps, top_ids, top_lps, ref: torch.Tensor, s: Sample, k: int) ->
     assert len(lps) == len(s.response_ids)
     assert lps[0] == pytest.approx(want[0].item(), abs=1e-5)  # the first response token too
     assert torch.allclose(torch.tensor(lps, dtype=torch.float64), want, atol=1e-5, rtol=0)
-    if k:  # each position's k ids carry their reference log-probs and are the k largest
-        assert len(top_ids) == len(s.response_ids) and all(len(t) == k for t in top_ids)
-        got = torch.tensor(top_lps, dtype=torch.float64)
-        assert torch.allclose(got, ref.gather(1, torch.tensor(top_ids)), atol=1e-5, rtol=0)
-        assert torch.all(got[:, -1] >= ref.topk(k, dim=-1).values[:, -1] - 1e-5)
+    if not k:
+        assert top_ids is None and top_lps is None
+        return
+    # [R, k] int32 ids and float32 log-probs; each position's k ids carry their reference
+    # log-probs and are the k largest
+    assert top_ids.dtype == np.int32 and top_lps.dtype == np.float32
+    assert top_ids.shape == top_lps.shape == (len(s.response_ids), k)
+    got = torch.from_numpy(top_lps).double()
+    assert torch.allclose(got, ref.gather(1, torch.from_numpy(top_ids).long()), atol=1e-5, rtol=0)
+    assert torch.all(got[:, -1] >= ref.topk(k, dim=-1).values[:, -1] - 1e-5)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -203,7 +216,7 @@ async def test_a_malformed_reply_fails_only_its_sample(ipc, caplog):
     assert pool.stats["arith"]["failed_samples"] == 1 and batch[1].teacher_logprobs == []
     assert ("teacher 'arith', sample g0/1: input_token_logprobs has null at window position 2 "
             "(response token 1)") in caplog.text
-    check_scores(batch[2].teacher_logprobs, [], [], float64_scores(model, batch[2], 1.0),
+    check_scores(batch[2].teacher_logprobs, None, None, float64_scores(model, batch[2], 1.0),
                  batch[2], 0)
 
 
@@ -284,9 +297,72 @@ def attach_topk(batch: list[Sample], k: int) -> None:
             with torch.no_grad():
                 lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
             rows = lp[len(s.prompt_ids) - 1:]
-            top = rows.topk(k, dim=-1)
-            s.teacher_topk_ids = top.indices.tolist()
-            s.teacher_topk_logprobs = top.values.tolist()
+            top = rows.topk(k, dim=-1)  # as parse_scores gives a server's reply
+            s.teacher_topk_ids = top.indices.numpy().astype(np.int32)
+            s.teacher_topk_logprobs = top.values.numpy().astype(np.float32)
+
+
+def list_topk_inputs(mb, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's [B, R, k] top-k inputs as they were built before top-k were arrays, from
+    rows of Python numbers (training/colocated_teachers.py `_fill_server`, protocol 1)."""
+    B, R = mb.mask.shape
+    ids = torch.zeros(B, R, k, dtype=torch.long)
+    lps = torch.full((B, R, k), -math.inf)
+    for b, s in enumerate(mb.samples):
+        rows = zip(s.teacher_topk_ids.tolist(), s.teacher_topk_logprobs.tolist())
+        for j, (pi, pl) in enumerate(rows):
+            ids[b, j, :len(pi)] = torch.tensor(pi)
+            lps[b, j, :len(pl)] = torch.tensor(pl)
+    return ids, lps
+
+
+def float64_topk_kl(logits: torch.Tensor, s: Sample, temperature: float) -> list[float]:
+    """Reverse KL over each position's top-k set, both sides renormalised over it, in float64
+    from the sample's arrays: logits [R, V] of its rows (algos/opd.py's definition)."""
+    out = []
+    for j in range(len(s.response_ids)):
+        ids = torch.from_numpy(s.teacher_topk_ids[j]).long()
+        ls = torch.log_softmax(logits[j, ids].double() / temperature, -1)
+        lt = torch.log_softmax(torch.from_numpy(s.teacher_topk_logprobs[j]).double(), -1)
+        out.append(float((ls.exp() * (ls - lt)).sum()))
+    return out
+
+
+def test_topk_loss_from_arrays_equals_the_list_path_and_a_float64_reference():
+    """Server top-k after the wire (arrays, as the trainer receives them from the buffer):
+    the trainer's [B, R, k] inputs are exactly the ones the list path built, so the top-k OPD
+    loss is the same value bit for bit, and it matches a float64 reference."""
+    torch.manual_seed(0)
+    model, tok = load_model("examples/base-tiny", "cpu", torch.float32)
+    batch = samples(tok)
+    attach_topk(batch, k=5)
+    frames = Codec().encode(Kind.REPLY, 1, TrainBatch(step=0, samples=batch))
+    received = Codec().decode([bytearray(f) for f in frames]).body.samples
+    assert all(isinstance(s.teacher_topk_ids, np.ndarray) for s in received)
+    temperature = 0.7
+    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
+                        opd=OpdConfig(mode="top_k", top_k=5, kl_coef=0.5),
+                        loss=LossConfig(advantage_estimator="none", temperature=temperature))
+    mb = make_micro_batch(received, tok.pad_token_id or 0)
+    assert len(set(map(len, (s.response_ids for s in received)))) > 1  # rows of padding too
+    (inp,) = prepare_opd([mb], [None], cfg, None)
+    ids, lps = list_topk_inputs(mb, 5)
+    assert torch.equal(inp.topk_ids, ids) and torch.equal(inp.topk_logp, lps)
+    with torch.no_grad():
+        _, _, logits = student_pass(model, mb, temperature)
+
+    def loss(topk_ids, topk_logp):
+        kl = distribution_reverse_kl(cfg.opd, logits, inp.mask, temperature,
+                                     teacher_ids=topk_ids, teacher_logprobs=topk_logp)
+        return kl, opd_loss(kl * inp.coef[:, None], inp.mask, len(received), cfg.opd.kl_coef)
+
+    kl, got = loss(inp.topk_ids, inp.topk_logp)
+    assert got.item() == loss(ids, lps)[1].item() and got.item() > 0
+    want_kl = [float64_topk_kl(logits[b], s, temperature) for b, s in enumerate(received)]
+    for b, row in enumerate(want_kl):
+        assert kl[b, :len(row)].tolist() == pytest.approx(row, abs=1e-6)
+    want = 0.5 * sum(sum(row) / len(row) for row in want_kl) / len(received)
+    assert got.item() == pytest.approx(want, rel=1e-5)
 
 
 def test_per_teacher_mode_terms_equal_separate_runs(tmp_path):

@@ -16,6 +16,7 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
@@ -127,7 +128,7 @@ def test_teacher_request_and_parse_match_the_scoring_fixture():
     assert score_request(prompt, response, 1.0) == fx["request"]
     lps, top_ids, top_lps = parse_scores(fx["response"], prompt, response)
     # the first response token is scored (SGLang's null is on the last prompt token)
-    assert lps == [-0.116509, -0.000445] and top_ids == top_lps == []
+    assert lps == [-0.116509, -0.000445] and top_ids is None and top_lps is None
 
 
 async def test_teacher_pool_sends_and_reads_the_batch_fixture(ipc):
@@ -147,8 +148,12 @@ async def test_teacher_pool_sends_and_reads_the_batch_fixture(ipc):
     assert pool.stats["arith"]["failed_samples"] == 0
     assert batch[0].teacher_logprobs == [-0.116509, -0.000445]
     assert batch[1].teacher_logprobs == [-0.006681, -0.181992, -0.000564]
-    assert batch[0].teacher_topk_ids == [[11, 12, 10], [2, 13, 9]]
-    assert batch[1].teacher_topk_logprobs[0] == [-0.006681, -6.059062, -6.492903]
+    assert batch[0].teacher_topk_ids.dtype == np.int32
+    assert batch[0].teacher_topk_ids.tolist() == [[11, 12, 10], [2, 13, 9]]
+    assert batch[1].teacher_topk_logprobs.dtype == np.float32
+    assert batch[1].teacher_topk_logprobs.shape == (3, 3)
+    assert batch[1].teacher_topk_logprobs[0].tolist() == \
+        np.float32([-0.006681, -6.059062, -6.492903]).tolist()
 
 
 def _mutated(change) -> dict:
@@ -173,8 +178,15 @@ def _mutated(change) -> dict:
     (lambda m: m["input_top_logprobs"].__setitem__(2, None),
      "input_top_logprobs at window position 2 must be 1 to 3"),
     (lambda m: m.pop("input_token_logprobs"), "the reply has no meta_info.input_token_logprobs"),
+    # top-k become [response, k] int32 / float32 arrays: rows of one width, values that fit
+    (lambda m: m["input_top_logprobs"][2].pop(),
+     "input_top_logprobs holds 3 entries at window position 1 but 2 at position 2"),
+    (lambda m: m["input_top_logprobs"][1][0].__setitem__(1, -5),
+     "input_top_logprobs at window position 1 must be 1 to 3 .*.token ids in \\[0, 2147483648\\)"),
+    (lambda m: m["input_top_logprobs"][3][2].__setitem__(0, -1e39),
+     "input_top_logprobs holds log-probs beyond float32's range"),
 ], ids=["null-inside", "not-a-number", "window-from-len-prompt", "other-token", "null-in-top-k",
-        "missing-top-k", "no-logprobs"])
+        "missing-top-k", "no-logprobs", "ragged-top-k", "negative-top-k-id", "top-k-past-float32"])
 def test_parse_scores_refuses_what_sglang_never_sends(change, message):
     prompt, response = split(fixture("score_batch_top_logprobs.json")["request"], 1)
     where = "teacher 'arith', sample g7/2"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from actors.trainer import TrainerConfig
 from algos.opd import OpdConfig
 from tests.test_dp_train import config, make_batch
-from tests.test_mopd import TEACHERS, samples
+from tests.test_mopd import TEACHERS, attach_topk, samples
 from training.colocated_teachers import TeacherMemoryConfig
 from training.config import LossConfig, MicroBatchConfig, OptimizerConfig, ParallelConfig
 from training.ranks import RankGroup, rank_device
@@ -92,6 +92,28 @@ def test_colocated_teachers_on_two_ranks(tmp_path):
         assert stats[key] == pytest.approx(stats1[key], rel=1e-5), key
     assert stats["opd/arith/tokens"] > 0 and stats["opd/reverse/tokens"] > 0
     assert (tmp_path / "teachers-nvme-rank1").is_dir()  # rank 1 spilled to its own directory
+
+
+@pytest.mark.timeout(180)
+def test_server_topk_on_two_ranks(tmp_path):
+    """Server-mode top-k OPD: the samples' top-k arrays reach rank 1 in the broadcast command
+    (inline in its msgpack) and both ranks' step equals one process's."""
+
+    def with_topk(tok):
+        batch = samples(tok)
+        attach_topk(batch, k=5)
+        return batch
+
+    cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
+                        loss=LossConfig(advantage_estimator="none"),
+                        opd=OpdConfig(mode="top_k", top_k=5, kl_coef=1.0),
+                        optimizer=OptimizerConfig(lr=3e-3), micro_batches=MicroBatchConfig(size=2),
+                        parallel=TWO)
+    stats, stats1 = dp_versus_one_process(cfg, with_topk, tmp_path)
+    for key in ("opd/arith/reverse_kl", "opd/reverse/reverse_kl", "opd/arith/tokens",
+                "opd/reverse/tokens", "train/grad_norm"):
+        assert stats[key] == pytest.approx(stats1[key], rel=1e-5), key
+    assert stats["opd/arith/reverse_kl"] > 0 and stats["opd/reverse/tokens"] > 0
 
 
 @pytest.mark.timeout(180)

@@ -196,7 +196,7 @@ def _has_signal(s: Any, teachers: ColocatedTeachers | None, mode: str) -> bool:
         return False
     if teachers is not None:
         return s.teacher in teachers.specs
-    return bool(s.teacher_topk_ids) if mode == "top_k" else bool(s.teacher_logprobs)
+    return s.teacher_topk_ids is not None if mode == "top_k" else bool(s.teacher_logprobs)
 
 
 def _fill_colocated(inp: OpdInputs, mb: MicroBatch, i: int, outs: dict,
@@ -221,14 +221,18 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
     B, R = mb.mask.shape
     dev = mb.mask.device
     if mode == "top_k":
-        k = max((len(p) for s in mb.samples for p in s.teacher_topk_ids), default=1)
-        ids = torch.zeros(B, R, k, dtype=torch.long, device=dev)
-        lps = torch.full((B, R, k), -math.inf, device=dev)
-        for b, s in enumerate(mb.samples):
-            for j, (pi, pl) in enumerate(zip(s.teacher_topk_ids, s.teacher_topk_logprobs)):
-                ids[b, j, :len(pi)] = torch.tensor(pi)
-                lps[b, j, :len(pl)] = torch.tensor(pl)
-        inp.topk_ids, inp.topk_logp = ids, lps
+        # each sample's [n, k] arrays into rows of [B, R, k] (built on the host, one copy to
+        # the device); positions past a row's end: id 0, log-prob -inf (off the mask)
+        rows = [(b, s) for b, s in enumerate(mb.samples) if s.teacher_topk_ids is not None]
+        k = max((s.teacher_topk_ids.shape[1] for _, s in rows), default=1)
+        ids = torch.zeros(B, R, k, dtype=torch.long)
+        lps = torch.full((B, R, k), -math.inf)
+        ids_np, lps_np = ids.numpy(), lps.numpy()  # views: numpy copies and casts the rows
+        for b, s in rows:
+            n, width = s.teacher_topk_ids.shape
+            ids_np[b, :n, :width] = s.teacher_topk_ids
+            lps_np[b, :n, :width] = s.teacher_topk_logprobs
+        inp.topk_ids, inp.topk_logp = ids.to(dev), lps.to(dev)
         return
     lp = torch.zeros(B, R, device=dev)
     for b, s in enumerate(mb.samples):

@@ -38,6 +38,7 @@ from runtime.procs import log_tail, terminate_sync
 from training.config import TrainConfig
 from training.data_parallel import DataParallel
 from training.step import train_on_batch
+from transport import records
 from transport.schema import Sample
 from transport.sockets import free_port
 
@@ -49,6 +50,9 @@ class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
     samples: list[Sample] = []
     next_teachers: list[str] = []  # the buffer's hint (colocated teachers)
     device: str = ""
+
+
+_COMMAND_ENCODER, _COMMAND_DECODER = records.encoder(), records.decoder(RankCommand)
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -84,7 +88,7 @@ class Ranks:
     def broadcast(self, cmd: RankCommand | None) -> RankCommand:
         """Rank 0 sends `cmd`; the others receive it."""
         if self.rank == 0:
-            data = msgspec.msgpack.encode(cmd)
+            data = _COMMAND_ENCODER.encode(cmd)  # a sample's top-k arrays go inline
             size = torch.tensor([len(data)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
@@ -92,8 +96,7 @@ class Ranks:
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
                else torch.empty(int(size), dtype=torch.uint8))
         dist.broadcast(buf, src=0, group=self.ctrl)
-        return cmd if self.rank == 0 else msgspec.msgpack.decode(buf.numpy().tobytes(),
-                                                                 type=RankCommand)
+        return cmd if self.rank == 0 else _COMMAND_DECODER.decode(buf.numpy())
 
     def digests(self, model: torch.nn.Module) -> list[float]:
         out: list[Any] = [None] * self.world_size

@@ -17,7 +17,8 @@ import msgspec
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 1
+# 2: Sample.teacher_topk_ids / teacher_topk_logprobs are arrays (tensor frames), not nested lists
+PROTOCOL_VERSION = 2
 
 
 class Kind(enum.IntEnum):
@@ -170,6 +171,10 @@ class Metrics(Msg):
 
 
 # ----------------------------------------------------------------------------- RL loop
+TOPK_IDS_DTYPE = np.dtype(np.int32)  # Sample.teacher_topk_ids
+TOPK_LOGPROBS_DTYPE = np.dtype(np.float32)  # Sample.teacher_topk_logprobs
+
+
 class Sample(Msg):
     """One episode, ready for training. Token lists are response-aligned with each other."""
 
@@ -186,11 +191,13 @@ class Sample(Msg):
     error: str = ""
     # distillation (set by the teacher pool): the teacher this sample is routed to ("" = none),
     # and, in server mode, the teacher's log-probs of the response tokens (response-aligned) and
-    # its top-k (token ids, log-probs) per response position
+    # its top-k per response position: [len(response_ids), k] arrays (TOPK_IDS_DTYPE token ids,
+    # TOPK_LOGPROBS_DTYPE log-probs), both or neither; arrays travel as tensor frames, not in
+    # the header (a 64 x 4096-token batch of top-20 would otherwise be ~12 M msgpack numbers)
     teacher: str = ""
     teacher_logprobs: list[float] = []
-    teacher_topk_ids: list[list[int]] = []
-    teacher_topk_logprobs: list[list[float]] = []
+    teacher_topk_ids: np.ndarray | None = None
+    teacher_topk_logprobs: np.ndarray | None = None
 
 
 class SampleGroup(Msg):
