@@ -11,8 +11,9 @@ first (or write `--sglang-flag=true`), since a flag takes the next non-option to
 
 The run directory holds config.json (the resolved config, pass-through tables merged in),
 endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (every metrics
-record the launcher received), logs/<actor>.log, specs/<actor>.json and, at the end,
-exit.json (exit code and shutdown step of every actor).
+record the launcher received; `[run] sinks` adds tensorboard/ and wandb/, launch/sinks.py),
+logs/<actor>.log, specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of
+every actor) and plots/*.png (`[run] plots`, launch/plot.py; a failure there is only said).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from launch import plot, sinks
 from launch.config import ClusterConfig, ConfigError, load, start_order
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
@@ -80,15 +82,14 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
 
 
 async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
-                        record: Path) -> None:
-    """Print progress lines and record every metrics record in run_dir/metrics.jsonl."""
+                        record: sinks.Sinks) -> None:
+    """Print progress lines and hand every metrics record to the run's sinks (metrics.jsonl,
+    TensorBoard, W&B: launch/sinks.py)."""
     sub = MetricsSubscriber(sup.factory, endpoint)
     last: dict[str, float] = {}
-    out = open(record, "ab")
     try:
         async for m in sub:
-            out.write(msgspec.json.encode(m) + b"\n")
-            out.flush()
+            record.write(m)
             if m.step is None:
                 continue
             now = time.monotonic()
@@ -100,12 +101,36 @@ async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
             vals = " ".join(f"{k}={v:.4g}" for k, v in list(m.values.items())[:6])
             say(f"{m.actor}: step {m.step}{total} {vals}")
     finally:
-        out.close()
         sub.close()
 
 
+def write_plots(cfg: ClusterConfig, run_dir: Path) -> None:
+    """The end-of-run plots (launch/plot.py); any failure is said, never raised."""
+    if "jsonl" not in cfg.run.sinks:
+        say("plots: none, they are drawn from metrics.jsonl and the jsonl sink is off")
+        return
+    try:
+        result = plot.plot_run(run_dir)
+    except (Exception, KeyboardInterrupt) as e:
+        say(f"plots failed ({type(e).__name__}: {e}); the run's result is unchanged; retry with "
+            f"python -m launch.plot {run_dir}")
+        return
+    if not result.written:  # not an RL run (the demo cluster, tests): one line is enough
+        say("plots: none, no series they draw is in metrics.jsonl (python -m launch.plot "
+            "--help lists them)")
+        return
+    for note in result.notes:
+        say(f"plots: {note}")
+    say(f"plots: {', '.join(sorted(result.written))} in {run_dir / 'plots'}")
+
+
 async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
-                      resume: bool = False) -> int:
+                      resume: bool = False, resolved: dict | None = None) -> int:
+    try:
+        record = sinks.open_sinks(cfg.run, run_dir, resolved or msgspec.to_builtins(cfg), say)
+    except sinks.SinkError as e:
+        console.print(f"error: {e}; nothing was started", style="bold red")
+        return 2
     sock_dir, temporary = socket_dir(run_dir)
     sup = Supervisor(cfg, run_dir, sock_dir, order, say, resume)
     endpoints = sup.open()
@@ -120,8 +145,7 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup,
-                                                   cfg.run.progress_interval_s,
-                                                   run_dir / "metrics.jsonl"))
+                                                   cfg.run.progress_interval_s, record))
     say(f"run directory {run_dir}; metrics at {endpoints['metrics']}")
     code = 0
     try:
@@ -150,8 +174,11 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         sup.close()
         if temporary:
             shutil.rmtree(sock_dir, ignore_errors=True)
+        record.close(code)  # after exit.json: an online W&B run may take a while to finish
     steps = ", ".join(f"{n}: {s['shutdown_step']}" for n, s in summary.items())
     say(f"stopped ({steps}); exit code {code}")
+    if cfg.run.plots:
+        write_plots(cfg, run_dir)
     return code
 
 
@@ -174,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(args.hosts, tables)
         order = start_order(cfg, args.hosts)
+        sinks.check(cfg.run, args.hosts)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -186,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     try:
         import uvloop
-        return uvloop.run(run_cluster(cfg, order, run_dir, bool(args.resume)))
+        return uvloop.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved))
     except ImportError:
-        return asyncio.run(run_cluster(cfg, order, run_dir, bool(args.resume)))
+        return asyncio.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,19 @@ from transport.shm import ShmConfig
 from transport.sockets import Security
 
 
+class WandbConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The W&B run of the `wandb` metrics sink (launch/sinks.py)."""
+
+    project: str = "rlx"  # W&B project
+    name: str = ""  # W&B run name ("" = the run directory's name)
+    entity: str = ""  # W&B team or user ("" = your default entity)
+    group: str = ""  # W&B run group ("" = none)
+    tags: list[str] = []  # W&B run tags
+    # offline: files under <run_dir>/wandb, no network (`wandb sync` uploads them later);
+    # online: streamed to W&B (needs `wandb login`); a WANDB_MODE variable, when set, wins
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     """How the run is laid out and supervised."""
 
@@ -38,6 +51,12 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     progress_interval_s: float = 5.0  # console progress lines per actor at most this often
     stall_report_s: float = 60.0  # a wait on a peer longer than this is said on the console
     request_retry_s: float = 30.0  # idempotent requests (permits, batches) re-sent this often
+    # where every metrics record goes (launch/sinks.py): "jsonl" <run_dir>/metrics.jsonl,
+    # "tensorboard" <run_dir>/tensorboard (pip install tensorboardX), "wandb" (pip install wandb)
+    sinks: list[Literal["jsonl", "tensorboard", "wandb"]] = msgspec.field(
+        default_factory=lambda: ["jsonl"])
+    wandb: WandbConfig = WandbConfig()  # the W&B run, when `sinks` names "wandb"
+    plots: bool = True  # at the end, PNGs into <run_dir>/plots from metrics.jsonl (launch/plot.py)
 
 
 class HostConfig(msgspec.Struct, forbid_unknown_fields=True):

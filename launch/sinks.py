@@ -1,0 +1,231 @@
+"""Where the launcher writes the metrics stream: `[run] sinks = ["jsonl", "tensorboard", "wandb"]`.
+
+Every record that any actor publishes reaches the launcher's metrics subscriber
+(launch/cluster.py `show_progress`), which hands it to each sink of the run:
+
+- `jsonl` (the default): <run_dir>/metrics.jsonl, one JSON object per record, as received
+  (`launch.plot` and the tests read it).
+- `tensorboard`: event files under <run_dir>/tensorboard through tensorboardX's SummaryWriter
+  (`pip install tensorboardX`); open them with `tensorboard --logdir <run_dir>/tensorboard`.
+- `wandb`: a W&B run under <run_dir>/wandb, offline unless `[run.wandb] mode` (or a WANDB_MODE
+  variable) says otherwise, so no network is needed; `wandb sync <run_dir>/wandb/offline-run-*`
+  uploads it later. The run's config is the resolved config.json; a `--resume`d run logs under
+  the same W&B run id (kept in <run_dir>/wandb/rlx-run-id).
+
+TensorBoard and W&B get scalars keyed `<actor>/<metric>` (`trainer/train/loss`,
+`rollout/rollout/reward/math`) at the record's step. Records without a step (the inference
+workers' memory samples, the teacher pool) use the publisher's record number `seq` instead. W&B
+keeps one step axis per actor, `<actor>/step` (define_metric), since actors are at different
+steps at the same time and W&B's own step must only grow.
+
+Invariants: `check` runs before anything starts and refuses a sink whose package does not import,
+with the pip command; a sink that fails to write is closed and said once on the console, and the
+other sinks, and the run, go on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import msgspec
+
+from launch.config import ConfigError, RunConfig, WandbConfig
+from transport.schema import Metrics
+
+# sink -> (module it imports, what to pip install); the extras of pyproject.toml say the same
+PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX>=2.6"),
+            "wandb": ("wandb", "wandb>=0.19")}
+
+
+class SinkError(Exception):
+    """A sink could not be opened (before any actor started)."""
+
+
+def check(run: RunConfig, path: str | Path) -> None:
+    """ConfigError for a sink named twice, a `[run.wandb]` table that no `wandb` sink uses, or a
+    sink whose package does not import (naming the pip command that installs it)."""
+    where = f"{path}: table [run], field `sinks`"
+    if len(set(run.sinks)) != len(run.sinks):
+        raise ConfigError(f"{where}: a sink is named twice in {run.sinks}")
+    if run.wandb != WandbConfig() and "wandb" not in run.sinks:
+        raise ConfigError(f"{where}: [run.wandb] settings are given but `sinks` does not name "
+                          f"\"wandb\"; add it: sinks = {[*run.sinks, 'wandb']}")
+    for name in run.sinks:
+        if name in PACKAGES:
+            try:
+                _require(name)
+            except SinkError as e:
+                raise ConfigError(f"{where}: {e}") from None
+
+
+def _require(sink: str) -> Any:
+    module, spec = PACKAGES[sink]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise SinkError(f"the {sink!r} sink needs the {module} package, which does not import "
+                        f"({e}); install it with: pip install '{spec}' (or, in the rlx "
+                        f"checkout, pip install -e '.[{sink}]')") from None
+
+
+def step_of(m: Metrics) -> int:
+    """The x of a record: its step, or the publisher's record number when it has none."""
+    return m.step if m.step is not None else m.seq
+
+
+def scalars(m: Metrics) -> dict[str, float]:
+    """The record's values keyed `<actor>/<metric>`."""
+    return {f"{m.actor}/{k}": v for k, v in m.values.items()}
+
+
+class Sink(Protocol):
+    name: str
+
+    def where(self) -> str: ...  # how to open what it writes, for the console
+
+    def write(self, m: Metrics) -> None: ...
+
+    def close(self, exit_code: int = 0) -> None: ...
+
+
+class JsonlSink:
+    """<run_dir>/metrics.jsonl: every record, appended and flushed as it arrives."""
+
+    name = "jsonl"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.out = open(path, "ab")
+
+    def where(self) -> str:
+        return str(self.path)
+
+    def write(self, m: Metrics) -> None:
+        self.out.write(msgspec.json.encode(m) + b"\n")
+        self.out.flush()
+
+    def close(self, exit_code: int = 0) -> None:
+        self.out.close()
+
+
+class TensorBoardSink:
+    """Event files under `logdir` (a resumed run adds a file there; TensorBoard merges them)."""
+
+    name = "tensorboard"
+
+    def __init__(self, logdir: Path, flush_s: float = 5.0):
+        self.logdir = logdir
+        self.writer = _require("tensorboard").SummaryWriter(str(logdir), flush_secs=flush_s)
+
+    def where(self) -> str:
+        return f"tensorboard --logdir {self.logdir}"
+
+    def write(self, m: Metrics) -> None:
+        step = step_of(m)
+        for tag, value in scalars(m).items():
+            self.writer.add_scalar(tag, value, global_step=step, walltime=m.time_s)
+
+    def close(self, exit_code: int = 0) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One W&B run for the whole cluster, with one step axis per actor."""
+
+    name = "wandb"
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any]):
+        wandb = _require("wandb")
+        self.mode = os.environ.get("WANDB_MODE") or cfg.mode
+        # wandb takes the process's mode from the environment as well: with init(mode=...)
+        # alone, its own telemetry to W&B's servers stays on in an offline run
+        os.environ["WANDB_MODE"] = self.mode
+        root = run_dir / "wandb"
+        root.mkdir(exist_ok=True)
+        id_file = root / "rlx-run-id"  # a resumed run logs to the same W&B run
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(
+            project=cfg.project, name=cfg.name or run_dir.name, entity=cfg.entity or None,
+            group=cfg.group or None, tags=cfg.tags or None, config=config, dir=str(run_dir),
+            mode=self.mode, id=run_id, resume="allow",
+            settings=wandb.Settings(console="off", silent=True))
+        # <run_dir>/wandb/offline-run-<time>-<id> (its files/ is run.dir); None when disabled
+        self.run_path = Path(self.run.dir).parent if self.mode != "disabled" else None
+        self.actors: set[str] = set()
+
+    def where(self) -> str:
+        if self.mode in ("offline", "dryrun"):
+            return f"wandb sync {self.run_path}"
+        return f"W&B run {self.run.id} ({self.mode})"
+
+    def write(self, m: Metrics) -> None:
+        if m.actor not in self.actors:
+            self.actors.add(m.actor)
+            self.run.define_metric(f"{m.actor}/step", hidden=True)
+            self.run.define_metric(f"{m.actor}/*", step_metric=f"{m.actor}/step")
+        self.run.log({**scalars(m), f"{m.actor}/step": step_of(m)})
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)  # W&B marks a run that did not exit 0 as failed
+
+
+class Sinks:
+    """The run's sinks; one that raises is closed, said, and left out from then on."""
+
+    def __init__(self, sinks: list[Sink], say: Callable[[str], None]):
+        self.active = list(sinks)
+        self.say = say
+
+    def write(self, m: Metrics) -> None:
+        for sink in list(self.active):
+            try:
+                sink.write(m)
+            except Exception as e:
+                self.active.remove(sink)
+                self.say(f"metrics sink {sink.name} failed ({type(e).__name__}: {e}); it is "
+                         f"off for the rest of the run, the other sinks go on")
+                self._close(sink)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Close every sink; `exit_code` is the run's (W&B records it)."""
+        for sink in self.active:
+            self._close(sink, exit_code)
+        self.active = []
+
+    def _close(self, sink: Sink, exit_code: int = 0) -> None:
+        try:
+            sink.close(exit_code)
+        except Exception as e:
+            self.say(f"metrics sink {sink.name}: closing failed ({type(e).__name__}: {e})")
+
+
+def open_sinks(run: RunConfig, run_dir: Path, config: dict[str, Any],
+               say: Callable[[str], None]) -> Sinks:
+    """Open every sink of `run.sinks` (SinkError, with those already open closed, when one
+    cannot be opened); `config` is the resolved config W&B records with its run."""
+    opened: list[Sink] = []
+    try:
+        for name in run.sinks:
+            if name == "jsonl":
+                opened.append(JsonlSink(run_dir / "metrics.jsonl"))
+            elif name == "tensorboard":
+                opened.append(TensorBoardSink(run_dir / "tensorboard"))
+            elif name == "wandb":
+                opened.append(WandbSink(run.wandb, run_dir, config))
+            else:
+                raise SinkError(f"unknown metrics sink {name!r}")
+    except Exception as e:
+        Sinks(opened, say).close()
+        if isinstance(e, SinkError):
+            raise
+        raise SinkError(f"metrics sink {name} could not be opened: {type(e).__name__}: {e}") \
+            from e
+    for sink in opened:
+        if sink.name != "jsonl":  # metrics.jsonl: the default, where it always was
+            say(f"metrics sink {sink.name}: {sink.where()}")
+    return Sinks(opened, say)
