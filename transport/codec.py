@@ -45,14 +45,13 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_container_len: int = 1 << 22  # entries in one header array or map (count; 4 Mi)
     max_header_items: int = 1 << 21  # arrays, maps, strings, binaries and extensions in the
     # whole header, all levels (count; 2 Mi): each may be walked one by one (up to ~1 us) and
-    # decodes to an object of ~60 bytes or more. A TrainBatch holds ~20 per sample, plus 2 per
-    # response token with teacher top-k (a row of ids, one of log-probs): 0.5 Mi for 64 samples
-    # x 4096 tokens; a max_header_bytes header of k = 20 top-k rows holds ~2 Mi
+    # decodes to an object of ~60 bytes or more. A TrainBatch holds ~20 per sample (teacher
+    # top-k arrays travel as tensor frames, not in the header); a max_header_bytes header of
+    # one-element rows holds ~2 Mi
     max_header_numbers: int = 1 << 25  # ints, floats, bools and nils in the whole header
     # (count; 32 Mi): each decodes to 8-40 bytes; runs of one size and rows laid out alike are
     # scanned vectorised, mixed sizes at up to ~70 ns each. A TrainBatch holds ~4 per response
-    # token, plus 2 * k with teacher top-k: 11 Mi for 64 samples x 4096 tokens x k = 20
-    # (73 MiB of header; a max_header_bytes header of them holds ~39 Mi)
+    # token: 1 Mi for 64 samples x 4096 tokens (5.9 MiB of header)
 
     def __post_init__(self):
         for name in self.__struct_fields__:
