@@ -311,7 +311,8 @@ class BufferActor(Actor):
         if self._invalid(msg, lambda: check_group(msg.samples, self.config)):
             self.counters["inbox.refused_invalid"] += 1
             return
-        self._record(JournalEntry("group", group=msg))
+        # a re-sent group that came through a stream (a teacher pool between): as `resend`
+        self._record(JournalEntry("resend" if msg.resent else "group", group=msg))
         await self._notify()
 
     async def resend(self, msg: SampleGroup) -> Ack | ErrorReply:

@@ -185,7 +185,8 @@ class RolloutActor(Actor):
         """A new buffer process may have lost groups in flight to the old one: send the recent
         ones again. When the buffer is the sink they go as requests (`BufferActor.resend`), so
         that it counts the ones it restored from its journal as copies, not as new samples;
-        else through the sink, as they went the first time."""
+        else through the sink, as they went the first time, marked `resent` for the same count
+        (a teacher pool between scores them again and passes the mark on)."""
         if epoch == self.buffer_epoch:
             return
         cfg = self.config
@@ -195,10 +196,10 @@ class RolloutActor(Actor):
         log.info("%s: the buffer restarted; re-sending %d recent groups", self.name, len(groups))
         to_buffer = cfg.sink in ("", cfg.buffer)
         for group in groups:
-            if not to_buffer:
+            if not to_buffer:  # marked, so that the buffer counts it as a re-send on arrival
                 self.totals.samples_resent += len(group.samples)
                 self._save_totals()
-                await self.out.send(group)
+                await self.out.send(msgspec.structs.replace(group, resent=True))
                 continue
             try:
                 await self.call_retrying(self.buffer, group, cfg.permit_timeout_s)

@@ -428,3 +428,20 @@ async def test_the_rollouts_resends_to_a_restarted_buffer_are_counted_once(ipc, 
     async with running(third):
         assert third.logic.accounting() == books
         assert json.loads(json.dumps(third.stats()))["buffer.resent_taken"] == 4
+
+
+async def test_groups_resent_through_a_stream_count_as_resends_not_duplicates(ipc, tmp_path):
+    """With a teacher pool between rollout and buffer, re-sends arrive on the inbox, marked."""
+    buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    async with running(buf):
+        await buf.on_inbox(group("a"))
+        await buf.on_inbox(msgspec.structs.replace(group("a"), resent=True))  # it had it
+        await buf.on_inbox(msgspec.structs.replace(group("lost"), resent=True))  # it had not
+        await buf.on_inbox(group("a"))  # a true second copy: still a duplicate
+        books = buf.logic.counters
+        assert (books["added"], books["resent_copies"], books["resent_taken"],
+                books["dropped_duplicate"]) == (6, 2, 2, 2)  # added: every arrival but copies
+    replayed = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    async with running(replayed):  # the journal says which arrivals were re-sends
+        assert replayed.logic.counters["resent_copies"] == 2
+        assert replayed.logic.counters["dropped_duplicate"] == 2

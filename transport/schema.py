@@ -204,6 +204,9 @@ class SampleGroup(Msg):
     """Rollout -> buffer (stream): every sample of one prompt."""
 
     samples: list[Sample]
+    # sent again to a restarted buffer through a stream (e.g. via the teacher pool): the buffer
+    # counts the samples it already holds as copies, not as new or duplicated samples
+    resent: bool = False
 
 
 class RolloutPermit(Msg):
