@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 
 from logic.buffer import BufferConfig, BufferSnapshot, RolloutBuffer, check_group, check_version
-from runtime.actor import Actor
+from runtime.actor import Actor, ActorView
 from transport import records
 from transport.schema import (
     TOPK_IDS_DTYPE,
@@ -239,6 +239,22 @@ class BufferState:
 class BufferActor(Actor):
     Config = BufferConfig
     role = "buffer"
+
+    @classmethod
+    def check_peers(cls, name: str, config: BufferConfig, actors: dict[str, ActorView]) -> None:
+        """Every rollout that gets its permits here plays the groups this buffer completes:
+        the same `group_size` and `groups_per_batch`."""
+        for other, view in actors.items():
+            if view.cls.role != "rollout" or getattr(view.config, "buffer", None) != name:
+                continue
+            for field in ("group_size", "groups_per_batch"):
+                mine, theirs = getattr(config, field), getattr(view.config, field)
+                if mine != theirs:
+                    raise ValueError(
+                        f"{field} = {mine} here but {field} = {theirs} in "
+                        f"[actors.{other}.config], the rollout feeding this buffer: set both to "
+                        f"the same value (the buffer completes groups of group_size samples and "
+                        f"batches of groups_per_batch groups, the rollout plays exactly those)")
 
     async def on_start(self) -> None:
         self.logic = RolloutBuffer(self.config)

@@ -35,7 +35,7 @@ from engine.client import SglangClient
 from engine.session import HttpSession, SessionFailed
 from envs.loader import load_envs
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor, EndRun
+from runtime.actor import Actor, ActorView, EndRun, check_named_peers
 from transport.rpc import RemoteError
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
@@ -97,6 +97,27 @@ class RolloutActor(Actor):
     def check_config(cls, config: RolloutConfig) -> None:
         check_model_path(config.model)
         load_envs([msgspec.to_builtins(e) for e in config.envs])
+
+    @classmethod
+    def check_peers(cls, name: str, config: RolloutConfig, actors: dict[str, ActorView]) -> None:
+        """Its router, buffer and sink are actors it starts after; a teacher-pool sink scores at
+        the rollout's temperature and hands the groups to the rollout's buffer."""
+        check_named_peers(name, actors, {"router": config.router, "buffer": config.buffer,
+                                         "sink": config.sink})
+        sink = actors[config.sink] if config.sink else None
+        if sink is None or sink.cls.role != "teacher_pool":
+            return
+        if sink.config.temperature != config.temperature:
+            raise ValueError(f"temperature = {config.temperature} here but temperature = "
+                             f"{sink.config.temperature} in [actors.{config.sink}.config], the "
+                             f"teacher pool this rollout sends to: set the pool's temperature "
+                             f"to the rollout's sampling temperature (teachers score at it)")
+        if sink.config.buffer != config.buffer:
+            raise ValueError(f"buffer = {config.buffer!r} here but buffer = "
+                             f"{sink.config.buffer!r} in [actors.{config.sink}.config], the "
+                             f"teacher pool this rollout sends to: the groups must reach the "
+                             f"buffer that gives the rollout its permits; name the same buffer "
+                             f"in both")
 
     def __init__(self, ctx, config=None):
         super().__init__(ctx, config)

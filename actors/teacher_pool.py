@@ -42,7 +42,7 @@ from logic.teachers import (
     score_request,
 )
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor
+from runtime.actor import Actor, ActorView, check_named_peers
 from transport.schema import Msg, Sample, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,15 @@ class TeacherPool(Actor):
             if config.mode == "server" and not (t.worker or t.url):
                 raise ValueError(f"teacher {t.name!r}: server mode needs `worker` (a peer name) "
                                  "or `url` (a teacher server)")
+
+    @classmethod
+    def check_peers(cls, name: str, config: TeacherPoolConfig,
+                    actors: dict[str, ActorView]) -> None:
+        """Its buffer, and in server mode the teachers' `worker`s, are actors it starts after."""
+        peers = {"buffer": config.buffer}
+        if config.mode == "server":
+            peers.update({f"teachers[{t.name!r}].worker": t.worker for t in config.teachers})
+        check_named_peers(name, actors, peers)
 
     async def on_start(self) -> None:
         cfg = self.config

@@ -38,7 +38,7 @@ from engine.weight_sync import DiskSync, SyncError, make_weight_sync, plan_group
 from logic.teachers import check_vocab
 from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor, ActorView
+from runtime.actor import Actor, ActorView, check_named_peers
 from runtime.devices import gpu_ids
 from training.config import CheckpointConfig, TrainConfig, WeightSyncConfig
 from training.ranks import RankGroup
@@ -112,6 +112,9 @@ class TrainerActor(Actor):
             raise ValueError(f"`workers` names {unreachable}, missing from the trainer's "
                              f"`after` list: add them there, so that it starts after them and "
                              f"can reach them")
+        check_named_peers(name, actors, {"buffer": config.buffer, "rollout": config.rollout,
+                                         "prefetcher": config.prefetcher})
+        cls._check_buffer_side(name, config, actors)
         if config.weight_sync.path != "distributed":
             return
         try:
@@ -125,6 +128,75 @@ class TrainerActor(Actor):
                 raise ValueError(f"weight_sync.path = 'distributed' from device "
                                  f"{config.device!r} uses NCCL, but worker(s) {cpu} run on the "
                                  f"CPU: put them on GPUs, or use weight_sync.path = 'disk'")
+
+    @classmethod
+    def _check_buffer_side(cls, name: str, config: TrainerConfig,
+                           actors: dict[str, ActorView]) -> None:
+        """Against the actors around its buffer: colocated mode needs the buffer's
+        max_staleness = 0; the rollouts feeding that buffer sample at loss.temperature; the
+        teacher pools feeding it agree with the trainer's opd / teachers."""
+        buf = f"[actors.{config.buffer}.config]"
+        buffer = actors[config.buffer]
+        staleness = getattr(buffer.config, "max_staleness", 0) if buffer.cls.role == "buffer" \
+            else 0
+        if config.mode == "colocated" and staleness != 0:
+            raise ValueError(f"mode = 'colocated' here needs max_staleness = 0 in {buf} (it is "
+                             f"{staleness}): the workers are paused while the trainer trains, so "
+                             f"no batch can be generated ahead; set max_staleness = 0 there, or "
+                             f"mode = 'decoupled' here")
+        feeding = {n: v for n, v in actors.items() if n != name
+                   and getattr(v.config, "buffer", None) == config.buffer}
+        for other, view in feeding.items():
+            if view.cls.role == "rollout" and view.config.temperature != config.loss.temperature:
+                raise ValueError(f"loss.temperature = {config.loss.temperature} here but "
+                                 f"temperature = {view.config.temperature} in "
+                                 f"[actors.{other}.config], the rollout feeding {buf}: the "
+                                 f"trainer's log-probs must be at the sampling temperature; set "
+                                 f"loss = {{ temperature = {view.config.temperature} }} here or "
+                                 f"change the rollout's temperature")
+        pools = {n: v for n, v in feeding.items() if v.cls.role == "teacher_pool"}
+        if config.opd is None:
+            if pools:
+                pool = next(iter(pools))
+                raise ValueError(f"[actors.{pool}] (a teacher pool) routes samples into {buf}, "
+                                 f"which this trainer trains on, but opd is not set here: add "
+                                 f"opd = {{ mode = ..., kl_coef = ... }} here (and `teachers` "
+                                 f"for colocated teachers), or remove the teacher pool")
+            return
+        if not pools:
+            raise ValueError(f"opd is set here, but no teacher pool (actors.teacher_pool:"
+                             f"TeacherPool) sends its groups to {buf}, so no sample gets a "
+                             f"teacher: add one with buffer = {config.buffer!r} and make it the "
+                             f"rollout's `sink`, or remove opd")
+        mine = sorted((t.name, t.model, tuple(sorted(t.domains))) for t in config.teachers)
+        for pool, view in pools.items():
+            there = f"[actors.{pool}.config]"
+            pc = view.config
+            if config.teachers:
+                if pc.mode != "colocated":
+                    raise ValueError(f"`teachers` here run colocated in the trainer, but {there} "
+                                     f"has mode = {pc.mode!r}: set mode = 'colocated' there, or "
+                                     f"remove `teachers` here to use its teacher servers")
+                theirs = sorted((t.name, t.model, tuple(sorted(t.domains))) for t in pc.teachers)
+                if mine != theirs:
+                    raise ValueError(f"`teachers` here and in {there} differ (name, model, "
+                                     f"domains): here {mine}, there {theirs}; the pool routes "
+                                     f"samples by name to the trainer's teachers: give both the "
+                                     f"same list")
+            else:
+                if pc.mode != "server":
+                    raise ValueError(f"opd without `teachers` here takes the teacher signal from "
+                                     f"teacher servers, but {there} has mode = 'colocated' (only "
+                                     f"routing): set mode = 'server' there (with each teacher's "
+                                     f"`worker` or `url`), or list the same `teachers` here to "
+                                     f"run them in the trainer")
+                if (pc.opd.mode, pc.opd.top_k) != (config.opd.mode, config.opd.top_k):
+                    raise ValueError(f"opd here (mode = {config.opd.mode!r}, top_k = "
+                                     f"{config.opd.top_k}) and in {there} (mode = "
+                                     f"{pc.opd.mode!r}, top_k = {pc.opd.top_k}) differ: the "
+                                     f"servers return what the pool's opd asks for and the "
+                                     f"trainer trains on its own; set the same opd mode and "
+                                     f"top_k in both")
 
     async def on_start(self) -> None:
         cfg = self.config

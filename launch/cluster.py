@@ -4,12 +4,22 @@ Exit codes: 0 when a primary actor completed or on Ctrl-C (after an orderly stop
 1 when an actor failed past its restart budget or never became READY (its error is printed);
 2 for a bad hosts.toml or command line (nothing was started).
 
+Overrides: `--set PATH=VALUE` (repeatable) sets one value of the hosts.toml document before it
+is checked: PATH is dotted (`actors.trainer.config.optimizer.lr`), VALUE is read as a TOML value
+(`16`, `3e-5`, `true`, `[1, 2]`, `'"text"'`; a bare word that is not TOML is a string). A table
+missing on the way is created only where the schema has one; an unknown field is an error naming
+the `--set`. The overrides are recorded in the run directory's config.json; `--resume RUN_DIR`
+applies the recorded ones again and refuses a different set (start a new run to change them).
+
 Engine options pass through natively (runtime/passthrough.py): `--sglang-<option> [value]`,
 `--router-<option> [value]` and `--megatron-<option> [value]` land in the `sglang`, `router` and
-`megatron` tables of every actor that has one, over the hosts.toml values. Give the hosts file
-first (or write `--sglang-flag=true`), since a flag takes the next non-option token as its value.
+`megatron` tables of every actor that has one, over the hosts.toml values (e.g.
+`--sglang-mem-fraction-static 0.8` -> sglang = { mem_fraction_static = 0.8 }; a flag without a
+value is true; a repeated option collects a list). Give the hosts file first (or write
+`--sglang-flag=true`), since a flag takes the next non-option token as its value.
 
-The run directory holds config.json (the resolved config, pass-through tables merged in),
+The run directory holds config.json (the resolved config, pass-through tables merged in, the
+`--set` overrides under "overrides"),
 endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (every metrics
 record the launcher received; `[run] sinks` adds tensorboard/ and wandb/, launch/sinks.py),
 logs/<actor>.log, specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import sys
@@ -33,7 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launch import plot, sinks
-from launch.config import ClusterConfig, ConfigError, load, start_order
+from launch.config import ClusterConfig, ConfigError, load, parse_overrides, start_order
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
 from transport.metrics import MetricsSubscriber
@@ -182,14 +193,49 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     return code
 
 
+PASSTHROUGH_HELP = """engine pass-through (not listed above: any option, by prefix):
+  --sglang-<option> [VALUE]    into the `sglang` table of every actor that has one
+                               (SGLang launch_server options, e.g. --sglang-mem-fraction-static 0.8)
+  --router-<option> [VALUE]    into the `router` table (sglang-router options)
+  --megatron-<option> [VALUE]  into the `megatron` table (megatron-core options of the trainer)
+  VALUE is read as TOML like --set's; no VALUE means true; a repeated option makes a list.
+"""
+
+
+def resume_overrides(run_dir: Path, given: list[str]) -> list[str]:
+    """The `--set` options of a resumed run: the ones recorded in its config.json, when none
+    or the same are given; ConfigError for a different set."""
+    try:
+        recorded = json.loads((run_dir / "config.json").read_text()).get("overrides", [])
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume {run_dir}: cannot read its config.json ({e})") from None
+    if not given:
+        return list(recorded)
+    as_set = {tuple(o.keys): o.value for o in parse_overrides(given)}
+    if as_set != {tuple(o.keys): o.value for o in parse_overrides(recorded)}:
+        was = " ".join(f"--set {o}" for o in recorded) or "no --set"
+        now = " ".join(f"--set {o}" for o in given)
+        raise ConfigError(f"--resume {run_dir}: the run was started with {was}, this command "
+                          f"gives {now}; a resumed run keeps its settings: give the same --set "
+                          f"options, or none (the recorded ones are applied), or start a new "
+                          f"run (without --resume) to change them")
+    return list(given)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__,
+                                     epilog=PASSTHROUGH_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hosts", help="path of the cluster's hosts.toml")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     parser.add_argument("--run-dir", help="use this run directory instead of <dir>/<name>-<time>")
     parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its latest checkpoint")
+                        help="continue the run in RUN_DIR from its latest checkpoint (with the "
+                             "--set overrides recorded there)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="PATH=VALUE",
+                        help="override one hosts.toml value before the checks (repeatable): "
+                             "--set actors.trainer.config.optimizer.lr=3e-5 --set run.name=x")
     tables, rest = passthrough.parse(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)
     if args.resume:
@@ -199,18 +245,27 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.run_dir = args.resume
     try:
-        cfg = load(args.hosts, tables)
+        if args.resume:
+            given = args.overrides
+            args.overrides = resume_overrides(Path(args.resume), given)
+            if args.overrides and not given:
+                say(f"resume: applying the run's recorded "
+                    f"{' '.join(f'--set {o}' for o in args.overrides)}")
+        cfg = load(args.hosts, tables, parse_overrides(args.overrides))
         order = start_order(cfg, args.hosts)
         sinks.check(cfg.run, args.hosts)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.run.python_path:  # every actor process (launch/supervisor.py) inherits PYTHONPATH
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [*cfg.run.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])
     if args.dry_run:
         print_plan(cfg, order, args.hosts)
         return 0
     run_dir = make_run_dir(cfg, args.run_dir)
     resolved = {"source": str(Path(args.hosts).resolve()), "start_order": order,
-                **msgspec.to_builtins(cfg)}
+                "overrides": list(args.overrides), **msgspec.to_builtins(cfg)}
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     try:
         import uvloop

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
+from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
 from runtime.actor import ActorView
 from runtime.loading import ConfigError, actor_config, import_actor
@@ -57,6 +61,10 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
         default_factory=lambda: ["jsonl"])
     wandb: WandbConfig = WandbConfig()  # the W&B run, when `sinks` names "wandb"
     plots: bool = True  # at the end, PNGs into <run_dir>/plots from metrics.jsonl (launch/plot.py)
+    # folders (relative to this file) put on the launcher's sys.path and on every actor's
+    # PYTHONPATH, so that your own modules (environments, actors) import without exporting
+    # PYTHONPATH; resolved to absolute paths at load
+    python_path: list[str] = []
 
 
 class HostConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,10 +106,43 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     shm: ShmConfig = ShmConfig()
 
 
+# actor config fields (at any depth) that name a model checkpoint: a relative path that is a
+# checkpoint directory next to hosts.toml is made absolute (models.load.is_checkpoint_dir)
+MODEL_FIELDS = frozenset({"model", "model_path", "ref_model", "student", "tokenizer_path"})
+
+
+class Override(msgspec.Struct, frozen=True):
+    """One `--set PATH=VALUE` of the command line."""
+
+    text: str  # as given, "actors.trainer.config.optimizer.lr=3e-5"
+    keys: list[str]  # the dotted path, split
+    value: Any  # the value parsed as a TOML value (a bare word that does not parse: a string)
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> list[Override]:
+    """`--set` texts as Overrides; ConfigError for one that is not PATH=VALUE."""
+    out = []
+    for text in items:
+        dotted, eq, value = text.partition("=")
+        keys = [k.strip() for k in dotted.split(".")]
+        if not eq or not all(keys):
+            raise ConfigError(f"--set {text}: expected PATH=VALUE with PATH a dotted path into "
+                              f"hosts.toml, e.g. --set actors.trainer.config.optimizer.lr=3e-5")
+        out.append(Override(text, keys, pt.parse_value(value)))
+    return out
+
+
 def load(path: str | Path,
-         passthrough: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:
+         passthrough: dict[str, dict[str, Any]] | None = None,
+         overrides: list[Override] | None = None) -> ClusterConfig:
     """Load and check hosts.toml; `passthrough` holds `--<prefix>-<option>` command-line tables
-    (runtime/passthrough.py), merged over the actors' hosts.toml tables before any check."""
+    (runtime/passthrough.py), merged over the actors' hosts.toml tables before any check;
+    `overrides` (`--set`, parse_overrides) are applied to the document before that.
+
+    Paths: `[run] python_path` folders are resolved against the file's folder and put on
+    sys.path; an actor config's model field (MODEL_FIELDS) holding a relative path that is a
+    checkpoint directory next to the file is made absolute (else it is left as it is: a built-in
+    name, a hub id, or a path relative to the working directory)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
@@ -109,6 +150,25 @@ def load(path: str | Path,
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    overrides = list(overrides or [])
+    created: dict[str, list[str]] = {}  # --set text -> tables it created
+    try:
+        # [run] first: python_path must be on sys.path before actor classes are imported
+        for o in sorted(overrides, key=lambda o: o.keys[0] != "run"):
+            if o.keys[0] == "run":
+                created[o.text] = _apply_override(raw, o, path)
+        _python_path(raw, path)
+        for o in overrides:
+            if o.keys[0] != "run":
+                created[o.text] = _apply_override(raw, o, path)
+        _resolve_model_paths(raw.get("actors"), path.resolve().parent)
+        return _load_document(raw, path, passthrough)
+    except ConfigError as e:
+        raise ConfigError(_blame(str(e), overrides, created)) from None
+
+
+def _load_document(raw: dict[str, Any], path: Path,
+                   passthrough: dict[str, dict[str, Any]] | None) -> ClusterConfig:
     actors = raw.get("actors")
     if passthrough:
         _merge_passthrough(actors, passthrough, path)
@@ -123,6 +183,124 @@ def load(path: str | Path,
         raise ConfigError(f"{path}: {_describe(str(e))}") from None
     _check(cfg, path)
     return cfg
+
+
+def _blame(message: str, overrides: list[Override], created: dict[str, list[str]]) -> str:
+    """`message` with the `--set` options that set what it is about (same table and field, or
+    a table the `--set` created)."""
+    if " (set on the command line by --set " in message:
+        return message
+    blamed = []
+    for o in overrides:
+        tables = [".".join(o.keys[:j]) for j in range(1, len(o.keys))]
+        named = any(f"[{t}]" in message or f"[{t}." in message for t in tables)
+        made = any(f"[{t}]" in message for t in created.get(o.text, []))
+        if (named and re.search(rf"\b{re.escape(o.keys[-1])}\b", message)) or made or (
+                f"--set {o.text}" in message):
+            blamed.append(o.text)
+    if not blamed or all(f"--set {b}" in message for b in blamed):
+        return message
+    return f"{message} (set on the command line by --set {', --set '.join(blamed)})"
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None` -> X (a table that may be absent is still that table)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return tp
+
+
+def _child(schema: Any, key: str, node: dict[str, Any], where: str, table: str) -> Any:
+    """The schema type of `node[key]` (Any where anything goes); ConfigError when the schema
+    of `table` has no field `key`."""
+    if isinstance(schema, type) and issubclass(schema, msgspec.Struct):
+        fields = {f.name: f.type for f in msgspec.structs.fields(schema)}
+        if key not in fields:
+            what = "the top level of hosts.toml" if table == "top level" else f"table [{table}]"
+            raise ConfigError(f"{where}: {what} has no field `{key}`; its fields are "
+                              f"{', '.join(sorted(fields))} (every field is listed in "
+                              f"launch/config.py and the actor's Config)")
+        if schema is ActorEntry and key == "config" and isinstance(node.get("cls"), str):
+            return import_actor(node["cls"], f"{where}: table [{table}], field `cls`").Config
+        return _unwrap(fields[key])
+    if typing.get_origin(schema) is dict:
+        return typing.get_args(schema)[1] if typing.get_args(schema) else Any
+    return Any
+
+
+def _is_table(schema: Any) -> bool:
+    return schema is Any or typing.get_origin(schema) is dict or (
+        isinstance(schema, type) and issubclass(schema, msgspec.Struct))
+
+
+def _apply_override(raw: dict[str, Any], o: Override, path: Path) -> list[str]:
+    """Set `o` in the raw document. A missing table on the way is created where the schema
+    has one (a struct field or a table of free keys), never under an unknown name. Returns the
+    tables it created."""
+    where = f"{path}: --set {o.text}"
+    created: list[str] = []
+    node: Any = raw
+    schema: Any = ClusterConfig
+    for i, key in enumerate(o.keys):
+        table = ".".join(o.keys[:i]) or "top level"
+        schema = _child(schema, key, node, where, table)
+        if i == len(o.keys) - 1:
+            node[key] = o.value
+            return created
+        here = ".".join(o.keys[:i + 1])
+        if key not in node:
+            if not _is_table(schema):
+                raise ConfigError(f"{where}: `{here}` is a value, not a table; set it whole "
+                                  f"(--set {here}=VALUE)")
+            node[key] = {}
+            created.append(here)
+        if not isinstance(node[key], dict):
+            kind, example = (("an array", ", VALUE in TOML, e.g. '[{ name = \"local\" }]'")
+                             if isinstance(node[key], list) else ("a value", ""))
+            raise ConfigError(f"{where}: `{here}` is {kind} in {path.name}, not a table; set "
+                              f"it whole (--set {here}=VALUE{example})")
+        node = node[key]
+    return created
+
+
+def _python_path(raw: dict[str, Any], path: Path) -> None:
+    """`[run] python_path` resolved against the file's folder (in place) and on sys.path."""
+    run = raw.get("run")
+    entries = run.get("python_path") if isinstance(run, dict) else None
+    if entries is None:
+        return
+    if not (isinstance(entries, list) and all(isinstance(p, str) for p in entries)):
+        raise ConfigError(f"{path}: table [run], field `python_path`: expected an array of "
+                          f"folder paths (strings), got {entries!r}")
+    base = path.resolve().parent
+    resolved = []
+    for entry in entries:
+        folder = (base / os.path.expanduser(entry)).resolve()
+        if not folder.is_dir():
+            raise ConfigError(f"{path}: table [run], field `python_path`: {entry!r} is not a "
+                              f"folder ({folder}; relative paths are read from {base})")
+        resolved.append(str(folder))
+    run["python_path"] = resolved
+    for folder in reversed(resolved):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
+def _resolve_model_paths(node: Any, base: Path) -> None:
+    """In place: model fields (MODEL_FIELDS, at any depth of the actors' tables) holding a
+    relative path that is a checkpoint directory under `base` become absolute."""
+    if isinstance(node, list):
+        for item in node:
+            _resolve_model_paths(item, base)
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if (key in MODEL_FIELDS and isinstance(value, str) and value
+                and not os.path.isabs(value) and is_checkpoint_dir(str(base / value))):
+            node[key] = str((base / value).resolve())
+        else:
+            _resolve_model_paths(value, base)
 
 
 def _merge_passthrough(actors: Any, tables: dict[str, dict[str, Any]], path: Path) -> None:

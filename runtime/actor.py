@@ -107,6 +107,22 @@ class ActorView(msgspec.Struct, frozen=True):
     after: list[str] = []  # actors it starts after: its peers
 
 
+def check_named_peers(name: str, actors: dict[str, ActorView], peers: dict[str, str]) -> None:
+    """For `check_peers`: ValueError for a peer named in `name`'s config (field -> actor name,
+    "" = none) that is not an actor of the run, or is missing from its `after` list."""
+    for field, peer in peers.items():
+        if not peer:
+            continue
+        if peer not in actors:
+            raise ValueError(f"`{field}` = {peer!r} is not an actor of this run (actors are "
+                             f"{sorted(actors)}): name one of them, or add an [actors.{peer}] "
+                             f"table")
+        if peer not in actors[name].after:
+            raise ValueError(f"`{field}` = {peer!r}, but {peer!r} is missing from the `after` "
+                             f"list of [actors.{name}]: add it there (after = [..., {peer!r}]), "
+                             f"so that {name} starts after it and can reach it")
+
+
 class Actor:
     Config: type[msgspec.Struct] = EmptyConfig
     role = "actor"

@@ -52,7 +52,8 @@ def test_good_config_loads_with_defaults_and_order(tmp_path):
 
 
 @pytest.mark.parametrize("edit, table, field, words", [
-    (("[actors.scaler]", "[actors.scaler]\ncolour = 3"), "actors.scaler", "colour", "unknown field"),
+    (("[actors.scaler]", "[actors.scaler]\ncolour = 3"), "actors.scaler", "colour",
+     "unknown field"),
     (('name = "t"', "name = 5"), "run", "name", "Expected `str`, got `int`"),
     (('cls = "examples.demo:Scaler"', ""), "actors.scaler", "cls", "missing required field"),
     (("[[hosts]]", "[[hosts]]\naddress = 1"), "hosts.#1", "address", "Expected `str`"),
@@ -123,6 +124,10 @@ config = { group_size = 4, groups_per_batch = 2 }
 [actors.w]
 cls = "actors.inference:InferenceWorker"
 
+[actors.router]
+cls = "actors.router:RouterActor"
+after = ["w"]
+
 [actors.trainer]
 cls = "actors.trainer:TrainerActor"
 after = ["buffer", "w"]
@@ -130,8 +135,12 @@ config = { model = "MODEL", workers = ["w"] }
 
 [actors.rollout]
 cls = "actors.rollout:RolloutActor"
-after = ["buffer"]
-config = { model = "examples/base-tiny", envs = [{ cls = "ENV" }] }
+after = ["router", "buffer"]
+[actors.rollout.config]
+model = "examples/base-tiny"
+envs = [{ cls = "ENV" }]
+group_size = 4
+groups_per_batch = 2
 """
 
 
@@ -185,3 +194,132 @@ def test_incompatible_trainer_options_fail_at_load_naming_both(tmp_path):
     message = error_of(tmp_path, bad)
     assert "table [actors.trainer.config], field `mismatch`" in message, message
     assert "bypass = true and correction = 'tis' conflict" in message
+
+
+OK_LOOP = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.builtin.arith:ArithEnv")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("group_size = 4, groups_per_batch = 2, max_staleness = 1", "group_size = 8, "
+      "groups_per_batch = 2, max_staleness = 1"),
+     ["table [actors.buffer.config]: group_size = 8 here but group_size = 4 in "
+      "[actors.rollout.config]", "set both to the same value"]),
+    (("group_size = 4, groups_per_batch = 2, max_staleness = 1", "group_size = 4, "
+      "groups_per_batch = 3, max_staleness = 1"),
+     ["table [actors.buffer.config]: groups_per_batch = 3 here but groups_per_batch = 2 in "
+      "[actors.rollout.config]", "set both to the same value"]),
+    (('workers = ["w"] }', 'workers = ["w"], mode = "colocated" }'),
+     ["table [actors.trainer.config]: mode = 'colocated' here needs max_staleness = 0 in "
+      "[actors.buffer.config] (it is 1)", "set max_staleness = 0 there, or mode = 'decoupled'"]),
+    (('workers = ["w"] }', 'workers = ["w"], loss = { temperature = 0.7 } }'),
+     ["table [actors.trainer.config]: loss.temperature = 0.7 here but temperature = 1.0 in "
+      "[actors.rollout.config]", "set loss = { temperature = 1.0 } here or change the "
+      "rollout's temperature"]),
+    (('after = ["router", "buffer"]', 'after = ["buffer"]'),
+     ["table [actors.rollout.config]: `router` = 'router', but 'router' is missing from the "
+      "`after` list of [actors.rollout]", "add it there"]),
+    (('envs = [{', 'router = "gateway"\nenvs = [{'),
+     ["table [actors.rollout.config]: `router` = 'gateway' is not an actor of this run",
+      "add an [actors.gateway] table"]),
+    (('workers = ["w"] }', 'workers = ["w"], rollout = "rollout" }'),
+     ["table [actors.trainer.config]: `rollout` = 'rollout', but 'rollout' is missing from the "
+      "`after` list of [actors.trainer]", "add it there"]),
+])
+def test_cross_actor_checks_name_both_tables_and_the_fix(tmp_path, monkeypatch, edit, words):
+    monkeypatch.chdir(ROOT)
+    staleness = OK_LOOP.replace("groups_per_batch = 2 }", "groups_per_batch = 2, "
+                                "max_staleness = 1 }")
+    load(write(tmp_path, staleness))
+    assert edit[0] in staleness
+    message = error_of(tmp_path, staleness.replace(*edit, 1))
+    for w in words:
+        assert w in message, message
+
+
+def mopd(edits: list[tuple[str, str]]) -> str:
+    text = (ROOT / "examples" / "mopd.toml").read_text()
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    return text
+
+
+SERVER = [('mode = "colocated"', 'mode = "server"\nopd = { mode = "sampled" }'),
+          ('{ name = "arith", model = "examples/teacher-arith", domains = ["math"] },',
+           '{ name = "arith", model = "examples/teacher-arith", domains = ["math"], '
+           'url = "http://127.0.0.1:1" },'),
+          ('{ name = "reverse", model = "examples/teacher-reverse", domains = ["reverse"] },',
+           '{ name = "reverse", model = "examples/teacher-reverse", domains = ["reverse"], '
+           'url = "http://127.0.0.1:2" },'),
+          ('opd = { mode = "full", kl_coef = 1.0 }\nteachers = [',
+           'opd = { mode = "sampled", kl_coef = 1.0 }\nteachers_unused = [')]
+
+
+@pytest.mark.parametrize("edits, words", [
+    ([('[actors.rollout.config]\n', '[actors.rollout.config]\ntemperature = 0.8\n'),
+      ("loss = {", "loss = { temperature = 0.8, ")],
+     ["table [actors.rollout.config]: temperature = 0.8 here but temperature = 1.0 in "
+      "[actors.teachers.config]", "set the pool's temperature to the rollout's"]),
+    ([("opd = { mode = \"full\", kl_coef = 1.0 }\nteachers = [", "teachers_x = ["),
+      ('loss = { advantage_estimator = "none" }', "")],
+     ["table [actors.trainer.config]: [actors.teachers] (a teacher pool) routes samples into "
+      "[actors.buffer.config]", "but opd is not set here: add opd ="]),
+    ([('sink = "teachers"', 'sink = ""'),
+      ('[actors.teachers]\ncls = "actors.teacher_pool:TeacherPool"\nafter = ["buffer"]',
+       '[actors.buffer2]\ncls = "actors.buffer:BufferActor"\nconfig = { group_size = 4, '
+       'groups_per_batch = 32 }\n\n[actors.teachers]\ncls = "actors.teacher_pool:TeacherPool"'
+       '\nafter = ["buffer2"]'),
+      ('mode = "colocated"', 'mode = "colocated"\nbuffer = "buffer2"')],
+     ["table [actors.trainer.config]: opd is set here, but no teacher pool",
+      "sends its groups to [actors.buffer.config]", "make it the rollout's `sink`"]),
+    ([('{ name = "reverse", model = "examples/teacher-reverse", domains = ["reverse"] },\n]\n\n'
+       '[actors.prefetcher]',
+       '{ name = "reverse", model = "examples/teacher-reverse", domains = ["rev"] },\n]\n\n'
+       '[actors.prefetcher]')],
+     ["table [actors.trainer.config]: `teachers` here and in [actors.teachers.config] differ",
+      "('reverse', 'examples/teacher-reverse', ('reverse',))", "give both the same list"]),
+    ([('mode = "colocated"', 'mode = "server"'),
+      ('domains = ["math"] },', 'domains = ["math"], worker = "worker0" },'),
+      ('domains = ["reverse"] },', 'domains = ["reverse"], worker = "worker1" },')],
+     ["table [actors.teachers.config]: `teachers['arith'].worker` = 'worker0', but 'worker0' is "
+      "missing from the `after` list of [actors.teachers]", "add it there"]),
+    (SERVER[:3] + [('opd = { mode = "full", kl_coef = 1.0 }\nteachers = [',
+                    'opd = { mode = "sampled", kl_coef = 1.0 }\nteachers = [')],
+     ["table [actors.trainer.config]: `teachers` here run colocated in the trainer, but "
+      "[actors.teachers.config] has mode = 'server'", "set mode = 'colocated' there"]),
+    ([('opd = { mode = "full", kl_coef = 1.0 }\nteachers = [',
+       'opd = { mode = "sampled", kl_coef = 1.0 }\nteachers_unused = [')],
+     ["table [actors.trainer.config]: opd without `teachers` here takes the teacher signal "
+      "from teacher servers, but [actors.teachers.config] has mode = 'colocated'",
+      "set mode = 'server' there"]),
+    (SERVER[:3] + [('opd = { mode = "full", kl_coef = 1.0 }\nteachers = [',
+                    'opd = { mode = "top_k", top_k = 4 }\nteachers_unused = [')],
+     ["table [actors.trainer.config]: opd here (mode = 'top_k', top_k = 4) and in "
+      "[actors.teachers.config] (mode = 'sampled', top_k = 0) differ",
+      "set the same opd mode and top_k in both"]),
+])
+def test_distillation_checks_name_both_tables_and_the_fix(tmp_path, monkeypatch, edits, words):
+    monkeypatch.chdir(ROOT)
+    server_ok = mopd(SERVER).replace("teachers_unused = [", "teachers = [], unused = [")
+    assert "teachers = [], unused" in server_ok
+    text = mopd(edits).replace("teachers_unused = [", "teacher_list_unused = [") \
+        .replace("teachers_x = [", "teacher_list_unused = [")
+    # the unused teacher lists become a comment block, not a field
+    text = _drop_block(text, "teacher_list_unused = [")
+    message = error_of(tmp_path, text)
+    for w in words:
+        assert w in message, message
+
+
+def _drop_block(text: str, start: str) -> str:
+    """Remove a multi-line `key = [ ... ]` array starting with `start`."""
+    if start not in text:
+        return text
+    at = text.index(start)
+    end = text.index("]\n", text.index("\n]", at)) + 2
+    return text[:at] + text[end:]
+
+
+def test_server_mode_distillation_config_loads(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    load(write(tmp_path, _drop_block(mopd(SERVER), "teachers_unused = [")))
