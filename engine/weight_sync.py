@@ -374,6 +374,9 @@ async def _succeeded(request: Awaitable[Any]) -> Any:
     return r
 
 
+SETTLE_GRACE_S = 2.0  # after a first failure, how long the other answers of a step may take
+
+
 async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float, what: str) -> dict:
     """Await every call (named by who answers it); the first failure, or `timeout_s` with
     calls unanswered, raises SyncError naming each failed or silent one. Nothing is awaited
@@ -381,6 +384,12 @@ async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float, what: str)
     futures = {name: asyncio.ensure_future(c) for name, c in calls.items()}
     done, pending = await asyncio.wait(futures.values(), timeout=timeout_s,
                                        return_when=asyncio.FIRST_EXCEPTION)
+    if pending and any(f.exception() is not None for f in done):
+        # a worker's refusal and the collective it breaks fail together, in either order: give
+        # the other answers a moment, so that the message names the worker and its cause
+        await asyncio.wait(pending, timeout=min(SETTLE_GRACE_S, timeout_s))
+        done = {f for f in futures.values() if f.done()}
+        pending = {f for f in futures.values() if not f.done()}
     failed = [(name, f.exception()) for name, f in futures.items()
               if f in done and f.exception() is not None]
     if failed or pending:
