@@ -103,31 +103,18 @@ class TrainerActor(Actor):
         """Every worker is an actor of the run; a distributed weight sync's placement can be
         served (engine.weight_sync.plan_groups: no worker on the trainer's GPU, no CPU worker
         under NCCL)."""
-        missing = [w for w in config.workers if w not in actors]
-        if missing:
-            raise ValueError(f"`workers` names {missing}, which are not actors of this run; "
-                             f"actors are {sorted(actors)}")
-        unreachable = [w for w in config.workers if w not in actors[name].after]
-        if unreachable:
-            raise ValueError(f"`workers` names {unreachable}, missing from the trainer's "
-                             f"`after` list: add them there, so that it starts after them and "
-                             f"can reach them")
-        check_named_peers(name, actors, {"buffer": config.buffer, "rollout": config.rollout,
-                                         "prefetcher": config.prefetcher})
+        check_named_peers(name, actors, {
+            **{f"workers[{i}]": w for i, w in enumerate(config.workers)},
+            "buffer": config.buffer, "rollout": config.rollout, "prefetcher": config.prefetcher})
         cls._check_buffer_side(name, config, actors)
         if config.weight_sync.path != "distributed":
             return
         try:
             plan_groups([actors[w].gpus for w in config.workers], actors[name].gpus,
-                        [f"[actors.{w}]" for w in config.workers])
+                        [f"[actors.{w}]" for w in config.workers],
+                        nccl=config.device.startswith("cuda"))
         except SyncError as e:
             raise ValueError(str(e)) from None
-        if config.device.startswith("cuda"):
-            cpu = [w for w in config.workers if not actors[w].gpus]
-            if cpu:
-                raise ValueError(f"weight_sync.path = 'distributed' from device "
-                                 f"{config.device!r} uses NCCL, but worker(s) {cpu} run on the "
-                                 f"CPU: put them on GPUs, or use weight_sync.path = 'disk'")
 
     @classmethod
     def _check_buffer_side(cls, name: str, config: TrainerConfig,

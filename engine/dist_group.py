@@ -102,29 +102,31 @@ def broadcast_many(tensors: list[torch.Tensor], groups: list) -> None:
     CUDA they run on a side stream that first waits for the current one: the transfer sees
     the latest writes, and a collective stuck on a lost peer never blocks the stream other
     threads compute on."""
-    cuda = bool(tensors) and tensors[0].is_cuda
-    stream = torch.cuda.Stream(tensors[0].device) if cuda else None
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with _side_stream(tensors):
         works = [dist.broadcast(t, src=0, group=g, async_op=True) for g in groups for t in tensors]
         for work in works:
             work.wait()
-    if stream is not None:
-        stream.synchronize()
 
 
 def receive_many(tensors: list[torch.Tensor], group) -> None:
     """A receiving rank's side of `broadcast_many`: fills `tensors` in place, in order. On CUDA
     on a side stream (allocated by the caller on the current one), synchronized before return,
     so the engine's own stream never waits on the sender."""
-    cuda = bool(tensors) and tensors[0].is_cuda
-    stream = torch.cuda.Stream(tensors[0].device) if cuda else None
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with _side_stream(tensors):
         for t in tensors:
             dist.broadcast(t, src=0, group=group)
-    if stream is not None:
-        stream.synchronize()
+
+
+@contextlib.contextmanager
+def _side_stream(tensors: list[torch.Tensor]):
+    """CUDA tensors: the block runs on a new stream that first waits for the current one, and
+    is synchronized on exit (the caller's thread waits, no other stream does). Else nothing."""
+    if not tensors or not tensors[0].is_cuda:
+        yield
+        return
+    stream = torch.cuda.Stream(tensors[0].device)
+    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 

@@ -96,15 +96,6 @@ async def resume_weights_then(clients: list[SglangClient], push) -> None:
                            for c in clients))
 
 
-async def _all_ok(calls: dict[str, Any]) -> None:
-    """Await {worker url: request}; SyncError naming every worker that failed."""
-    results = await asyncio.gather(*calls.values(), return_exceptions=True)
-    failed = [(url, r) for url, r in zip(calls, results)
-              if isinstance(r, BaseException) or (isinstance(r, dict) and not r.get("success"))]
-    if failed:
-        raise SyncError("weight update failed on " + "; ".join(f"{u}: {r}" for u, r in failed))
-
-
 class DiskSync:
     """Every worker loads the checkpoint directory the trainer wrote, each on its own
     (pause -> load -> continue per worker).
@@ -136,8 +127,8 @@ class DiskSync:
 
     async def _push_one(self, client: SglangClient, path: str, version: str) -> None:
         async with paused([client], self.pause_mode):
-            await _all_ok({client.base_url: client.update_weights_from_disk(
-                path, weight_version=version)})
+            await _settle({client.base_url: _succeeded(client.update_weights_from_disk(
+                path, weight_version=version))}, None, f"weight version {version} from disk")
         await check_versions([client], version)
 
 
@@ -170,19 +161,26 @@ class TensorSync:
                 last = i == len(parts) - 1
                 payload = await asyncio.get_running_loop().run_in_executor(
                     self.executor, self.serialize, bucket)
-                await _all_ok({c.base_url: c.update_weights_from_tensor(
-                    [payload] * tp, weight_version=version if last else None, flush_cache=last)
-                    for c, tp in zip(self.clients, self.tp_sizes)})
+                await _settle({c.base_url: _succeeded(c.update_weights_from_tensor(
+                    [payload] * tp, weight_version=version if last else None, flush_cache=last))
+                    for c, tp in zip(self.clients, self.tp_sizes)}, None,
+                    f"weight version {version}, bucket {i + 1} of {len(parts)}")
         await check_versions(self.clients, version)
 
 
-def plan_groups(workers: list[list[str]], trainer: list[str], names: list[str]) -> list[list[int]]:
+def plan_groups(workers: list[list[str]], trainer: list[str], names: list[str],
+                nccl: bool = False) -> list[list[int]]:
     """Workers (by index) per weight-update group, so that no GPU is in a group twice: NCCL
     refuses two ranks on one device in a communicator. `workers[i]` is worker i's GPU ids
     (runtime/devices.py; [] on CPU), `trainer` the sender's. The k-th worker on a GPU goes to
-    group k: as many groups as the most workers sharing one GPU. A worker on the trainer's own
-    GPU cannot be served (rank 0 is there) and raises SyncError naming it, the GPU and the
-    paths that can serve it."""
+    group k: as many groups as the most workers sharing one GPU. SyncError, naming the worker
+    and what can serve it, for a layout no group serves: a worker on the trainer's own GPU
+    (rank 0 is there), or (`nccl`) a worker on the CPU."""
+    cpu = [n for n, gpus in zip(names, workers) if not gpus]
+    if nccl and cpu:
+        raise SyncError(f"weight_sync.path = 'distributed' from a CUDA trainer uses NCCL, but "
+                        f"worker(s) {', '.join(cpu)} run on the CPU: put them on GPUs, or use "
+                        f"weight_sync.path = 'disk'")
     mine = set(trainer)
     groups: list[tuple[list[int], set[str]]] = []
     for i, gpus in enumerate(workers):
@@ -377,9 +375,9 @@ async def _succeeded(request: Awaitable[Any]) -> Any:
 SETTLE_GRACE_S = 2.0  # after a first failure, how long the other answers of a step may take
 
 
-async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float, what: str) -> dict:
-    """Await every call (named by who answers it); the first failure, or `timeout_s` with
-    calls unanswered, raises SyncError naming each failed or silent one. Nothing is awaited
+async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float | None, what: str) -> dict:
+    """Await every call (named by who answers it); the first failure, or `timeout_s` (None:
+    none) with calls unanswered, raises SyncError naming each failed or silent one. Nothing is awaited
     past that: a thread stuck in a collective is left to its own timeout."""
     futures = {name: asyncio.ensure_future(c) for name, c in calls.items()}
     done, pending = await asyncio.wait(futures.values(), timeout=timeout_s,
@@ -387,7 +385,7 @@ async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float, what: str)
     if pending and any(f.exception() is not None for f in done):
         # a worker's refusal and the collective it breaks fail together, in either order: give
         # the other answers a moment, so that the message names the worker and its cause
-        await asyncio.wait(pending, timeout=min(SETTLE_GRACE_S, timeout_s))
+        await asyncio.wait(pending, timeout=min(SETTLE_GRACE_S, timeout_s or SETTLE_GRACE_S))
         done = {f for f in futures.values() if f.done()}
         pending = {f for f in futures.values() if not f.done()}
     failed = [(name, f.exception()) for name, f in futures.items()
@@ -423,13 +421,7 @@ async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
     backend = "nccl" if device.startswith("cuda") else "gloo"
     names = names or [c.base_url for c in clients]
     if devices is not None:
-        plan_groups(devices, own_devices or [], names)
-        if backend == "nccl":
-            cpu = [n for n, d in zip(names, devices) if not d]
-            if cpu:
-                raise SyncError(f"weight_sync.path = 'distributed' from a CUDA trainer uses "
-                                f"NCCL, but worker(s) {', '.join(cpu)} run on the CPU: put them "
-                                f"on GPUs, or use weight_sync.path = 'disk'")
+        plan_groups(devices, own_devices or [], names, nccl=backend == "nccl")
     return DistributedSync(clients, backend, master_address, bucket_bytes=bucket_bytes,
                            devices=devices,
                            own_devices=own_devices, names=names, timeout_s=timeout_s,

@@ -117,12 +117,13 @@ def test_launcher_refuses_a_placement_no_group_can_serve(tmp_path, monkeypatch):
         load(hosts(tmp_path, w0="cuda:2", t_env='CUDA_VISIBLE_DEVICES = "1"'))
     load(hosts(tmp_path, w0="cuda:0", w1="cuda:0", t_env='CUDA_VISIBLE_DEVICES = "1"',
                w0_env='CUDA_VISIBLE_DEVICES = "2"'))  # worker1 (GPU 0), worker0 (GPU 2)
-    with pytest.raises(ConfigError, match="worker\\(s\\) \\['worker1'\\] run on the CPU"):
+    with pytest.raises(ConfigError, match="worker\\(s\\) \\[actors.worker1\\] run on the CPU"):
         load(hosts(tmp_path, w1="cpu"))
     typo = tmp_path / "typo.toml"
     typo.write_text(hosts(tmp_path, "cpu", "cpu", "cpu", "disk").read_text().replace(
         '"worker0", "worker1"]\ndevice', '"worker0", "wroker1"]\ndevice'))
-    with pytest.raises(ConfigError, match="names \\['wroker1'\\], which are not actors"):
+    with pytest.raises(ConfigError,
+                       match="`workers\\[1\\]` = 'wroker1' is not an actor of this run"):
         load(typo)
 
 
