@@ -33,7 +33,7 @@ import msgspec
 
 from engine.client import SglangClient
 from engine.session import HttpSession, SessionFailed
-from envs.loader import load_envs
+from envs.loader import check_at_load, load_envs
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView, EndRun, check_named_peers
 from transport.rpc import RemoteError
@@ -72,6 +72,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     # the run fails (exit 1) after this many consecutive batches in which every group failed
     # and the environment raised (workers that are down do not count); 0 = never
     max_failed_batches: int = 3
+    # warn (naming the domain, with two responses) when every group of a domain scored the same
+    # within the group, so GRPO has nothing to learn from it, this many batches in a row (0 = never)
+    no_signal_batches: int = 3
     failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
     resend_batches: int = 4  # batches of groups kept to re-send to a restarted buffer
     request_timeout_s: float = 120.0
@@ -94,9 +97,12 @@ class RolloutActor(Actor):
     role = "rollout"
 
     @classmethod
-    def check_config(cls, config: RolloutConfig) -> None:
+    def check_config(cls, config: RolloutConfig) -> list[str]:
+        """The model exists, the environments load and keep the contract on a sample of their
+        tasks (envs.loader.check_at_load); its notes reach the console."""
         check_model_path(config.model)
-        load_envs([msgspec.to_builtins(e) for e in config.envs])
+        mix = load_envs([msgspec.to_builtins(e) for e in config.envs])
+        return check_at_load(mix, config.eval_tasks)
 
     @classmethod
     def check_peers(cls, name: str, config: RolloutConfig, actors: dict[str, ActorView]) -> None:
@@ -130,6 +136,8 @@ class RolloutActor(Actor):
         self.buffer_epoch = ""
         self.totals = RolloutTotals()
         self.totals_path: Path | None = None  # where they are kept (none without a run dir)
+        self.no_signal: collections.Counter = collections.Counter()  # batches in a row, by domain
+        self.last_eval: tuple[int, dict[str, float], dict[str, int]] | None = None
 
     async def on_start(self) -> None:
         cfg = self.config
@@ -177,13 +185,14 @@ class RolloutActor(Actor):
                     self.buffer, RolloutPermit(batch_index=batch_index), cfg.permit_timeout_s)
             await self._resend_if_buffer_restarted(permit.buffer_epoch)
             if cfg.eval_every and batch_index % cfg.eval_every == 0:
-                await self.evaluate(batch_index)
+                await self.evaluate(permit.trainer_version)
             batch = [next(tasks) for _ in range(cfg.groups_per_batch)]
             t0 = time.monotonic()
             groups = await asyncio.gather(*(self.play_group(task, f"b{batch_index}-g{j}")
                                             for j, task in enumerate(batch)))
             self.report(batch_index, permit.trainer_version, groups, time.monotonic() - t0)
             self.check_failures(batch_index, groups)
+            self.check_signal(batch_index, groups)
             batch_index += 1
 
     async def play_group(self, task, group_id: str) -> list:
@@ -269,8 +278,14 @@ class RolloutActor(Actor):
                 return session.to_sample(group_id, index, domain, 0.0, status="failed",
                                          error="".join(traceback.format_exception_only(e)))
 
-    async def evaluate(self, batch_index: int) -> tuple[dict[str, float], dict[str, int]]:
-        """Greedy reward on the first `eval_tasks` eval tasks of each domain."""
+    async def evaluate(self, version: int) -> tuple[dict[str, float], dict[str, int]]:
+        """Greedy reward on the first `eval_tasks` eval tasks of each domain, with the weights of
+        trainer version `version` (the workers hold it), published as `eval/<domain>` at that
+        step. Greedy decoding of the same weights gives the same result, so the version last
+        scored is not scored (nor published) again: the final evaluation after the last step is
+        not a second record when a periodic one already scored that version."""
+        if self.last_eval is not None and self.last_eval[0] == version:
+            return self.last_eval[1], self.last_eval[2]
         cfg = self.config
         by_domain: dict[str, list] = {}
         for task in self.envs.tasks("eval", cfg.seed):
@@ -280,13 +295,49 @@ class RolloutActor(Actor):
         greedy = {"temperature": 0.0}
         scores: dict[str, float] = {}
         for domain, tasks in by_domain.items():
-            samples = await asyncio.gather(*(self.play(t, greedy, f"eval{batch_index}-{i}", 0)
+            samples = await asyncio.gather(*(self.play(t, greedy, f"eval{version}-{i}", 0)
                                              for i, t in enumerate(tasks)))
             scores[domain] = sum(s.reward for s in samples) / max(1, len(samples))
         if self.metrics:
-            self.metrics.publish({f"eval/{d}": v for d, v in scores.items()}, step=batch_index)
-        log.info("%s: eval at batch %d: %s", self.name, batch_index, scores)
-        return scores, {d: len(t) for d, t in by_domain.items()}
+            self.metrics.publish({f"eval/{d}": v for d, v in scores.items()}, step=version)
+        log.info("%s: eval of weight version %d: %s", self.name, version, scores)
+        self.last_eval = (version, scores, {d: len(t) for d, t in by_domain.items()})
+        return self.last_eval[1], self.last_eval[2]
+
+    def check_signal(self, batch_index: int, groups: list) -> None:
+        """A domain whose groups all scored the same within each group (every reward 0, or
+        every one 1) gives GRPO nothing to learn from: said once it lasted `no_signal_batches`
+        batches in a row, with two of its responses, and again after it came back."""
+        limit = self.config.no_signal_batches
+        if not limit:
+            return
+        flat: dict[str, list] = {}
+        for g in groups:
+            ok = [s for s in g if s.status == "ok"]
+            if ok:
+                flat.setdefault(ok[0].domain, []).append(ok)
+        for domain, domain_groups in flat.items():
+            if any(len({s.reward for s in g}) > 1 for g in domain_groups):
+                self.no_signal[domain] = 0
+                continue
+            self.no_signal[domain] += 1
+            if self.no_signal[domain] != limit:
+                continue
+            rewards = sorted({s.reward for g in domain_groups for s in g})
+            examples = "; ".join(self.describe(g[0]) for g in domain_groups[:2])
+            self.notify(f"no learning signal in domain {domain!r} for {limit} batches (up to "
+                        f"batch {batch_index}): in each of its groups every sample got the same "
+                        f"reward ({', '.join(f'{r:g}' for r in rewards)}), so its advantages "
+                        f"are 0. Check the verifier and the task difficulty; two responses: "
+                        f"{examples}")
+
+    def describe(self, sample) -> str:
+        """`prompt -> response (reward r)`, decoded, each cut to 60 characters."""
+        def text(ids: list[int]) -> str:
+            t = self.tokenizer.decode(ids, skip_special_tokens=True)
+            return repr(t if len(t) <= 60 else t[:57] + "...")
+        return (f"{text(sample.prompt_ids)} -> {text(sample.response_ids)} "
+                f"(reward {sample.reward:g})")
 
     def check_failures(self, batch_index: int, groups: list) -> None:
         """Failing episodes reach the console (per domain, with the last exception and task);

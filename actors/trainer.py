@@ -193,6 +193,11 @@ class TrainerActor(Actor):
                                            self.ctx.resume)
         for skipped in self.state.skipped_checkpoints:
             self.notify(f"resume skipped a damaged checkpoint: {skipped}")
+        if self.ctx.resume:
+            self.notify(f"resumed from the checkpoint of step {self.state.step} (weight version "
+                        f"{self.state.version}); {max(0, cfg.num_steps - self.state.step)} of "
+                        f"{cfg.num_steps} steps to go" if self.state.step else
+                        "resume: no checkpoint in the run directory yet; starting at step 0")
         self.clients = [SglangClient(self.peer(w).http) for w in cfg.workers]
         for c in self.clients:
             self._closers.append(c.close)

@@ -55,19 +55,18 @@ FAULTS = ACTORS + ("launcher", "corrupt_checkpoint")
 
 
 def hosts_file(folder: Path, steps: int, save_every: int, compact_bytes: int) -> Path:
+    """examples/local.toml, shortened: its [rl] values rewritten, a buffer table added."""
     text = (ROOT / "examples" / "local.toml").read_text()
-    text, found = re.subn(r"(\[actors\.buffer\]\ncls = [^\n]*\nconfig = \{[^}\n]*?) \}",
-                          rf"\1, journal_compact_bytes = {compact_bytes} }}", text)
-    if found != 1:
-        raise RuntimeError("examples/local.toml: no one-line `config = { ... }` right under "
-                           "[actors.buffer] to set journal_compact_bytes in; update hosts_file")
-    text = re.sub(r"num_steps = \d+", f"num_steps = {steps}", text)
-    text = re.sub(r"checkpoint = \{ save_every = \d+ \}",
-                  f"checkpoint = {{ save_every = {save_every} }}", text)
-    text = re.sub(r"eval_every = \d+", "eval_every = 0", text)
-    text = re.sub(r"eval_tasks = \d+", "eval_tasks = 20", text)
-    text = text.replace("progress_interval_s = 5.0", "progress_interval_s = 0.0\n"
-                        "request_retry_s = 5.0")
+    for key, value in (("num_steps", steps), ("save_every", save_every), ("eval_every", 0),
+                       ("eval_tasks", 20)):
+        text, found = re.subn(rf"^{key} = \d+", f"{key} = {value}", text, flags=re.M)
+        if found != 1:
+            raise RuntimeError(f"examples/local.toml: no `{key} = N` line in [rl]; update "
+                               f"hosts_file")
+    text = text.replace('model = "base-tiny"', f'model = "{ROOT / "examples" / "base-tiny"}"')
+    text = text.replace('name = "grpo-local"\n', 'name = "grpo-local"\nprogress_interval_s = 0.0'
+                        '\nrequest_retry_s = 5.0\n')
+    text += f"\n[actors.buffer.config]\njournal_compact_bytes = {compact_bytes}\n"
     path = folder / "hosts.toml"
     path.write_text(text)
     return path

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import itertools
 import math
 from typing import Any, Iterator
 
@@ -34,8 +35,9 @@ def load_env(dotted: str, options: dict[str, Any] | None = None) -> Environment:
         return cls(**options)
     except Exception as e:  # constructors raise TypeError/ValueError, and dataset errors
         raise ValueError(f"{dotted}: the constructor rejected options {sorted(options)}: "
-                         f"{type(e).__name__}: {e}; fix the env options (hosts.toml [env] "
-                         f"options) to match {cls.__name__}'s keyword arguments") from e
+                         f"{type(e).__name__}: {e}; fix the `options` of this env in the rollout's "
+                         f"`envs` (in [rl] or [actors.<rollout>.config]) to match "
+                         f"{cls.__name__}'s keyword arguments") from e
 
 
 def load_env_class(dotted: str) -> type[Environment]:
@@ -204,3 +206,45 @@ def _check_mix(envs: list[Environment], weights: list[float]) -> None:
 
 def _name(env: Environment) -> str:
     return f"{type(env).__name__}(domain={env.domain!r})"
+
+
+LOAD_SAMPLE = 20  # train tasks per environment the launcher looks at before the run starts
+
+
+def check_at_load(mix: EnvMix, eval_tasks: int, sample: int = LOAD_SAMPLE) -> list[str]:
+    """The environment contract where it is cheap, at load: the first `sample` train tasks
+    (seed 0) of each environment and at most `eval_tasks` + 1 of its eval tasks. Raises
+    ValueError for what would waste the run (a task that is not a Task, an empty prompt, a
+    repeated id, a split that raises); returns notes the user should read (tasks without an
+    answer, an eval split smaller than `eval_tasks`). `python -m envs.contract` runs the whole
+    contract, episodes included."""
+    notes: list[str] = []
+    for env in mix.envs:
+        name = _name(env)
+        for split, limit in (("train", sample), ("eval", eval_tasks + 1)):
+            try:
+                tasks = list(itertools.islice(env.tasks(split, 0), limit))
+            except Exception as e:  # the environment's own failure, named
+                raise ValueError(f"{name}: tasks({split!r}, 0) raised {type(e).__name__}: {e}"
+                                 ) from None
+            seen: set[str] = set()
+            for i, task in enumerate(tasks):
+                where = f"{name}: {split} task #{i + 1}"
+                if not isinstance(task, Task):
+                    raise ValueError(f"{where} is {_describe(task)}, not envs.base.Task")
+                if not isinstance(task.prompt, str) or not task.prompt.strip():
+                    raise ValueError(f"{where} (id {task.id!r}) has an empty prompt "
+                                     f"({task.prompt!r}); the policy would be asked nothing: "
+                                     f"give every task a prompt")
+                if task.id in seen:
+                    raise ValueError(f"{where}: id {task.id!r} repeats within the first "
+                                     f"{len(tasks)} tasks; task ids must be unique")
+                seen.add(task.id)
+            missing = sum(t.answer is None for t in tasks)
+            if split == "train" and missing:
+                notes.append(f"{name}: {missing} of its first {len(tasks)} train tasks have no "
+                             f"answer (answer = None); fine when its reward needs none")
+            if split == "eval" and eval_tasks and len(tasks) < eval_tasks:
+                notes.append(f"{name}: eval_tasks = {eval_tasks}, but its eval split has "
+                             f"{len(tasks)} tasks; evaluations score those {len(tasks)}")
+    return notes

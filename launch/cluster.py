@@ -45,6 +45,7 @@ from rich.table import Table
 
 from launch import plot, sinks
 from launch.config import ClusterConfig, ConfigError, load, parse_overrides, start_order
+from launch.console import Story
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
 from transport.metrics import MetricsSubscriber
@@ -88,31 +89,67 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
                       "yes" if e.primary else "", str(e.restart.max_restarts),
                       f"python -m runtime.child <run_dir>/specs/{name}.json")
     Console(width=200).print(table)
+    if cfg.rl is not None:  # what [rl] wrote, merged with the file's own actor tables
+        print("actor configs (derived from [rl], merged with the file's [actors.*] tables):")
+        for name in order:
+            e = cfg.actors[name]
+            env = f" env={json.dumps(e.env)}" if e.env else ""
+            print(f"  {name}:{env} {json.dumps(e.config)}")
     print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
           "(--dry-run)")
 
 
 async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
                         record: sinks.Sinks) -> None:
-    """Print progress lines and hand every metrics record to the run's sinks (metrics.jsonl,
-    TensorBoard, W&B: launch/sinks.py)."""
+    """Hand every metrics record to the run's sinks (metrics.jsonl, TensorBoard, W&B:
+    launch/sinks.py) and tell the story on the console (launch/console.py)."""
     sub = MetricsSubscriber(sup.factory, endpoint)
-    last: dict[str, float] = {}
+    story = Story(say, interval_s)
     try:
         async for m in sub:
             record.write(m)
-            if m.step is None:
-                continue
-            now = time.monotonic()
-            final = m.total_steps is not None and m.step >= m.total_steps
-            if now - last.get(m.actor, -1e9) < interval_s and not final:
-                continue
-            last[m.actor] = now
-            total = f"/{m.total_steps}" if m.total_steps is not None else ""
-            vals = " ".join(f"{k}={v:.4g}" for k, v in list(m.values.items())[:6])
-            say(f"{m.actor}: step {m.step}{total} {vals}")
+            story.on_record(m)
     finally:
         sub.close()
+
+
+def completion_line(run_dir: Path, completed: str, started: float) -> str:
+    """What a finished run says last: who completed, the time, the final evaluation."""
+    text = f"run complete: {completed} finished in {format_duration(time.monotonic() - started)}"
+    try:
+        final = json.loads((run_dir / "final_eval.json").read_text())
+        scores = ", ".join(f"{d} {v:.3g}" for d, v in sorted(final["scores"].items()))
+        text += f"; final eval at step {final['step']}: {scores}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # not an RL run, or no final evaluation
+    return f"{text}; results in {run_dir}"
+
+
+def format_duration(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {s} s" if minutes else f"{s} s"
+
+
+def already_complete(run_dir: Path, cfg: ClusterConfig) -> str | None:
+    """Why the run in `run_dir` has nothing left to do, or None: its primary actor completed
+    (exit.json) and, when that actor counts `num_steps` (the trainer), the latest checkpoint is
+    at or past the configured number (a file that raises it continues the run)."""
+    try:
+        done = json.loads((run_dir / "exit.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = done.get("completed") if isinstance(done, dict) and done.get("exit_code") == 0 \
+        else None
+    if not isinstance(name, str) or name not in cfg.actors:
+        return None
+    steps = cfg.actors[name].config.get("num_steps")
+    if not isinstance(steps, int):
+        return f"{name} finished; exit.json"
+    saved = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+             if p.name[5:].isdigit()]
+    if not saved or max(saved) < steps:
+        return None
+    return f"{name} finished at step {max(saved)} of num_steps = {steps}"
 
 
 def write_plots(cfg: ClusterConfig, run_dir: Path) -> None:
@@ -158,7 +195,7 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup,
                                                    cfg.run.progress_interval_s, record))
     say(f"run directory {run_dir}; metrics at {endpoints['metrics']}")
-    code = 0
+    code, started = 0, time.monotonic()
     try:
         starter = asyncio.ensure_future(sup.start_all())
         stop_wait = asyncio.ensure_future(interrupted.wait())
@@ -180,8 +217,9 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         progress.cancel()
         await asyncio.gather(progress, return_exceptions=True)
         summary = sup.summary()
-        (run_dir / "exit.json").write_text(json.dumps({"exit_code": code, "actors": summary},
-                                                      indent=2))
+        (run_dir / "exit.json").write_text(json.dumps(
+            {"exit_code": code, "completed": sup.completed if code == 0 else None,
+             "actors": summary}, indent=2))
         sup.close()
         if temporary:
             shutil.rmtree(sock_dir, ignore_errors=True)
@@ -190,6 +228,8 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     say(f"stopped ({steps}); exit code {code}")
     if cfg.run.plots:
         write_plots(cfg, run_dir)
+    if code == 0 and sup.completed:
+        say(completion_line(run_dir, sup.completed, started))
     return code
 
 
@@ -251,12 +291,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.overrides and not given:
                 say(f"resume: applying the run's recorded "
                     f"{' '.join(f'--set {o}' for o in args.overrides)}")
-        cfg = load(args.hosts, tables, parse_overrides(args.overrides))
+        notes: list[str] = []
+        cfg = load(args.hosts, tables, parse_overrides(args.overrides), notes)
         order = start_order(cfg, args.hosts)
         sinks.check(cfg.run, args.hosts)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    done = already_complete(Path(args.resume), cfg) if args.resume else None
+    if done:
+        print(f"run {args.resume} is already complete ({done}); nothing to resume. Raise "
+              f"num_steps in the file to train further, or start a new run (without --resume).")
+        return 0
+    for note in notes:
+        say(f"note: {note}")
     if cfg.run.python_path:  # every actor process (launch/supervisor.py) inherits PYTHONPATH
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [*cfg.run.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from launch import rl as rl_table
 from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
 from runtime.actor import ActorView
@@ -97,10 +98,15 @@ class ActorEntry(msgspec.Struct, forbid_unknown_fields=True):
     stop_timeout_s: float = 10.0  # on_stop() deadline inside the actor
 
 
+def _local_host() -> list[HostConfig]:
+    return [HostConfig(name="local")]
+
+
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     run: RunConfig
-    hosts: list[HostConfig]
     actors: dict[str, ActorEntry]
+    hosts: list[HostConfig] = msgspec.field(default_factory=_local_host)  # absent: one local host
+    rl: rl_table.RLConfig | None = None  # the run in one table; actors derived (launch/rl.py)
     security: Security = Security()
     limits: Limits = Limits()
     shm: ShmConfig = ShmConfig()
@@ -134,10 +140,12 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> list[Override]:
 
 def load(path: str | Path,
          passthrough: dict[str, dict[str, Any]] | None = None,
-         overrides: list[Override] | None = None) -> ClusterConfig:
+         overrides: list[Override] | None = None,
+         notes: list[str] | None = None) -> ClusterConfig:
     """Load and check hosts.toml; `passthrough` holds `--<prefix>-<option>` command-line tables
     (runtime/passthrough.py), merged over the actors' hosts.toml tables before any check;
-    `overrides` (`--set`, parse_overrides) are applied to the document before that.
+    `overrides` (`--set`, parse_overrides) are applied to the document before that. The
+    actors' `check_config` notes (things to know that are no error) are appended to `notes`.
 
     Paths: `[run] python_path` folders are resolved against the file's folder and put on
     sys.path; an actor config's model field (MODEL_FIELDS) holding a relative path that is a
@@ -152,23 +160,54 @@ def load(path: str | Path,
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     overrides = list(overrides or [])
     created: dict[str, list[str]] = {}  # --set text -> tables it created
+    derived: set[str] = set()
     try:
-        # [run] first: python_path must be on sys.path before actor classes are imported
-        for o in sorted(overrides, key=lambda o: o.keys[0] != "run"):
-            if o.keys[0] == "run":
-                created[o.text] = _apply_override(raw, o, path)
+        # [run] first: python_path must be on sys.path before actor classes are imported; then
+        # [rl], from which the actor tables are derived, then the actors' own overrides
+        early = [o for o in overrides if o.keys[0] in ("run", "rl")]
+        for o in sorted(early, key=lambda o: o.keys[0] != "run"):
+            created[o.text] = _apply_override(raw, o, path)
         _python_path(raw, path)
+        derived = _expand_rl(raw, path)
         for o in overrides:
-            if o.keys[0] != "run":
+            if o.keys[0] not in ("run", "rl"):
                 created[o.text] = _apply_override(raw, o, path)
         _resolve_model_paths(raw.get("actors"), path.resolve().parent)
-        return _load_document(raw, path, passthrough)
+        return _load_document(raw, path, passthrough, notes)
     except ConfigError as e:
-        raise ConfigError(_blame(str(e), overrides, created)) from None
+        raise ConfigError(_derived_hint(_blame(str(e), overrides, created), derived)) from None
+
+
+def _expand_rl(raw: dict[str, Any], path: Path) -> set[str]:
+    """`[rl]` into actor tables (launch/rl.py); ConfigError naming [rl] and the field."""
+    if "rl" in raw and not isinstance(raw["rl"], dict):
+        raise ConfigError(f"{path}: `rl` must be a table ([rl]), got {raw['rl']!r}")
+    try:
+        return rl_table.expand(raw)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        if " - at `" not in text and " field `" not in text:  # RLConfig.__post_init__
+            raise ConfigError(f"{path}: table [rl]: {text}") from None
+        raise ConfigError(f"{path}: {_describe(text, ['rl'])}") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: table [rl]: {e}") from None
+
+
+def _derived_hint(message: str, derived: set[str]) -> str:
+    """Say where a table the file does not have comes from: [rl]."""
+    named = sorted({m for m in re.findall(r"\[actors\.([A-Za-z0-9_\-]+)", message)
+                    if m in derived})
+    if not named:
+        return message
+    tables = ", ".join(f"[actors.{n}]" for n in named)
+    return (f"{message} ({tables} {'is' if len(named) == 1 else 'are'} derived from [rl]: change "
+            f"the value in [rl], or set it in a table [actors.<name>.config] of that name, "
+            f"which is merged over the derived one; --dry-run prints the derived actors)")
 
 
 def _load_document(raw: dict[str, Any], path: Path,
-                   passthrough: dict[str, dict[str, Any]] | None) -> ClusterConfig:
+                   passthrough: dict[str, dict[str, Any]] | None,
+                   notes: list[str] | None = None) -> ClusterConfig:
     actors = raw.get("actors")
     if passthrough:
         _merge_passthrough(actors, passthrough, path)
@@ -181,7 +220,7 @@ def _load_document(raw: dict[str, Any], path: Path,
         cfg = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{path}: {_describe(str(e))}") from None
-    _check(cfg, path)
+    _check(cfg, path, notes if notes is not None else [])
     return cfg
 
 
@@ -336,7 +375,7 @@ def _table(keys: list[str]) -> str:
     return ".".join(keys) if keys else "top level"
 
 
-def _check(cfg: ClusterConfig, path: Path) -> None:
+def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
     def fail(table: str, field: str, text: str) -> None:
         raise ConfigError(f"{path}: table [{table}], field `{field}`: {text}")
 
@@ -364,7 +403,7 @@ def _check(cfg: ClusterConfig, path: Path) -> None:
         cls = import_actor(entry.cls, f"{path}: table [{table}], field `cls`")
         config = actor_config(cls, entry.config, f"{path}: table [{table}.config]")
         try:
-            cls.check_config(config)
+            notes += [f"[actors.{name}]: {n}" for n in cls.check_config(config) or []]
             host = entry.host or names[0]
             views[name] = ActorView(cls, config, host,
                                     cls.gpus(config, {**os.environ, **entry.env}, host),

@@ -83,6 +83,7 @@ class Supervisor:
         self.actors: dict[str, ActorProcess] = {}
         self.events: asyncio.Queue = asyncio.Queue()
         self.stopping = False
+        self.completed: str | None = None  # the primary actor whose completion ended the run
         self.proxy: MetricsProxy | None = None
         self.server: RpcServer | None = None
         self._tasks: list[asyncio.Task] = []
@@ -192,6 +193,7 @@ class Supervisor:
             if ap.stopped is not None and ap.stopped.completed and ap.exit_code == 0:
                 self.say(f"{name} completed ({ap.stopped.reason})")
                 if ap.entry.primary:
+                    self.completed = name
                     return 0
                 continue
             if ap.ready_at and time.monotonic() - ap.ready_at >= ap.entry.restart.stable_after_s:
@@ -284,7 +286,8 @@ class Supervisor:
         if ap.endpoints is not None:
             client = RpcClient(self.factory, ap.endpoints.control, "launcher")
             try:
-                await client.call(Shutdown(reason=reason), timeout_s=min(5.0, run.shutdown_timeout_s))
+                await client.call(Shutdown(reason=reason),
+                                  timeout_s=min(5.0, run.shutdown_timeout_s))
             except (RemoteError, DeadlineExceeded):
                 pass
             finally:

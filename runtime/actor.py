@@ -152,9 +152,10 @@ class Actor:
 
     # ------------------------------------------------------------------ hooks for subclasses
     @classmethod
-    def check_config(cls, config: Any) -> None:
+    def check_config(cls, config: Any) -> list[str] | None:
         """Checks that need more than types (paths exist, classes import); raise ValueError.
-        The launcher calls this when it loads hosts.toml, before anything starts."""
+        The launcher calls this when it loads hosts.toml, before anything starts, and prints
+        the notes it returns (things to know that are no error), if any."""
 
     @classmethod
     def gpus(cls, config: Any, env: dict[str, str], host: str) -> list[str]:

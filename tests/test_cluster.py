@@ -97,7 +97,8 @@ def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
     assert {r["actor"] for r in recorded} & {"producer", "consumer"}
     assert "producer: step 120/120" in out
     info = exit_info(run_dir)
-    assert info["exit_code"] == 0
+    assert info["exit_code"] == 0 and info["completed"] == "producer"
+    assert "run complete: producer finished in " in out
     assert info["actors"]["producer"]["exit_code"] == 0
     assert info["actors"]["scaler"]["shutdown_step"] == "message"
     assert info["actors"]["scaler"]["exit_code"] == 0
@@ -106,6 +107,12 @@ def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
     assert resolved["actors"]["producer"]["config"]["num_items"] == 120
     for name in ("scaler", "consumer", "producer"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    # resuming a finished run starts nothing and says so
+    again = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--resume",
+                            str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "is already complete (producer finished; exit.json)" in again.stdout
+    assert exit_info(run_dir)["completed"] == "producer"  # untouched
 
 
 def wait_for_file(path: Path, timeout_s: float) -> None:
@@ -162,7 +169,7 @@ cls = "tests.misbehaving:Idle"
 [actors.bad]
 cls = "tests.misbehaving:FailsOnStart"
 after = ["ok"]
-""")
+""", shutdown_s=8.0)  # "ok" obeys the message at once; the bound is for a loaded machine
     run_dir = tmp_path / "run"
     result = launch(hosts, run_dir)
     assert result.returncode == 1
@@ -283,7 +290,8 @@ def test_ctrl_c_stops_everything_with_exit_code_0(tmp_path):
         proc.kill()
         proc.wait()
     assert proc.returncode == 0, out
-    assert "interrupted" in out
+    assert "interrupted" in out and "run complete" not in out
+    assert exit_info(run_dir)["completed"] is None  # a resume would continue it
     steps = {n: a["shutdown_step"] for n, a in exit_info(run_dir)["actors"].items()}
     assert steps == {"a": "message", "b": "message"}
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)

@@ -237,7 +237,7 @@ def test_cross_actor_checks_name_both_tables_and_the_fix(tmp_path, monkeypatch, 
 
 
 def mopd(edits: list[tuple[str, str]]) -> str:
-    text = (ROOT / "examples" / "mopd.toml").read_text()
+    text = (ROOT / "tests" / "fixtures" / "mopd_layout.toml").read_text()  # per-actor tables
     for old, new in edits:
         assert old in text, old
         text = text.replace(old, new, 1)

@@ -104,6 +104,14 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     assert "resumed from" in (run_dir / "logs" / "trainer.rank1.log").read_text()
     assert steps[-1]["values"]["train/samples"] == 16  # the whole batch, over both ranks
     assert steps[-1]["values"]["train/dp_size"] == 2
+    assert "resumed from the checkpoint of step 4 (weight version 4); 2 of 6 steps to go" in \
+        result.stdout  # said on the console
+    # once more: nothing is left to do, and nothing starts
+    again = subprocess.run([sys.executable, "-m", "launch.cluster", str(tmp_path / "hosts.toml"),
+                            "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already complete (trainer finished at step 6 of num_steps = 6)" in again.stdout
 
 
 @pytest.mark.timeout(300)

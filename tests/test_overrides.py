@@ -61,9 +61,12 @@ def test_overrides_apply_before_validation_and_create_allowed_tables():
 
 
 def test_override_errors_name_the_set_and_the_path():
-    message = error_of(LOCAL, "rl.group_size=16")
-    assert "--set rl.group_size=16: the top level of hosts.toml has no field `rl`" in message
-    assert "actors, hosts, limits, run, security, shm" in message
+    message = error_of(LOCAL, "rl.group_sise=16")
+    assert "--set rl.group_sise=16: table [rl] has no field `group_sise`" in message
+    assert "groups_per_batch" in message
+    message = error_of(LOCAL, "runs.name=x")
+    assert "--set runs.name=x: the top level of hosts.toml has no field `runs`" in message
+    assert "actors, hosts, limits, rl, run, security, shm" in message
     message = error_of(LOCAL, "actors.trainer.config.optimizr.lr=1e-5")
     assert "--set actors.trainer.config.optimizr.lr=1e-5: table [actors.trainer.config] has no " \
            "field `optimizr`" in message and "optimizer" in message

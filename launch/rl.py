@@ -1,0 +1,205 @@
+"""`[rl]`: one RL / distillation run described once; the launcher writes every actor's table.
+
+    [rl]
+    model = "base-tiny"                 # the policy (workers, rollout tokenizer, trainer)
+    workers = 2
+    group_size = 8
+    groups_per_batch = 16
+    num_steps = 200
+    envs = [{ cls = "envs.builtin.arith:ArithEnv" }]
+
+becomes `[actors.worker0]` .. `[actors.worker<N-1>]`, `[actors.router]`, `[actors.buffer]`,
+`[actors.rollout]`, `[actors.trainer]` (primary) and, with `teachers`, `[actors.teachers]` (the
+teacher pool, the rollout's sink) and, for colocated teachers, `[actors.prefetcher]`. Each value
+is written once here and copied to every actor that needs it: the model to the workers, the
+rollout and the trainer (and the pool's `student`); group_size / groups_per_batch to the buffer
+and the rollout; the temperature to the rollout, the trainer's loss and the pool; the teachers and
+`opd` to the pool and the trainer; the worker names to the trainer.
+
+Per-actor tables stay the way to change anything else or to lay out a custom cluster: a table
+`[actors.<name>]` the file also has is merged over the derived one (tables key by key, any other
+value replaced), and an actor of another name is added as written. `[[hosts]]` may be left out
+(one local host). `python -m launch.cluster hosts.toml --dry-run` prints the result, and the run's
+config.json records it.
+
+Invariant: `expand` is a pure function of the document: a resumed run (same file, same `--set`
+overrides) derives the same actors.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import msgspec
+
+
+class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The run-level table `[rl]` (launch/rl.py derives the actors from it)."""
+
+    model: str  # the policy's checkpoint: HF directory (relative to this file or not) or tiny name
+    envs: list[dict[str, Any]]  # the task mix: { cls, weight, options, domain } per environment
+    engine: Literal["embedded", "sglang"] = "embedded"  # inference workers: embedded or SGLang
+    workers: int = 2  # inference worker actors, named worker0 .. worker<N-1>
+    device: str = "cpu"  # the trainer's and embedded workers' torch device (per actor: override)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer and embedded workers
+    threads: int = 1  # OMP_NUM_THREADS of the workers and the trainer (0 = leave it unset)
+    mode: Literal["decoupled", "colocated"] = "decoupled"  # colocated: train and generate in turn
+    # weight versions the rollout may run ahead of the trainer (None: 1 decoupled, 0 colocated)
+    max_staleness: int | None = None
+    group_size: int = 8  # samples per prompt (GRPO group)
+    groups_per_batch: int = 16  # prompts per training batch
+    temperature: float = 1.0  # sampling temperature (the trainer's loss and teachers use it too)
+    top_p: float = 1.0  # sampling top-p
+    max_new_tokens: int = 32  # per turn, unless the environment sets its own
+    num_steps: int = 100  # optimizer steps; the run completes after the last one
+    algorithm: str = "grpo"  # the trainer's loss.advantage_estimator (grpo, dr_grpo, ppo, none..)
+    lr: float = 1e-4  # AdamW learning rate
+    micro_batch_size: int = 16  # samples per forward/backward micro-batch
+    kl_coef: float = 0.0  # KL to the frozen initial policy as a loss term (0 = no reference)
+    save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    eval_every: int = 0  # greedy evaluation every this many batches (0 = only the final one)
+    eval_tasks: int = 64  # eval tasks per domain
+    seed: int = 0  # task order, trainer seed; worker i is seeded seed + i
+    # distillation teachers, as in the teacher pool: { name, model, domains, coef, worker, url }
+    teachers: list[dict[str, Any]] = []
+    teacher_mode: Literal["colocated", "server"] = "colocated"  # in the trainer, or served
+    opd: dict[str, Any] = {}  # the teachers' signal (algos/opd.py OpdConfig; {} = its defaults)
+    teacher_memory: dict[str, Any] = {}  # colocated teachers' tiers (TeacherMemoryConfig)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers = {self.workers}: at least one inference worker")
+        if self.threads < 0:
+            raise ValueError(f"threads = {self.threads}: use 0 (unset) or a positive count")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness = {self.max_staleness}: use 0 or more")
+        if self.mode == "colocated" and self.max_staleness:
+            raise ValueError(f"mode = 'colocated' trains and generates in turn, so the rollout "
+                             f"cannot run ahead: max_staleness must be 0 (or left out), not "
+                             f"{self.max_staleness}")
+        if (self.opd or self.teacher_memory or self.teacher_mode != "colocated") \
+                and not self.teachers:
+            raise ValueError("opd / teacher_memory / teacher_mode are set but teachers is "
+                             "empty: list the teachers ({ name, model, domains }) or remove them")
+
+
+ROUTER_DEFAULTS = {"health_check_interval_secs": 2, "log_level": "warn"}
+
+
+def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
+    """The actor tables `[rl]` stands for (ActorEntry-shaped dicts, in start order)."""
+    env = {"OMP_NUM_THREADS": str(rl.threads)} if rl.threads else {}
+    workers = [f"worker{i}" for i in range(rl.workers)]
+    teachers = [dict(t) for t in rl.teachers]
+    actors: dict[str, dict[str, Any]] = {}
+    if rl.engine == "embedded":
+        for i, name in enumerate(workers):
+            cfg: dict[str, Any] = {"model": rl.model, "seed": rl.seed + i}
+            cfg.update(_unless_default(device=(rl.device, "cpu"), dtype=(rl.dtype, "float32")))
+            actors[name] = {"cls": "actors.inference:InferenceWorker", "env": dict(env),
+                            "config": cfg}
+        actors["router"] = {"cls": "actors.router:RouterActor", "after": list(workers),
+                            "config": {"router": dict(ROUTER_DEFAULTS)}}
+    else:  # SGLang servers register with the router, so it starts first
+        actors["router"] = {"cls": "actors.router:RouterActor",
+                            "config": {"dynamic_workers": True, "router": dict(ROUTER_DEFAULTS)}}
+        for name in workers:
+            actors[name] = {"cls": "actors.sglang_worker:SglangWorker", "after": ["router"],
+                            "config": {"model_path": rl.model, "register_with": "router"}}
+    staleness = rl.max_staleness if rl.max_staleness is not None else (
+        0 if rl.mode == "colocated" else 1)
+    actors["buffer"] = {"cls": "actors.buffer:BufferActor",
+                        "config": {"group_size": rl.group_size,
+                                   "groups_per_batch": rl.groups_per_batch,
+                                   "max_staleness": staleness}}
+    rollout_after = ["router", "buffer"]
+    if teachers:
+        pool: dict[str, Any] = {"student": rl.model, "mode": rl.teacher_mode,
+                                "teachers": copy.deepcopy(teachers)}
+        if rl.opd:
+            pool["opd"] = dict(rl.opd)
+        pool.update(_unless_default(temperature=(rl.temperature, 1.0)))
+        served = [t["worker"] for t in teachers if t.get("worker")]
+        actors["teachers"] = {"cls": "actors.teacher_pool:TeacherPool",
+                              "after": ["buffer", *served], "config": pool}
+        if rl.teacher_mode == "colocated":
+            actors["prefetcher"] = {"cls": "actors.prefetcher:PrefetcherActor"}
+        rollout_after.append("teachers")
+    rollout: dict[str, Any] = {"model": rl.model}
+    if teachers:
+        rollout["sink"] = "teachers"
+    rollout.update({"group_size": rl.group_size, "groups_per_batch": rl.groups_per_batch})
+    rollout.update(_unless_default(temperature=(rl.temperature, 1.0), top_p=(rl.top_p, 1.0),
+                                   max_new_tokens=(rl.max_new_tokens, 32), seed=(rl.seed, 0)))
+    rollout.update({"eval_every": rl.eval_every, "eval_tasks": rl.eval_tasks,
+                    "envs": copy.deepcopy(rl.envs)})
+    actors["rollout"] = {"cls": "actors.rollout:RolloutActor", "after": rollout_after,
+                         "config": rollout}
+    trainer: dict[str, Any] = {"model": rl.model, "workers": list(workers),
+                               "rollout": "rollout", "num_steps": rl.num_steps}
+    trainer.update(_unless_default(device=(rl.device, "cpu"), dtype=(rl.dtype, "float32"),
+                                   seed=(rl.seed, 0), mode=(rl.mode, "decoupled")))
+    trainer["optimizer"] = {"lr": rl.lr}
+    trainer["micro_batches"] = {"size": rl.micro_batch_size}
+    if rl.save_every:
+        trainer["checkpoint"] = {"save_every": rl.save_every}
+    loss = _unless_default(advantage_estimator=(rl.algorithm, "grpo"),
+                           temperature=(rl.temperature, 1.0))
+    if loss:
+        trainer["loss"] = loss
+    if rl.kl_coef:
+        trainer["kl"] = {"coef": rl.kl_coef, "use_kl_loss": True}
+    trainer_after = [*workers, "buffer", "rollout"]
+    if teachers:
+        trainer["opd"] = dict(rl.opd)
+        if rl.teacher_mode == "colocated":
+            trainer["teachers"] = copy.deepcopy(teachers)
+            if rl.teacher_memory:
+                trainer["teacher_memory"] = dict(rl.teacher_memory)
+            trainer["prefetcher"] = "prefetcher"
+            trainer_after.append("prefetcher")
+    actors["trainer"] = {"cls": "actors.trainer:TrainerActor", "after": trainer_after,
+                         "primary": True, "env": dict(env), "config": trainer}
+    return actors
+
+
+def _unless_default(**pairs: tuple[Any, Any]) -> dict[str, Any]:
+    """The (value, default) pairs whose value is not the default: the derived tables hold only
+    what [rl] decides, so the actors' own defaults stay visible as defaults."""
+    return {k: v for k, (v, default) in pairs.items() if v != default}
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: tables merged key by key (recursively), anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def expand(raw: dict[str, Any]) -> set[str]:
+    """In place: the document's `[rl]` turned into actor tables, the file's own `[actors.*]`
+    merged over them, and one local host when `[[hosts]]` is missing. Returns the names of the
+    derived actors (empty without `[rl]`). Raises msgspec.ValidationError / ValueError for a bad
+    `[rl]` (the caller names the file)."""
+    if "rl" not in raw:
+        return set()
+    rl = msgspec.convert(raw["rl"], RLConfig)
+    derived = derive(rl)
+    own = raw.get("actors", {})
+    if not isinstance(own, dict):
+        raise ValueError("`actors` must be a table of [actors.<name>] tables")
+    actors = {name: merge(entry, own[name]) if isinstance(own.get(name), dict) else entry
+              for name, entry in derived.items()}
+    for name, entry in own.items():
+        if name not in derived:
+            actors[name] = entry
+        elif not isinstance(entry, dict):
+            actors[name] = entry  # reported by the schema check, naming the table
+    raw["actors"] = actors
+    raw.setdefault("hosts", [{"name": "local"}])
+    return set(derived)

@@ -1,0 +1,164 @@
+"""`[rl]`: the run in one table, the actors derived from it (launch/rl.py), through load()."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from launch.cluster import main
+from launch.config import ConfigError, load, parse_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def actors_of(cfg) -> dict:
+    """Actor entries as plain data, `examples/<model>` written the same way on both sides."""
+    def norm(node):
+        if isinstance(node, dict):
+            return {k: norm(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [norm(v) for v in node]
+        if isinstance(node, str) and node.startswith("examples/"):
+            return str((ROOT / node).resolve())
+        return node
+    return norm(msgspec.to_builtins(cfg.actors))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(text)
+    return path
+
+
+BASE = """
+[run]
+name = "t"
+
+[rl]
+model = "tiny-qwen2"
+group_size = 4
+groups_per_batch = 2
+num_steps = 3
+envs = [{ cls = "envs.builtin.arith:ArithEnv" }]
+"""
+
+
+def test_the_main_job_derives_exactly_its_former_per_actor_layout(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the per-actor layout names its models from the repository root
+    short = load(EXAMPLES / "local.toml")
+    assert actors_of(short) == actors_of(load(FIXTURES / "local_layout.toml"))
+    assert len((EXAMPLES / "local.toml").read_text().splitlines()) < 30
+    assert [h.name for h in short.hosts] == ["local"]
+
+
+def test_the_mopd_demo_derives_its_former_layout_and_gives_the_pool_the_opd(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    derived = actors_of(load(EXAMPLES / "mopd.toml"))
+    layout = actors_of(load(FIXTURES / "mopd_layout.toml"))
+    # the one difference: the pool gets the run's opd too (the former file left the pool's default)
+    assert derived["teachers"]["config"].pop("opd") == {"mode": "full", "kl_coef": 1.0}
+    assert derived == layout
+
+
+def test_model_paths_are_read_next_to_the_file_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load(EXAMPLES / "local.toml")
+    model = str((EXAMPLES / "base-tiny").resolve())
+    assert {cfg.actors[n].config["model"] for n in ("worker0", "worker1", "rollout", "trainer")} \
+        == {model}
+
+
+def test_set_on_rl_reaches_every_actor_that_holds_the_value():
+    cfg = load(EXAMPLES / "local.toml", None, parse_overrides(
+        ["rl.group_size=4", "rl.workers=3", "rl.temperature=0.7",
+         "actors.trainer.config.optimizer.grad_clip=0.5"]))
+    a = cfg.actors
+    assert a["buffer"].config["group_size"] == a["rollout"].config["group_size"] == 4
+    assert a["trainer"].config["workers"] == ["worker0", "worker1", "worker2"]
+    assert a["router"].after == ["worker0", "worker1", "worker2"]
+    assert a["worker2"].config["seed"] == 2
+    assert a["rollout"].config["temperature"] == a["trainer"].config["loss"]["temperature"] == 0.7
+    # an actor override merges into the derived table: lr from [rl] stays
+    assert a["trainer"].config["optimizer"] == {"lr": 1e-4, "grad_clip": 0.5}
+
+
+def test_the_files_own_actor_tables_merge_over_the_derived_ones_and_add_actors(tmp_path):
+    cfg = load(write(tmp_path, BASE + """
+[actors.trainer.config]
+kl = { coef = 0.1, use_kl_loss = true }
+optimizer = { weight_decay = 0.01 }
+
+[actors.buffer]
+restart = { max_restarts = 5 }
+
+[actors.extra]
+cls = "examples.demo:Scaler"
+"""))
+    a = cfg.actors
+    assert a["trainer"].config["optimizer"] == {"lr": 1e-4, "weight_decay": 0.01}
+    assert a["trainer"].config["kl"] == {"coef": 0.1, "use_kl_loss": True}
+    assert a["trainer"].primary and a["buffer"].restart.max_restarts == 5
+    assert a["buffer"].config == {"group_size": 4, "groups_per_batch": 2, "max_staleness": 1}
+    assert "extra" in a and a["extra"].cls == "examples.demo:Scaler"
+
+
+def test_colocated_derives_staleness_zero_and_teachers_a_pool_and_a_prefetcher(tmp_path):
+    cfg = load(write(tmp_path, BASE + 'mode = "colocated"\n'))
+    assert cfg.actors["buffer"].config["max_staleness"] == 0
+    assert cfg.actors["trainer"].config["mode"] == "colocated"
+    text = BASE + ('teachers = [{ name = "t", model = "tiny-qwen2", domains = ["math"] }]\n'
+                   'opd = { mode = "full" }\n')
+    a = load(write(tmp_path, text)).actors
+    assert a["rollout"].config["sink"] == "teachers" and "teachers" in a["rollout"].after
+    assert a["trainer"].config["prefetcher"] == "prefetcher" and "prefetcher" in a
+    assert a["trainer"].config["teachers"] == a["teachers"].config["teachers"]
+
+
+def test_sglang_engine_derives_registering_servers_after_the_router(tmp_path):
+    a = load(write(tmp_path, BASE + 'engine = "sglang"\nworkers = 1\n')).actors
+    assert a["worker0"].cls == "actors.sglang_worker:SglangWorker"
+    assert a["worker0"].config == {"model_path": "tiny-qwen2", "register_with": "router"}
+    assert a["worker0"].after == ["router"] and a["router"].config["dynamic_workers"] is True
+
+
+@pytest.mark.parametrize("edit, words", [
+    ("workers = 0\n", ["table [rl]: workers = 0: at least one inference worker"]),
+    ("grup_size = 4\n", ["table [rl], field `grup_size`", "unknown field"]),
+    ('mode = "colocated"\nmax_staleness = 1\n', ["max_staleness must be 0"]),
+    ("lr = \"fast\"\n", ["table [rl], field `lr`: Expected `float`, got `str`"]),
+    ('opd = { mode = "full" }\n', ["teachers is empty"]),
+    ("\n[actors.buffer.config]\ngroup_size = 8\n",
+     ["[actors.buffer.config]", "[actors.rollout.config]",
+      "derived from [rl]: change the value in [rl]"]),
+    ("\n[actors.trainer.config]\noptimizr = { lr = 1 }\n",
+     ["`optimizr`", "derived from [rl]"]),
+])
+def test_mistakes_in_rl_name_the_table_field_and_fix(tmp_path, edit, words):
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, BASE + edit))
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_dry_run_prints_the_derived_configs(capsys):
+    assert main([str(EXAMPLES / "local.toml"), "--dry-run", "--set", "rl.group_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "actor configs (derived from [rl]" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("buffer:"))
+    assert '"group_size": 4' in line and '"max_staleness": 1' in line
+
+
+def test_derivation_does_not_touch_the_document_it_was_given():
+    from launch.rl import RLConfig, derive
+    rl = RLConfig(model="m", envs=[{"cls": "x:Y", "options": {"a": 1}}],
+                  teachers=[{"name": "t", "model": "m"}])
+    before = copy.deepcopy(msgspec.to_builtins(rl))
+    actors = derive(rl)
+    actors["rollout"]["config"]["envs"][0]["options"]["a"] = 2
+    actors["trainer"]["config"]["teachers"][0]["name"] = "u"
+    assert msgspec.to_builtins(rl) == before
