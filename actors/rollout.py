@@ -31,9 +31,11 @@ from pathlib import Path
 
 import msgspec
 
+from engine.chat_template import chat_format, check_chat_template
 from engine.client import SglangClient
-from engine.session import HttpSession, SessionFailed
+from engine.session import AGENT_STATS, DRIFT_RULES, AgentLink, HttpSession, SessionFailed
 from envs.loader import check_at_load, load_envs
+from envs.openai_api import AgentEndpoint
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView, EndRun, check_named_peers
 from transport.rpc import RemoteError
@@ -81,6 +83,11 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     # a wait for the buffer's permit (the trainer's progress) longer than this ends the run with
     # a message (reported every [run] stall_report_s while it lasts), seconds
     permit_timeout_s: float = 3600.0
+    # agent environments (session.base_url, docs/agents.md): the chat template of chat requests
+    # ("auto", "chatml", "plain" or a Jinja template file), and what a request that does not
+    # extend the episode's tokens does: "split" (the sample is the last segment) or "fail"
+    chat_template: str = "auto"
+    agent_drift: str = "split"
 
 
 class RolloutTotals(msgspec.Struct):
@@ -101,6 +108,9 @@ class RolloutActor(Actor):
         """The model exists, the environments load and keep the contract on a sample of their
         tasks (envs.loader.check_at_load); its notes reach the console."""
         check_model_path(config.model)
+        check_chat_template(config.chat_template)
+        if config.agent_drift not in DRIFT_RULES:
+            raise ValueError(f"agent_drift = {config.agent_drift!r}: use one of {DRIFT_RULES}")
         mix = load_envs([msgspec.to_builtins(e) for e in config.envs])
         return check_at_load(mix, config.eval_tasks)
 
@@ -136,6 +146,8 @@ class RolloutActor(Actor):
         self.buffer_epoch = ""
         self.totals = RolloutTotals()
         self.totals_path: Path | None = None  # where they are kept (none without a run dir)
+        self.agent: AgentLink | None = None  # the episodes' OpenAI-compatible endpoint
+        self.agent_batch: collections.Counter = collections.Counter()  # its counts, this batch
         self.no_signal: collections.Counter = collections.Counter()  # batches in a row, by domain
         self.last_eval: tuple[int, dict[str, float], dict[str, int]] | None = None
 
@@ -148,6 +160,7 @@ class RolloutActor(Actor):
         self.buffer = await self.connect(cfg.buffer)
         self.out = self.stream_to(cfg.sink or cfg.buffer)
         self.gate = asyncio.Semaphore(cfg.max_concurrency)
+        await self.start_agent_endpoint()
         if self.ctx.run_dir:
             self.totals_path = Path(self.ctx.run_dir) / "rollout" / f"{self.name}.totals.json"
             if self.totals_path.exists():
@@ -160,6 +173,15 @@ class RolloutActor(Actor):
                                      f"this run is then off)") from None
         self.totals.starts += 1
         self._save_totals()
+
+    async def start_agent_endpoint(self) -> None:
+        """Serve every episode's `session.base_url` (one HTTP server on 127.0.0.1)."""
+        cfg = self.config
+        endpoint = AgentEndpoint()
+        self.agent = AgentLink(endpoint, chat_format(self.tokenizer, cfg.chat_template),
+                               model_id=cfg.model, drift=cfg.agent_drift)
+        await endpoint.start()
+        self._closers.append(endpoint.close)
 
     def rpc_handlers(self):
         return {EvalRequest: self.eval_request}
@@ -260,7 +282,8 @@ class RolloutActor(Actor):
         session = HttpSession(self.client, self.tokenizer, task.prompt, sampling,
                               routing_key=f"{group_id}-{index}",
                               max_new_tokens=getattr(env, "max_new_tokens", 0)
-                              or self.config.max_new_tokens, retries=self.config.retries)
+                              or self.config.max_new_tokens, retries=self.config.retries,
+                              agent=self.agent)
         async with self.gate:
             try:
                 reward = await env.episode(task, session)
@@ -270,13 +293,21 @@ class RolloutActor(Actor):
             except Exception as e:  # an env or generation failure fails this sample only
                 self.counters["episodes_failed"] += 1
                 self.counters[f"episodes_failed/{domain}"] += 1
-                if not isinstance(e, SessionFailed):  # the environment's own failure
+                # the environment's own failure (an agent's error after a failed generation
+                # is the workers', as a SessionFailed is)
+                if not isinstance(e, SessionFailed) and session.generation_error is None:
                     self.env_errors += 1
                 self.last_failure = (f"{domain} task {task.id!r} (episode {group_id}-{index}): "
                                      f"{type(e).__name__}: {e}")
                 log.warning("%s: episode %s-%d failed: %s", self.name, group_id, index, e)
                 return session.to_sample(group_id, index, domain, 0.0, status="failed",
                                          error="".join(traceback.format_exception_only(e)))
+            finally:
+                session.close()
+                for key, n in session.agent_stats.items():
+                    self.counters[f"agent/{key}"] += n
+                    if not group_id.startswith("eval"):
+                        self.agent_batch[key] += n
 
     async def evaluate(self, version: int) -> tuple[dict[str, float], dict[str, int]]:
         """Greedy reward on the first `eval_tasks` eval tasks of each domain, with the weights of
@@ -379,5 +410,8 @@ class RolloutActor(Actor):
             values[f"rollout/response_len/{domain}"] = sum(
                 len(s.response_ids) for s in mine) / len(mine)
             values[f"rollout/failed/{domain}"] = sum(s.status != "ok" for s in mine)
+        if self.agent_batch:  # the batch's agent episodes (docs/agents.md)
+            values.update({f"rollout/agent/{k}": self.agent_batch[k] for k in AGENT_STATS})
+            self.agent_batch.clear()
         if self.metrics:
             self.metrics.publish(values, step=batch_index)

@@ -46,6 +46,15 @@ class Session(Protocol):
         """Prompt plus everything appended so far, as text."""
         ...
 
+    @property
+    def base_url(self) -> str:
+        """The episode's OpenAI-compatible endpoint, for agents written against the `openai`
+        client: `openai.AsyncOpenAI(base_url=session.base_url, api_key="unused")`. Completions
+        requested there are sampled from the episode's tokens and recorded exactly as sampled
+        (docs/agents.md: what is captured, and what happens when a request edits history).
+        Valid until the episode ends."""
+        ...
+
 
 class Environment(abc.ABC):
     """Subclass and give `domain`; implement `tasks()` and `episode()` (or use SingleTurnEnv)."""

@@ -10,6 +10,12 @@ and its ids are unique; `episode()` through a `ScriptedSession` answering garbag
 `generate()`, never raises, never hangs, and returns a finite float; the correct answer earns at
 least the reward of garbage and of empty text.
 
+Agent environments (an episode that talks to `session.base_url` with the `openai` client,
+docs/agents.md) are checked the same way: the session's base_url is an OpenAI-compatible endpoint
+(envs/openai_api.py) answering each completion request with the script's next response, and
+the check `agent_requests` fails when the endpoint refused a request of the agent (a 4xx: an
+unsupported option such as n > 1, a malformed message, ...).
+
 Invariant: `check_env` never raises because of the environment under test; everything it finds is
 a line in `ContractReport.problems` (with the task id and a traceback summary for exceptions).
 """
@@ -28,6 +34,14 @@ from typing import Any, Callable
 
 from envs.base import Environment, Task
 from envs.loader import load_env
+from envs.openai_api import (
+    AgentEndpoint,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    OpenAIError,
+    parse_tool_calls,
+)
 from envs.scripted import ScriptedSession
 
 GARBAGE = ["zq!?x", ")(<>:,."]  # in the vocabulary, never a correct answer of a sane task
@@ -96,8 +110,71 @@ async def check_env_async(env: Environment, num_tasks: int = 20,
     tasks, check = _check_train(env, num_tasks)
     report.checks += [check, _check_determinism(env, num_tasks, tasks), _check_eval(env)]
     if tasks:
-        report.checks += await _check_episodes(env, tasks, timeout_s)
+        endpoint = AgentEndpoint()
+        await endpoint.start()
+        try:
+            report.checks += await _check_episodes(env, tasks, timeout_s, endpoint)
+        finally:
+            await endpoint.close()
     return report
+
+
+class ScriptedAgentSession(ScriptedSession):
+    """A ScriptedSession whose `base_url` serves the same script over the OpenAI-compatible
+    endpoint: each completion request (chat or text) answers the next response, cut before its
+    first stop sequence (an OpenAI server leaves the stop out), with tool calls parsed in
+    `tool_format`. Each request is a `calls` entry and a policy segment, as `generate()` is;
+    usage counts characters (there is no tokenizer here)."""
+
+    model_id = "scripted"
+
+    def __init__(self, prompt: str, responses: list[str], endpoint: AgentEndpoint,
+                 tool_format: str = "tags"):
+        super().__init__(prompt, responses)
+        self.endpoint, self.tool_format = endpoint, tool_format
+        self.requests = 0
+        self.refusals: list[str] = []  # the endpoint's 4xx answers to this episode
+        self._key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self._key is None:
+            self._key = self.endpoint.register(self)
+        return self.endpoint.base_url(self._key)
+
+    def close(self) -> None:
+        if self._key is not None:
+            self.endpoint.unregister(self._key)
+            self._key = None
+
+    def refused(self, error: OpenAIError) -> None:
+        where = f" ({error.param})" if error.param else ""
+        self.refusals.append(f"HTTP {error.status}{where}: {error.message}")
+
+    def _next(self, max_tokens: int | None, stop: list[str]) -> str:
+        self.requests += 1
+        turn = len(self.calls)
+        self.calls.append((max_tokens, list(stop) or None))
+        text = self.responses[turn] if turn < len(self.responses) else ""
+        cuts = [text.find(s) for s in stop if s in text]
+        text = text[:min(cuts)] if cuts else text
+        self.segments.append((text, True))
+        return text
+
+    async def chat_completion(self, request: ChatRequest) -> Completion:
+        text = self._next(request.max_tokens, request.stop)
+        content, calls = text, []
+        if request.tool_choice != "none":
+            content, calls = parse_tool_calls(text, self.tool_format, request.tools)
+        return Completion(text=text, finish_reason="tool_calls" if calls else "stop",
+                          prompt_tokens=sum(len(m.get("content") or "")
+                                            for m in request.messages),
+                          completion_tokens=len(text), content=content, tool_calls=calls)
+
+    async def text_completion(self, request: CompletionRequest) -> Completion:
+        text = self._next(request.max_tokens, request.stop)
+        return Completion(text=text, finish_reason="stop", prompt_tokens=len(request.prompt),
+                          completion_tokens=len(text), content=text)
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -186,7 +263,8 @@ def _check_eval(env: Environment) -> Check:
 
 
 # ----------------------------------------------------------------------------- episodes
-async def _check_episodes(env: Environment, tasks: list[Task], timeout_s: float) -> list[Check]:
+async def _check_episodes(env: Environment, tasks: list[Task], timeout_s: float,
+                          endpoint: AgentEndpoint) -> list[Check]:
     scripts: dict[str, Callable[[Task], list[str]]] = {
         "garbage": lambda t: GARBAGE * 2, "empty": lambda t: [""] * 4}
     reference = getattr(env, "reference_response", None)
@@ -194,21 +272,48 @@ async def _check_episodes(env: Environment, tasks: list[Task], timeout_s: float)
         scripts["reference"] = lambda t: [reference(t)]
     checks = {name: Check(f"episode_{name}") for name in scripts}
     rewards: dict[str, list[float | None]] = {name: [] for name in scripts}  # None: failed
+    agent = AgentCount()
     for task in tasks:
         for name, script in scripts.items():
-            rewards[name].append(await _play(env, task, script, timeout_s, checks[name]))
+            rewards[name].append(await _play(env, task, script, timeout_s, checks[name],
+                                             endpoint, agent))
     for name, check in checks.items():
         check.detail = _mean_detail(rewards[name])
+    out = list(checks.values())
     if "reference" in scripts:
-        return [*checks.values(), _check_order(tasks, rewards)]
-    return list(checks.values())
+        out.append(_check_order(tasks, rewards))
+    if agent.episodes:  # the environment used session.base_url
+        agent.check.detail = (f"{agent.requests} requests over {agent.episodes} episodes, "
+                              f"{len(agent.check.problems)} refused")
+        out.append(agent.check)
+    return out
+
+
+@dataclass
+class AgentCount:
+    """What the episodes asked of session.base_url."""
+
+    check: Check = field(default_factory=lambda: Check("agent_requests"))
+    episodes: int = 0
+    requests: int = 0
+
+    def add(self, task: Task, session: ScriptedAgentSession) -> None:
+        if not (session.requests or session.refusals):
+            return
+        self.episodes += 1
+        self.requests += session.requests
+        for refusal in session.refusals:
+            self.check.fail(f"task {task.id!r}: the endpoint refused a request of the agent: "
+                            f"{refusal}")
 
 
 async def _play(env: Environment, task: Task, script: Callable[[Task], list[str]],
-                timeout_s: float, check: Check) -> float | None:
-    """The episode's reward, or None (and a problem in `check`) when it broke a rule."""
+                timeout_s: float, check: Check, endpoint: AgentEndpoint,
+                agent: AgentCount) -> float | None:
+    """The episode's reward, or None (and a problem in `check`) when it broke a rule; what it
+    asked of session.base_url is counted in `agent`."""
     try:
-        session = ScriptedSession(task.prompt, script(task))
+        session = ScriptedAgentSession(task.prompt, script(task), endpoint)
     except Exception as e:
         check.fail(f"task {task.id!r}: reference_response() raised {summarize(e)}")
         return None
@@ -220,8 +325,12 @@ async def _play(env: Environment, task: Task, script: Callable[[Task], list[str]
     except Exception as e:
         check.fail(f"task {task.id!r}: episode raised {summarize(e)}")
         return None
+    finally:
+        session.close()
+        agent.add(task, session)
     if not session.calls:
-        check.fail(f"task {task.id!r}: episode never called session.generate()")
+        check.fail(f"task {task.id!r}: episode never called session.generate() nor asked "
+                   f"session.base_url for a completion")
     if isinstance(reward, bool) or not isinstance(reward, float):
         check.fail(f"task {task.id!r}: episode returned {reward!r} ({type(reward).__name__}); "
                    f"return a float")

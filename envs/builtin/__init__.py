@@ -22,6 +22,7 @@ BUILTINS = {
     "arith": "envs.builtin.arith:ArithEnv",
     "reverse": "envs.builtin.reverse:ReverseEnv",
     "calc_tool": "envs.builtin.calc_tool:CalcToolEnv",
+    "agent_calc": "envs.builtin.agent_calc:AgentCalcEnv",  # needs the openai package
 }
 
 # Makes one (prompt, answer) pair from a seeded random stream.
