@@ -41,6 +41,10 @@ class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # (weight_sync = "disk") before serving, so a restarted worker serves current weights
     catch_up: bool = True
     max_body_bytes: int = 64 << 20  # larger HTTP request bodies get 413 (weight tensors: 256 MiB)
+    # every forward and log-prob by the batch-invariant kernels (models/invariant): the log-probs
+    # equal, bit for bit, those of a trainer with `true_on_policy = true` on the same kind of
+    # device and the same weights (docs/training.md, True on-policy mode)
+    true_on_policy: bool = False
 
 
 class InferenceWorker(Actor):
@@ -62,14 +66,14 @@ class InferenceWorker(Actor):
         self.scheduler = await Scheduler.create(
             cfg.model, device=cfg.device, dtype=model_dtype(cfg.dtype), seed=cfg.seed,
             max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms,
-            weight_version=cfg.weight_version)
+            weight_version=cfg.weight_version, true_on_policy=cfg.true_on_policy)
         self.scheduler.on_memory_change = self._publish_memory  # every phase switch, exactly
         self.spawn(self.scheduler.run(), "scheduler")
         if cfg.catch_up and self.ctx.run_dir:
             await self._catch_up(Path(self.ctx.run_dir) / "weights")
         info = {"model_path": cfg.model, "tokenizer_path": cfg.model, "host": cfg.host,
                 "device": cfg.device, "dtype": cfg.dtype, "random_seed": cfg.seed,
-                "batch_wait_ms": cfg.batch_wait_ms}
+                "batch_wait_ms": cfg.batch_wait_ms, "true_on_policy": cfg.true_on_policy}
         self.server = EngineServer(self.scheduler, info, max_body_bytes=cfg.max_body_bytes)
         self._runner, port = await start_server(self.server, cfg.host,
                                                 self.stable_port("http", cfg.host, cfg.port))

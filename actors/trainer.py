@@ -107,6 +107,7 @@ class TrainerActor(Actor):
             **{f"workers[{i}]": w for i, w in enumerate(config.workers)},
             "buffer": config.buffer, "rollout": config.rollout, "prefetcher": config.prefetcher})
         cls._check_buffer_side(name, config, actors)
+        cls._check_true_on_policy(name, config, actors)
         if config.weight_sync.path != "distributed":
             return
         try:
@@ -115,6 +116,36 @@ class TrainerActor(Actor):
                         nccl=config.device.startswith("cuda"))
         except SyncError as e:
             raise ValueError(str(e)) from None
+
+    @classmethod
+    def _check_true_on_policy(cls, name: str, config: TrainerConfig,
+                              actors: dict[str, ActorView]) -> None:
+        """`true_on_policy` holds only when every worker computes with the same kernels, dtype
+        and device kind as the trainer (models/invariant): embedded workers that set it too."""
+        for w in config.workers:
+            there = actors[w].config
+            flag = getattr(there, "true_on_policy", None)
+            if flag is None:  # not an embedded worker (SGLang runs its own kernels)
+                if config.true_on_policy:
+                    raise ValueError(f"true_on_policy = true here, but [actors.{w}] is not an "
+                                     f"embedded inference worker: SGLang's kernels are not this "
+                                     f"trainer's, so log-probs cannot be bitwise equal; use "
+                                     f"embedded workers, or leave true_on_policy off (SGLang's "
+                                     f"deterministic inference: docs/training.md)")
+                continue
+            if flag != config.true_on_policy:
+                raise ValueError(f"true_on_policy = {str(config.true_on_policy).lower()} here but "
+                                 f"{str(flag).lower()} in [actors.{w}.config]: the worker and the "
+                                 f"trainer must both use the invariant kernels (or neither); set "
+                                 f"the same value in both (or `true_on_policy` in [rl])")
+            if not config.true_on_policy:
+                continue
+            kinds = there.device.split(":")[0], config.device.split(":")[0]
+            if there.dtype != config.dtype or kinds[0] != kinds[1]:
+                raise ValueError(f"true_on_policy: dtype {config.dtype!r} on {config.device!r} "
+                                 f"here but dtype {there.dtype!r} on {there.device!r} in "
+                                 f"[actors.{w}.config]; bitwise equality needs the same dtype "
+                                 f"and device kind on both sides")
 
     @classmethod
     def _check_buffer_side(cls, name: str, config: TrainerConfig,
@@ -223,6 +254,7 @@ class TrainerActor(Actor):
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
         self.run_dir = Path(self.ctx.run_dir or ".")
         self.ranks, self._warned_stale = None, False
+        self._unequal_notice_at = -1e9  # last true_on_policy inequality said on the console
         if cfg.parallel.dp > 1:
             self.ranks = await self._in_thread(RankGroup, cfg, str(self.run_dir), self.ctx.resume,
                                                self.run_dir / "logs")
@@ -257,11 +289,28 @@ class TrainerActor(Actor):
                           "version": self.state.version,
                           "weight_sync/fallbacks": self.counters["weight_sync.fallbacks"]})
             self._warn_stale_sampled_opd(stats)
+            self._warn_unequal(stats)
             if self.metrics:
                 self.metrics.publish(stats, step=self.state.step, total_steps=cfg.num_steps)
         await self.checkpoint()
         if self.rollout is not None:
             await self.final_eval()
+
+    def _warn_unequal(self, stats: dict[str, float]) -> None:
+        """true_on_policy: a step where a current-weight token's log-probs differ reaches the
+        console at once (then at most once a minute; every such step is in the trainer's log)."""
+        if not self.config.true_on_policy or stats.get(
+                "train/engine_logprob_bitwise_equal_frac", 1.0) >= 1.0:
+            return
+        now = time.monotonic()
+        if now - self._unequal_notice_at < 60.0:
+            return
+        self._unequal_notice_at = now
+        self.notify(f"true_on_policy: at step {self.state.step} only "
+                    f"{stats['train/engine_logprob_bitwise_equal_frac']:.4%} of the tokens "
+                    f"sampled with the current weights have bitwise-equal trainer and rollout "
+                    f"log-probs (mean |delta| {stats['train/engine_logprob_abs_diff']:.3g}); "
+                    f"check the workers' true_on_policy, device kind and dtype")
 
     def _warn_stale_sampled_opd(self, stats: dict[str, float]) -> None:
         """Sampled-token OPD on stale samples without TIS diverged in our runs (docs/mopd.md):

@@ -5,7 +5,9 @@ the log-probs a rollout reports and the ones the trainer recomputes agree to flo
 Invariant: the log-prob of token y under logits z at temperature T is log_softmax(z / T)[y]
 (computed in float32), with temperature 0 (greedy) treated as 1; positions are counted from the
 first non-padding token (position_ids = cumsum(attention_mask) - 1, clamped at 0), so left-,
-right- and un-padded batches give the same values for the same tokens.
+right- and un-padded batches give the same values for the same tokens. In true on-policy mode
+(`true_on_policy`) both sides compute the same formula with models/invariant's batch-invariant
+forward and log-softmax instead, which makes the agreement bitwise.
 """
 
 from __future__ import annotations

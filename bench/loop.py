@@ -8,8 +8,12 @@ mismatch (`logprob_abs_diff` includes the policy lag of stale samples; the RESUL
 synchronous run's, where trainer and workers hold the same weights).
 `python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]
 [--worker-devices cuda:1,cuda:1] [--weight-sync disk|distributed] [--compare-sync]
-[--dp-size 1]`.
+[--dp-size 1] [--true-on-policy]`.
 Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... logprob_abs_diff=...
+With --true-on-policy: staleness 0 with the default kernels, then with `true_on_policy = true`
+on the workers and the trainer: RESULT loop_default_mean_abs=... loop_true_mean_abs=...
+loop_true_equal_frac=... true_sps_vs_default=... (every sample is fresh at staleness 0, so the
+engine-only metrics are the whole batch).
 With --compare-sync: staleness 1 with weight_sync distributed, then disk (both workers may share
 one GPU, e.g. --device cuda:0 --worker-devices cuda:1,cuda:1): RESULT nccl_sync_s=...
 disk_sync_s=... (gloo_sync_s on CPU).
@@ -36,12 +40,12 @@ name = "local"
 [actors.worker0]
 cls = "actors.inference:InferenceWorker"
 env = {{ OMP_NUM_THREADS = "{threads}" }}
-config = {{ model = "{model}", device = "{w0}", dtype = "{dtype}", seed = 0 }}
+config = {{ model = "{model}", device = "{w0}", dtype = "{dtype}", seed = 0{worker_extra} }}
 
 [actors.worker1]
 cls = "actors.inference:InferenceWorker"
 env = {{ OMP_NUM_THREADS = "{threads}" }}
-config = {{ model = "{model}", device = "{w1}", dtype = "{dtype}", seed = 1 }}
+config = {{ model = "{model}", device = "{w1}", dtype = "{dtype}", seed = 1{worker_extra} }}
 
 [actors.router]
 cls = "actors.router:RouterActor"
@@ -80,20 +84,24 @@ optimizer = {{ lr = 1e-4 }}
 micro_batches = {{ size = 64 }}
 parallel = {{ dp = {dp} }}
 weight_sync = {{ path = "{sync}" }}
+true_on_policy = {top}
 """
 
 
 def run_once(args: argparse.Namespace, staleness: int, root: Path,
-             mode: str = "decoupled", sync: str | None = None) -> dict:
+             mode: str = "decoupled", sync: str | None = None, top: bool = False) -> dict:
     sync = sync or args.weight_sync
     w0, w1 = (args.worker_devices.split(",") if args.worker_devices
               else [args.device, args.device])
-    hosts = root / f"{mode}-staleness{staleness}-{sync}.toml"
+    tag = f"{mode}-staleness{staleness}-{sync}{'-true' if top else ''}"
+    hosts = root / f"{tag}.toml"
     hosts.write_text(HOSTS.format(model=args.model, device=args.device, dtype=args.dtype,
                                   group=args.group_size, groups=args.groups, steps=args.steps,
                                   staleness=staleness, mode=mode, threads=args.threads,
-                                  dp=args.dp_size, w0=w0, w1=w1, sync=sync))
-    run_dir = root / f"run-{mode}-staleness{staleness}-{sync}"
+                                  dp=args.dp_size, w0=w0, w1=w1, sync=sync,
+                                  top=str(top).lower(),
+                                  worker_extra=", true_on_policy = true" if top else ""))
+    run_dir = root / f"run-{tag}"
     t0 = time.monotonic()
     gpu = GpuMemory() if args.device.startswith("cuda") else None
     result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
@@ -182,6 +190,9 @@ def summarize(steps: list[dict], wall_s: float, args: argparse.Namespace) -> dic
             "train_s": mean("time/train_s"), "weight_sync_s": mean("time/weight_sync_s"),
             "logprob_abs_diff": mean("train/logprob_abs_diff"),
             "engine_logprob_abs_diff": mean("train/engine_logprob_abs_diff"),
+            "engine_equal_frac": (mean("train/engine_logprob_bitwise_equal_frac")
+                                  if "train/engine_logprob_bitwise_equal_frac"
+                                  in steady[0]["values"] else float("nan")),
             "staleness_mean": mean("train/staleness_mean"), "wall_s": wall_s,
             "num_steps": len(steps)}
 
@@ -202,6 +213,22 @@ def compare_sync(args: argparse.Namespace, root: Path) -> None:
     dist, disk = runs["distributed"]["weight_sync_s"], runs["disk"]["weight_sync_s"]
     print(f"RESULT {backend}_sync_s={dist:.4f} disk_sync_s={disk:.4f} "
           f"disk_vs_{backend}={disk / dist:.2f} workers={args.worker_devices or args.device}")
+
+
+def compare_true_on_policy(args: argparse.Namespace, root: Path) -> None:
+    """Staleness 0 with the default kernels, then with true_on_policy on both sides."""
+    runs = {name: run_once(args, 0, root, top=name == "true") for name in ("default", "true")}
+    print(f"{'':24}{'default':>14}{'true':>14}")
+    for key in ("samples_per_s", "step_s", "train_s", "wait_batch_s",
+                "engine_logprob_abs_diff", "engine_equal_frac"):
+        print(f"{key:24}{runs['default'][key]:14.4g}{runs['true'][key]:14.4g}")
+    sps = runs["true"]["samples_per_s"] / runs["default"]["samples_per_s"]
+    train = runs["default"]["train_s"] / runs["true"]["train_s"]
+    print(f"RESULT loop_default_mean_abs={runs['default']['engine_logprob_abs_diff']:.3e} "
+          f"loop_true_mean_abs={runs['true']['engine_logprob_abs_diff']:.3e} "
+          f"loop_default_equal_frac={runs['default']['engine_equal_frac']:.4f} "
+          f"loop_true_equal_frac={runs['true']['engine_equal_frac']:.4f} "
+          f"true_sps_vs_default={sps:.3f} true_train_speed_vs_default={train:.3f}")
 
 
 def main() -> None:
@@ -227,8 +254,13 @@ def main() -> None:
     parser.add_argument("--compare-sync", action="store_true",
                         help="only: staleness 1 with weight_sync distributed, then disk; "
                              "reports each one's weight sync time per step")
+    parser.add_argument("--true-on-policy", action="store_true",
+                        help="only: staleness 0 with the default kernels, then with "
+                             "true_on_policy = true on the workers and the trainer")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    if args.true_on_policy:
+        return compare_true_on_policy(args, root)
     if args.only_colocated:
         return run_colocated(args, root)
     if args.compare_sync:

@@ -73,6 +73,16 @@ class GenResult:
 
 
 # ----------------------------------------------------------------------------- pure helpers
+def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids -> (ids [B, L] padded on the right, lengths [B]): every sequence from
+    position 0 (the true on-policy forward's layout)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return ids, torch.tensor([len(r) for r in rows], dtype=torch.long)
+
+
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of token ids -> (ids [B, L], mask [B, L]) padded on the left."""
     width = max(len(r) for r in rows)
@@ -108,11 +118,17 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(idx, probs.numel() - 1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Greedy when temperature is 0 or top_k is 1; else a draw from the filtered distribution."""
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                 logprobs: torch.Tensor | None = None) -> int:
+    """Greedy when temperature is 0 or top_k is 1; else a draw from the filtered distribution
+    (`exp(logprobs)` when the log-probs at the sampling temperature are given: the true
+    on-policy mode draws from exactly the distribution whose log-probs it reports)."""
     if params.temperature <= 0 or params.top_k == 1:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if logprobs is not None:
+        probs = logprobs.exp()
+    else:
+        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     return draw(filter_probs(probs, params.top_k, params.top_p, params.min_p), generator)
 
 
@@ -125,20 +141,23 @@ def top_list(logprobs: torch.Tensor, k: int) -> TopList:
 
 
 def input_logprobs(logits: torch.Tensor, window: list[int], temperature: float,
-                   top_k: int) -> tuple[list[float | None], list[TopList | None]]:
+                   top_k: int, logprobs: torch.Tensor | None = None
+                   ) -> tuple[list[float | None], list[TopList | None]]:
     """SGLang's input log-probs over a window of the sequence, `window = input_ids[start:]`.
 
     `logits[i]` are the logits at the position of `window[i]` (at least len(window) - 1 rows).
     Entry 0 is None whatever its context: SGLang reports no log-prob for the first token of the
     returned window (so a caller wanting log p(x_s | x_<s) asks from s - 1); entry i >= 1 is
     log p(window[i] | everything before it), from logits[i - 1]. Top lists alike (None first).
+    `logprobs`, when given, are those rows already at `temperature` (true on-policy mode).
     """
     if not window:
         return [], []
     values: list[float | None] = [None]
     tops: list[TopList | None] = [None]
     if len(window) > 1:
-        logprobs = logits_to_logprobs(logits[:len(window) - 1], temperature)
+        logprobs = (logits_to_logprobs(logits[:len(window) - 1], temperature) if logprobs is None
+                    else logprobs[:len(window) - 1])
         targets = torch.tensor(window[1:], dtype=torch.long)
         values += logprobs.gather(-1, targets[:, None])[:, 0].tolist()
         tops += [top_list(row, top_k) for row in logprobs]

@@ -26,6 +26,12 @@ Invariants:
   entry of the window None: engine/sampling.py `input_logprobs`).
 - A request with `sampling_seed` draws from its own `torch.Generator` seeded with it, so its
   output does not depend on which other requests share its wave.
+- True on-policy mode (`true_on_policy=True`): every forward pass is the project's batch-invariant
+  forward (models/invariant: prefill of right-padded rows into its own KV cache indexed by
+  position, then one cached decode step per token), and the log-probs (`models.invariant.
+  log_softmax` at each row's temperature, on the device, for the whole wave) are bitwise those
+  the trainer's forward gives for the same weights and tokens, whatever the wave's size or
+  composition; tokens are drawn from exp(those log-probs).
 - Control operations (weight update, release/resume) run on the loop task at a safe point:
   between waves, or (weight update only) at a step boundary while generation is paused.
 
@@ -73,11 +79,14 @@ from engine.sampling import (
     eos_token_ids,
     input_logprobs,
     left_pad,
+    right_pad,
     sample_token,
     top_list,
 )
 from memory.device_usage import give_back_cached
 from memory.safetensors_io import load_safetensors
+from models.invariant import decoder_for
+from models.invariant import log_softmax as invariant_log_softmax
 from models.load import load_model
 from models.tiny import TINY
 
@@ -185,7 +194,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, source: str, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int = 0, max_batch_size: int = 64,
                  batch_wait_ms: float = 5.0, weight_version: str = "0",
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None, true_on_policy: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.source: str | None = source  # checkpoint the weights equal (None: pushed tensors)
         self.device, self.dtype, self.seed = device, dtype, seed
@@ -196,6 +205,9 @@ class Scheduler:
         self.vocab_size = int(model.config.vocab_size)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._cache_kw = cache_kwarg(model)  # looked up once, not per decode step
+        # true on-policy: the batch-invariant forward (ValueError for an uncovered architecture)
+        self.true_on_policy = true_on_policy
+        self._invariant = decoder_for(model) if true_on_policy else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.paused: str | None = None  # pause mode while paused
         self.released: set[str] = set()
@@ -473,6 +485,8 @@ class Scheduler:
 
     def _forward(self, wave: _Wave) -> list[_RowOut]:
         """One forward pass of the wave (prefill when it has no cache), then sampling per row."""
+        if self._invariant is not None:
+            return self._forward_invariant(wave)
         with torch.no_grad():
             prefill = wave.cache is None
             if prefill:
@@ -498,21 +512,56 @@ class Scheduler:
             logits = out.logits.float().cpu()
             return [self._row(s, logits[b], prefill) for b, s in enumerate(wave.seqs)]
 
-    def _row(self, s: _Seq, logits: torch.Tensor, prefill: bool) -> _RowOut:
+    def _forward_invariant(self, wave: _Wave) -> list[_RowOut]:
+        """`_forward` in true on-policy mode: the invariant prefill (rows from position 0) or
+        one cached decode step, then the wave's log-probs at each row's temperature."""
+        with torch.no_grad():
+            dev = self.device
+            if wave.cache is None:
+                prefill = True
+                ids, lengths = right_pad([s.tokens for s in wave.seqs], self.pad_id)
+                keep = max([self._window_len(s) for s in wave.seqs] + [1])
+                logits, wave.cache = self._invariant.prefill(ids.to(dev), lengths.to(dev), keep)
+            else:
+                prefill = False
+                if wave.keep is not None:
+                    wave.cache.select(torch.tensor(wave.keep, dtype=torch.long, device=dev))
+                ids = torch.tensor([s.tokens[-1] for s in wave.seqs], dtype=torch.long)
+                positions = torch.tensor([len(s.tokens) - 1 for s in wave.seqs], dtype=torch.long)
+                logits = self._invariant.decode(ids.to(dev), positions.to(dev), wave.cache)[:, None]
+            wave.keep, wave.mask = None, None
+            rows, width = logits.shape[:2]
+            temps = torch.tensor([effective_temperature(s.req.params.temperature)
+                                  for s in wave.seqs], dtype=torch.float32)
+            logprobs = invariant_log_softmax(logits.reshape(rows * width, -1),
+                                             temps.repeat_interleave(width).to(dev))
+            logprobs = logprobs.view(rows, width, -1).cpu()
+            logits = logits.cpu()
+            return [self._row(s, logits[b], prefill, logprobs[b])
+                    for b, s in enumerate(wave.seqs)]
+
+    def _row(self, s: _Seq, logits: torch.Tensor, prefill: bool,
+             logprobs: torch.Tensor | None = None) -> _RowOut:
         """Sample row `s` from its last-position logits; input log-probs on its first prefill
-        (`logits` [K, V] are those of the row's last K positions)."""
+        (`logits` [K, V] are those of the row's last K positions; `logprobs` [K, V], when given,
+        the same positions' log-probs at the row's temperature: true on-policy mode)."""
         req, out = s.req, _RowOut()
         temperature = effective_temperature(req.params.temperature)
         if prefill and self._wants_input_logprobs(s):
             window = req.input_ids[req.logprob_start_len:]
+            first = logits.shape[0] - len(window)
             out.input_logprobs, out.input_top = input_logprobs(
-                logits[logits.shape[0] - len(window):], window, temperature,
-                req.top_logprobs_num)
+                logits[first:], window, temperature, req.top_logprobs_num,
+                logprobs[first:] if logprobs is not None else None)
         if req.params.max_new_tokens == 0:
             return out
         last = logits[-1]
-        out.token = sample_token(last, req.params, s.generator)
-        logprobs = logits_to_logprobs(last, temperature)
+        if logprobs is not None:
+            logprobs = logprobs[-1]
+            out.token = sample_token(last, req.params, s.generator, logprobs)
+        else:
+            out.token = sample_token(last, req.params, s.generator)
+            logprobs = logits_to_logprobs(last, temperature)
         out.logprob = float(logprobs[out.token])
         out.top = top_list(logprobs, req.top_logprobs_num)
         return out
@@ -531,7 +580,8 @@ class Scheduler:
     def _load_into_model(self, source: str) -> None:
         """Copy the weights of `source` (a checkpoint's safetensors, or a built-in tiny model
         name) into the live model; every name and shape is checked before anything changes. A
-        tied weight (lm_head sharing the embeddings) may be absent, as `save_pretrained` omits it."""
+        tied weight (lm_head sharing the embeddings) may be absent, as `save_pretrained` omits
+        it."""
         if source in TINY:
             new = load_model(source, self.device, self.dtype, self.seed)[0].state_dict()
         else:

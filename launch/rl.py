@@ -44,6 +44,8 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     device: str = "cpu"  # the trainer's and embedded workers' torch device (per actor: override)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer and embedded workers
     threads: int = 1  # OMP_NUM_THREADS of the workers and the trainer (0 = leave it unset)
+    # bitwise-equal log-probs in workers and trainer (models/invariant, docs/training.md)
+    true_on_policy: bool = False
     mode: Literal["decoupled", "colocated"] = "decoupled"  # colocated: train and generate in turn
     # weight versions the rollout may run ahead of the trainer (None: 1 decoupled, 0 colocated)
     max_staleness: int | None = None
@@ -96,7 +98,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     if rl.engine == "embedded":
         for i, name in enumerate(workers):
             cfg: dict[str, Any] = {"model": rl.model, "seed": rl.seed + i}
-            cfg.update(_unless_default(device=(rl.device, "cpu"), dtype=(rl.dtype, "float32")))
+            cfg.update(_unless_default(device=(rl.device, "cpu"), dtype=(rl.dtype, "float32"),
+                                       true_on_policy=(rl.true_on_policy, False)))
             actors[name] = {"cls": "actors.inference:InferenceWorker", "env": dict(env),
                             "config": cfg}
         actors["router"] = {"cls": "actors.router:RouterActor", "after": list(workers),
@@ -139,7 +142,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     trainer: dict[str, Any] = {"model": rl.model, "workers": list(workers),
                                "rollout": "rollout", "num_steps": rl.num_steps}
     trainer.update(_unless_default(device=(rl.device, "cpu"), dtype=(rl.dtype, "float32"),
-                                   seed=(rl.seed, 0), mode=(rl.mode, "decoupled")))
+                                   seed=(rl.seed, 0), mode=(rl.mode, "decoupled"),
+                                   true_on_policy=(rl.true_on_policy, False)))
     trainer["optimizer"] = {"lr": rl.lr}
     trainer["micro_batches"] = {"size": rl.micro_batch_size}
     if rl.save_every:

@@ -162,3 +162,20 @@ def test_derivation_does_not_touch_the_document_it_was_given():
     actors["rollout"]["config"]["envs"][0]["options"]["a"] = 2
     actors["trainer"]["config"]["teachers"][0]["name"] = "u"
     assert msgspec.to_builtins(rl) == before
+
+
+def test_true_on_policy_reaches_workers_and_trainer_and_must_agree(tmp_path):
+    a = load(write(tmp_path, BASE + "true_on_policy = true\n")).actors
+    assert a["worker0"].config["true_on_policy"] is a["trainer"].config["true_on_policy"] is True
+    for edit, words in [
+            ("\n[actors.worker1.config]\ntrue_on_policy = false\n",
+             ["true_on_policy = true here but false in [actors.worker1.config]"]),
+            ('\n[actors.worker0.config]\ndtype = "bfloat16"\n',
+             ["dtype 'float32' on 'cpu' here but dtype 'bfloat16' on 'cpu' in "
+              "[actors.worker0.config]"])]:
+        with pytest.raises(ConfigError) as info:
+            load(write(tmp_path, BASE + "true_on_policy = true\n" + edit))
+        for w in words:
+            assert w in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match="is not an embedded inference worker"):
+        load(write(tmp_path, BASE + 'true_on_policy = true\nengine = "sglang"\n'))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from algos.logprobs import position_ids_from_mask, response_slice, token_logprobs_and_entropy
+from models.invariant import decoder_for, is_enabled
 from training.batching import MicroBatch
 from training.config import CriticConfig
 from training.master_weights import make_optimizer, move_optimizer
@@ -35,8 +36,14 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
 
     by_length: one unpadded forward per distinct sequence length instead of one padded forward
     (see training.step: padding changes the fp32 reduction order of attention).
+    A model marked by `models.invariant.enable` (true on-policy mode) runs the batch-invariant
+    forward instead: one padded forward whose values do not depend on the padding, the batch
+    or the micro-batch size (so `by_length` changes nothing there).
     """
-    if not by_length:
+    if is_enabled(model):
+        logp, ent = decoder_for(model).token_logprobs(mb.input_ids, mb.attention_mask,
+                                                      temperature, with_entropy)
+    elif not by_length:
         logp, ent = token_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask,
                                                temperature, with_entropy)
     else:

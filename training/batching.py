@@ -2,8 +2,8 @@
 
 Invariant: for a sample with P prompt tokens and R response tokens, `input_ids` holds the P + R
 tokens (right-padded), and the response-aligned tensors (`mask`, `rollout_logp`, and log-probs
-gathered with `algos.logprobs.response_slice`) have R valid columns: column j is the log-prob of response token
-j, which `token_logprobs(...)[:, P - 1 + j]` computes from the full sequence.
+gathered with `algos.logprobs.response_slice`) have R valid columns: column j is the log-prob of
+response token j, which `token_logprobs(...)[:, P - 1 + j]` computes from the full sequence.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import msgspec
 from algos.advantages import TOKEN_REWARDS, check_estimator
 from algos.kl import ESTIMATORS as KL_ESTIMATORS
 from algos.mismatch import MismatchConfig
-from algos.opd import OpdConfig, check_placement
+from algos.opd import OpdConfig, check_placement, is_loss_term
 from logic.teachers import TeacherSpec, route_table
 
 
@@ -227,6 +227,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
     teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
     parallel: ParallelConfig = ParallelConfig()  # data-parallel ranks on this host
+    # every policy log-prob (the no-grad recompute and the forward that trains) by the
+    # batch-invariant forward (models/invariant): bitwise the log-probs of inference workers with
+    # `true_on_policy = true` on the same kind of device (docs/training.md, True on-policy mode)
+    true_on_policy: bool = False
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -248,10 +252,26 @@ def check_algorithm(cfg: TrainConfig) -> None:
                          f"{est} ignores token rewards; use kl.use_kl_loss = true or one of "
                          f"{TOKEN_REWARDS}")
     _check_opd(cfg)
+    if cfg.true_on_policy:
+        _check_true_on_policy(cfg)
     if cfg.parallel.dp > 1 and cfg.backend == "megatron":
         raise ValueError(f"parallel.dp = {cfg.parallel.dp} and backend = 'megatron' conflict: "
                          "the actor runs megatron as one rank; run multi-rank megatron under "
                          "torchrun (backends.megatron) or use backend = 'torch'")
+
+
+def _check_true_on_policy(cfg: TrainConfig) -> None:
+    """The passes true_on_policy does not cover fail at load, naming what to change."""
+    if cfg.backend == "megatron":
+        raise ValueError("true_on_policy = true and backend = 'megatron' conflict: megatron-core's "
+                         "kernels (Transformer Engine GEMMs and attention, fused norms) are not "
+                         "batch-invariant and are not this project's; use backend = 'torch'")
+    modes = [c.mode for c in [cfg.opd] + [t.opd for t in cfg.teachers] if c is not None]
+    if any(is_loss_term(m) for m in modes):
+        raise ValueError("true_on_policy = true and an OPD loss-term mode (top_p / top_k / full) "
+                         "conflict: that pass takes the student's logits from the transformers "
+                         "forward, not the invariant one; use opd mode 'sampled' or "
+                         "true_on_policy = false")
 
 
 def _check_opd(cfg: TrainConfig) -> None:
