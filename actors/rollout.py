@@ -90,6 +90,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     agent_drift: str = "split"
 
 
+NO_SIGNAL_NOTICE_S = 600.0  # a domain without learning signal is said at most this often
+
+
 class RolloutTotals(msgspec.Struct):
     """What the rollout handed on over the whole run, all its processes together
     (`<run_dir>/rollout/<name>.totals.json`)."""
@@ -149,6 +152,7 @@ class RolloutActor(Actor):
         self.agent: AgentLink | None = None  # the episodes' OpenAI-compatible endpoint
         self.agent_batch: collections.Counter = collections.Counter()  # its counts, this batch
         self.no_signal: collections.Counter = collections.Counter()  # batches in a row, by domain
+        self.no_signal_said: dict[str, float] = {}  # when it was last said, by domain
         self.last_eval: tuple[int, dict[str, float], dict[str, int]] | None = None
 
     async def on_start(self) -> None:
@@ -338,7 +342,8 @@ class RolloutActor(Actor):
     def check_signal(self, batch_index: int, groups: list) -> None:
         """A domain whose groups all scored the same within each group (every reward 0, or
         every one 1) gives GRPO nothing to learn from: said once it lasted `no_signal_batches`
-        batches in a row, with two of its responses, and again after it came back."""
+        batches in a row, with two of its responses; again only if it happens again
+        `NO_SIGNAL_NOTICE_S` later (a domain that flickers is said once, not every time)."""
         limit = self.config.no_signal_batches
         if not limit:
             return
@@ -352,8 +357,11 @@ class RolloutActor(Actor):
                 self.no_signal[domain] = 0
                 continue
             self.no_signal[domain] += 1
-            if self.no_signal[domain] != limit:
+            now = time.monotonic()
+            if self.no_signal[domain] != limit or \
+                    now - self.no_signal_said.get(domain, -1e9) < NO_SIGNAL_NOTICE_S:
                 continue
+            self.no_signal_said[domain] = now
             rewards = sorted({s.reward for g in domain_groups for s in g})
             examples = "; ".join(self.describe(g[0]) for g in domain_groups[:2])
             self.notify(f"no learning signal in domain {domain!r} for {limit} batches (up to "

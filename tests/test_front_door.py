@@ -11,6 +11,7 @@ from typing import Iterator
 
 import pytest
 
+from actors import rollout as rollout_module
 from actors.rollout import RolloutActor, RolloutConfig
 from envs.base import SingleTurnEnv, Task
 from envs.builtin.arith import ArithEnv
@@ -160,7 +161,7 @@ def test_a_domain_without_signal_is_named_with_two_responses_once_per_episode_of
     said: list[str] = []
     rollout = types.SimpleNamespace(config=RolloutConfig(envs=[], model="m", no_signal_batches=2),
                                     no_signal=collections.Counter(), tokenizer=Tok(),
-                                    notify=said.append)
+                                    notify=said.append, no_signal_said={})
     rollout.describe = types.MethodType(RolloutActor.describe, rollout)
 
     def batch(reverse_rewards: list[float]) -> list:
@@ -168,11 +169,15 @@ def test_a_domain_without_signal_is_named_with_two_responses_once_per_episode_of
                 group("reverse", [0.0, 0.0], "r1")]
     for i, rewards in enumerate([[0.0, 0.0]] * 3 + [[0.0, 1.0]] + [[0.0, 0.0]] * 2):
         RolloutActor.check_signal(rollout, i, batch(rewards))
-    assert len(said) == 2  # after batches 0-1, and again after the signal came and went
+    assert len(said) == 1  # after batches 0-1; when it comes back soon after, not again
+    rollout.no_signal_said["reverse"] -= rollout_module.NO_SIGNAL_NOTICE_S  # ten minutes later
+    for i, rewards in enumerate([[0.0, 1.0]] + [[0.0, 0.0]] * 2, start=6):
+        RolloutActor.check_signal(rollout, i, batch(rewards))
+    assert len(said) == 2
     assert "no learning signal in domain 'reverse' for 2 batches (up to batch 1)" in said[0]
     assert "every sample got the same reward (0)" in said[0]
     assert said[0].count("'ab' -> 'cd' (reward 0)") == 2
-    assert "up to batch 5" in said[1]
+    assert "up to batch 8" in said[1]
     assert "math" not in said[0].split("two responses")[0]
 
 
