@@ -9,7 +9,10 @@ synchronous run's, where trainer and workers hold the same weights).
 `python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]
 [--worker-devices cuda:1,cuda:1] [--weight-sync disk|distributed] [--compare-sync]
 [--dp-size 1] [--true-on-policy]`.
-Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... logprob_abs_diff=...
+Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... overlap_ratio=...
+logprob_abs_diff=... (medians over `--repeat N` pairs of runs); overlap_ratio = the overlapped
+run's step time / max(rollout time, train + weight-sync time), each stage timed in the
+synchronous run: 1.0 is a perfect overlap.
 With --true-on-policy: staleness 0 with the default kernels, then with `true_on_policy = true`
 on the workers and the trainer: RESULT loop_default_mean_abs=... loop_true_mean_abs=...
 loop_true_equal_frac=... true_sps_vs_default=... (every sample is fresh at staleness 0, so the
@@ -94,6 +97,7 @@ def run_once(args: argparse.Namespace, staleness: int, root: Path,
     w0, w1 = (args.worker_devices.split(",") if args.worker_devices
               else [args.device, args.device])
     tag = f"{mode}-staleness{staleness}-{sync}{'-true' if top else ''}"
+    root.mkdir(parents=True, exist_ok=True)
     hosts = root / f"{tag}.toml"
     hosts.write_text(HOSTS.format(model=args.model, device=args.device, dtype=args.dtype,
                                   group=args.group_size, groups=args.groups, steps=args.steps,
@@ -116,8 +120,12 @@ def run_once(args: argparse.Namespace, staleness: int, root: Path,
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if mode == "colocated":
         print(f"colocated memory by phase (MiB): {memory_by_phase(records)}")
-    return summarize([r for r in records if r["actor"] == "trainer" and "time/step_s" in
-                      r["values"]], wall, args)
+    out = summarize([r for r in records if r["actor"] == "trainer" and "time/step_s" in
+                     r["values"]], wall, args)
+    batches = [r["values"]["rollout/batch_s"] for r in records
+               if r["actor"] == "rollout" and "rollout/batch_s" in r["values"]][1:]
+    out["rollout_s"] = sum(batches) / len(batches) if batches else float("nan")
+    return out
 
 
 def memory_by_phase(records: list[dict]) -> dict[str, float]:
@@ -254,6 +262,9 @@ def main() -> None:
     parser.add_argument("--compare-sync", action="store_true",
                         help="only: staleness 1 with weight_sync distributed, then disk; "
                              "reports each one's weight sync time per step")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the staleness 0 / 1 pair this many times; the RESULT holds "
+                             "the medians")
     parser.add_argument("--true-on-policy", action="store_true",
                         help="only: staleness 0 with the default kernels, then with "
                              "true_on_policy = true on the workers and the trainer")
@@ -265,18 +276,51 @@ def main() -> None:
         return run_colocated(args, root)
     if args.compare_sync:
         return compare_sync(args, root)
-    runs = {k: run_once(args, k, root) for k in (0, 1)}
+    pairs = [{k: run_once(args, k, root / f"rep{i}") for k in (0, 1)}
+             for i in range(args.repeat)]
     if args.colocated:
         run_colocated(args, root)
     keys = ["samples_per_s", "tokens_per_s", "step_s", "wait_batch_s", "train_s",
-            "weight_sync_s", "logprob_abs_diff", "engine_logprob_abs_diff", "staleness_mean",
-            "wall_s"]
-    print(f"{'':20}{'staleness 0':>14}{'staleness 1':>14}")
-    for key in keys:
-        print(f"{key:20}{runs[0][key]:14.4g}{runs[1][key]:14.4g}")
-    sync, asy = runs[0]["samples_per_s"], runs[1]["samples_per_s"]
-    diff = runs[0]["engine_logprob_abs_diff"]  # synchronous run: every sample is fresh
-    print(f"RESULT sync_sps={sync:.2f} async_sps={asy:.2f} async_vs_sync={asy / sync:.2f} "
+            "weight_sync_s", "rollout_s", "logprob_abs_diff", "engine_logprob_abs_diff",
+            "staleness_mean", "wall_s"]
+    for i, runs in enumerate(pairs):
+        print(f"{'repeat ' + str(i + 1):20}{'staleness 0':>14}{'staleness 1':>14}")
+        for key in keys:
+            print(f"{key:20}{runs[0][key]:14.4g}{runs[1][key]:14.4g}")
+    print_overlap(pairs)
+
+
+def overlap(runs: dict[int, dict]) -> tuple[float, float]:
+    """(async_vs_sync, overlap_ratio) of one pair of runs. overlap_ratio = the overlapped run's
+    step time / max(rollout time, train + weight-sync time), both stages timed in the
+    synchronous run, where they do not overlap: 1.0 is a perfect overlap (the step is the longer
+    stage), the sum of the stages over the longer one is no overlap at all."""
+    sync = runs[0]
+    stage = max(sync["rollout_s"], sync["train_s"] + sync["weight_sync_s"])
+    return runs[1]["samples_per_s"] / sync["samples_per_s"], runs[1]["step_s"] / stage
+
+
+def print_overlap(pairs: list[dict[int, dict]]) -> None:
+    """The RESULT line: medians over the repeats, with their spread when there are several."""
+    import statistics
+
+    def med(values: list[float]) -> str:
+        spread = f" ({min(values):.2f}..{max(values):.2f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):.2f}{spread}"
+    ratios = [overlap(runs) for runs in pairs]
+    sync = [runs[0]["samples_per_s"] for runs in pairs]
+    asy = [runs[1]["samples_per_s"] for runs in pairs]
+    stages = [(runs[0]["rollout_s"], runs[0]["train_s"] + runs[0]["weight_sync_s"])
+              for runs in pairs]
+    print(f"stages of the synchronous run (rollout s, train + push s): "
+          + ", ".join(f"{a:.3f}, {b:.3f}" for a, b in stages))
+    print(f"medians over {len(pairs)} repeat(s) (min..max): sync_sps {med(sync)}, async_sps "
+          f"{med(asy)}, async_vs_sync {med([r[0] for r in ratios])}, overlap_ratio "
+          f"{med([r[1] for r in ratios])}")
+    diff = statistics.median(runs[0]["engine_logprob_abs_diff"] for runs in pairs)
+    print(f"RESULT sync_sps={statistics.median(sync):.2f} async_sps={statistics.median(asy):.2f} "
+          f"async_vs_sync={statistics.median(r[0] for r in ratios):.2f} "
+          f"overlap_ratio={statistics.median(r[1] for r in ratios):.2f} "
           f"logprob_abs_diff={diff:.2e}")
 
 

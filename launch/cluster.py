@@ -24,6 +24,12 @@ endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (eve
 record the launcher received; `[run] sinks` adds tensorboard/ and wandb/, launch/sinks.py),
 logs/<actor>.log, specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of
 every actor) and plots/*.png (`[run] plots`, launch/plot.py; a failure there is only said).
+
+Several hosts (`[[hosts]] exec`, or `hosts = "slurm"`; docs/multihost.md): the launcher starts one
+agent per remote host (launch/agent.py), checks that host's code and environment against its own
+before starting any actor, and runs every socket on tcp:// with CURVE (keys made for the run in
+<run_dir>/keys, handed to each agent over its stdin, removed at the end). Logs are then
+logs/<host>/<actor>.log (and logs/<host>/agent.log); endpoints.json and exit.json list every host.
 """
 
 from __future__ import annotations
@@ -44,11 +50,22 @@ from rich.console import Console
 from rich.table import Table
 
 from launch import plot, sinks
-from launch.config import ClusterConfig, ConfigError, load, parse_overrides, start_order
+from launch.agent import agent_command
+from launch.config import (
+    ClusterConfig,
+    ConfigError,
+    is_distributed,
+    launcher_address,
+    load,
+    parse_overrides,
+    placement,
+    start_order,
+)
 from launch.console import Story
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
 from transport.metrics import MetricsSubscriber
+from transport.sockets import make_curve_keys
 
 console = Console(highlight=False, markup=False, soft_wrap=True)
 
@@ -89,6 +106,8 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
                       "yes" if e.primary else "", str(e.restart.max_restarts),
                       f"python -m runtime.child <run_dir>/specs/{name}.json")
     Console(width=200).print(table)
+    if is_distributed(cfg):
+        print_hosts(cfg)
     if cfg.rl is not None:  # what [rl] wrote, merged with the file's own actor tables
         print("actor configs (derived from [rl], merged with the file's [actors.*] tables):")
         for name in order:
@@ -97,6 +116,45 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
             print(f"  {name}:{env} {json.dumps(e.config)}")
     print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
           "(--dry-run)")
+
+
+def print_hosts(cfg: ClusterConfig) -> None:
+    """The placement per host, how each remote host is reached, and the transport."""
+    table = Table(title="placement per host")
+    for col in ("host", "address", "actors", "gpus", "started through"):
+        table.add_column(col)
+    for host in cfg.hosts:
+        names = placement(cfg)[host.name]
+        how = "the launcher (this machine)" if not host.exec else " ".join(agent_command(
+            host.exec, host.python or sys.executable, host.workdir or os.getcwd(), host.shell))
+        table.add_row(host.name, host.address, ", ".join(names) or "(none)",
+                      str(host.gpus or "-"), how)
+    Console(width=200).print(table)
+    sec = cfg.security
+    keys = (f"keys from {sec.keys_dir}" if sec.keys_dir else
+            "keys made for the run in <run_dir>/keys") if sec.curve else "OFF (security.curve)"
+    print(f"transport {cfg.run.transport}; launcher sockets on {launcher_address(cfg)}; CURVE "
+          f"{'on, ' + keys + ', handed to each agent over its stdin' if sec.curve else keys}")
+
+
+def prepare_keys(cfg: ClusterConfig, run_dir: Path) -> Path | None:
+    """CURVE on without a keys_dir: a server and a client keypair made for this run in
+    <run_dir>/keys (0700, secret files 0600); returns that folder (removed at the end)."""
+    sec = cfg.security
+    if not sec.curve or sec.keys_dir:
+        return None
+    folder = run_dir / "keys"
+    shutil.rmtree(folder, ignore_errors=True)  # a resumed run gets new keys
+    make_curve_keys(folder)
+    cfg.security = msgspec.structs.replace(sec, keys_dir=str(folder))
+    return folder
+
+
+def write_json(path: Path, doc: dict) -> None:
+    """`doc` into `path` atomically (readers never see half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, path)
 
 
 async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
@@ -173,7 +231,8 @@ def write_plots(cfg: ClusterConfig, run_dir: Path) -> None:
 
 
 async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
-                      resume: bool = False, resolved: dict | None = None) -> int:
+                      resume: bool = False, resolved: dict | None = None,
+                      keys: Path | None = None) -> int:
     try:
         record = sinks.open_sinks(cfg.run, run_dir, resolved or msgspec.to_builtins(cfg), say)
     except sinks.SinkError as e:
@@ -182,7 +241,7 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     sock_dir, temporary = socket_dir(run_dir)
     sup = Supervisor(cfg, run_dir, sock_dir, order, say, resume)
     endpoints = sup.open()
-    (run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
+    write_json(run_dir / "endpoints.json", endpoints)
     interrupted = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -203,6 +262,7 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         stop_wait.cancel()
         if not interrupted.is_set():
             starter.result()
+            write_json(run_dir / "endpoints.json", sup.endpoints_document())  # with the actors'
             code = await sup.supervise()
         else:
             starter.cancel()
@@ -217,12 +277,16 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         progress.cancel()
         await asyncio.gather(progress, return_exceptions=True)
         summary = sup.summary()
-        (run_dir / "exit.json").write_text(json.dumps(
-            {"exit_code": code, "completed": sup.completed if code == 0 else None,
-             "actors": summary}, indent=2))
+        done = {"exit_code": code, "completed": sup.completed if code == 0 else None,
+                "actors": summary}
+        if sup.distributed:
+            done["hosts"] = sup.hosts_summary()
+        (run_dir / "exit.json").write_text(json.dumps(done, indent=2))
         sup.close()
         if temporary:
             shutil.rmtree(sock_dir, ignore_errors=True)
+        if keys is not None:  # the run's own CURVE keys (prepare_keys) go with it
+            shutil.rmtree(keys, ignore_errors=True)
         record.close(code)  # after exit.json: an online W&B run may take a while to finish
     steps = ", ".join(f"{n}: {s['shutdown_step']}" for n, s in summary.items())
     say(f"stopped ({steps}); exit code {code}")
@@ -312,14 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         print_plan(cfg, order, args.hosts)
         return 0
     run_dir = make_run_dir(cfg, args.run_dir)
+    keys = prepare_keys(cfg, run_dir)
     resolved = {"source": str(Path(args.hosts).resolve()), "start_order": order,
                 "overrides": list(args.overrides), **msgspec.to_builtins(cfg)}
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     try:
         import uvloop
-        return uvloop.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved))
+        return uvloop.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved, keys))
     except ImportError:
-        return asyncio.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved))
+        return asyncio.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved, keys))
 
 
 if __name__ == "__main__":

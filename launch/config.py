@@ -8,8 +8,11 @@ field, raised before any process starts.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
+import subprocess
 import sys
 import tomllib
 import types
@@ -69,12 +72,22 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class HostConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """A machine actors run on. Only the local host is implemented; exec is reserved."""
+    """A machine actors run on: the launcher's own (no `exec`), or a remote one, where the
+    launcher runs its agent (`python -m launch.agent`, launch/agent.py) through `exec`."""
 
-    name: str
-    address: str = "127.0.0.1"  # address other hosts reach this one at (tcp transport)
-    exec: list[str] = []  # remote exec prefix, e.g. ["ssh", "node2"] (not implemented yet)
-    python: str = ""  # interpreter for actor processes ("" = the launcher's own)
+    name: str  # letters, digits, '.', '_', '-'; an actor's `host` names it (or "#<index>")
+    # the address other hosts reach this one at; its actors bind their tcp sockets (and, on a
+    # run over several hosts, their HTTP servers) there. Loopback only works on one machine
+    address: str = "127.0.0.1"
+    # command prefix that runs a command on the host, e.g. ["ssh", "-o", "BatchMode=yes",
+    # "node2"], ["srun", "--nodes=1", "--ntasks=1", "-w", "node2"], ["ip", "netns", "exec",
+    # "ns2"]; [] = the launcher's own machine
+    exec: list[str] = []
+    python: str = ""  # interpreter there ("" = the launcher's own path, sys.executable)
+    workdir: str = ""  # the project's folder there ("" = the launcher's working directory)
+    gpus: int = 0  # GPUs the host has: actors' devices are checked against it (0 = unchecked)
+    # exec hands its command to a shell (the words are quoted for it); None: true for ssh
+    shell: bool | None = None
 
 
 class RestartPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -211,6 +224,7 @@ def _load_document(raw: dict[str, Any], path: Path,
     actors = raw.get("actors")
     if passthrough:
         _merge_passthrough(actors, passthrough, path)
+    _expand_hosts(raw, path, notes if notes is not None else [])
     for name, entry in (actors.items() if isinstance(actors, dict) else ()):
         try:  # one by one: msgspec's error path does not name dict keys
             msgspec.convert(entry, ActorEntry)
@@ -379,15 +393,10 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
     def fail(table: str, field: str, text: str) -> None:
         raise ConfigError(f"{path}: table [{table}], field `{field}`: {text}")
 
-    if not cfg.hosts:
-        fail("hosts", "name", "declare at least one [[hosts]] entry")
+    _check_hosts(cfg, path, notes)
     names = [h.name for h in cfg.hosts]
-    if len(set(names)) != len(names):
-        fail("hosts", "name", f"host names must be unique, got {names}")
-    for i, host in enumerate(cfg.hosts):
-        if host.exec:
-            fail(f"hosts.#{i + 1}", "exec", "remote hosts are not implemented yet; run every "
-                 "actor on the local host (leave exec empty)")
+    hosts = {h.name: h for h in cfg.hosts}
+    distributed = is_distributed(cfg)
     if not cfg.actors:
         fail("actors", "cls", "declare at least one [actors.<name>] table")
     views: dict[str, ActorView] = {}
@@ -396,26 +405,194 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", name):
             fail(table, "name", "actor names are letters, digits, '_' and '-'")
         if entry.host and entry.host not in names:
-            fail(table, "host", f"unknown host {entry.host!r}; hosts are {names}")
+            fail(table, "host", f"unknown host {entry.host!r}; hosts are {names} (or "
+                 f"\"#<index>\", 0 to {len(names) - 1})")
         for dep in entry.after:
             if dep not in cfg.actors:
                 fail(table, "after", f"unknown actor {dep!r}; actors are {sorted(cfg.actors)}")
         cls = import_actor(entry.cls, f"{path}: table [{table}], field `cls`")
+        host = entry.host or names[0]
+        if distributed and "host" not in entry.config and _binds_host(cls.Config):
+            entry.config["host"] = hosts[host].address  # its HTTP server, reached from others
         config = actor_config(cls, entry.config, f"{path}: table [{table}.config]")
         try:
             notes += [f"[actors.{name}]: {n}" for n in cls.check_config(config) or []]
-            host = entry.host or names[0]
-            views[name] = ActorView(cls, config, host,
-                                    cls.gpus(config, {**os.environ, **entry.env}, host),
+            # a remote host's environment is not the launcher's: only the actor's own env
+            env = entry.env if hosts[host].exec else {**os.environ, **entry.env}
+            views[name] = ActorView(cls, config, host, cls.gpus(config, env, host),
                                     list(entry.after))
         except ValueError as e:
             raise ConfigError(f"{path}: table [{table}.config]: {e}") from None
+        _check_gpus(views[name].gpus, hosts[host], table, fail)
     for name, view in views.items():
         try:
             view.cls.check_peers(name, view.config, views)
         except ValueError as e:
             raise ConfigError(f"{path}: table [actors.{name}.config]: {e}") from None
     start_order(cfg, path)
+
+
+# ----------------------------------------------------------------------------- hosts
+HOST_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\-]*"
+SLURM_SRUN = ["srun", "--nodes=1", "--ntasks=1", "--overlap"]  # + ["-w", node]
+
+
+def used_hosts(cfg: ClusterConfig) -> list[str]:
+    """Names of the hosts at least one actor runs on, in [[hosts]] order."""
+    placed = {e.host or cfg.hosts[0].name for e in cfg.actors.values()}
+    return [h.name for h in cfg.hosts if h.name in placed]
+
+
+def is_distributed(cfg: ClusterConfig) -> bool:
+    """True when the run spans machines: actors on more than one host, or on a remote one."""
+    used = used_hosts(cfg)
+    remote = {h.name for h in cfg.hosts if h.exec}
+    return len(used) > 1 or any(h in remote for h in used)
+
+
+def launcher_address(cfg: ClusterConfig) -> str:
+    """Where the launcher binds its sockets (supervisor, metrics): the address of the first
+    host without `exec` (the launcher's machine), else this machine's name."""
+    local = next((h for h in cfg.hosts if not h.exec), None)
+    return local.address if local is not None else socket.gethostname()
+
+
+def placement(cfg: ClusterConfig) -> dict[str, list[str]]:
+    """Host name -> the actors on it (every host, in [[hosts]] order)."""
+    out: dict[str, list[str]] = {h.name: [] for h in cfg.hosts}
+    for name, entry in cfg.actors.items():
+        out[entry.host or cfg.hosts[0].name].append(name)
+    return out
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _binds_host(config_cls: type) -> bool:
+    """The actor's Config has a `host` field (the address its HTTP server binds)."""
+    return isinstance(config_cls, type) and issubclass(config_cls, msgspec.Struct) and any(
+        f.name == "host" and f.type is str for f in msgspec.structs.fields(config_cls))
+
+
+def _check_gpus(ids: list[str], host: HostConfig, table: str, fail: Any) -> None:
+    if not host.gpus:
+        return
+    for gid in ids:
+        index = gid.rpartition("/gpu")[2]
+        if index.isdigit() and int(index) >= host.gpus:
+            fail(table, "host", f"its device is GPU {index} of host {host.name!r}, which has "
+                 f"gpus = {host.gpus} (0 to {host.gpus - 1}): choose another device or host")
+
+
+def _check_hosts(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
+    """Host names, `exec`, `#<index>` references, addresses across machines; a run over
+    several machines gets tcp:// and CURVE (unless `security.curve = false`)."""
+    def fail(table: str, field: str, text: str) -> None:
+        raise ConfigError(f"{path}: table [{table}], field `{field}`: {text}")
+
+    if not cfg.hosts:
+        fail("hosts", "name", "declare at least one [[hosts]] entry")
+    names = [h.name for h in cfg.hosts]
+    if len(set(names)) != len(names):
+        fail("hosts", "name", f"host names must be unique, got {names}")
+    for i, host in enumerate(cfg.hosts):
+        where = f"hosts.#{i + 1}"
+        if not re.fullmatch(HOST_NAME, host.name):
+            fail(where, "name", f"{host.name!r}: host names are letters, digits, '.', '_' and "
+                 f"'-' (they name folders of the run directory)")
+        if host.exec and not all(isinstance(w, str) and w for w in host.exec):
+            fail(where, "exec", f"{host.exec!r}: every word must be a non-empty string")
+        if host.gpus < 0:
+            fail(where, "gpus", f"{host.gpus}: use 0 (not checked) or the host's GPU count")
+    for name, entry in cfg.actors.items():
+        ref = re.fullmatch(r"#(\d+)", entry.host)
+        if ref:
+            if int(ref.group(1)) >= len(names):
+                fail(f"actors.{name}", "host", f"{entry.host!r}: there are {len(names)} hosts "
+                     f"(#0 to #{len(names) - 1}): {names}")
+            entry.host = names[int(ref.group(1))]
+    if not is_distributed(cfg):
+        if cfg.security.curve is None:
+            cfg.security = msgspec.structs.replace(cfg.security, curve=False)
+        return
+    used = used_hosts(cfg)
+    for i, host in enumerate(cfg.hosts):
+        if host.name in used and _is_loopback(host.address):
+            why = (f"host {host.name!r} is another machine (it has `exec`), whose actors the "
+                   f"launcher and the other hosts reach at its address" if host.exec else
+                   f"actors run on {', '.join(used)} and reach each other at their addresses")
+            fail(f"hosts.#{i + 1}", "address", f"{host.address!r} is loopback, but {why}: give "
+                 f"host {host.name!r} an address the other hosts reach")
+    local = next((h for h in cfg.hosts if not h.exec), None)
+    if local is not None and _is_loopback(local.address):
+        fail(f"hosts.#{cfg.hosts.index(local) + 1}", "address", f"{local.address!r} is "
+             f"loopback, but the launcher runs on host {local.name!r} and the remote hosts' "
+             f"actors report to it there: give it an address they reach")
+    if cfg.run.transport == "ipc":
+        cfg.run.transport = "tcp"
+        notes.append(f"actors run on {', '.join(used)}: transport tcp (ipc:// reaches one "
+                     f"machine only)")
+    if cfg.security.curve is None:
+        cfg.security = msgspec.structs.replace(cfg.security, curve=True)
+    elif not cfg.security.curve:
+        notes.append("security.curve = false on a run over several machines: anyone who "
+                     "reaches these ports can talk to the actors and read the metrics")
+
+
+def _expand_hosts(raw: dict[str, Any], path: Path, notes: list[str]) -> None:
+    """`hosts = "slurm"` (or `hosts = { from = "slurm", srun = [...], gpus = N, python = "...",
+    workdir = "..." }`): the hosts of the Slurm allocation this runs in, from
+    SLURM_JOB_NODELIST through `scontrol show hostnames`, named and addressed by node name;
+    the node the launcher runs on (SLURMD_NODENAME) is local, every other is reached through
+    `srun ... -w <node>`."""
+    spec = raw.get("hosts")
+    if isinstance(spec, str):
+        if spec != "slurm":
+            raise ConfigError(f"{path}: top level, field `hosts`: {spec!r}; write `hosts = "
+                              f"\"slurm\"` or [[hosts]] tables")
+        spec = {"from": "slurm"}
+    if not isinstance(spec, dict):
+        return
+    if spec.get("from") != "slurm":
+        raise ConfigError(f"{path}: table [hosts], field `from`: expected \"slurm\" (for a "
+                          f"list of hosts write [[hosts]] tables), got {spec.get('from')!r}")
+    allowed = {"from", "srun", "gpus", "python", "workdir"}
+    if set(spec) - allowed:
+        raise ConfigError(f"{path}: table [hosts], field `{sorted(set(spec) - allowed)[0]}`: "
+                          f"unknown; with from = \"slurm\" the fields are "
+                          f"{', '.join(sorted(allowed))}")
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError(f"{path}: hosts = \"slurm\", but SLURM_JOB_NODELIST is not set: run "
+                          f"the launcher inside a Slurm allocation (sbatch, salloc) or list "
+                          f"[[hosts]] tables")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"{path}: hosts = \"slurm\": `scontrol show hostnames {nodelist}` "
+                          f"failed: {e}") from None
+    nodes = out.stdout.split()
+    if out.returncode != 0 or not nodes:
+        raise ConfigError(f"{path}: hosts = \"slurm\": `scontrol show hostnames {nodelist}` "
+                          f"exited {out.returncode}: {out.stderr.strip() or '(no node names)'}")
+    here = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    srun = spec.get("srun", SLURM_SRUN)
+    gpus = spec.get("gpus")
+    if gpus is None:
+        found = re.match(r"\d+", os.environ.get("SLURM_GPUS_ON_NODE", ""))
+        gpus = int(found.group()) if found else 0
+    extra = {k: spec[k] for k in ("python", "workdir") if k in spec}
+    raw["hosts"] = [{"name": n, "address": n, "gpus": gpus, **extra,
+                     "exec": [] if n == here else [*srun, "-w", n]} for n in nodes]
+    where = "the launcher's node" if here in nodes else "no node of it (all through srun)"
+    notes.append(f"hosts from Slurm: {', '.join(nodes)} ({here} is {where})")
 
 
 def start_order(cfg: ClusterConfig, path: Path | str = "hosts.toml") -> list[str]:

@@ -8,6 +8,13 @@ Invariants:
 - Stopping an actor escalates: Shutdown message -> SIGTERM -> SIGKILL; the step that ended the
   process is recorded (`ActorProcess.shutdown_step`, run_dir/exit.json).
 - When a `primary` actor completes its work, the run ends with exit code 0.
+- Actors on a remote host (`[[hosts]] exec`) are started through that host's agent
+  (launch/agent.py) and supervised by these same rules: READY and heartbeats come straight to
+  the supervisor socket over tcp://, the Shutdown message is sent from here, and SIGTERM /
+  SIGKILL travel through the agent. A lost host (its agent exits or stops beating) is said by
+  name; each of its actors then counts as failed (restart policy: a restart starts a new agent
+  there, or the run fails naming the host). Every remote host's agent is started, and its code
+  and environment compared with the launcher's (launch/agent.py `compare`), before any actor.
 """
 
 from __future__ import annotations
@@ -25,7 +32,24 @@ from typing import Callable
 
 import msgspec
 
-from launch.config import ActorEntry, ClusterConfig
+from launch.agent import (
+    AgentError,
+    AgentLink,
+    Init,
+    RemoteProcess,
+    agent_command,
+    compare,
+    environment_report,
+    terminate_remote,
+)
+from launch.config import (
+    ActorEntry,
+    ClusterConfig,
+    HostConfig,
+    is_distributed,
+    launcher_address,
+    placement,
+)
 from runtime.actor import ActorContext
 from runtime.procs import log_tail, terminate, wait_exit
 from transport.metrics import MetricsProxy
@@ -52,7 +76,8 @@ class ActorProcess:
     context: ActorContext
     spec_path: Path
     log_path: Path
-    proc: asyncio.subprocess.Process | None = None
+    host: str = ""
+    proc: asyncio.subprocess.Process | RemoteProcess | None = None
     pid: int = 0
     restarts: int = 0
     ready_at: float = 0.0
@@ -87,12 +112,27 @@ class Supervisor:
         self.proxy: MetricsProxy | None = None
         self.server: RpcServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self.hosts: dict[str, HostConfig] = {h.name: h for h in cfg.hosts}
+        self.distributed = is_distributed(cfg)
+        self.links: dict[str, AgentLink] = {}  # remote host -> its agent
+        self.lost_hosts: dict[str, list[str]] = {}  # host -> why, each time it was lost
+        self._local_report: dict | None = None
 
     # ------------------------------------------------------------------ endpoints and specs
-    def endpoint(self, name: str) -> str:
-        if self.cfg.run.transport == "ipc":
+    def endpoint(self, name: str, host: HostConfig | None = None) -> str:
+        """ipc:// under the socket folder, or tcp:// on `host`'s address (None: the
+        launcher's) with a port the kernel picks."""
+        if self.cfg.run.transport == "ipc" and not self.distributed:
             return f"ipc://{self.sock_dir}/{name}"
-        return f"tcp://{self.cfg.hosts[0].address}:0"
+        if host is None:
+            address = launcher_address(self.cfg) if self.distributed else \
+                self.cfg.hosts[0].address
+        else:
+            address = host.address
+        return f"tcp://{address}:0"
+
+    def host_of(self, name: str) -> HostConfig:
+        return self.hosts[self.cfg.actors[name].host or self.cfg.hosts[0].name]
 
     def open(self) -> dict:
         """Bind the supervisor socket and metrics proxy; returns the endpoints document."""
@@ -104,8 +144,7 @@ class Supervisor:
         self._tasks.append(asyncio.ensure_future(self.server.serve()))
         self.proxy = MetricsProxy(self.factory, self.endpoint("metrics-in"),
                                   self.endpoint("metrics-out"))
-        return {"supervisor": self.supervisor_endpoint, "metrics": self.proxy.backend,
-                "metrics_in": self.proxy.frontend}
+        return self.endpoints_document()
 
     @property
     def supervisor_endpoint(self) -> str:
@@ -114,12 +153,13 @@ class Supervisor:
 
     def prepare(self, name: str) -> ActorProcess:
         entry, run = self.cfg.actors[name], self.cfg.run
+        host = self.host_of(name)
         assert self.proxy is not None
         ctx = ActorContext(
             name=name,
-            endpoints=Endpoints(control=self.endpoint(f"{name}.ctl"),
-                                rpc=self.endpoint(f"{name}.rpc"),
-                                inbox=self.endpoint(f"{name}.inbox")),
+            endpoints=Endpoints(control=self.endpoint(f"{name}.ctl", host),
+                                rpc=self.endpoint(f"{name}.rpc", host),
+                                inbox=self.endpoint(f"{name}.inbox", host)),
             supervisor=self.supervisor_endpoint, metrics=self.proxy.frontend,
             peers={dep: self.actors[dep].endpoints for dep in entry.after},
             security=self.cfg.security, limits=self.cfg.limits, shm=self.cfg.shm,
@@ -131,7 +171,9 @@ class Supervisor:
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}
         spec_path.write_text(json.dumps(spec, indent=2))
-        ap = ActorProcess(name, entry, ctx, spec_path, self.run_dir / "logs" / f"{name}.log")
+        # one host: logs/<actor>.log; several: logs/<host>/<actor>.log for every actor
+        logs = self.run_dir / "logs" / host.name if self.distributed else self.run_dir / "logs"
+        ap = ActorProcess(name, entry, ctx, spec_path, logs / f"{name}.log", host.name)
         self.actors[name] = ap
         return ap
 
@@ -142,6 +184,10 @@ class Supervisor:
     # ------------------------------------------------------------------ starting
     async def spawn(self, ap: ActorProcess) -> None:
         ap.log_path.parent.mkdir(parents=True, exist_ok=True)
+        host = self.hosts[ap.host]
+        if host.exec:
+            await self._spawn_remote(ap, host)
+            return
         env = {**os.environ, **ap.entry.env, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                            os.environ.get("PYTHONPATH")]))}
@@ -155,6 +201,103 @@ class Supervisor:
         ap.shutdown_step = ""
         ap.ready.clear()
         self._tasks.append(asyncio.ensure_future(self._reap(ap, ap.proc)))
+
+    async def _spawn_remote(self, ap: ActorProcess, host: HostConfig) -> None:
+        link = await self.link_for(host)
+        with open(ap.log_path, "ab") as logf:
+            logf.write(f"=== start {ap.restarts} at {time.ctime()} on host {host.name}\n"
+                       .encode())
+        try:
+            ap.proc = await link.start(ap.name, ap.spec_path.read_bytes(), dict(ap.entry.env),
+                                       ap.log_path, self.cfg.run.ready_timeout_s)
+        except AgentError as e:
+            raise RunFailed(f"{ap.name}: {e}") from None
+        ap.pid, ap.ready_at, ap.exit_code, ap.dead, ap.stopped = ap.proc.pid, 0.0, None, None, None
+        ap.shutdown_step = ""
+        ap.ready.clear()
+        self._tasks.append(asyncio.ensure_future(self._reap(ap, ap.proc)))
+
+    # ------------------------------------------------------------------ remote hosts
+    def remote_hosts(self) -> list[HostConfig]:
+        """The hosts with `exec` that at least one actor runs on."""
+        used = {ap_host for ap_host, names in placement(self.cfg).items() if names}
+        return [h for h in self.cfg.hosts if h.exec and h.name in used]
+
+    async def open_hosts(self) -> None:
+        """Start every remote host's agent (in parallel) and check each host's code and
+        environment against the launcher's; RunFailed naming every host that failed."""
+        hosts = self.remote_hosts()
+        if not hosts:
+            return
+        results = await asyncio.gather(*(self.link_for(h) for h in hosts),
+                                       return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, (RunFailed, AgentError)):
+                raise r
+        if errors:
+            raise RunFailed("\n".join(errors))
+
+    async def link_for(self, host: HostConfig) -> AgentLink:
+        """The live agent of `host`, started (and checked) when there is none."""
+        link = self.links.get(host.name)
+        if link is not None and link.alive:
+            return link
+        if link is not None:
+            await link.close("replaced")
+        run = self.cfg.run
+        python = host.python or sys.executable
+        workdir = host.workdir or os.getcwd()
+        link = AgentLink(host.name, agent_command(host.exec, python, workdir, host.shell),
+                         self.run_dir / "logs" / host.name / "agent.log", self._host_lost,
+                         run.heartbeat_interval_s, run.heartbeat_timeout_s)
+        self.links[host.name] = link
+        try:
+            report = await link.open(run.ready_timeout_s)
+        except AgentError as e:
+            raise RunFailed(str(e)) from None
+        if self._local_report is None:
+            self._local_report = await asyncio.to_thread(environment_report)
+        errors, notes = compare(self._local_report, report)
+        if errors:
+            await link.close("the host's code or environment differs")
+            raise RunFailed(f"host {host.name}: its code or environment differs from the "
+                            f"launcher's (python {python} in {workdir} there; the launcher "
+                            f"does not copy code: install the same version there):\n  "
+                            + "\n  ".join(errors + notes))
+        for note in notes:
+            self.say(f"host {host.name}: note: {note}")
+        await link.init(Init(host=host.name, run_dir=str(self.run_dir), python=python,
+                             keys=self._key_files(), python_path=list(run.python_path),
+                             heartbeat_interval_s=run.heartbeat_interval_s,
+                             heartbeat_timeout_s=run.heartbeat_timeout_s,
+                             term_timeout_s=run.term_timeout_s))
+        self.say(f"host {host.name}: agent pid {link.agent_pid} ready ({report.get('hostname')}, "
+                 f"python {report.get('python')}, {len(report.get('files', {}))} project files "
+                 f"as here)")
+        return link
+
+    def _key_files(self) -> dict[str, bytes]:
+        """The run's CURVE key files, for the agents (over their stdin, never a command line)."""
+        sec = self.cfg.security
+        if not sec.curve or not sec.keys_dir:
+            return {}
+        folder = Path(sec.keys_dir)
+        return {name: (folder / name).read_bytes() for name in
+                ("server.key", "server.key_secret", "client.key", "client.key_secret")
+                if (folder / name).is_file()}
+
+    def _host_lost(self, host: str, why: str) -> None:
+        self.lost_hosts.setdefault(host, []).append(why)
+        if self.stopping:
+            return
+        names = [n for n, ap in self.actors.items() if ap.host == host and ap.alive is False
+                 and isinstance(ap.proc, RemoteProcess) and ap.proc.lost]
+        self.say(f"host {host} lost: {why}; its actors ({', '.join(names) or 'none'}) follow "
+                 f"their restart policy (a restart starts a new agent there)")
+
+    async def close_hosts(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links.values()))
 
     async def start_one(self, ap: ActorProcess) -> None:
         """Spawn and wait for READY; RunFailed if it dies or stays silent."""
@@ -177,6 +320,7 @@ class Supervisor:
                         f"{self.describe_failure(ap)}")
 
     async def start_all(self) -> None:
+        await self.open_hosts()
         for name in self.order:
             await self.start_one(self.prepare(name))
         self._tasks.append(asyncio.ensure_future(self._watch_heartbeats()))
@@ -235,6 +379,9 @@ class Supervisor:
                     ap.proc.kill()
 
     def describe_failure(self, ap: ActorProcess) -> str:
+        if isinstance(ap.proc, RemoteProcess) and ap.proc.lost:
+            return f"  {ap.proc.lost}\n  log tail ({ap.log_path}):\n" + "\n".join(
+                f"  | {line}" for line in log_tail(ap.log_path, 6).splitlines())
         if ap.dead is not None:
             tb = ap.dead.traceback.strip().splitlines()[-12:]
             return f"  error: {ap.dead.error}\n" + "\n".join(f"  | {line}" for line in tb)
@@ -295,13 +442,29 @@ class Supervisor:
             ap.shutdown_step = "message"
             if await wait_exit(ap.proc, run.shutdown_timeout_s):
                 return
-        ap.shutdown_step = await terminate(ap.proc, run.term_timeout_s)
+        if isinstance(ap.proc, RemoteProcess):
+            ap.shutdown_step = await terminate_remote(ap.proc, run.term_timeout_s)
+        else:
+            ap.shutdown_step = await terminate(ap.proc, run.term_timeout_s)
 
     async def stop_all(self) -> None:
+        """Stop every actor: an actor only after every actor that has it in its `after` list
+        (its dependents) has stopped, and independent actors at the same time, so the run's
+        shutdown takes its longest chain of stops, not the sum of them all."""
         self.stopping = True
-        for name in reversed(self.order):
-            if name in self.actors:
+        names = [n for n in reversed(self.order) if n in self.actors]
+        stopped = {n: asyncio.Event() for n in names}
+        dependents = {n: [m for m in names if n in self.cfg.actors[m].after] for n in names}
+
+        async def stop(name: str) -> None:
+            try:
+                for dependent in dependents[name]:
+                    await stopped[dependent].wait()
                 await self.stop_one(self.actors[name])
+            finally:
+                stopped[name].set()
+        await asyncio.gather(*(stop(n) for n in names))
+        await self.close_hosts()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -313,7 +476,40 @@ class Supervisor:
         self.factory.close()
 
     def summary(self) -> dict:
-        return {name: {"pid": ap.pid, "exit_code": ap.exit_code, "restarts": ap.restarts,
-                       "shutdown_step": ap.shutdown_step,
-                       "error": ap.dead.error if ap.dead else None}
-                for name, ap in self.actors.items()}
+        out = {}
+        for name, ap in self.actors.items():
+            out[name] = {"pid": ap.pid, "exit_code": ap.exit_code, "restarts": ap.restarts,
+                         "shutdown_step": ap.shutdown_step,
+                         "error": ap.dead.error if ap.dead else None}
+            if self.distributed:
+                out[name]["host"] = ap.host
+                if isinstance(ap.proc, RemoteProcess) and ap.proc.lost:
+                    out[name]["error"] = out[name]["error"] or ap.proc.lost
+        return out
+
+    def hosts_summary(self) -> dict:
+        """Every host: its address, actors, and for a remote one its agent and losses."""
+        out = {}
+        for host, names in placement(self.cfg).items():
+            h = self.hosts[host]
+            entry: dict = {"address": h.address, "actors": names, "remote": bool(h.exec)}
+            if host in self.links:
+                entry["agent"] = self.links[host].summary()
+            if host in self.lost_hosts:
+                entry["lost"] = self.lost_hosts[host]
+            out[host] = entry
+        return out
+
+    def endpoints_document(self) -> dict:
+        """endpoints.json: the launcher's sockets and, once started, every actor's, by host."""
+        assert self.proxy is not None
+        doc: dict = {"supervisor": self.supervisor_endpoint, "metrics": self.proxy.backend,
+                     "metrics_in": self.proxy.frontend}
+        if self.actors:
+            doc["actors"] = {n: {"host": ap.host, **{k: v for k, v in msgspec.to_builtins(
+                ap.endpoints).items() if k != "type"}}
+                for n, ap in self.actors.items() if ap.endpoints is not None}
+        if self.distributed:
+            doc["hosts"] = {h: {"address": self.hosts[h].address, "actors": names}
+                            for h, names in placement(self.cfg).items() if names}
+        return doc

@@ -3,7 +3,11 @@
 Samples arrive one by one from the rollout, grouped by prompt (`group_id`, GRPO group) and indexed
 0..group_size-1 within a group. A group is *complete* once all group_size indices arrived, "ok"
 or not; a complete group with at least min_ok_per_group ok samples is *ready*, and `next_batch`
-emits the ok samples of exactly groups_per_batch ready groups, oldest completion first.
+emits the ok samples of exactly groups_per_batch ready groups: the lowest group version first
+(those closest to going stale), oldest completion first among equal versions. With many
+producers, completions come out of version order (a group generated slowly at version v completes
+after groups of v + 1); taking completion order alone let the slow ones go stale, and every
+stale group permits a make-up batch, which adds producers' load: measured by bench/scale.py.
 
 Staleness, precisely:
 - The trainer's version v is the number of optimizer steps applied to its weights (0 = the initial
@@ -52,6 +56,11 @@ Groups are assumed whole (as the rollout sends them): a re-sent sample of a clos
 copy. Limit: a key remembered that way and generated again by a restarted producer counts as a
 late original, not as dropped_duplicate.
 
+Costs, for long runs with many producers (bench/scale.py): adding a sample and emitting a batch
+never scan the closed group ids; a new trainer version scans the open groups once; the batches
+kept for replay (`history`) are held encoded (msgpack), about a seventh of their size as Python
+lists of numbers.
+
 Snapshots (`snapshot`, `restore`): the whole state but the config, so that the buffer actor can
 replace its journal by one record (compaction) and replay it to exactly this state.
 
@@ -65,10 +74,12 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Iterator
 
 import msgspec
 import numpy as np
 
+from transport import records
 from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE, Sample
 
 STATUSES = ("ok", "failed", "aborted")
@@ -209,6 +220,61 @@ class BufferSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     resent_first: list[tuple[str, int]] = []  # (group_id, index) first taken from a re-send
 
 
+class History:
+    """Emitted batches by optimizer step (a mapping step -> list[Sample]), each held as one
+    msgpack record (transport.records): a batch of Python int and float objects takes about
+    seven times its encoded size, and `replay_steps` of them are kept. Reading a step decodes
+    it (replays and snapshots), but the newest batch stays as it was given, so a request asked
+    again for the last step gets that very list."""
+
+    _encoder = records.encoder()
+    _decoder = records.decoder(list[Sample])
+
+    def __init__(self, batches: dict[int, list[Sample]] | None = None):
+        self._data: dict[int, bytes] = {}
+        self._newest: tuple[int, list[Sample]] | None = None
+        for step, batch in (batches or {}).items():
+            self[step] = batch
+
+    def __setitem__(self, step: int, batch: list[Sample]) -> None:
+        self._data[step] = self._encoder.encode(batch)
+        self._newest = (step, batch)
+
+    def __getitem__(self, step: int) -> list[Sample]:
+        if self._newest is not None and self._newest[0] == step and step in self._data:
+            return self._newest[1]
+        return self._decoder.decode(self._data[step])
+
+    def __delitem__(self, step: int) -> None:
+        del self._data[step]
+        if self._newest is not None and self._newest[0] == step:
+            self._newest = None
+
+    def __contains__(self, step: object) -> bool:
+        return step in self._data
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __bool__(self) -> bool:
+        return bool(self._data)
+
+    def items(self) -> Iterator[tuple[int, list[Sample]]]:
+        return ((step, self[step]) for step in self._data)
+
+    def nbytes(self) -> int:
+        return sum(map(len, self._data.values()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, History) and self._data == other._data
+
+    def __repr__(self) -> str:
+        return f"History(steps={sorted(self._data)}, bytes={self.nbytes()})"
+
+
 class RolloutBuffer:
     """Groups samples, drops what is stale, failed or repeated, and cuts trainer batches."""
 
@@ -218,8 +284,11 @@ class RolloutBuffer:
         self.counters = dict.fromkeys(SAMPLE_COUNTERS + GROUP_COUNTERS, 0)
         self._open: dict[str, dict[int, Sample]] = {}  # incomplete groups by index
         self._ready: dict[str, list[Sample]] = {}  # ok samples of ready groups, completion order
+        # the ready group ids by group version, each in completion order (emission order)
+        self._by_version: dict[int, dict[str, None]] = {}
         self._closed: dict[str, str] = {}  # group id -> "complete" | "stale" | "overflow"
-        self.history: dict[int, list[Sample]] = {}  # emitted batch by optimizer step
+        self._closed_count: collections.Counter = collections.Counter()  # reason -> ids
+        self.history = History()  # emitted batch by optimizer step
         self._replay_from = -1  # a restarted trainer replays history from this step on
         # samples that went in from a re-send (their first copy was not here): that first copy,
         # should it still arrive, is a late original
@@ -244,7 +313,7 @@ class RolloutBuffer:
         group = self._open.get(gid)
         if group is None:
             if self.pending_capacity_left() == 0:
-                self._closed[gid] = "overflow"
+                self._close(gid, "overflow")
                 self.counters["groups_dropped_overflow"] += 1
                 return self._count("dropped_overflow", 1)
             group = self._open[gid] = {}
@@ -278,16 +347,38 @@ class RolloutBuffer:
         self.counters[counter] += samples
         return counter
 
+    def _close(self, gid: str, reason: str) -> None:
+        self._closed[gid] = reason
+        self._closed_count[reason] += 1
+
+    def _ready_put(self, gid: str, ok: list[Sample]) -> None:
+        self._ready[gid] = ok
+        self._by_version.setdefault(min(s.weight_version for s in ok), {})[gid] = None
+
+    def _ready_take(self, gid: str) -> list[Sample]:
+        ok = self._ready.pop(gid)
+        version = min(s.weight_version for s in ok)
+        bucket = self._by_version[version]
+        del bucket[gid]
+        if not bucket:
+            del self._by_version[version]
+        return ok
+
+    def _emission_order(self) -> Iterator[str]:
+        """Ready group ids in the order `next_batch` takes them."""
+        for version in sorted(self._by_version):
+            yield from self._by_version[version]
+
     def _complete(self, gid: str) -> str:
         group = self._open.pop(gid)
-        self._closed[gid] = "complete"
+        self._close(gid, "complete")
         self.counters["groups_completed"] += 1
         ok = [group[i] for i in sorted(group) if group[i].status == "ok"]
         if len(ok) < self.config.min_ok_per_group:
             self.counters["groups_dropped_failed"] += 1
             return self._count("dropped_failed_group", len(group))
         self._count("dropped_failed_sample", len(group) - len(ok))
-        self._ready[gid] = ok
+        self._ready_put(gid, ok)
         return "complete"
 
     # ------------------------------------------------------------------ staleness
@@ -297,7 +388,7 @@ class RolloutBuffer:
 
     def _drop_open_stale(self, gid: str) -> None:
         group = self._open.pop(gid)
-        self._closed[gid] = "stale"
+        self._close(gid, "stale")
         self.counters["groups_dropped_stale"] += 1
         self._count("dropped_stale", len(group))
 
@@ -306,24 +397,28 @@ class RolloutBuffer:
         if version < self.trainer_version:
             raise ValueError(f"trainer version went back from {self.trainer_version} to "
                              f"{version}; versions only increase")
+        if version == self.trainer_version:  # nothing went stale since the last scan: a group
+            return  # is checked on every sample's arrival, and only a new version ages it
         self.trainer_version = version
         for gid in [g for g, group in self._open.items() if self._is_stale(group.values())]:
             self._drop_open_stale(gid)
-        for gid in [g for g, ok in self._ready.items() if self._is_stale(ok)]:
-            self.counters["groups_dropped_stale"] += 1
-            self._count("dropped_stale", len(self._ready.pop(gid)))
+        oldest_fresh = version - self.config.max_staleness
+        for old in [v for v in self._by_version if v < oldest_fresh]:
+            for gid in list(self._by_version[old]):
+                self.counters["groups_dropped_stale"] += 1
+                self._count("dropped_stale", len(self._ready_take(gid)))
 
     # ------------------------------------------------------------------ output
     def next_batch(self, trainer_version: int) -> list[Sample] | None:
-        """The ok samples of the groups_per_batch oldest ready, fresh groups (by completion,
-        each group in index order), or None while fewer are ready."""
+        """The ok samples of groups_per_batch ready, fresh groups (lowest group version first,
+        then completion order; each group in index order), or None while fewer are ready."""
         self.set_trainer_version(trainer_version)
         n = self.config.groups_per_batch
         if len(self._ready) < n:
             return None
         batch = []
-        for gid in list(itertools.islice(self._ready, n)):
-            batch += self._ready.pop(gid)
+        for gid in list(itertools.islice(self._emission_order(), n)):
+            batch += self._ready_take(gid)
         self.counters["groups_emitted"] += n
         self.counters["batches_emitted"] += 1
         self._count("emitted", len(batch))
@@ -365,23 +460,28 @@ class RolloutBuffer:
         """Teachers of the ready groups (the next batch's), in the order they will be trained:
         a hint for the trainer's weight memory to load the first of them early."""
         seen: dict[str, None] = {}
-        for group in itertools.islice(self._ready.values(), self.config.groups_per_batch):
-            for sample in group:
+        for gid in itertools.islice(self._emission_order(), self.config.groups_per_batch):
+            for sample in self._ready[gid]:
                 if sample.teacher:
                     seen.setdefault(sample.teacher)
         return list(seen)
 
     def may_start_batch(self, batch_index: int, trainer_version: int,
-                        trainer_waiting: bool = False) -> bool:
+                        trainer_waiting: bool = False, in_flight_groups: int = 0) -> bool:
         """The rollout's permit: generation of batch `batch_index` (0-based) may start. Groups
         dropped (failed, stale, overflow) are made up for: every groups_per_batch of them (or
         part) allow one batch more, so a batch short of ready groups never stalls the run. And
         whenever the trainer waits for a batch that the groups held (ready or still open) cannot
         fill, generation may go on whatever the batch index (after a trainer went back to an
-        older checkpoint than the batches it can replay)."""
+        older checkpoint than the batches it can replay). `in_flight_groups`: groups of batches
+        already permitted that have not arrived (the caller's count): they will fill the batch,
+        so they count as held (with several rollout shards asking, the trainer waits while
+        their groups are generated; opening every waiting permit then over-produced groups
+        that went stale: bench/scale.py)."""
         if batch_index < 0:
             raise ValueError(f"batch_index must be >= 0, got {batch_index}")
-        if trainer_waiting and len(self._ready) + len(self._open) < self.config.groups_per_batch:
+        held = len(self._ready) + len(self._open) + in_flight_groups
+        if trainer_waiting and held < self.config.groups_per_batch:
             return True
         return trainer_version >= batch_index - self.config.max_staleness - self.makeup_batches()
 
@@ -428,9 +528,13 @@ class RolloutBuffer:
         self.counters.update(dict.fromkeys(SAMPLE_COUNTERS + GROUP_COUNTERS, 0))
         self.counters.update(snap.counters)
         self._open = {group[0].group_id: {s.index: s for s in group} for group in snap.open}
-        self._ready = {ok[0].group_id: list(ok) for ok in snap.ready}
+        self._ready, self._by_version = {}, {}
+        for ok in snap.ready:
+            self._ready_put(ok[0].group_id, list(ok))
         self._closed = {gid: reason for reason, gids in snap.closed.items() for gid in gids}
-        self.history = {step: list(batch) for step, batch in snap.history.items()}
+        self._closed_count = collections.Counter(
+            {reason: len(gids) for reason, gids in snap.closed.items() if gids})
+        self.history = History(snap.history)
         self._replay_from = snap.replay_from
         self._resent_first = set(snap.resent_first)
 
@@ -445,9 +549,14 @@ class RolloutBuffer:
             raise AssertionError(f"buffer accounting broken: added {self.counters['added']} != "
                                  f"emitted {self.counters['emitted']} + pending {pending} + "
                                  f"dropped {dropped} ({self.counters})")
-        if set(self._open) & set(self._closed) or set(self._ready) - set(self._closed):
+        if any(g in self._closed for g in self._open) or any(
+                g not in self._closed for g in self._ready):
             raise AssertionError("buffer accounting broken: a group is both open and closed")
-        reasons = collections.Counter(self._closed.values())
+        # the closed ids by reason, counted as they were closed (O(1)); recounted (O(ids)) only
+        # when the dict disagrees with those counts, to say which reason is off
+        reasons = self._closed_count
+        if len(self._closed) != sum(reasons.values()):
+            reasons = collections.Counter(self._closed.values())
         for reason, counter in (("complete", "groups_completed"),
                                 ("overflow", "groups_dropped_overflow")):
             if reasons[reason] != self.counters[counter]:

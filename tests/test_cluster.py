@@ -390,3 +390,45 @@ def test_curve_over_tcp_covers_the_metrics_stream(tmp_path):
     assert seen == {"scaler", "consumer", "producer"}  # and never "intruder"
     assert snooped == 0
     assert (keys / "server.key_secret").stat().st_mode & 0o777 == 0o600
+
+
+async def test_stop_all_stops_dependents_first_and_independent_actors_together():
+    """stop_all: an actor stops only after the actors that name it in `after`; actors with no
+    such relation stop at the same time (the shutdown takes the longest chain, not the sum)."""
+    from types import SimpleNamespace
+
+    from launch.supervisor import Supervisor
+    after = {"w0": [], "w1": [], "router": ["w0", "w1"], "buffer": [],
+             "rollout": ["router", "buffer"], "trainer": ["w0", "w1", "buffer", "rollout"],
+             "idle": []}
+    sup = Supervisor.__new__(Supervisor)
+    sup.order = list(after)
+    sup.actors = {n: n for n in after}
+    sup.cfg = SimpleNamespace(actors={n: SimpleNamespace(after=a) for n, a in after.items()})
+    events: list[tuple[str, str]] = []
+    running: set[str] = set()
+    most = 0
+    gate = asyncio.Event()
+
+    async def stop_one(name):
+        nonlocal most
+        events.append(("start", name))
+        running.add(name)
+        most = max(most, len(running))
+        if len(running) >= 2:
+            gate.set()
+        await asyncio.wait_for(gate.wait(), 10)  # held until two stops overlap
+        running.discard(name)
+        events.append(("end", name))
+
+    async def close_hosts():
+        pass
+    sup.stop_one, sup.close_hosts = stop_one, close_hosts
+    await sup.stop_all()
+    ended = {name: i for i, (kind, name) in enumerate(events) if kind == "end"}
+    started = {name: i for i, (kind, name) in enumerate(events) if kind == "start"}
+    assert set(ended) == set(after)
+    for name, deps in after.items():
+        for dep in deps:  # `name` depends on `dep`: name is stopped first
+            assert ended[name] < started[dep], (name, dep, events)
+    assert most >= 2  # trainer and idle (independent) were stopped at once

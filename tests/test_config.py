@@ -82,7 +82,8 @@ def test_schema_errors_name_table_and_field(tmp_path, edit, table, field, words)
     (("delay_s = 0.0", 'delay_s = "fast"'),
      "table [actors.scaler.config], field `delay_s`: Expected `float`"),
     (("[[hosts]]\nname = \"local\"", "[[hosts]]\nname = \"local\"\nexec = [\"ssh\", \"n2\"]"),
-     "table [hosts.#1], field `exec`: remote hosts are not implemented yet"),
+     "table [hosts.#1], field `address`: '127.0.0.1' is loopback, but host 'local' is "
+     "another machine"),
     (("[actors.scaler]", "[actors.scaler]\nafter = [\"producer\"]"),
      "dependency cycle"),
 ])

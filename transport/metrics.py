@@ -21,6 +21,12 @@ from transport.schema import Kind, Metrics
 from transport.sockets import SocketFactory
 
 TOPIC = b"metrics"
+# records queued from the proxy to each subscriber (and in a subscriber) before the proxy drops:
+# every publisher's burst funnels into this one queue, so it is sized for 1,000 publishers (a
+# burst of 50 records each went through whole in bench/scale.py; at 1,000 it lost half); records
+# are ~150 bytes, so the bound is ~15 MiB per subscriber. What is dropped past it shows as gaps
+# in the publishers' `seq` (MetricsSubscriber.gaps)
+FANIN_HWM = 100_000
 
 
 class MetricsPublisher:
@@ -64,7 +70,7 @@ class MetricsSubscriber:
 
     def __init__(self, factory: SocketFactory, endpoints: list[str] | str):
         endpoints = [endpoints] if isinstance(endpoints, str) else endpoints
-        self.sock = factory.connect(zmq.SUB, endpoints[0])
+        self.sock = factory.connect(zmq.SUB, endpoints[0], hwm=FANIN_HWM)
         for ep in endpoints[1:]:
             self.sock.connect(ep)
         self.sock.subscribe(TOPIC)
@@ -110,7 +116,7 @@ class MetricsProxy:
         cluster's client key can publish or subscribe."""
         ctx = self.ctx = factory.ctx
         self._xsub = factory.bind_thread_socket(zmq.XSUB, frontend)
-        self._xpub = factory.bind_thread_socket(zmq.XPUB, backend)
+        self._xpub = factory.bind_thread_socket(zmq.XPUB, backend, hwm=FANIN_HWM)
         self.frontend = self._xsub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend = self._xpub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ctl_addr = f"inproc://metrics-proxy-{id(self)}"

@@ -51,8 +51,12 @@ def port_is_free(host: str, port: int) -> bool:
 class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Transport security for tcp:// endpoints (ipc:// is protected by the run directory)."""
 
-    curve: bool = False  # encrypt and authenticate tcp traffic with CURVE
-    keys_dir: str = ""  # holds server.key_secret/server.key and client.key_secret/client.key
+    # encrypt and authenticate tcp traffic with CURVE; None (not set): on for a run over several
+    # machines (launch/config.py), off on one
+    curve: bool | None = None
+    # holds server.key_secret/server.key and client.key_secret/client.key; "" with curve on:
+    # the launcher makes keys for the run (<run_dir>/keys, removed at the end)
+    keys_dir: str = ""
 
 
 def make_curve_keys(keys_dir: str | Path) -> None:
@@ -198,10 +202,10 @@ class SocketFactory:
         sock.bind(endpoint)
         return sock
 
-    def bind_thread_socket(self, kind: int, endpoint: str) -> zmq.Socket:
+    def bind_thread_socket(self, kind: int, endpoint: str, hwm: int | None = None) -> zmq.Socket:
         """A plain zmq socket, secured and bound like `bind`, for a socket that lives in a zmq
         thread (the metrics proxy) instead of the asyncio loop."""
-        return self.bind(kind, endpoint).sock
+        return self.bind(kind, endpoint, hwm).sock
 
     def connect(self, kind: int, endpoint: str, hwm: int | None = None) -> AsyncSocket:
         sock = self._socket(kind, hwm)

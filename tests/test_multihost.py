@@ -1,0 +1,539 @@
+"""Runs over several hosts: the agent (launch/agent.py), the supervisor's remote path, CURVE by
+default, the remote version check, `hosts = "slurm"`.
+
+The hosts are Linux network namespaces with their own addresses (a veth pair from the root
+namespace, where the launcher runs, to each), made and removed by the `netns` fixture; `exec` is
+`ip netns exec NAME`. They share this filesystem, so `workdir` is this checkout. Without root or
+without `ip netns`, those tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launch.agent import (
+    PROJECT_PACKAGES,
+    agent_command,
+    agent_folder,
+    compare,
+    environment_report,
+    remove_abandoned,
+)
+from launch.cluster import main
+from launch.config import ConfigError, load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- namespaces
+@dataclass
+class Netns:
+    name: str  # the namespace: the remote host
+    root_address: str  # the launcher's end of the veth pair
+    address: str  # the namespace's end
+
+    @property
+    def exec(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def netns():
+    """A namespace host reached over a veth pair; removed at the end, even on failure."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network-namespace hosts need Linux, root and iproute2's `ip`")
+    n = os.getpid() % 32768  # distinct per test process: names and a /30 of its own
+    ns, root_if, ns_if = f"rlx{n}b", f"rlx{n}r", f"rlx{n}n"
+    net = f"10.{128 + (n >> 8)}.{n & 255}"
+    made = _ip("netns", "add", ns)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here (`ip netns add` said: "
+                    f"{made.stderr.strip()})")
+    try:
+        for args in (("link", "add", root_if, "type", "veth", "peer", "name", ns_if),
+                     ("link", "set", ns_if, "netns", ns),
+                     ("addr", "add", f"{net}.1/30", "dev", root_if),
+                     ("link", "set", root_if, "up"),
+                     ("-n", ns, "addr", "add", f"{net}.2/30", "dev", ns_if),
+                     ("-n", ns, "link", "set", ns_if, "up"),
+                     ("-n", ns, "link", "set", "lo", "up")):
+            done = _ip(*args)
+            if done.returncode != 0:
+                pytest.skip(f"cannot wire the namespace (`ip {' '.join(args)}`: "
+                            f"{done.stderr.strip()})")
+        yield Netns(ns, f"{net}.1", f"{net}.2")
+    finally:
+        _ip("link", "del", root_if)
+        _ip("netns", "del", ns)
+
+
+def hosts_toml(ns: Netns, run: str = "", remote: str = "") -> str:
+    return textwrap.dedent(f"""
+        [run]
+        name = "mh"
+        heartbeat_interval_s = 0.3
+        progress_interval_s = 1.0
+        plots = false
+        {run}
+
+        [[hosts]]
+        name = "main"
+        address = "{ns.root_address}"
+
+        [[hosts]]
+        name = "nsb"
+        address = "{ns.address}"
+        exec = {json.dumps(ns.exec)}
+        {remote}
+        """)
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str],
+                  timeout_s: float = 60) -> re.Match:
+    """Read the launcher's output until a line matches `pattern` (kept in `lines`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(pattern, line):
+            return m
+    raise AssertionError(f"never saw {pattern!r}; output:\n{''.join(lines)}")
+
+
+# ----------------------------------------------------------------------------- the main job
+def test_main_job_split_over_two_hosts_runs_to_completion_with_metrics(netns, tmp_path):
+    """The worker and router on the namespace host, buffer/rollout/trainer with the launcher:
+    HTTP, ZMQ (CURVE) and disk weight sync cross hosts; three GRPO steps complete."""
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(hosts_toml(netns) + textwrap.dedent(f"""
+        [rl]
+        model = "{ROOT / 'examples' / 'base-tiny'}"
+        workers = 1
+        group_size = 4
+        groups_per_batch = 4
+        num_steps = 3
+        micro_batch_size = 16
+        eval_every = 0
+        eval_tasks = 4
+        envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
+
+        [actors.worker0]
+        host = "nsb"
+        [actors.router]
+        host = "#1"
+        """))
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=110)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "run complete: trainer finished" in out
+    assert re.search(r"host nsb: agent pid \d+ ready", out)
+    done = json.loads((run_dir / "exit.json").read_text())
+    assert done["completed"] == "trainer"
+    assert {n: a["host"] for n, a in done["actors"].items()} == {
+        "worker0": "nsb", "router": "nsb", "buffer": "main",
+        "rollout": "main", "trainer": "main"}
+    assert done["hosts"]["nsb"]["agent"]["exit_code"] == 0
+    assert done["hosts"]["nsb"]["agent"]["lost"] is None
+    for name in ("worker0", "router"):
+        assert done["actors"][name]["shutdown_step"] == "message"
+    # every socket on tcp:// at its host's address, CURVE on with keys made for the run
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    assert endpoints["metrics"].startswith(f"tcp://{netns.root_address}:")
+    assert endpoints["actors"]["worker0"]["rpc" if "rpc" in endpoints["actors"]["worker0"]
+                                          else "control"].startswith(f"tcp://{netns.address}:")
+    assert endpoints["actors"]["worker0"]["http"].startswith(f"http://{netns.address}:")
+    assert endpoints["actors"]["trainer"]["control"].startswith(f"tcp://{netns.root_address}:")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["security"]["curve"] is True
+    assert config["security"]["keys_dir"] == str(run_dir / "keys")
+    assert not (run_dir / "keys").exists()  # removed with the run
+    # metrics from both hosts reached the launcher (metrics.jsonl is what it received)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    actors = {r["actor"] for r in records}
+    assert {"worker0", "trainer", "rollout", "buffer"} <= actors, actors
+    steps = [r["step"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    assert max(steps) == 3
+    # logs of every host's actors in the run directory
+    for host, names in (("nsb", ("worker0", "router")),
+                        ("main", ("buffer", "rollout", "trainer"))):
+        for name in names:
+            log = (run_dir / "logs" / host / f"{name}.log").read_text()
+            assert f"{name} INFO {name}: stopp" in log, log[-2000:]
+    assert "serving run" in (run_dir / "logs" / "nsb" / "agent.log").read_text()
+
+
+# ----------------------------------------------------------------------------- losing a host
+CLIENT = """
+import asyncio, json, sys
+from transport.metrics import MetricsPublisher
+from transport.rpc import DeadlineExceeded, RpcClient
+from transport.schema import Scale
+from transport.sockets import Security, SocketFactory
+import torch
+
+async def answer(factory, endpoint, msg=None):
+    client = RpcClient(factory, endpoint, "intruder", timeout_s=2.0)
+    try:
+        reply = await client.handshake()
+        if msg is not None:
+            reply = await client.call(msg)
+        return type(reply).__name__ + (f" {float(reply.tensor.sum())}" if msg else "")
+    except DeadlineExceeded:
+        return None
+    finally:
+        await client.close()
+
+async def main(endpoints, keys):
+    plain = SocketFactory()
+    keyed = SocketFactory(security=Security(curve=True, keys_dir=keys))
+    rpc = endpoints["actors"]["scaler"]["rpc"]
+    intruder = MetricsPublisher(plain, endpoints["metrics_in"], "intruder")
+    for _ in range(20):
+        intruder.publish({"fake": 1.0}, step=1)
+    out = {"plain_rpc": await answer(plain, rpc, Scale(tensor=torch.ones(4), factor=2.0)),
+           "plain_supervisor": await answer(plain, endpoints["supervisor"]),
+           "keyed_rpc": await answer(keyed, rpc, Scale(tensor=torch.ones(4), factor=2.0))}
+    intruder.close()
+    plain.close()
+    keyed.close()
+    print(json.dumps(out))
+
+asyncio.run(main(json.loads(sys.argv[1]), sys.argv[2]))
+"""
+
+
+def test_unauthenticated_client_gets_nothing_and_a_killed_agent_is_reported_by_host(
+        netns, tmp_path):
+    """A client in the namespace host without the run's keys gets no answer from an actor or
+    the supervisor and cannot inject metrics (with the keys: answered). Then the agent is
+    killed: the launcher names the host, the actor restarts through a new agent, and the old
+    actor process is gone."""
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(hosts_toml(netns, run="shutdown_timeout_s = 10.0") + textwrap.dedent("""
+        [actors.idle]
+        cls = "tests.misbehaving:Idle"
+        [actors.scaler]
+        cls = "examples.demo:Scaler"
+        host = "nsb"
+        after = ["idle"]
+        restart = { max_restarts = 1 }
+        """))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        agent_pid = int(wait_for_line(proc, r"host nsb: agent pid (\d+) ready", lines)[1])
+        first_pid = int(wait_for_line(proc, r"scaler READY \(pid (\d+)\)", lines)[1])
+        deadline = time.monotonic() + 30
+        while "actors" not in (doc := json.loads((run_dir / "endpoints.json").read_text())):
+            assert time.monotonic() < deadline, "endpoints.json never listed the actors"
+            time.sleep(0.1)
+        assert doc["actors"]["scaler"]["rpc"].startswith(f"tcp://{netns.address}:")
+        client = subprocess.run([*netns.exec, sys.executable, "-c", CLIENT, json.dumps(doc),
+                                 str(run_dir / "keys")], cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+        assert client.returncode == 0, client.stderr
+        seen = json.loads(client.stdout)
+        assert seen == {"plain_rpc": None, "plain_supervisor": None,
+                        "keyed_rpc": "ScaleReply 8.0"}
+        os.kill(agent_pid, signal.SIGKILL)
+        wait_for_line(proc, r"host nsb lost: its agent exited with code -9; its actors "
+                            r"\(scaler\)", lines)
+        wait_for_line(proc, r"scaler failed \(exit code 255\); restart 1/1", lines)
+        new_agent = int(wait_for_line(proc, r"host nsb: agent pid (\d+) ready", lines)[1])
+        second_pid = int(wait_for_line(proc, r"scaler READY \(pid (\d+)\)", lines)[1])
+        assert new_agent != agent_pid and second_pid != first_pid
+        assert not psutil.pid_exists(first_pid) or \
+            psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        lines.append(out)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    text = "".join(lines)
+    assert proc.returncode == 0, text
+    done = json.loads((run_dir / "exit.json").read_text())
+    assert done["hosts"]["nsb"]["lost"] == ["its agent exited with code -9"]
+    assert done["hosts"]["nsb"]["agent"]["agent_pid"] == new_agent
+    assert done["actors"]["scaler"]["restarts"] == 1
+    assert done["actors"]["scaler"]["shutdown_step"] == "message"
+    assert done["actors"]["scaler"]["pid"] == second_pid
+    records = (run_dir / "metrics.jsonl").read_text()
+    assert '"intruder"' not in records
+    log = (run_dir / "logs" / "nsb" / "scaler.log").read_text()
+    assert log.count("=== start") == 2
+
+
+def test_a_host_lost_past_the_restart_budget_ends_the_run_naming_it(netns, tmp_path):
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(hosts_toml(netns) + textwrap.dedent("""
+        [actors.idle]
+        cls = "tests.misbehaving:Idle"
+        host = "nsb"
+        restart = { max_restarts = 0 }
+        """))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        agent_pid = int(wait_for_line(proc, r"host nsb: agent pid (\d+) ready", lines)[1])
+        wait_for_line(proc, r"idle READY", lines)
+        os.kill(agent_pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    text = "".join(lines) + out
+    assert proc.returncode == 1, text
+    assert "RUN FAILED: idle failed (exit code 255) after 0 restart(s)" in text
+    assert "host nsb lost: its agent exited with code -9" in text
+    done = json.loads((run_dir / "exit.json").read_text())
+    assert done["actors"]["idle"]["error"] == "host nsb lost: its agent exited with code -9"
+    # the killed agent could not remove its folder (the run's keys): the next agent does
+    folder = agent_folder(str(run_dir.resolve()), "nsb")
+    assert (folder / "keys" / "client.key_secret").stat().st_mode & 0o777 == 0o600
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert folder in remove_abandoned(folder.parent) and not folder.exists()
+
+
+# ----------------------------------------------------------------------------- version check
+def test_a_host_whose_code_differs_is_refused_before_anything_starts(netns, tmp_path):
+    """The remote workdir is a copy of the project with one file changed: the launcher names
+    the file and starts no actor."""
+    copy = tmp_path / "elsewhere"
+    for pkg in PROJECT_PACKAGES:
+        if (ROOT / pkg / "__init__.py").is_file():
+            shutil.copytree(ROOT / pkg, copy / pkg,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pt", "*.safetensors",
+                                                          "*.bin", "*.png"))
+    with open(copy / "transport" / "codec.py", "a") as f:
+        f.write("\n# changed on that host only\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(hosts_toml(netns, remote=f'workdir = "{copy}"') + textwrap.dedent("""
+        [actors.idle]
+        cls = "tests.misbehaving:Idle"
+        [actors.far]
+        cls = "tests.misbehaving:Idle"
+        host = "nsb"
+        """))
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "host nsb: its code or environment differs from the launcher's" in out
+    # (a file edited in this checkout while the test copies it may be listed too)
+    assert re.search(r"files that differ: [^\n]*transport/codec\.py", out), out
+    assert "READY" not in out
+    assert not (run_dir / "logs" / "nsb" / "far.log").exists()
+    assert json.loads((run_dir / "exit.json").read_text())["actors"] == {}
+
+
+def test_compare_says_what_differs():
+    here = environment_report()
+    assert compare(here, json.loads(json.dumps(here))) == ([], [])
+    there = json.loads(json.dumps(here))
+    there["python"] = "3.10.4"
+    there["version"] = "0.0.9"
+    there["packages"]["pyzmq"] = "24.0.0"
+    there["packages"]["torch"] = "2.13.0+cu128"
+    there["packages"].pop("numpy")
+    there["files"]["launch/agent.py"] = "0" * 16
+    there["files"].pop("transport/rpc.py")
+    there["files"]["extra/mod.py"] = "1" * 16
+    errors, notes = compare(here, there)
+    text = "\n".join(errors)
+    assert f"Python 3.10.4 there, {here['python']} here" in text
+    assert f"rlx 0.0.9 there, {here['version']} here" in text
+    assert f"pyzmq 24.0.0 there, {here['packages']['pyzmq']} here" in text
+    assert f"numpy (not installed) there, {here['packages']['numpy']} here" in text
+    assert "files that differ: launch/agent.py" in text
+    assert "files missing there: transport/rpc.py" in text
+    assert "files only there: extra/mod.py" in text
+    assert notes == [f"torch 2.13.0+cu128 there, {here['packages']['torch']} here"]
+
+
+def test_agent_command_is_quoted_only_for_a_shell():
+    words = agent_command(["ip", "netns", "exec", "b"], "/opt/py 3/bin/python", "/srv/my run")
+    assert words == ["ip", "netns", "exec", "b", "sh", "-c",
+                     'cd "$0" && exec "$1" -m launch.agent', "/srv/my run",
+                     "/opt/py 3/bin/python"]
+    ssh = agent_command(["ssh", "-o", "BatchMode=yes", "node2"], "python3", "/srv/my run")
+    assert ssh[:4] == ["ssh", "-o", "BatchMode=yes", "node2"] and len(ssh) == 5
+    assert ssh[4] == "sh -c 'cd \"$0\" && exec \"$1\" -m launch.agent' '/srv/my run' python3"
+
+
+# ----------------------------------------------------------------------------- hosts.toml
+DEMO = """
+[actors.scaler]
+cls = "examples.demo:Scaler"
+host = "{scaler}"
+[actors.consumer]
+cls = "examples.demo:Consumer"
+[actors.producer]
+cls = "examples.demo:Producer"
+after = ["scaler", "consumer"]
+primary = true
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(text)
+    return path
+
+
+def test_two_hosts_get_tcp_curve_and_http_addresses_one_host_keeps_ipc(tmp_path):
+    two = """
+[run]
+name = "x"
+[[hosts]]
+name = "a"
+address = "10.1.0.1"
+[[hosts]]
+name = "b"
+address = "10.1.0.2"
+exec = ["ssh", "b"]
+[actors.w]
+cls = "actors.inference:InferenceWorker"
+host = "b"
+config = { model = "tiny" }
+"""
+    notes: list[str] = []
+    cfg = load(write(tmp_path, two), notes=notes)
+    assert cfg.run.transport == "tcp" and cfg.security.curve is True
+    assert cfg.actors["w"].config["host"] == "10.1.0.2"  # its HTTP server, reached from others
+    assert any("transport tcp" in n for n in notes)
+    one = load(write(tmp_path, two.replace('host = "b"\n', "")))
+    assert one.run.transport == "ipc" and one.security.curve is False
+    assert "host" not in one.actors["w"].config
+    off = load(write(tmp_path, two + "[security]\ncurve = false\n"), notes=notes)
+    assert off.security.curve is False and any("curve = false" in n for n in notes)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (('address = "10.1.0.2"', 'address = "127.0.0.1"'),
+     ["[hosts.#2], field `address`", "loopback", "'b'"]),
+    (('address = "10.1.0.1"', 'address = "localhost"'),
+     ["[hosts.#1], field `address`", "give host 'a' an address the other hosts reach"]),
+    (('host = "#1"', 'host = "#2"'), ["[actors.scaler], field `host`", "#0 to #1"]),
+    (('name = "b"', 'name = "b c"'), ["[hosts.#2], field `name`", "host names are letters"]),
+    (('exec = ["ssh", "b"]', 'exec = ["ssh", ""]'), ["[hosts.#2], field `exec`", "non-empty"]),
+    (("gpus = 8", "gpus = -1"), ["field `gpus`", "use 0"]),
+])
+def test_host_mistakes_name_the_table_and_field(tmp_path, edit, words):
+    text = """
+[run]
+name = "x"
+[[hosts]]
+name = "a"
+address = "10.1.0.1"
+[[hosts]]
+name = "b"
+address = "10.1.0.2"
+exec = ["ssh", "b"]
+gpus = 8
+""" + DEMO.format(scaler="#1")
+    load(write(tmp_path, text))
+    with pytest.raises(ConfigError) as e:
+        load(write(tmp_path, text.replace(*edit)))
+    for word in words:
+        assert word in str(e.value), str(e.value)
+
+
+def test_an_actor_on_a_gpu_the_host_does_not_have_is_refused(tmp_path):
+    text = """
+[run]
+name = "x"
+[[hosts]]
+name = "a"
+address = "10.1.0.1"
+gpus = 2
+[actors.t]
+cls = "actors.inference:InferenceWorker"
+config = { model = "tiny", device = "cuda:3" }
+"""
+    remote_only = text.replace('[actors.t]', '[[hosts]]\nname = "b"\naddress = "10.1.0.2"\n'
+                               'exec = ["ssh", "b"]\n[actors.t]\nhost = "b"')
+    with pytest.raises(ConfigError, match="the launcher runs on host 'a' and the remote hosts"):
+        load(write(tmp_path, remote_only.replace("10.1.0.1", "127.0.0.1")))
+    with pytest.raises(ConfigError, match=r"\[actors.t\], field `host`: its device is GPU 3 of "
+                                          r"host 'a', which has gpus = 2"):
+        load(write(tmp_path, text))
+    load(write(tmp_path, text.replace("cuda:3", "cuda:1")))
+
+
+SCONTROL = """#!/bin/sh
+# a stand-in for Slurm's scontrol: `scontrol show hostnames LIST` for LIST = gpu[07-08],cpu1
+[ "$1 $2" = "show hostnames" ] || exit 2
+[ "$3" = "gpu[07-08],cpu1" ] || { echo "bad list $3" >&2; exit 1; }
+printf 'gpu07\\ngpu08\\ncpu1\\n'
+"""
+
+
+def test_hosts_from_slurm_with_a_fake_scontrol(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08],cpu1")
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu07")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    path = write(tmp_path, 'hosts = "slurm"\n[run]\nname = "x"\n' + DEMO.format(scaler="#2"))
+    notes: list[str] = []
+    cfg = load(path, notes=notes)
+    assert [(h.name, h.address, h.exec, h.gpus) for h in cfg.hosts] == [
+        ("gpu07", "gpu07", [], 4),
+        ("gpu08", "gpu08", ["srun", "--nodes=1", "--ntasks=1", "--overlap", "-w", "gpu08"], 4),
+        ("cpu1", "cpu1", ["srun", "--nodes=1", "--ntasks=1", "--overlap", "-w", "cpu1"], 4)]
+    assert cfg.actors["scaler"].host == "cpu1"
+    assert cfg.run.transport == "tcp" and cfg.security.curve is True
+    assert "hosts from Slurm: gpu07, gpu08, cpu1 (gpu07 is the launcher's node)" in notes
+    # the table form: own srun prefix and interpreter
+    path.write_text(path.read_text().replace(
+        'hosts = "slurm"', 'hosts = { from = "slurm", srun = ["srun", "-N1"], '
+                           'python = "/opt/env/bin/python", gpus = 8 }'))
+    cfg = load(path)
+    assert cfg.hosts[1].exec == ["srun", "-N1", "-w", "gpu08"]
+    assert cfg.hosts[1].python == "/opt/env/bin/python" and cfg.hosts[1].gpus == 8
+    # the plan shows the placement per host and how each is reached
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "placement per host" in out
+    assert re.search(r"cpu1 .* scaler .* srun -N1 -w cpu1 sh -c", out), out
+    assert re.search(r"gpu07 .* consumer, producer .* the launcher", out), out
+    assert "CURVE on, keys made for the run" in out
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST is not set"):
+        load(path)
