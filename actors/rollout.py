@@ -65,6 +65,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_concurrency: int = 32  # episodes in flight at once
     temperature: float = 1.0  # sampling temperature (the trainer must use the same)
     top_p: float = 1.0
+    # with top_p < 1: record the nucleus each token was sampled from (the workers' this many
+    # top log-probs per output token), for opd top_p / top_p_replay; 0 = off (docs/mopd.md)
+    nucleus_top_logprobs: int = 0
     max_new_tokens: int = 32  # per turn, unless the environment sets its own
     seed: int = 0  # task order
     eval_every: int = 5  # score eval tasks every this many batches (0 = never)
@@ -287,7 +290,8 @@ class RolloutActor(Actor):
                               routing_key=f"{group_id}-{index}",
                               max_new_tokens=getattr(env, "max_new_tokens", 0)
                               or self.config.max_new_tokens, retries=self.config.retries,
-                              agent=self.agent)
+                              agent=self.agent,
+                              nucleus_top_logprobs=self.config.nucleus_top_logprobs)
         async with self.gate:
             try:
                 reward = await env.episode(task, session)

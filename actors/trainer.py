@@ -12,7 +12,9 @@ One optimizer step per batch from the buffer (training.step):
    each micro-batch the PPO-clip loss with the configured mismatch correction, backward
    (gradient accumulation with sample-mean normalisation over the whole step), clip, AdamW;
 3. push the new weights to every inference worker (safetensors written once per version;
-   pause -> /update_weights_from_disk -> continue on each worker), tell the buffer the version.
+   pause -> /update_weights_from_disk -> continue on each worker; `weight_sync.pause_mode`,
+   "in_place" by default: requests in flight are held, not aborted, and finish with the new
+   weights), tell the buffer the version; its time per GB is a metric per path.
 Checkpoints (model, optimizer, step, version) every `checkpoint.save_every` steps; with the
 run's `--resume` it continues from the latest. In `colocated` mode the workers release their
 memory while the trainer trains, and the trainer moves its weights and optimizer state off the
@@ -244,11 +246,14 @@ class TrainerActor(Actor):
             ws.path, self.clients, cfg.device, ws.bucket_mib << 20, names=list(cfg.workers),
             devices=[self.peer(w).devices for w in cfg.workers],
             own_devices=gpu_ids([cfg.device]), timeout_s=ws.timeout_s, retries=ws.retries,
-            master_address=ws.master_address)
+            master_address=ws.master_address, pause_mode=ws.pause_mode)
         if hasattr(self.sync, "close"):
             self._closers.append(self.sync.close)
         # versions go through disk when the configured path fails (weight_sync.fallback)
-        self.disk_sync = self.sync if ws.path == "disk" else DiskSync(self.clients)
+        self.disk_sync = self.sync if ws.path == "disk" else DiskSync(self.clients,
+                                                                      ws.pause_mode)
+        self.push_stats: dict[str, float] = {}  # the latest push's time per GB (metrics)
+        self._weight_bytes = 0  # bytes of one version (what each push moves per worker)
         self.buffer = await self.connect(cfg.buffer)
         self.epoch = uuid.uuid4().hex  # a restarted trainer is a new epoch for the buffer
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
@@ -287,7 +292,11 @@ class TrainerActor(Actor):
             stats.update({"time/wait_batch_s": t_wait, "time/train_s": t_train,
                           "time/weight_sync_s": t_sync, "time/step_s": time.monotonic() - t0,
                           "version": self.state.version,
-                          "weight_sync/fallbacks": self.counters["weight_sync.fallbacks"]})
+                          "weight_sync/fallbacks": self.counters["weight_sync.fallbacks"],
+                          **self.push_stats})
+            host_sets = self.state.host_weight_sets_bytes()  # reference, critic, old actors
+            if host_sets:
+                stats["memory/host_weight_sets_bytes"] = host_sets
             self._warn_stale_sampled_opd(stats)
             self._warn_unequal(stats)
             if self.metrics:
@@ -362,6 +371,10 @@ class TrainerActor(Actor):
         distributed/tensor push goes through disk instead when `weight_sync.fallback = "disk"`,
         said on the console with the failing worker and the cause."""
         version, ws = self.state.version, self.config.weight_sync
+        if not self._weight_bytes:
+            self._weight_bytes = await self._in_thread(lambda: sum(
+                t.numel() * t.element_size() for _, t in self.state.named_weights()))
+        t0, path = time.monotonic(), ws.path
         if ws.path == "disk":
             await self._push_disk(version)
         else:
@@ -374,10 +387,19 @@ class TrainerActor(Actor):
                 self.counters["weight_sync.fallbacks"] += 1
                 self.notify(f"weight version {version} over {ws.path} failed ({e}); sent "
                             f"through disk instead (the next version tries {ws.path} again)")
+                path = "disk"
                 await self._push_disk(version)
+        self._record_push(path, time.monotonic() - t0)
         await self.call_retrying(self.buffer, VersionUpdate(
             version=version, step=self.state.step, trainer_epoch=self.epoch),
             self.config.batch_timeout_s)
+
+    def _record_push(self, path: str, seconds: float) -> None:
+        """The push's time per GB of weights (one version's bytes; the disk path counts the
+        write and every worker's load, the others every bucket to every worker)."""
+        per_gb = seconds / (self._weight_bytes / 1e9)
+        self.push_stats = {"weight_sync/push_s": seconds, "weight_sync/push_s_per_gb": per_gb,
+                           f"weight_sync/{path}/push_s_per_gb": per_gb}
 
     async def _push_disk(self, version: int) -> None:
         """Write the version once under <run_dir>/weights/v<N>; every worker loads it."""

@@ -3,8 +3,9 @@
     python -m bench.mopd                      # H200: student and 4 teachers of ~1B params, bf16
     python -m bench.mopd --device cpu --hidden 64 --layers 2 --ffn 128 --vocab 256 --seq 32
 
-One MOPD step is the trainer's real `train_on_batch` with colocated teachers (`training/colocated_teachers.py`):
-teacher forwards from weight memory (micro-batches grouped by teacher, one switch per teacher),
+One MOPD step is the trainer's real `train_on_batch` with colocated teachers
+(`training/colocated_teachers.py`): teacher forwards from weight memory, streamed into the policy
+pass (micro-batches packed and run by teacher, one switch per teacher),
 the student's recompute, forward/backward with the OPD loss, AdamW. Modes, each after a warm-up
 step, on the same batch:
 - `1t`: every sample routed to one teacher that stays resident (no switching);

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 
 
 class SglangError(Exception):
@@ -138,7 +139,12 @@ class SglangClient:
                                 {"group_name": group_name})
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        """Pause; mode "abort" (SGLang's default), "retract" or "in_place"."""
+        """Pause; mode "abort" (SGLang's default: requests in flight end with finish_reason
+        abort), "retract" (held, their KV cache dropped and prefilled again on continue) or
+        "in_place" (held with their KV cache). Held requests finish after
+        `continue_generation`, with the weights loaded meanwhile."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}; use one of {PAUSE_MODES}")
         return await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict[str, Any]:

@@ -1,15 +1,17 @@
 """Requests, results and the engine's pure per-token math (no state, no I/O).
 
 Role: the types engine/scheduler.py queues and returns, and the functions it applies per step:
-left padding, the top-k/top-p/min-p filter, the inverse-CDF draw, top-k log-prob lists and
-prompt log-probs. Invariant: every function here is deterministic given its inputs (draws take
-an explicit `torch.Generator`), so it is tested without a model or an event loop.
+left padding, the top-k/top-p/min-p filter, the inverse-CDF draw, top-k log-prob lists, the
+top-p nucleus of a token from its top log-probs, and prompt log-probs. Invariant: every
+function here is deterministic given its inputs (draws take an explicit `torch.Generator`), so
+it is tested without a model or an event loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -68,6 +70,9 @@ class GenResult:
     input_logprobs: list[float | None]
     input_top: list[TopList | None]
     retractions: int = 0  # times its KV cache was dropped (pause mode "retract")
+    # (first output token index, weight version) per version that computed output tokens, in
+    # order: more than one when a pause held the request across a weight update
+    weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 
@@ -138,6 +143,22 @@ def top_list(logprobs: torch.Tensor, k: int) -> TopList:
         return []
     vals, ids = logprobs.topk(min(k, logprobs.numel()))
     return list(zip(vals.tolist(), ids.tolist()))
+
+
+def nucleus(top: list[tuple[float, int]], top_p: float) -> tuple[list[int], float] | None:
+    """The top-p nucleus from a token's top (logprob, token_id) pairs at the sampling
+    temperature (as `top_list` gives them, or SGLang's `output_top_logprobs`): the ids of the
+    shortest most-likely-first prefix whose probability reaches top_p (the set `filter_probs`
+    samples from) and the log of that prefix's mass; None when the pairs end before the mass
+    reaches top_p (the nucleus holds more tokens than were returned)."""
+    ids: list[int] = []
+    mass = 0.0
+    for lp, token in sorted(top, key=lambda pair: -pair[0]):
+        ids.append(int(token))
+        mass += math.exp(lp)
+        if mass >= top_p:
+            return ids, math.log(mass)
+    return None
 
 
 def input_logprobs(logits: torch.Tensor, window: list[int], temperature: float,

@@ -84,7 +84,7 @@ from engine.sampling import (
     top_list,
 )
 from memory.device_usage import give_back_cached
-from memory.safetensors_io import load_safetensors
+from memory.safetensors_io import read_safetensors_into, safetensors_shapes
 from models.invariant import decoder_for
 from models.invariant import log_softmax as invariant_log_softmax
 from models.load import load_model
@@ -124,6 +124,10 @@ class _Seq:
     input_top: list[TopList | None] = dataclasses.field(default_factory=list)
     input_done: bool = False
     retractions: int = 0  # KV cache dropped by a "retract" pause (meta_info.total_retractions)
+    # (index of the first output token, weight version) each time the version that computed
+    # the output tokens changed: a request held by an in_place / retract pause across a weight
+    # update spans two versions
+    versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     abort_message: str | None = None
     finish: dict[str, Any] | None = None
 
@@ -458,6 +462,8 @@ class Scheduler:
                 s.finish = {"type": "length", "length": 0}
             else:
                 s.output_ids.append(out.token)
+                if not s.versions or s.versions[-1][1] != self.weight_version:
+                    s.versions.append((len(s.output_ids) - 1, self.weight_version))
                 s.output_logprobs.append(out.logprob)
                 s.output_top.append(out.top)
                 text = (self.tokenizer.decode(s.output_ids, skip_special_tokens=s.req.params
@@ -578,25 +584,32 @@ class Scheduler:
         return len(s.req.input_ids) - s.req.logprob_start_len
 
     def _load_into_model(self, source: str) -> None:
-        """Copy the weights of `source` (a checkpoint's safetensors, or a built-in tiny model
-        name) into the live model; every name and shape is checked before anything changes. A
-        tied weight (lm_head sharing the embeddings) may be absent, as `save_pretrained` omits
-        it."""
+        """Load the weights of `source` into the live model in place: a checkpoint's safetensors
+        are read tensor by tensor straight into the parameters' own storage (no second model,
+        no state dict of the whole checkpoint, no tokenizer); a built-in tiny model name is
+        built from its seed and copied in. Every name and shape is checked against the headers
+        before anything changes. A tied weight (lm_head sharing the embeddings) may be absent,
+        as `save_pretrained` omits it."""
+        state = self.model.state_dict()
         if source in TINY:
             new = load_model(source, self.device, self.dtype, self.seed)[0].state_dict()
+            shapes = {n: tuple(t.shape) for n, t in new.items()}
         else:
-            new = load_safetensors(source, device=self.device, dtype=self.dtype)
-        state = self.model.state_dict()
-        present = {state[n].data_ptr() for n in new if n in state}
-        missing = [n for n, t in state.items() if n not in new and t.data_ptr() not in present]
-        unexpected = sorted(set(new) - set(state))
+            new = None
+            shapes = {n: shape for n, _, shape in safetensors_shapes(source)}
+        present = {state[n].data_ptr() for n in shapes if n in state}
+        missing = [n for n, t in state.items() if n not in shapes and t.data_ptr() not in present]
+        unexpected = sorted(set(shapes) - set(state))
         if missing or unexpected:
             raise ValueError(f"checkpoint {source} does not match the model: missing "
                              f"{missing[:5]}, unexpected {unexpected[:5]}")
-        for name, tensor in new.items():
-            if state[name].shape != tensor.shape:
+        for name, shape in shapes.items():
+            if tuple(state[name].shape) != shape:
                 raise ValueError(f"shape of {name}: model {tuple(state[name].shape)}, checkpoint "
-                                 f"{tuple(tensor.shape)}")
+                                 f"{shape}")
+        if new is None:
+            read_safetensors_into(source, state)
+            return
         with torch.no_grad():
             for name, tensor in new.items():
                 state[name].copy_(tensor)
@@ -642,7 +655,8 @@ class Scheduler:
             text=visible_text(self.tokenizer, s), finish_reason=s.finish,
             weight_version=self.weight_version, e2e_latency=time.monotonic() - s.created,
             output_logprobs=s.output_logprobs, output_top=s.output_top,
-            input_logprobs=s.input_logprobs, input_top=s.input_top, retractions=s.retractions))
+            input_logprobs=s.input_logprobs, input_top=s.input_top, retractions=s.retractions,
+            weight_versions=list(s.versions)))
 
     def _fail_all(self, error: Exception) -> None:
         for s in list(self._queue) + list(self._active):

@@ -387,6 +387,11 @@ def format_result(result: GenResult, req: GenRequest, tokenizer, with_text: bool
         "cached_tokens": 0,
         "e2e_latency": result.e2e_latency,
     }
+    if len(result.weight_versions) > 1:
+        # not SGLang's, and only when a pause held the request across a weight update:
+        # [first output token index, weight version] per version that computed output tokens
+        # (`weight_version` is SGLang's: the version when the request finished)
+        meta["weight_version_spans"] = [[i, v] for i, v in result.weight_versions]
     if req.return_logprob:
         # the window input_ids[start:]; empty when the request ended before its prefill
         in_ids = result.prompt_ids[req.logprob_start_len:][:len(result.input_logprobs)]

@@ -23,10 +23,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine.chat_template import ChatFormat
+from engine.sampling import nucleus
 from envs.openai_api import (
     AgentEndpoint,
     ChatRequest,
@@ -36,7 +40,7 @@ from envs.openai_api import (
     parse_tool_calls,
     same_assistant_message,
 )
-from transport.schema import Sample
+from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Sample
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,10 @@ AGENT_STATS = ("episodes", "requests", "tool_calls", "drift_splits", "dropped_to
 
 class SessionFailed(RuntimeError):
     """A turn could not be generated within the retry budget."""
+
+
+class NucleusTooLarge(SessionFailed):
+    """A sampled token's top-p nucleus holds more tokens than `nucleus_top_logprobs` returned."""
 
 
 @dataclass
@@ -90,7 +98,8 @@ class _Plan:
 class HttpSession:
     def __init__(self, client: Any, tokenizer: Any, prompt: str, sampling: dict,
                  routing_key: str, max_new_tokens: int, retries: int = 3,
-                 agent: AgentLink | None = None, honor_request_sampling: bool = False):
+                 agent: AgentLink | None = None, honor_request_sampling: bool = False,
+                 nucleus_top_logprobs: int = 0):
         self.client, self.tokenizer = client, tokenizer
         self.sampling, self.routing_key = sampling, routing_key
         self.max_new_tokens, self.retries = max_new_tokens, retries
@@ -114,6 +123,14 @@ class HttpSession:
         self._key: str | None = None
         self._turn: _Turn | None = None
         self._lock = asyncio.Lock()
+        # the top-p nucleus of each sampled token (top_p OPD, top_p_replay): with
+        # nucleus_top_logprobs = n > 0, turns sampled with top_p < 1 ask for the n top log-probs
+        # of every output token and keep, per response token, (the nucleus' ids, log of its
+        # mass); None once a policy turn had no nucleus (top_p = 1 or greedy): the sample then
+        # carries none
+        self.nucleus_top_logprobs = nucleus_top_logprobs
+        self.nucleus: list[tuple[list[int], float]] | None = [] if nucleus_top_logprobs else None
+        self._turn_params: dict = {}
 
     async def generate(self, max_new_tokens: int | None = None,
                        stop: list[str] | None = None) -> str:
@@ -132,7 +149,11 @@ class HttpSession:
         lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         if len(lps) != len(ids):
             raise SessionFailed(f"server returned {len(ids)} tokens but {len(lps)} log-probs")
-        version = weight_version(meta.get("weight_version"))
+        self._record_nucleus(ids, meta)
+        version = weight_version(meta.get("weight_version"))  # when the request finished
+        spans = meta.get("weight_version_spans")  # embedded engine, held across an update
+        if spans:
+            version = min(weight_version(v) for _, v in spans)
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += lps
@@ -145,10 +166,12 @@ class HttpSession:
         `refuse_client_errors` (agent requests) a 4xx answer is not retried: it becomes an
         OpenAI 400 for the agent (e.g. a prompt longer than the context)."""
         last: Exception | None = None
+        self._turn_params = params  # what the turn was sampled with (_record_nucleus)
+        extra = {"top_logprobs_num": self.nucleus_top_logprobs} if self._wants_nucleus() else {}
         for attempt in range(self.retries + 1):
             try:
                 out = await self.client.generate(input_ids, params, return_logprob=True,
-                                                 routing_key=self.routing_key)
+                                                 routing_key=self.routing_key, **extra)
                 if out["meta_info"]["finish_reason"]["type"] != "abort":
                     return out
                 last = SessionFailed(f"aborted: {out['meta_info']['finish_reason']}")
@@ -165,10 +188,62 @@ class HttpSession:
             await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
         raise SessionFailed(f"generation failed after {self.retries + 1} attempts: {last}")
 
+    def _wants_nucleus(self) -> bool:
+        p = self._turn_params
+        return bool(self.nucleus_top_logprobs) and float(p.get("top_p", 1.0)) < 1.0 \
+            and float(p.get("temperature", 1.0)) > 0.0
+
+    def _record_nucleus(self, ids: list[int], meta: dict) -> None:
+        """The nucleus of each of a turn's output tokens from its top log-probs (engine/sampling.py
+        `nucleus`): NucleusTooLarge when the returned ones do not reach top_p."""
+        if self.nucleus is None:
+            return
+        if not self._wants_nucleus():
+            self.nucleus = None  # a policy turn without a nucleus: the sample carries none
+            return
+        tops = meta.get("output_top_logprobs")
+        if not isinstance(tops, list) or len(tops) != len(ids):
+            raise SessionFailed(f"asked for top_logprobs_num = {self.nucleus_top_logprobs}, got "
+                                f"output_top_logprobs for {len(tops or [])} of {len(ids)} tokens")
+        top_p = float(self._turn_params["top_p"])
+        for j, (token, entries) in enumerate(zip(ids, tops)):
+            pairs = [(float(e[0]), int(e[1])) for e in entries or []]
+            found = nucleus(pairs, top_p)
+            if found is None:
+                mass = sum(math.exp(lp) for lp, _ in pairs)
+                raise NucleusTooLarge(
+                    f"the top_p = {top_p} nucleus of output token {j} holds more than the "
+                    f"{len(pairs)} top log-probs returned (top_logprobs_num = "
+                    f"{self.nucleus_top_logprobs}, their mass {mass:.4f}); raise the rollout's "
+                    f"nucleus_top_logprobs or lower top_p")
+            members, log_mass = found
+            if token not in members:  # tied or rounded at the boundary: extend to the token
+                ranked = [t for _, t in sorted(pairs, key=lambda pair: -pair[0])]
+                if token not in ranked:
+                    raise SessionFailed(f"output token {j} ({token}) is not among its top "
+                                        f"log-probs, so its nucleus is unknown")
+                members = ranked[:ranked.index(token) + 1]
+                log_mass = math.log(sum(math.exp(lp) for lp, t in pairs if t in members))
+            self.nucleus.append((members, min(log_mass, 0.0)))
+
+    def nucleus_arrays(self) -> dict[str, np.ndarray]:
+        """The Sample fields of the recorded nuclei ({} when there are none)."""
+        if not self.nucleus or len(self.nucleus) != len(self.response_ids):
+            return {}
+        sizes = [len(ids) for ids, _ in self.nucleus]
+        return {"rollout_nucleus_ids": np.array([t for ids, _ in self.nucleus for t in ids],
+                                                dtype=NUCLEUS_IDS_DTYPE),
+                "rollout_nucleus_offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(
+                    NUCLEUS_IDS_DTYPE),
+                "rollout_nucleus_logmass": np.array([m for _, m in self.nucleus],
+                                                    dtype=NUCLEUS_LOGMASS_DTYPE)}
+
     def observe(self, text: str) -> None:
         self._observe_ids(self.tokenizer.encode(text, add_special_tokens=False), text)
 
     def _observe_ids(self, ids: list[int], text: str) -> None:
+        if self.nucleus is not None:
+            self.nucleus += [([], 0.0)] * len(ids)
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -185,7 +260,8 @@ class HttpSession:
         return Sample(group_id=group_id, index=index, domain=domain, prompt_ids=self.prompt_ids,
                       response_ids=self.response_ids, loss_mask=self.loss_mask,
                       rollout_logprobs=self.logprobs, reward=float(reward),
-                      weight_version=min(self.versions, default=0), status=status, error=error)
+                      weight_version=min(self.versions, default=0), status=status, error=error,
+                      **self.nucleus_arrays())
 
     # ------------------------------------------------------------------ the agent endpoint
     @property
@@ -343,6 +419,8 @@ class HttpSession:
                  plan.reason)
         self.prompt_ids, self._prompt, self._text = plan.ids, self._decode(plan.ids), []
         self.response_ids, self.loss_mask, self.logprobs, self.versions = [], [], [], []
+        if self.nucleus_top_logprobs:
+            self.nucleus = []
 
     def _params(self, req: ChatRequest | CompletionRequest) -> dict:
         params = dict(self.sampling)

@@ -17,6 +17,15 @@ embedded engine: the same requests reach both). Three paths:
   SGLang `serializer = "sglang"` uses SGLang's own MultiprocessingSerializer (CUDA IPC handles,
   same GPU; needs sglang importable in the trainer process).
 
+Pause modes (`pause_mode`, /pause_generation's `mode`; default "in_place"): "in_place" holds
+the requests running on a worker at a step boundary with their KV cache; the update applies while
+they wait and they then finish with the new weights, so nothing in flight is discarded (a
+response computed partly by each version; the embedded engine reports where the version changed
+in `meta_info.weight_version_spans`, and the rollout records the older version, engine/session.py).
+"retract" holds them too but drops their KV cache, prefilled again with the new weights on
+continue. "abort" (SGLang's default) ends them at once with finish_reason abort and the rollout
+generates those turns again.
+
 Invariants:
 - Generation is paused on a worker before the first byte moves to it and continued after the last
   bucket, also when the update fails; the last bucket carries `flush_cache = true` and the
@@ -69,8 +78,12 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, 
         yield bucket
 
 
+DEFAULT_PAUSE_MODE = "in_place"  # nothing in flight is discarded by a push
+
+
 @contextlib.asynccontextmanager
-async def paused(clients: list[SglangClient], mode: str = "abort") -> AsyncIterator[None]:
+async def paused(clients: list[SglangClient], mode: str = DEFAULT_PAUSE_MODE
+                 ) -> AsyncIterator[None]:
     """Generation paused on every worker inside the block; continued on exit, whatever happens."""
     await asyncio.gather(*(c.pause_generation(mode) for c in clients))
     try:
@@ -106,7 +119,7 @@ class DiskSync:
     (a worker that answers but refuses the update) raises SyncError.
     """
 
-    def __init__(self, clients: list[SglangClient], pause_mode: str = "abort"):
+    def __init__(self, clients: list[SglangClient], pause_mode: str = DEFAULT_PAUSE_MODE):
         self.clients, self.pause_mode = clients, pause_mode
         self.unreachable: list[str] = []  # workers skipped by the latest push
 
@@ -137,7 +150,8 @@ class TensorSync:
 
     def __init__(self, clients: list[SglangClient], serializer: Literal["safetensors", "sglang"]
                  = "safetensors", bucket_bytes: int = 512 << 20, tp_sizes: list[int] | None = None,
-                 pause_mode: str = "abort", executor: ThreadPoolExecutor | None = None):
+                 pause_mode: str = DEFAULT_PAUSE_MODE,
+                 executor: ThreadPoolExecutor | None = None):
         self.clients, self.serializer, self.bucket_bytes = clients, serializer, bucket_bytes
         self.tp_sizes = tp_sizes or [1] * len(clients)  # serialized copies per worker (TP ranks)
         self.pause_mode = pause_mode
@@ -228,7 +242,7 @@ class DistributedSync:
                  master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = dist_group.DEFAULT_GROUP_NAME, bucket_bytes: int = 512 << 20,
                  ranks_per_worker: list[int] | None = None, timeout_s: float = 120.0,
-                 pause_mode: str = "abort", devices: list[list[str]] | None = None,
+                 pause_mode: str = DEFAULT_PAUSE_MODE, devices: list[list[str]] | None = None,
                  own_devices: list[str] | None = None, names: list[str] | None = None,
                  retries: int = 1):
         self.clients, self.backend, self.group_name = clients, backend, group_name
@@ -377,8 +391,8 @@ SETTLE_GRACE_S = 2.0  # after a first failure, how long the other answers of a s
 
 async def _settle(calls: dict[str, Awaitable[Any]], timeout_s: float | None, what: str) -> dict:
     """Await every call (named by who answers it); the first failure, or `timeout_s` (None:
-    none) with calls unanswered, raises SyncError naming each failed or silent one. Nothing is awaited
-    past that: a thread stuck in a collective is left to its own timeout."""
+    none) with calls unanswered, raises SyncError naming each failed or silent one. Nothing is
+    awaited past that: a thread stuck in a collective is left to its own timeout."""
     futures = {name: asyncio.ensure_future(c) for name, c in calls.items()}
     done, pending = await asyncio.wait(futures.values(), timeout=timeout_s,
                                        return_when=asyncio.FIRST_EXCEPTION)
@@ -410,14 +424,16 @@ async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
                            bucket_bytes: int, *, names: list[str] | None = None,
                            devices: list[list[str]] | None = None,
                            own_devices: list[str] | None = None, timeout_s: float = 120.0,
-                           retries: int = 1, master_address: str = "127.0.0.1"):
-    """The weight-sync path named `kind` (disk | tensor | distributed); a distributed group
-    uses NCCL when the trainer's `device` is CUDA, else gloo. Its groups form at the first push;
-    a placement no group can serve (`plan_groups`) raises SyncError here."""
+                           retries: int = 1, master_address: str = "127.0.0.1",
+                           pause_mode: str = DEFAULT_PAUSE_MODE):
+    """The weight-sync path named `kind` (disk | tensor | distributed), pausing the workers in
+    `pause_mode` around every push; a distributed group uses NCCL when the trainer's `device`
+    is CUDA, else gloo. Its groups form at the first push; a placement no group can serve
+    (`plan_groups`) raises SyncError here."""
     if kind == "disk":
-        return DiskSync(clients)
+        return DiskSync(clients, pause_mode)
     if kind == "tensor":
-        return TensorSync(clients, bucket_bytes=bucket_bytes)
+        return TensorSync(clients, bucket_bytes=bucket_bytes, pause_mode=pause_mode)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     names = names or [c.base_url for c in clients]
     if devices is not None:
@@ -425,4 +441,4 @@ async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
     return DistributedSync(clients, backend, master_address, bucket_bytes=bucket_bytes,
                            devices=devices,
                            own_devices=own_devices, names=names, timeout_s=timeout_s,
-                           retries=retries)
+                           retries=retries, pause_mode=pause_mode)

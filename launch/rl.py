@@ -14,7 +14,8 @@ teacher pool, the rollout's sink) and, for colocated teachers, `[actors.prefetch
 is written once here and copied to every actor that needs it: the model to the workers, the
 rollout and the trainer (and the pool's `student`); group_size / groups_per_batch to the buffer
 and the rollout; the temperature to the rollout, the trainer's loss and the pool; the teachers and
-`opd` to the pool and the trainer; the worker names to the trainer.
+`opd` to the pool and the trainer (with opd mode "top_p" or `top_p_replay`, the rollout records
+each token's nucleus: `nucleus_top_logprobs`); the worker names to the trainer.
 
 Per-actor tables stay the way to change anything else or to lay out a custom cluster: a table
 `[actors.<name>]` the file also has is merged over the derived one (tables key by key, any other
@@ -87,6 +88,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 ROUTER_DEFAULTS = {"health_check_interval_secs": 2, "log_level": "warn"}
+NUCLEUS_TOP_LOGPROBS = 64  # top log-probs per token for the recorded nucleus (opd top_p / replay)
 
 
 def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
@@ -135,6 +137,9 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     rollout.update({"group_size": rl.group_size, "groups_per_batch": rl.groups_per_batch})
     rollout.update(_unless_default(temperature=(rl.temperature, 1.0), top_p=(rl.top_p, 1.0),
                                    max_new_tokens=(rl.max_new_tokens, 32), seed=(rl.seed, 0)))
+    if teachers and (rl.opd.get("mode") == "top_p" or rl.opd.get("top_p_replay")):
+        # the nucleus each token was sampled from, recorded for the trainer (docs/mopd.md)
+        rollout["nucleus_top_logprobs"] = NUCLEUS_TOP_LOGPROBS
     rollout.update({"eval_every": rl.eval_every, "eval_tasks": rl.eval_tasks,
                     "envs": copy.deepcopy(rl.envs)})
     actors["rollout"] = {"cls": "actors.rollout:RolloutActor", "after": rollout_after,

@@ -56,9 +56,13 @@ class PinnedArena:
             self._pin()
 
     @classmethod
-    def create(cls, nbytes: int, name: str | None = None, pin: bool | None = None) -> PinnedArena:
+    def create(cls, nbytes: int, name: str | None = None, pin: bool | None = None,
+               private: bool = False) -> PinnedArena:
         """A new arena of `nbytes` (rounded up to a page). Fails at once, with the numbers, when
-        /dev/shm cannot hold it (instead of a SIGBUS on first touch later)."""
+        /dev/shm cannot hold it (instead of a SIGBUS on first touch later). `private`: no other
+        process attaches to it, so its file is unlinked at once (the mapping stays): nothing is
+        left in /dev/shm whatever happens to this process, and the memory goes with the last
+        view of `buffer`."""
         nbytes = _round_up(max(nbytes, PAGE_BYTES), PAGE_BYTES)
         name = name or f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         free = os.statvfs(SHM_DIR)
@@ -75,7 +79,10 @@ class PinnedArena:
             os.unlink(os.path.join(SHM_DIR, name))
             raise HostBudgetError(f"cannot reserve {nbytes} bytes in {SHM_DIR}: {e}") from e
         os.close(fd)
-        return cls(name, nbytes, owner=True, pin=pin)
+        arena = cls(name, nbytes, owner=True, pin=pin)
+        if private:
+            os.unlink(arena.path)
+        return arena
 
     @classmethod
     def attach(cls, name: str, pin: bool | None = None) -> PinnedArena:

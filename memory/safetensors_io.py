@@ -4,9 +4,11 @@ Role: a checkpoint is a `.safetensors` file, or a directory holding either a Hug
 `model.safetensors.index.json` (its `weight_map` names the shards) or `*.safetensors` files (one
 `model.safetensors`, or shards without an index). `safetensors_files` resolves it, `read_header`
 and `safetensors_shapes` read headers only (no tensor bytes), `iter_safetensors` yields one tensor
-at a time (for copying into a preallocated buffer) and `load_safetensors` returns {name: tensor},
-optionally only some names, on a device, in a dtype. Used by the weight memory (memory/), the
-engine's /update_weights_from_disk and the trainer's resume.
+at a time (for copying into a preallocated buffer), `load_safetensors` returns {name: tensor},
+optionally only some names, on a device, in a dtype, and `read_safetensors_into` reads a
+checkpoint straight into existing tensors (the engine's /update_weights_from_disk: the live
+model's parameters, no second copy). Used by the weight memory (memory/), the engine's
+/update_weights_from_disk and the trainer's resume.
 Invariant: a missing or malformed checkpoint (no such path, no safetensors in the directory, an
 index naming a missing shard, a corrupt header, a name asked for that no file holds, a name held
 twice) raises ValueError naming the path and what was expected; nothing is read partially silently.
@@ -15,7 +17,8 @@ twice) raises ValueError naming the path and what was expected; nothing is read 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -65,19 +68,8 @@ def _weight_map(directory: Path) -> dict[str, str]:
 def read_header(file: str | Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """{name: (dtype, shape)} of one safetensors file, in the order of the data in the file;
     reads the header only."""
-    file = Path(file)
-    try:
-        with open(file, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 2 <= n <= file.stat().st_size - 8:
-                raise ValueError(f"header length {n} does not fit the file")
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        return {name: (safetensors_dtype(h["dtype"]), tuple(int(s) for s in h["shape"]))
-                for name, h in items}
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-        raise ValueError(f"{file} is not a valid safetensors file: {e}") from None
+    return {name: (dtype, shape) for name, (dtype, shape, _, _) in
+            _data_offsets(Path(file))[1].items()}
 
 
 def safetensors_shapes(path: str | Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -128,6 +120,71 @@ def load_safetensors(path: str | Path, names: Iterable[str] | None = None,
     for name, t in iter_safetensors(path, names, device):
         out[name] = t.to(cast) if cast is not None and t.is_floating_point() else t
     return out
+
+
+def read_safetensors_into(path: str | Path, targets: Mapping[str, torch.Tensor],
+                          buffer_device: str = "cpu") -> int:
+    """Copy the checkpoint's tensors into `targets` (every name of the checkpoint must be there,
+    with its shape), one tensor at a time, returning the bytes read. Names, shapes and every
+    tensor's byte range (a truncated file) are checked before the first byte is written. A
+    contiguous CPU target of the file's dtype is filled by reading the file straight into its
+    memory: no intermediate tensor, nothing mapped. Any other target (another dtype, a GPU) goes
+    through one buffer of that tensor's size. The live model is never duplicated."""
+    files = [(f, *_data_offsets(f)) for f in safetensors_files(path)]
+    seen: set[str] = set()
+    for f, start, entries in files:  # everything checked before the first byte moves
+        size = f.stat().st_size
+        for name, (dtype, shape, begin, end) in entries.items():
+            _check_once(name, seen, path)
+            if name not in targets or tuple(targets[name].shape) != shape:
+                raise ValueError(f"{f}: {name} {shape} has no target of that shape")
+            want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if end - begin != want or start + end > size:
+                raise ValueError(f"{f}: {name} is bytes {begin}..{end} of the data section "
+                                 f"({want} expected) in a file of {size} bytes")
+    total = 0
+    for f, start, entries in files:
+        with open(f, "rb", buffering=0) as fh:
+            for name, (dtype, shape, begin, end) in entries.items():
+                dst = targets[name]
+                direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
+                tmp = dst.detach() if direct else torch.empty(shape, dtype=dtype,
+                                                               device=buffer_device)
+                fh.seek(start + begin)
+                _read_exactly(fh, tmp.reshape(-1).view(torch.uint8).numpy(), f, name)
+                if not direct:
+                    with torch.no_grad():
+                        dst.copy_(tmp)
+                total += end - begin
+    return total
+
+
+def _data_offsets(file: Path) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int, ...], int,
+                                                              int]]]:
+    """(byte offset of the data section, {name: (dtype, shape, begin, end)} in data order)."""
+    try:
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= file.stat().st_size - 8:
+                raise ValueError(f"header length {n} does not fit the file")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        out = {name: (safetensors_dtype(h["dtype"]), tuple(int(s) for s in h["shape"]),
+                      int(h["data_offsets"][0]), int(h["data_offsets"][1])) for name, h in items}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"{file} is not a valid safetensors file: {e}") from None
+    return 8 + n, out
+
+
+def _read_exactly(fh, out, file: Path, name: str) -> None:
+    view = memoryview(out).cast("B")
+    got = 0
+    while got < len(view):
+        n = fh.readinto(view[got:])
+        if not n:
+            raise ValueError(f"{file} ends inside {name} ({got} of {len(view)} bytes read)")
+        got += n
 
 
 def _check_once(name: str, seen: set[str], path: str | Path) -> None:

@@ -294,7 +294,8 @@ SERVER = [('mode = "colocated"', 'mode = "server"\nopd = { mode = "sampled" }'),
       "from teacher servers, but [actors.teachers.config] has mode = 'colocated'",
       "set mode = 'server' there"]),
     (SERVER[:3] + [('opd = { mode = "full", kl_coef = 1.0 }\nteachers = [',
-                    'opd = { mode = "top_k", top_k = 4 }\nteachers_unused = [')],
+                    'opd = { mode = "top_k", top_k = 4, top_k_from = "teacher" }\n'
+                    'teachers_unused = [')],
      ["table [actors.trainer.config]: opd here (mode = 'top_k', top_k = 4) and in "
       "[actors.teachers.config] (mode = 'sampled', top_k = 0) differ",
       "set the same opd mode and top_k in both"]),

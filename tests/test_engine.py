@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from actors.inference import InferenceWorker
 from algos.logprobs import token_logprobs
 from engine.client import ROUTING_HEADER, SglangClient, SglangConnectionError, SglangHTTPError
+from engine.session import HttpSession
+from engine.weight_sync import make_weight_sync
 from models.load import save_checkpoint
 from models.tiny import build_tiny
 from runtime.actor import Status
@@ -506,3 +508,68 @@ async def test_an_http2_probe_is_refused_quietly(ipc, caplog):
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, [r.getMessage() for r in errors]
         assert any("HTTP/2 prior-knowledge probe" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- weight pushes
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_disk_update_loads_into_the_live_parameters(ipc, tmp_path, dtype):
+    """/update_weights_from_disk reads the safetensors into the parameters' own storage: the
+    same tensors (data_ptr), the file's values (cast to the engine's dtype), no new model."""
+    async with serve(ipc, dtype=dtype) as (worker, client):
+        live = worker.scheduler.model
+        params = dict(live.named_parameters())
+        ptrs = {n: p.data_ptr() for n, p in params.items()}
+        model, tok = build_tiny("tiny-qwen2", seed=3)
+        save_checkpoint(model, tok, str(tmp_path))
+        assert (await client.update_weights_from_disk(str(tmp_path), weight_version="1"))[
+            "success"]
+        assert worker.scheduler.model is live
+        assert {n: p.data_ptr() for n, p in live.named_parameters()} == ptrs
+        want = model.state_dict()
+        for name, p in params.items():
+            assert torch.equal(p.detach(), want[name].to(p.dtype)), name
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pushes_that_pause_in_place_or_retract_discard_nothing(ipc, tmp_path, mode):
+    """A rollout-like client generates long responses while the trainer's disk sync pushes
+    three versions: no request is aborted or retried, every response runs to its length, and
+    each records where the version changed (the sample takes the oldest)."""
+    length = 90
+    async with serve(ipc) as (worker, client):
+        s = worker.scheduler
+        for v in (1, 2, 3):
+            model, tok = build_tiny("tiny-qwen2", seed=v)
+            save_checkpoint(model, tok, str(tmp_path / f"v{v}"))
+        sync = await make_weight_sync("disk", [client], "cpu", 1 << 20, pause_mode=mode)
+        assert sync.pause_mode == mode
+        sampling = {"temperature": 1.0, "ignore_eos": True}
+        sessions = [HttpSession(client, s.tokenizer, "12+3=", sampling, f"episode-{i}",
+                                max_new_tokens=length, retries=0) for i in range(3)]
+        start = s.decode_steps
+        raw = asyncio.ensure_future(client.generate(PROMPT, {**sampling,
+                                                            "max_new_tokens": length}))
+        episodes = [asyncio.ensure_future(x.generate()) for x in sessions]
+        pushed = []  # (tokens before the push started, tokens after it returned)
+        for v in (1, 2, 3):
+            steps = s.decode_steps
+            await until(lambda: s.decode_steps >= steps + 6, 30)
+            assert s.stats()["running"] == 4  # the responses are mid-generation
+            before = s.decode_steps - start
+            await sync.push(str(tmp_path / f"v{v}"), str(v))
+            pushed.append((before, s.decode_steps - start))
+        await asyncio.wait_for(asyncio.gather(*episodes), 60)
+        reply = await asyncio.wait_for(raw, 60)
+    meta = reply["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": length}
+    assert meta["weight_version"] == "3" and meta["total_retractions"] == (
+        3 if mode == "retract" else 0)
+    spans = meta["weight_version_spans"]
+    assert [v for _, v in spans] == ["0", "1", "2", "3"]
+    assert spans[0][0] == 0 and all(lo <= i <= hi for (i, _), (lo, hi) in zip(spans[1:], pushed))
+    assert len(reply["output_ids"]) == len(meta["output_token_logprobs"]) == length
+    for x in sessions:
+        sample = x.to_sample("g", 0, "math", 1.0)
+        assert x.retried == 0 and sample.status == "ok"
+        assert len(sample.response_ids) == len(sample.rollout_logprobs) == length
+        assert sample.weight_version == 0  # the oldest version that produced its tokens

@@ -349,7 +349,7 @@ def test_config_fields_and_what_true_on_policy_refuses():
         TrainerConfig(model="tiny-qwen2", workers=["w"], true_on_policy=True, backend="megatron")
     with pytest.raises(ValueError, match="OPD loss-term"):
         TrainerConfig(model="tiny-qwen2", workers=["w"], true_on_policy=True,
-                      opd=OpdConfig(mode="top_k", top_k=4))
+                      opd=OpdConfig(mode="top_k", top_k=4, top_k_from="teacher"))
 
 
 # ----------------------------------------------------------------------------- Triton kernels

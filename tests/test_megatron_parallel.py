@@ -162,7 +162,8 @@ PIPELINE_CASES = {
                       True, True),
     # a distribution OPD loss term (the response logits through the schedule): a teacher
     # server's top-k replies, taken from another random model
-    "opd_top_k": (dict(opd={"mode": "top_k", "top_k": 5, "kl_coef": 1.0}), False, False),
+    "opd_top_k": (dict(opd={"mode": "top_k", "top_k": 5, "kl_coef": 1.0,
+                            "top_k_from": "teacher"}), False, False),
 }
 
 

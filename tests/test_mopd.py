@@ -154,7 +154,8 @@ def pool_for(ipc, url: str, clients: dict, top_k: int = 0):
     """A server-mode TeacherPool with its clients set (no actor loop: `_score` is called)."""
     cfg = TeacherPoolConfig(student="examples/base-tiny", mode="server", max_retries=1,
                             request_timeout_s=30.0, opd=OpdConfig(
-                                mode="top_k" if top_k else "sampled", top_k=top_k),
+                                mode="top_k" if top_k else "sampled", top_k=top_k,
+                                top_k_from="teacher" if top_k else "student"),
                             teachers=[TeacherSpec(name="arith", model="examples/teacher-arith",
                                                   domains=["math", "reverse"], url=url)])
     pool = TeacherPool(context("teachers", ipc), cfg)
@@ -251,14 +252,19 @@ def test_colocated_with_swaps_equals_everything_resident(tmp_path, logits):
         roomy.close()
 
 
-@pytest.mark.parametrize("mode", ["sampled", "full", "top_k", "per_teacher"])
+@pytest.mark.parametrize("mode", ["sampled", "full", "top_k", "top_k_student", "top_p",
+                                  "per_teacher"])
 def test_pure_distillation_moves_the_student_towards_its_teachers(tmp_path, mode):
     """A = 0 (equal rewards): only the OPD term trains; the reverse KL to each sample's teacher
-    falls over a few steps. per_teacher: arith in "full", reverse in "sampled", one run."""
+    falls over a few steps. top_k: server replies (the teacher's top-k); top_k_student:
+    colocated, the student's top-k; top_p: colocated, the nucleus rebuilt from the student's
+    logits (no recorded one); per_teacher: arith in "full", reverse in "sampled", one run."""
     torch.manual_seed(0)
     model, tok = load_model("examples/base-tiny", "cpu", torch.float32)
-    opd = OpdConfig(mode="sampled" if mode == "per_teacher" else mode, kl_coef=1.0,
-                    top_k=5 if mode == "top_k" else 0)
+    opd = OpdConfig(mode={"per_teacher": "sampled", "top_k_student": "top_k"}.get(mode, mode),
+                    kl_coef=1.0, top_k=5 if mode.startswith("top_k") else 0,
+                    top_k_from="teacher" if mode == "top_k" else "student",
+                    top_p=0.9 if mode == "top_p" else 1.0)
     colocated = mode != "top_k"
     teachers = TEACHERS
     if mode == "per_teacher":
@@ -341,7 +347,8 @@ def test_topk_loss_from_arrays_equals_the_list_path_and_a_float64_reference():
     assert all(isinstance(s.teacher_topk_ids, np.ndarray) for s in received)
     temperature = 0.7
     cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
-                        opd=OpdConfig(mode="top_k", top_k=5, kl_coef=0.5),
+                        opd=OpdConfig(mode="top_k", top_k=5, kl_coef=0.5,
+                                      top_k_from="teacher"),
                         loss=LossConfig(advantage_estimator="none", temperature=temperature))
     mb = make_micro_batch(received, tok.pad_token_id or 0)
     assert len(set(map(len, (s.response_ids for s in received)))) > 1  # rows of padding too

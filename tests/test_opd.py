@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -13,15 +15,20 @@ from algos.opd import (
     check_placement,
     distribution_reverse_kl,
     full_reverse_kl,
+    ids_reverse_kl,
     is_loss_term,
     needs_teacher_logits,
+    nucleus_logprobs,
     opd_loss,
+    opd_weights,
     sampled_log_ratio,
     shaped_advantages,
     teacher_kl_metrics,
     teacher_kl_sums,
+    token_logprobs_chunked,
     top_k_reverse_kl,
     top_p_reverse_kl,
+    weighted_set_kl,
 )
 from algos.policy_loss import ppo_clip_loss
 
@@ -272,6 +279,177 @@ def test_top_k_gradient_matches_finite_differences():
         lambda z: top_k_reverse_kl(z, ids, lps, mask, 1.2).sum(), (student,), eps=1e-6, atol=1e-8)
 
 
+def top_ids(logits_row: list[float], k: int) -> list[int]:
+    return sorted(range(len(logits_row)), key=lambda v: -logits_row[v])[:k]
+
+
+@pytest.mark.parametrize("source", ["student", "teacher"])
+def test_top_k_from_logits_matches_the_float64_reference(source):
+    """top_k_from: S_t is the student's (the source's definition) or the teacher's k most
+    likely tokens; the teacher is read from its logits at those ids."""
+    student, teacher, mask = case(18)
+    rows = (student if source == "student" else teacher).double().tolist()
+    ref = reference(student, teacher, mask, 0.8, lambda b, i: top_ids(rows[b][i], 4))
+    cfg = OpdConfig(mode="top_k", top_k=4, top_k_from=source)
+    got = distribution_reverse_kl(cfg, student, mask, 0.8, teacher_logits=teacher)
+    assert torch.allclose(got.double(), ref, atol=1e-5)
+    if source == "teacher":  # the same set and values a teacher server returns
+        ids, lps = teacher_top_k(teacher, 4, 0.8)
+        assert torch.allclose(got, top_k_reverse_kl(student, ids, lps, mask, 0.8), atol=1e-6)
+    with pytest.raises(ValueError, match="needs the teacher's logits"):
+        distribution_reverse_kl(OpdConfig(mode="top_k", top_k=4), student, mask, 0.8,
+                                teacher_ids=torch.zeros(B, T, 4, dtype=torch.long),
+                                teacher_logprobs=torch.zeros(B, T, 4))
+
+
+def test_student_and_teacher_top_k_are_different_objectives():
+    """On random logits the two sets give KLs over a nat apart (the student's top-k holds what it
+    samples, the teacher's what the teacher likes): top_k_from matters."""
+    g = torch.Generator().manual_seed(30)
+    student, teacher = torch.randn(2, 64, 1000, generator=g).mul(3).unbind(0)
+    mask = torch.ones(2, 32)
+    student, teacher = student.view(2, 32, 1000), teacher.view(2, 32, 1000)
+    kls = {src: distribution_reverse_kl(OpdConfig(mode="top_k", top_k=20, top_k_from=src),
+                                        student, mask, 1.0, teacher_logits=teacher).mean()
+           for src in ("student", "teacher")}
+    assert abs(float(kls["student"] - kls["teacher"])) > 1.0, kls  # 1.5 nats here
+
+
+def test_top_k_from_student_gradient_matches_finite_differences():
+    student, teacher, mask = case(19, torch.float64, vocab=9)
+    student.requires_grad_(True)
+    cfg = OpdConfig(mode="top_k", top_k=3)
+    assert torch.autograd.gradcheck(
+        lambda z: distribution_reverse_kl(cfg, z, mask, 0.9, teacher_logits=teacher).sum(),
+        (student,), eps=1e-6, atol=1e-8)
+
+
+def test_server_top_k_padding_is_out_of_the_set():
+    """A position a server answered with fewer entries (-inf log-probs, id 0 padding) is the
+    KL over the real entries only."""
+    student, teacher, mask = case(20)
+    ids, lps = teacher_top_k(teacher, 4, 1.0)
+    padded_ids = torch.cat([ids, torch.zeros_like(ids[..., :1])], -1)
+    padded = torch.cat([lps, torch.full_like(lps[..., :1], -math.inf)], -1)
+    assert torch.allclose(top_k_reverse_kl(student, padded_ids, padded, mask),
+                          top_k_reverse_kl(student, ids, lps, mask), atol=1e-6)
+
+
+# --- chunks over the vocabulary, the weighted (streaming) form ---------------------------------
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_vocabulary_slices_match_the_float64_reference(top_p):
+    """chunk_elements below V: the full KL walks the vocabulary in slices (streamed
+    log-sum-exp); top-p keeps whole rows (its nucleus needs a sort)."""
+    student, teacher, mask = case(21)
+    rows = student.double().tolist()
+    keep = everything if top_p == 1 else (lambda b, i: nucleus(rows[b][i], 0.7, top_p))
+    ref = reference(student, teacher, mask, 0.7, keep)
+    for chunk in (1, 4, 10):  # slices of 1, 4 (the last of 3) and 10 (then 1) tokens
+        got = top_p_reverse_kl(student, teacher, mask, top_p, 0.7, chunk_elements=chunk)
+        assert torch.allclose(got.double(), ref, atol=1e-5), chunk
+
+
+def test_vocabulary_slices_gradient_matches_finite_differences():
+    student, teacher, mask = case(22, torch.float64, vocab=7)
+    student.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda z: full_reverse_kl(z, teacher, mask, 0.8, chunk_elements=3).sum(),
+        (student,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_weighted_set_kl_is_the_opd_loss_and_keeps_no_teacher_logits(top_p):
+    """The trainer's form: sum_t w_t KL_t with the weights of opd_loss gives opd_loss's value
+    and gradient (computed in the forward, scaled by the backward's incoming gradient), its
+    KL_t equal the per-position function's, and the teacher's logits are free after it."""
+    student, teacher, mask = case(23, torch.float64)
+    rollout = student + 0.4 * torch.randn(student.shape, generator=torch.Generator()
+                                          .manual_seed(24), dtype=torch.float64)
+    coef = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    a, b = student.clone().requires_grad_(True), student.clone().requires_grad_(True)
+    want_kl = top_p_reverse_kl(b, teacher, mask, top_p, 0.9, rollout, chunk_elements=2 * V)
+    want = opd_loss(want_kl * coef[:, None], mask, 6, 0.5)
+    t = teacher.clone()
+    alive = weakref.ref(t)
+    loss, kl = weighted_set_kl(a, t, mask, opd_weights(mask, coef, 6, 0.5), 0.9, top_p,
+                               rollout, chunk_elements=2 * V)
+    del t
+    gc.collect()
+    assert alive() is None  # nothing kept the teacher's logits
+    assert not kl.requires_grad and torch.allclose(kl, want_kl.detach(), atol=1e-12)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-10)
+    (3.0 * loss).backward()
+    (3.0 * want).backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-12) and a.grad.abs().max() > 1e-3
+
+
+# --- the nucleus the rollout recorded, top-p replay --------------------------------------------
+
+def recorded(rollout: torch.Tensor, mask, temperature: float, top_p: float):
+    """[B, T, K] ids / valid of each position's nucleus under `rollout` logits (Python)."""
+    rows = rollout.double().tolist()
+    sets = [[nucleus(rows[b][i], temperature, top_p) if mask[b, i] else [0]
+             for i in range(T)] for b in range(B)]
+    K = max(len(x) for row in sets for x in row)
+    ids = torch.zeros(B, T, K, dtype=torch.long)
+    valid = torch.zeros(B, T, K, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            ids[b, i, :len(sets[b][i])] = torch.tensor(sets[b][i])
+            valid[b, i, :len(sets[b][i])] = True
+    return sets, ids, valid
+
+
+def test_recorded_nucleus_matches_the_float64_reference():
+    """top_p with the nucleus the rollout sampled from (stale weights: not the student's
+    current nucleus) is the KL over exactly those ids."""
+    student, teacher, mask = case(25)
+    rollout = student + 0.8 * torch.randn(student.shape, generator=torch.Generator()
+                                          .manual_seed(26))
+    sets, ids, valid = recorded(rollout, mask, 1.3, 0.8)
+    ref = reference(student, teacher, mask, 1.3, lambda b, i: sets[b][i])
+    got = distribution_reverse_kl(OpdConfig(mode="top_p", top_p=0.8), student, mask, 1.3,
+                                  teacher_logits=teacher, nucleus_ids=ids, nucleus_valid=valid)
+    assert torch.allclose(got.double(), ref, atol=1e-5)
+    rebuilt = top_p_reverse_kl(student, teacher, mask, 0.8, 1.3)  # the student's own nucleus
+    assert not torch.allclose(rebuilt.double(), ref, atol=1e-3)
+    z = student.double().requires_grad_(True)
+    scores = teacher.double().gather(-1, ids) / 1.3
+    assert torch.autograd.gradcheck(
+        lambda x: ids_reverse_kl(x, ids, scores, mask, 1.3, valid).sum(), (z,), eps=1e-6,
+        atol=1e-8)
+
+
+def test_nucleus_logprobs_match_the_float64_reference():
+    """Top-p replay: log p(x_t) renormalised over the recorded nucleus."""
+    student, _, mask = case(27, torch.float64)
+    sets, ids, valid = recorded(student + 0.3, mask, 0.9, 0.7)
+    tokens = torch.tensor([[sets[b][i][-1] for i in range(T)] for b in range(B)])
+    z = student.clone().requires_grad_(True)
+    got = nucleus_logprobs(z, tokens, ids, valid, mask, 0.9)
+    rows = student.tolist()
+    for b in range(B):
+        for i in range(T):
+            want = row_logprobs(rows[b][i], 0.9, sets[b][i])[int(tokens[b, i])] \
+                if mask[b, i] else 0.0
+            assert got[b, i].item() == pytest.approx(want, abs=1e-10)
+    assert torch.autograd.gradcheck(
+        lambda x: nucleus_logprobs(x, tokens, ids, valid, mask, 0.9).sum(), (z,), eps=1e-6,
+        atol=1e-8)
+
+
+def test_token_logprobs_chunked_equal_the_gathered_log_softmax():
+    student, _, _ = case(28)
+    tokens = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(29))
+    want = gather_logprobs(logits_to_logprobs(student, 0.7), tokens)
+    for chunk in (V, 2 * V, None):
+        got = token_logprobs_chunked(student.bfloat16().float(), tokens, 0.7, chunk)
+        want16 = gather_logprobs(logits_to_logprobs(student.bfloat16(), 0.7), tokens)
+        assert torch.allclose(got, want16, atol=1e-5) and got.dtype == torch.float32
+    assert torch.allclose(token_logprobs_chunked(student, tokens, 0.7), want, atol=1e-6)
+
+
 # --- reduction, metrics, config ----------------------------------------------------------------
 
 def test_opd_loss_is_the_sample_mean_and_adds_up_over_micro_batches():
@@ -309,6 +487,8 @@ def test_teacher_kl_metrics_per_teacher():
     ({"mode": "top_k"}, "needs top_k >= 1"),
     ({"mode": "sampled", "top_k": 5}, "only used by mode = 'top_k'"),
     ({"mode": "top_k", "top_k": -2}, "top_k must be"),
+    ({"mode": "top_k", "top_k": 2, "top_k_from": "both"}, "top_k_from = 'both'"),
+    ({"mode": "full", "top_k_from": "teacher"}, "only used by mode = 'top_k'"),
 ])
 def test_bad_config_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -318,9 +498,13 @@ def test_bad_config_values_raise(kwargs, match):
 def test_modes_tell_what_they_need():
     assert [needs_teacher_logits(m) for m in ("sampled", "top_p", "top_k", "full")] == \
         [False, True, False, True]
+    assert needs_teacher_logits("top_k", "student")
     assert [is_loss_term(m) for m in ("sampled", "top_p", "top_k", "full")] == \
         [False, True, True, True]
-    check_placement(OpdConfig(mode="top_k", top_k=8), "server")
+    check_placement(OpdConfig(mode="top_k", top_k=8, top_k_from="teacher"), "server")
+    check_placement(OpdConfig(mode="top_k", top_k=8), "colocated")
+    with pytest.raises(ValueError, match="top_k_from = 'teacher'.*or use colocated teachers"):
+        check_placement(OpdConfig(mode="top_k", top_k=8), "server")  # the student's top-k
     check_placement(OpdConfig(mode="full"), "colocated")
     with pytest.raises(ValueError, match="colocated"):
         check_placement(OpdConfig(mode="full"), "server", "math")

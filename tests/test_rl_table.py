@@ -179,3 +179,13 @@ def test_true_on_policy_reaches_workers_and_trainer_and_must_agree(tmp_path):
             assert w in str(info.value), str(info.value)
     with pytest.raises(ConfigError, match="is not an embedded inference worker"):
         load(write(tmp_path, BASE + 'true_on_policy = true\nengine = "sglang"\n'))
+
+
+def test_top_p_distillation_makes_the_rollout_record_the_nucleus(tmp_path):
+    text = BASE + ('top_p = 0.9\nteachers = [{ name = "t", model = "tiny-qwen2", domains = '
+                   '["math"] }]\nopd = { mode = "top_p", top_p = 0.9 }\n')
+    a = load(write(tmp_path, text)).actors
+    assert a["rollout"].config["nucleus_top_logprobs"] == 64
+    assert a["rollout"].config["top_p"] == 0.9
+    full = BASE + 'teachers = [{ name = "t", model = "tiny-qwen2" }]\nopd = { mode = "full" }\n'
+    assert "nucleus_top_logprobs" not in load(write(tmp_path, full)).actors["rollout"].config

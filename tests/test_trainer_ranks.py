@@ -106,7 +106,7 @@ def test_server_topk_on_two_ranks(tmp_path):
 
     cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
                         loss=LossConfig(advantage_estimator="none"),
-                        opd=OpdConfig(mode="top_k", top_k=5, kl_coef=1.0),
+                        opd=OpdConfig(mode="top_k", top_k=5, kl_coef=1.0, top_k_from="teacher"),
                         optimizer=OptimizerConfig(lr=3e-3), micro_batches=MicroBatchConfig(size=2),
                         parallel=TWO)
     stats, stats1 = dp_versus_one_process(cfg, with_topk, tmp_path)

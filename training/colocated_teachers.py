@@ -1,37 +1,49 @@
-"""Distillation inside the trainer: colocated teachers on weight memory, and the OPD terms.
+"""Distillation inside the trainer: colocated teachers on weight memory, and the OPD inputs.
 
 `ColocatedTeachers` holds every teacher as a weight set of `memory.WeightMemory` (tags
 `teacher:<name>`): the device tier has `gpu_slots` fixed slots (fewer than teachers forces
 switching), the host tier a byte budget, the rest waits on NVMe. A teacher computes through a
 skeleton of its architecture whose parameters live on the meta device: `torch.func.functional_call`
 runs it on the tensors of whatever slot holds that teacher, so teachers of another size or
-architecture than the student work. The step's micro-batches are grouped by teacher and the
-switch order is declared to the planner before the step (Belady eviction, the next teacher
-prefetched while the current one computes; the buffer's hint loads the next step's first teacher).
+architecture than the student work.
 
-`prepare_opd` turns teacher outputs (colocated forwards, or the teacher pool's server replies in
-`Sample.teacher_*`) into per micro-batch inputs of the OPD terms (`algos/opd.py`): shaped
-advantages for "sampled", teacher logits / top-k for the loss-term modes. Invariant: a sample
-with no teacher signal (unrouted, or its teacher failed) contributes nothing to any OPD term.
+Streaming (`OpdSignals`, one per step): the teacher forward of a micro-batch runs inside the
+policy pass, in that micro-batch's loss callback, just before its OPD terms are built, and its
+logits are dropped once they are (the loss-term functions keep gathered values or the gradient,
+never the teacher's logits): no teacher output of the step ever exists for more than one
+micro-batch at a time. The micro-batches run in teacher order (`micro_batch_order`: teachers
+already in a slot first, then first appearance; a micro-batch holding two teachers between
+them), so each teacher is switched in once per step in the common case, and that switch order is
+declared to the planner before the pass (Belady eviction, the next teacher prefetched while the
+current one computes; the buffer's hint loads the next step's first teacher). A teacher computes
+only its own rows of a micro-batch, and only at response positions (its output head sees the
+response positions' hidden states), in its own dtype.
+
+`OpdSignals.inputs(j)` turns teacher outputs (colocated forwards, or the teacher pool's server
+replies in `Sample.teacher_*`) and the rollout's recorded nuclei (`Sample.rollout_nucleus_*`)
+into micro-batch j's `OpdInputs`. Invariant: a sample with no teacher signal (unrouted, or its
+teacher failed) contributes nothing to any OPD term.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from algos.logprobs import (
     gather_logprobs,
     logits_to_logprobs,
     position_ids_from_mask,
-    response_logprobs,
     response_slice,
 )
-from algos.opd import needs_teacher_logits, sampled_log_ratio
+from algos.opd import sampled_log_ratio, token_logprobs_chunked
 from logic.teachers import TeacherSpec, opd_configs, teacher_order
 from memory.layout import FlatLayout, module_tensors
 from memory.manager import WeightMemory
@@ -48,28 +60,181 @@ class OpdInputs:
     coef: torch.Tensor  # [B] the teacher's coefficient per sample
     configs: list[Any]  # [B] each sample's OpdConfig (its teacher's, else the run's)
     teacher_logp: torch.Tensor | None = None  # [B, R] (sampled)
-    teacher_logits: torch.Tensor | None = None  # [B, R, V] (full, top_p)
-    topk_ids: torch.Tensor | None = None  # [B, R, k] (top_k)
+    teacher_logits: torch.Tensor | None = None  # [B, R, V] (colocated loss terms), its dtype
+    topk_ids: torch.Tensor | None = None  # [B, R, k] (server top_k)
     topk_logp: torch.Tensor | None = None  # [B, R, k]
+    # the nucleus the rollout sampled each token from (top_p, top_p_replay): ids [B, R, K] and
+    # which are real [B, R, K]; the samples that have one [B]; log of its rollout mass [B, R]
+    nucleus_ids: torch.Tensor | None = None
+    nucleus_valid: torch.Tensor | None = None
+    nucleus_rows: torch.Tensor | None = None
+    nucleus_logmass: torch.Tensor | None = None
 
 
 def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
     """Next-token logits [B, L-1, V] of a micro-batch (optionally on `params` of a skeleton)."""
+    return _call(model, mb, params).logits[:, :-1]
+
+
+def _call(model: Any, mb: MicroBatch, params: dict | None) -> Any:
     kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
               "position_ids": position_ids_from_mask(mb.attention_mask), "use_cache": False}
     if params is None:
-        out = model(**kwargs)
-    else:
-        out = torch.func.functional_call(model, params, args=(), kwargs=kwargs)
-    return out.logits[:, :-1]
+        return model(**kwargs)
+    return torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+
+
+def response_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
+    """Response-aligned logits [B, R, V] (row b, column j: the logits predicting response token
+    j), in the model's dtype. The output head is applied to the response positions' hidden
+    states only (a pre-hook on `get_output_embeddings()` selects them), so no [B, L, V] tensor
+    is made; a model without that module gives `response_slice(forward_logits(...))`."""
+    cols = mb.num_response_cols
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Module):
+        return response_slice(forward_logits(model, mb, params), mb.prompt_lens, cols)
+
+    def select(_module, args):
+        hidden = args[0]
+        if hidden.dim() != 3 or hidden.shape[1] != mb.input_ids.shape[1]:
+            raise RuntimeError(f"the output head saw hidden states {tuple(hidden.shape)}, not "
+                               f"one per input position {tuple(mb.input_ids.shape)}")
+        return (response_slice(hidden[:, :-1], mb.prompt_lens, cols),) + tuple(args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        return _call(model, mb, params).logits
+    finally:
+        handle.remove()
 
 
 def student_pass(model: Any, mb: MicroBatch, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs [B, R], entropies [B, R], logits [B, R, V]) from one forward, the same
-    formulas as algos.logprobs (used when an OPD loss term needs the student's logits)."""
-    return response_logprobs(forward_logits(model, mb), mb.input_ids, mb.prompt_lens,
-                             mb.num_response_cols, temperature)
+    formulas as algos.logprobs (used when an OPD loss term needs the student's logits); the
+    output head runs on the response positions only (`response_logits`)."""
+    logits = response_logits(model, mb)
+    logprobs = logits_to_logprobs(logits, temperature)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    tokens = response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
+    return gather_logprobs(logprobs, tokens), entropy, logits
+
+
+def sub_batch(mb: MicroBatch, rows: list[int]) -> MicroBatch:
+    """The micro-batch's rows `rows` (same padding and response columns)."""
+    if rows == list(range(len(mb.samples))):
+        return mb
+    idx = torch.tensor(rows, device=mb.input_ids.device)
+    return MicroBatch([mb.samples[r] for r in rows], *(t[idx] for t in (
+        mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.mask, mb.rollout_logp,
+        mb.rewards)))
+
+
+def micro_batch_order(mbs: list[MicroBatch], teachers: list[str]) -> list[int]:
+    """Micro-batch indices in teacher order: by the rank (in `teachers`) of the first and the
+    last teacher they hold, so that a micro-batch of teachers a and b sits between a's and b's;
+    micro-batches without teachers last; stable otherwise."""
+    rank = {t: i for i, t in enumerate(teachers)}
+
+    def key(j: int) -> tuple[int, int]:
+        held = [rank[s.teacher] for s in mbs[j].samples if s.teacher in rank]
+        return (min(held), max(held)) if held else (len(rank), len(rank))
+
+    return sorted(range(len(mbs)), key=key)
+
+
+class TeacherStream:
+    """A step's colocated teacher forwards, one micro-batch at a time, in a switch order
+    declared to the weight memory's planner up front (`ColocatedTeachers.stream`)."""
+
+    def __init__(self, owner: ColocatedTeachers, mbs: list[MicroBatch], order: list[int],
+                 temperature: float, logit_teachers: set[str], next_teachers: list[str] = ()):
+        self.owner, self.mbs, self.temperature = owner, mbs, temperature
+        self.logit_teachers = logit_teachers
+        rank = {t: i for i, t in enumerate(owner.teacher_order(mbs))}
+        self.order = list(order)
+        self.plan: dict[int, list[str]] = {}  # micro-batch -> its teachers, in compute order
+        switches: list[str] = []
+        current = None
+        for j in self.order:
+            names = sorted({s.teacher for s in mbs[j].samples if s.teacher in rank},
+                           key=lambda t: (t != current, rank[t]))
+            self.plan[j] = names
+            for name in names:
+                if name != current:
+                    switches.append(name)
+                    current = name
+        self.switches = switches
+        memory = owner.memory
+        hint = [f"teacher:{t}" for t in next_teachers if t in owner.specs]
+        plan = memory.plan([f"teacher:{t}" for t in switches] + hint[:memory.lookahead])
+        self._steps = iter(plan.steps[:len(switches)])
+        self._next = 0  # position in self.order
+        self._current: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.time_s = 0.0  # teacher forwards and the waits for their weights
+
+    def get(self, j: int) -> dict[str, tuple[list[int], torch.Tensor]]:
+        """{teacher: (its rows of micro-batch j, [b, R, V] logits in the teacher's dtype, or
+        [b, R] float32 log-probs of the response tokens for teachers not in logit_teachers)};
+        micro-batches must be asked for in `order`."""
+        if self._next >= len(self.order) or self.order[self._next] != j:
+            expected = self.order[self._next] if self._next < len(self.order) else None
+            raise RuntimeError(f"teacher outputs of micro-batch {j} asked for out of the "
+                               f"declared order (next: {expected}); the runner must call the "
+                               f"loss of micro-batches in the order it was given them")
+        self._next += 1
+        t0 = time.perf_counter()
+        out = {}
+        mb = self.mbs[j]
+        for name in self.plan[j]:
+            params = self._switch_to(name)
+            rows = [b for b, s in enumerate(mb.samples) if s.teacher == name]
+            part = sub_batch(mb, rows)
+            with torch.no_grad():
+                logits = response_logits(self.owner.skeletons[name], part, params)
+                if name not in self.logit_teachers:
+                    tokens = response_slice(part.input_ids[:, 1:], part.prompt_lens,
+                                            part.num_response_cols)
+                    logits = token_logprobs_chunked(logits, tokens, self.temperature)
+            out[name] = (rows, logits)
+        self.time_s += time.perf_counter() - t0
+        return out
+
+    def _switch_to(self, name: str) -> dict[str, torch.Tensor]:
+        if self._current is not None and self._current[0] == name:
+            return self._current[1]
+        self._release()
+        memory = self.owner.memory
+        step = next(self._steps)
+        if step.tag != f"teacher:{name}":
+            raise RuntimeError(f"planned switch to {step.tag}, asked for teacher:{name}")
+        for action in step.demand:
+            _apply(memory, action)
+        tensors = memory.acquire(step.tag)
+        for action in step.prefetch:  # issued now: they overlap this teacher's compute
+            _apply(memory, action)
+        self._current = (name, tensors)
+        return tensors
+
+    def _release(self) -> None:
+        if self._current is not None:
+            self.owner.memory.release(f"teacher:{self._current[0]}")
+            self._current = None
+
+    def close(self) -> None:
+        """Release the teacher in use (its slot may be reused once its compute is done)."""
+        self._release()
+
+
+def _apply(memory: WeightMemory, action: Any) -> None:
+    """One planned move (memory.planner.Action) through the memory's public operations."""
+    if action.op == "evict":
+        memory.evict(action.tag, action.tier)
+        return
+    done = memory.prefetch(action.tag, action.tier)
+    if action.tier == "gpu" and not action.prefetch:
+        done.result()
 
 
 class ColocatedTeachers:
@@ -112,37 +277,33 @@ class ColocatedTeachers:
                 memory.evict(tag, "host")
         return cls(memory, skeletons, specs)
 
+    def teacher_order(self, mbs: list[MicroBatch]) -> list[str]:
+        """The step's teachers: those already in a slot first (so the one a step ends with is
+        not swapped out and back in by the next step), then by first appearance."""
+        on_gpu = set(self.memory.residency()["gpu"])
+        return sorted((t for t in teacher_order([s.teacher for mb in mbs for s in mb.samples])
+                       if t in self.specs), key=lambda t: f"teacher:{t}" not in on_gpu)
+
+    def stream(self, mbs: list[MicroBatch], order: list[int], temperature: float,
+               logit_teachers: set[str], next_teachers: list[str] = ()) -> TeacherStream:
+        """Teacher outputs of `mbs`, computed when asked for, micro-batch by micro-batch in
+        `order` (`TeacherStream.get`)."""
+        return TeacherStream(self, mbs, order, temperature, logit_teachers, next_teachers)
+
     def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool | set[str],
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
-        """{(teacher, micro-batch index): [B, R] log-probs, or [B, R, V] logits for the teachers
-        in `logits` (True = all), at temperature} for every micro-batch holding samples of that
-        teacher, one switch per teacher."""
-        # teachers already in a slot go first, so the one a step ends with is not swapped out
-        # and back in by the next step
-        on_gpu = set(self.memory.residency()["gpu"])
-        order = sorted(teacher_order([s.teacher for mb in mbs for s in mb.samples]),
-                       key=lambda t: f"teacher:{t}" not in on_gpu)
-        wanted = {t: [i for i, mb in enumerate(mbs) if any(s.teacher == t for s in mb.samples)]
-                  for t in order if t in self.specs}
-        out: dict[tuple[str, int], torch.Tensor] = {}
-
-        def compute(tag: str, params: dict[str, torch.Tensor]) -> None:
-            name = tag.removeprefix("teacher:")
-            skeleton = self.skeletons[name]
-            with torch.no_grad():
-                for i in wanted[name]:
-                    lg = forward_logits(skeleton, mbs[i], params)
-                    cols = mbs[i].num_response_cols
-                    if logits is True or (logits and name in logits):
-                        out[(name, i)] = response_slice(lg, mbs[i].prompt_lens, cols).float()
-                    else:
-                        lp = gather_logprobs(logits_to_logprobs(lg, temperature),
-                                             mbs[i].input_ids[:, 1:])
-                        out[(name, i)] = response_slice(lp, mbs[i].prompt_lens, cols)
-
-        hint = [f"teacher:{t}" for t in next_teachers if t in self.specs]
-        self.memory.run([f"teacher:{t}" for t in wanted], compute, next_order=hint)
-        return out
+        """{(teacher, micro-batch index): its rows' [b, R] log-probs, or [b, R, V] logits for the
+        teachers in `logits` (True = all), at temperature} for every micro-batch holding samples
+        of that teacher, one switch per teacher (all at once: for tests and tools; the train
+        step streams them)."""
+        names = set(self.specs) if logits is True else set(logits or ())
+        order = micro_batch_order(mbs, self.teacher_order(mbs))
+        stream = self.stream(mbs, order, temperature, names, next_teachers)
+        try:
+            return {(name, j): out for j in order
+                    for name, (_, out) in stream.get(j).items()}
+        finally:
+            stream.close()
 
     def close(self) -> None:
         self.memory.close()
@@ -166,29 +327,74 @@ def meta_skeleton(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return model.eval()
 
 
+# --- the step's OPD inputs, one micro-batch at a time -------------------------------------------
+
+def wants_teacher_logits(config: Any) -> bool:
+    """A colocated teacher gives logits to every loss-term mode (top-k ids from either side's
+    logits, the nucleus or the whole vocabulary), log-probs to `sampled`."""
+    return config.mode != "sampled"
+
+
+class OpdSignals:
+    """The step's OPD inputs, built for one micro-batch at a time (`inputs(j)`), in `order`:
+    with colocated teachers each call runs that micro-batch's teacher forwards (streaming);
+    server replies are read from the samples. `close()` after the pass."""
+
+    def __init__(self, mbs: list[MicroBatch], cfg: TrainConfig,
+                 teachers: ColocatedTeachers | None, order: list[int] | None = None,
+                 next_teachers: list[str] = ()):
+        self.mbs, self.cfg, self.teachers = mbs, cfg, teachers
+        self.configs = opd_configs(cfg.teachers, cfg.opd)
+        self.coefs = {t.name: t.coef for t in cfg.teachers}
+        self.order = list(range(len(mbs))) if order is None else list(order)
+        self.counts: collections.Counter = collections.Counter()
+        self.stream = None
+        self._server_s = 0.0
+        if teachers is not None:
+            logit_teachers = {n for n, c in self.configs.items() if wants_teacher_logits(c)}
+            self.stream = teachers.stream(mbs, self.order, cfg.loss.temperature, logit_teachers,
+                                          next_teachers)
+
+    @property
+    def time_s(self) -> float:
+        """Seconds spent getting teacher outputs (forwards and weight waits)."""
+        return self.stream.time_s if self.stream is not None else self._server_s
+
+    def inputs(self, j: int) -> OpdInputs:
+        t0 = time.perf_counter()
+        mb = self.mbs[j]
+        dev = mb.mask.device
+        row_cfgs = [self.configs.get(s.teacher, self.cfg.opd) for s in mb.samples]
+        has = torch.tensor([_has_signal(s, self.teachers, c.mode)
+                            for s, c in zip(mb.samples, row_cfgs)], device=dev)
+        coef = torch.tensor([self.coefs.get(s.teacher, 1.0) for s in mb.samples], device=dev)
+        inp = OpdInputs(mask=mb.mask * has[:, None], coef=coef, configs=row_cfgs)
+        if any(c.mode == "top_p" or c.top_p_replay for c in row_cfgs):
+            _fill_nucleus(inp, mb, self.counts)
+        if self.stream is not None:
+            _fill_colocated(inp, mb, self.stream.get(j))
+        else:
+            _fill_server(inp, mb, self.cfg.opd.mode)
+            self._server_s += time.perf_counter() - t0
+        return inp
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+
 def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: TrainConfig,
                 teachers: ColocatedTeachers | None, next_teachers: list[str] = ()
                 ) -> list[OpdInputs]:
-    """OPD inputs per micro-batch, from colocated teachers or from server replies."""
-    configs = opd_configs(cfg.teachers, cfg.opd)
-    coefs = {t.name: t.coef for t in cfg.teachers}
-    logit_teachers = {n for n, c in configs.items() if needs_teacher_logits(c.mode)}
-    colocated = (teachers.outputs(mbs, cfg.loss.temperature, logit_teachers, next_teachers)
-                 if teachers is not None else {})
-    out = []
-    for i, mb in enumerate(mbs):
-        row_cfgs = [configs.get(s.teacher, cfg.opd) for s in mb.samples]
-        has = torch.tensor([_has_signal(s, teachers, c.mode) for s, c in zip(mb.samples, row_cfgs)],
-                           device=mb.mask.device)
-        coef = torch.tensor([coefs.get(s.teacher, 1.0) for s in mb.samples],
-                            device=mb.mask.device)
-        inp = OpdInputs(mask=mb.mask * has[:, None], coef=coef, configs=row_cfgs)
-        if teachers is not None:
-            _fill_colocated(inp, mb, i, colocated, logit_teachers)
-        else:
-            _fill_server(inp, mb, cfg.opd.mode)
-        out.append(inp)
-    return out
+    """Every micro-batch's OPD inputs at once (for tests and tools; the train step streams them
+    with `OpdSignals`, which never holds more than one micro-batch's teacher outputs)."""
+    order = None if teachers is None else micro_batch_order(mbs, teachers.teacher_order(mbs))
+    signals = OpdSignals(mbs, cfg, teachers, order, next_teachers)
+    try:
+        out = {j: signals.inputs(j) for j in signals.order}
+    finally:
+        signals.close()
+    return [out[j] for j in range(len(mbs))]
 
 
 def _has_signal(s: Any, teachers: ColocatedTeachers | None, mode: str) -> bool:
@@ -199,22 +405,22 @@ def _has_signal(s: Any, teachers: ColocatedTeachers | None, mode: str) -> bool:
     return s.teacher_topk_ids is not None if mode == "top_k" else bool(s.teacher_logprobs)
 
 
-def _fill_colocated(inp: OpdInputs, mb: MicroBatch, i: int, outs: dict,
-                    logit_teachers: set[str]) -> None:
-    """Teacher log-probs [B, R] and/or logits [B, R, V], rows of samples without them zero."""
-    for want_logits in (False, True):
-        rows = {b: outs[(s.teacher, i)][b] for b, s in enumerate(mb.samples)
-                if (s.teacher, i) in outs and (s.teacher in logit_teachers) == want_logits}
-        if not rows:
-            continue
-        first = next(iter(rows.values()))
-        full = first.new_zeros((len(mb.samples),) + tuple(first.shape))
-        for b, row in rows.items():
-            full[b] = row
-        if want_logits:
-            inp.teacher_logits = full
+def _fill_colocated(inp: OpdInputs, mb: MicroBatch,
+                    outs: dict[str, tuple[list[int], torch.Tensor]]) -> None:
+    """Teacher log-probs [B, R] and/or logits [B, R, V] (the teacher's dtype), rows of samples
+    without them zero. A micro-batch of one logit teacher uses its output as it is."""
+    B = len(mb.samples)
+    for rows, out in outs.values():
+        if out.dim() == 2:
+            if inp.teacher_logp is None:
+                inp.teacher_logp = out.new_zeros((B,) + tuple(out.shape[1:]))
+            inp.teacher_logp[rows] = out
+        elif len(rows) == B:
+            inp.teacher_logits = out
         else:
-            inp.teacher_logp = full
+            if inp.teacher_logits is None:
+                inp.teacher_logits = out.new_zeros((B,) + tuple(out.shape[1:]))
+            inp.teacher_logits[rows] = out
 
 
 def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
@@ -239,6 +445,72 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
         if s.teacher_logprobs:
             lp[b, :len(s.teacher_logprobs)] = torch.tensor(s.teacher_logprobs)
     inp.teacher_logp = lp
+
+
+def nucleus_arrays(s: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(ids, offsets, logmass) of the nucleus the rollout recorded for a sample, checked
+    (engine/session.py writes them; transport/schema.py `Sample.rollout_nucleus_*`), or None.
+    ValueError naming the sample for arrays that are not one nucleus per response token
+    holding its policy token."""
+    ids, offsets, logmass = (s.rollout_nucleus_ids, s.rollout_nucleus_offsets,
+                             s.rollout_nucleus_logmass)
+    if ids is None and offsets is None and logmass is None:
+        return None
+    where = f"sample {s.group_id}/{s.index}"
+    n = len(s.response_ids)
+    if any(a is None for a in (ids, offsets, logmass)):
+        raise ValueError(f"{where}: rollout_nucleus_ids, _offsets and _logmass come together")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    logmass = np.asarray(logmass, dtype=np.float64)
+    if offsets.shape != (n + 1,) or logmass.shape != (n,) or ids.ndim != 1 or \
+            offsets[0] != 0 or offsets[-1] != ids.size or (np.diff(offsets) < 0).any():
+        raise ValueError(f"{where}: the rollout nucleus must be ids [m], offsets [{n + 1}] "
+                         f"(0 .. m, non-decreasing) and logmass [{n}]; got {ids.shape}, "
+                         f"{offsets.shape}, {logmass.shape}")
+    if not np.isfinite(logmass).all() or (logmass > 1e-4).any() or (ids < 0).any():
+        raise ValueError(f"{where}: nucleus log-masses must be finite and <= 0, ids >= 0")
+    policy = np.asarray(s.loss_mask, dtype=bool)
+    sizes = np.diff(offsets)
+    if (sizes[policy] == 0).any():
+        raise ValueError(f"{where}: a policy token has an empty nucleus")
+    owner = np.repeat(np.arange(n), sizes)
+    hit = np.zeros(n, dtype=bool)
+    hit[owner[ids == np.asarray(s.response_ids, dtype=np.int64)[owner]]] = True
+    if not hit[policy].all():
+        j = int(np.flatnonzero(policy & ~hit)[0])
+        raise ValueError(f"{where}: response token {j} ({s.response_ids[j]}) is not in the "
+                         f"nucleus the rollout recorded for it")
+    return ids, offsets, logmass
+
+
+def _fill_nucleus(inp: OpdInputs, mb: MicroBatch, counts: collections.Counter) -> None:
+    """[B, R, K] ids / valid of the recorded nuclei, [B] which rows have one, [B, R] log-mass."""
+    B, R = mb.mask.shape
+    arrays = [nucleus_arrays(s) for s in mb.samples]
+    rows = [b for b, a in enumerate(arrays) if a is not None]
+    counts["rollout_nucleus_samples"] += len(rows)
+    if not rows:
+        return
+    K = max(int(np.diff(arrays[b][1]).max(initial=1)) for b in rows)
+    ids = np.zeros((B, R, K), dtype=np.int64)
+    valid = np.zeros((B, R, K), dtype=bool)
+    logmass = np.zeros((B, R), dtype=np.float32)
+    for b in rows:
+        flat, offsets, mass = arrays[b]
+        sizes = np.diff(offsets)
+        pos = np.repeat(np.arange(len(sizes)), sizes)
+        within = np.arange(flat.size) - np.repeat(offsets[:-1], sizes)
+        ids[b, pos, within] = flat
+        valid[b, pos, within] = True
+        logmass[b, :len(mass)] = mass
+    dev = mb.mask.device
+    inp.nucleus_ids = torch.from_numpy(ids).to(dev)
+    inp.nucleus_valid = torch.from_numpy(valid).to(dev)
+    inp.nucleus_logmass = torch.from_numpy(logmass).to(dev)
+    has = torch.zeros(B, dtype=torch.bool)
+    has[rows] = True
+    inp.nucleus_rows = has.to(dev)
 
 
 def rows_with(inp: OpdInputs, config: Any) -> torch.Tensor:

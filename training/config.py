@@ -103,8 +103,18 @@ class KlConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     use_kl_loss: bool = False  # the KL as a loss term: + coef * sample-mean KL
     in_reward: bool = False  # the KL as reward shaping: token reward -coef * KL_t
     ref_model: str = ""  # reference checkpoint ("" = a frozen copy of `model`'s initial weights)
+    # every N optimizer steps the reference becomes a copy of the actor's current weights (a
+    # host weight-set copy, no model built; kept in checkpoints); 0 = never (a frozen reference)
+    ref_update_interval: int = 0
 
     def __post_init__(self) -> None:
+        if self.ref_update_interval < 0:
+            raise ValueError(f"ref_update_interval must be >= 0 (0 = a frozen reference), got "
+                             f"{self.ref_update_interval}")
+        if self.ref_update_interval and self.coef == 0:
+            raise ValueError(f"ref_update_interval = {self.ref_update_interval} is unused with "
+                             f"coef = 0 (no reference model); set coef (and use_kl_loss or "
+                             f"in_reward) or remove ref_update_interval")
         if self.estimator not in KL_ESTIMATORS:
             raise ValueError(f"estimator = {self.estimator!r}; use one of {KL_ESTIMATORS}")
         if self.use_kl_loss and self.in_reward:
@@ -153,6 +163,13 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # console says which worker failed and why; the next push tries `path` again), "none"
     # fails the trainer (its restart policy applies)
     fallback: Literal["disk", "none"] = "disk"
+    # how every push pauses the workers' generation (/pause_generation's mode): "in_place"
+    # holds running requests at a step boundary with their KV cache and lets them finish with
+    # the new weights after the update; "retract" holds them but drops their KV cache (prefilled
+    # again with the new weights); "abort" ends them at once (finish_reason abort, the rollout
+    # regenerates the turn). With in_place / retract nothing in flight is discarded; a response
+    # then spans two versions and its sample records the older (engine/session.py)
+    pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
 
     def __post_init__(self) -> None:
         if self.bucket_mib < 1 or self.keep_versions < 1:

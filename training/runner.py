@@ -72,7 +72,9 @@ class TorchRunner:
             else:
                 (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
                                                            by_length), None
-            loss_fn(i, logp, ent, logits).backward()
+            loss = loss_fn(i, logp, ent, logits)
+            del logits  # what the loss terms' backward needs they keep: free the [B, R, V] now
+            loss.backward()
 
     def share(self, stats: dict[str, float]) -> dict[str, float]:
         return stats

@@ -13,20 +13,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from memory.layout import FlatLayout
 from models.load import load_model
-from training.aux_models import AuxModel, CriticModel
+from training.aux_models import AuxModel, CriticModel, OldActors, new_store
 from training.checkpoints import resumable_checkpoint
 from training.colocated_teachers import ColocatedTeachers
 from training.config import TrainConfig
 from training.master_weights import make_optimizer
 from training.state import TrainState
+from training.weight_sets import WeightSets, weight_tensors
 from transport.dtypes import model_dtype
 
 log = logging.getLogger(__name__)
 
 
 def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
-    """(reference, critic) weight sets the configured algorithm needs, or None each."""
+    """(reference, critic) weight sets the configured algorithm needs, or None each; both in one
+    `WeightSets` (pinned host copies; training/weight_sets.py)."""
     def source(path: str) -> torch.nn.Module:
         if not path and policy is not None:
             return policy
@@ -34,11 +37,33 @@ def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
             path = cfg.model
         return load_model(path, cfg.device, model_dtype(cfg.dtype), cfg.seed)[0]
 
-    ref = (AuxModel.frozen_copy(source(cfg.kl.ref_model), cfg.device, cfg.offload_aux_models)
+    store = new_store(cfg.device)
+    ref = (AuxModel.frozen_copy(source(cfg.kl.ref_model), cfg.device, cfg.offload_aux_models,
+                                store=store, update_interval=cfg.kl.ref_update_interval)
            if cfg.kl.coef > 0 else None)
-    critic = (CriticModel(source(cfg.critic.model), cfg.device, cfg.critic, cfg.offload_aux_models)
+    if ref is not None and ref.update_interval and policy is not None:
+        own = FlatLayout.from_state_dict(weight_tensors(policy))
+        if own.fingerprint() != store.layout(ref.tag).fingerprint():
+            raise ValueError(f"kl.ref_update_interval = {ref.update_interval} copies the actor "
+                             f"into the reference, but kl.ref_model = {cfg.kl.ref_model!r} has "
+                             f"other tensors than the policy {cfg.model!r}; use a reference of "
+                             f"the policy's architecture or ref_update_interval = 0")
+    critic = (CriticModel(source(cfg.critic.model), cfg.device, cfg.critic, cfg.offload_aux_models,
+                          store=store)
               if cfg.critic is not None else None)
     return ref, critic
+
+
+def build_old_actors(cfg: TrainConfig, policy: torch.nn.Module, ref: AuxModel | None,
+                     store: WeightSets) -> OldActors:
+    """The proximal policies' sets (decoupled PPO, proximal = "rollout_version"), restored into
+    the reference's resident module when the layouts match (one module for all of them)."""
+    resident = None
+    if ref is not None and FlatLayout.from_state_dict(weight_tensors(policy)).fingerprint() \
+            == store.layout(ref.tag).fingerprint():
+        resident = ref.resident_module
+    return OldActors(cfg.mismatch.proximal_versions, cfg.device, cfg.offload_aux_models, store,
+                     resident)
 
 
 def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState:
@@ -55,6 +80,10 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState
     hf_policy = model if cfg.backend == "torch" else None
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     state = TrainState(model, tokenizer, opt, ref, critic)
+    if cfg.mismatch.proximal == "rollout_version" and hf_policy is not None:
+        store = ref.store if ref is not None else critic.store if critic is not None \
+            else new_store(cfg.device)
+        state.old_actors = build_old_actors(cfg, hf_policy, ref, store)
     if cfg.teachers:
         state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
                                                 cfg.teacher_memory, run_dir, cfg.seed)

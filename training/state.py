@@ -1,20 +1,25 @@
 """The trainer's state: the policy, its optimizer and counters, plus the auxiliary weight sets.
 
-Role: everything a checkpoint holds. `ref` (the frozen reference policy) and `critic` (the value
-model with its optimizer) are `training.aux_models` weight sets, present only when the configured
-algorithm needs them. Invariant: a checkpoint directory is complete or absent (written under a
-temporary name with a manifest of checksums, then renamed: training/checkpoints.py); the
-critic's weights and optimizer go in `critic.pt`. The reference is never saved: it is rebuilt from its source (`ref_model`, or the
-initial checkpoint), so a resumed run keeps the same reference.
+Role: everything a checkpoint holds. `ref` (the reference policy), `critic` (the value model
+with its optimizer) and `old_actors` are `training.aux_models` weight sets (host copies in
+training/weight_sets.py), present only when the configured algorithm needs them. Invariant: a
+checkpoint directory is complete or absent (written under a temporary name with a manifest of
+checksums, then renamed: training/checkpoints.py); the critic's weights and optimizer go in
+`critic.pt`. A frozen reference is never saved: it is rebuilt from its source (`ref_model`, or
+the initial checkpoint), so a resumed run keeps the same reference. A reference that follows the
+actor (`kl.ref_update_interval`) is saved as `ref/model.safetensors` (caught up first), so a
+resumed run continues with the copy it had.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from memory.device_usage import give_back_cached
 from memory.layout import module_tensors
@@ -22,6 +27,11 @@ from memory.safetensors_io import load_safetensors
 from models.load import save_checkpoint
 from training.checkpoints import write_checkpoint
 from training.master_weights import move_optimizer
+
+log = logging.getLogger(__name__)
+
+REF_DIR = "ref"  # a following reference's copy in a checkpoint (not a *.safetensors of the
+                 # checkpoint's own directory: those are the policy's weights)
 
 
 class TrainState:
@@ -31,8 +41,11 @@ class TrainState:
                  ref: Any = None, critic: Any = None):
         self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
         self.ref, self.critic = ref, critic  # training.aux_models.AuxModel / CriticModel or None
+        if ref is not None and getattr(ref, "update_interval", 0):
+            ref.follow(model, optimizer)  # kl.ref_update_interval: copies of the actor
         self.old_actors: Any = None  # training.aux_models.OldActors, made on first use
-        self.teachers: Any = None  # training.colocated_teachers.ColocatedTeachers (colocated distillation)
+        # training.colocated_teachers.ColocatedTeachers (colocated distillation)
+        self.teachers: Any = None
         self.next_teachers: list[str] = []  # the buffer's hint: teachers of the next batch
         self.step = 0
         self.version = 0
@@ -54,10 +67,27 @@ class TrainState:
         manifest of checksums (training/checkpoints.py): a checkpoint is complete or absent."""
         write_checkpoint(path, self._write)
 
+    @property
+    def follows_actor(self) -> bool:
+        """The reference is a copy of the actor renewed every kl.ref_update_interval steps."""
+        return self.ref is not None and bool(getattr(self.ref, "update_interval", 0))
+
+    def host_weight_sets_bytes(self) -> int:
+        """Host bytes of the reference, critic and old-actor weight sets (each store once)."""
+        stores = {id(s): s for s in (getattr(self.ref, "store", None),
+                                     getattr(self.critic, "store", None),
+                                     getattr(self.old_actors, "store", None)) if s is not None}
+        return sum(s.nbytes for s in stores.values())
+
     def _write(self, path: Path) -> None:
         save_checkpoint(self.model, self.tokenizer, path)
         if self.critic is not None:
             torch.save(self.critic.checkpoint(), path / "critic.pt")
+        if self.follows_actor:
+            self.ref.catch_up()  # a copy due at this step is taken before it is saved
+            (path / REF_DIR).mkdir()
+            save_file({n: t.clone() for n, t in self.ref.state().items()},  # views of one arena
+                      str(path / REF_DIR / "model.safetensors"))
         torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step,
                     "version": self.version, "rng": torch.get_rng_state()},
                    path / "trainer_state.pt")
@@ -92,6 +122,21 @@ class TrainState:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"].cpu())
+        if self.follows_actor:
+            self._load_ref(path)
+
+    def _load_ref(self, path: Path) -> None:
+        """The copy of the actor the reference was at `path`'s step; without one (written with
+        ref_update_interval = 0) the next due copy is taken from the resumed actor."""
+        saved = path / REF_DIR
+        if saved.is_dir():
+            self.ref.load_state(load_safetensors(saved))
+        else:
+            log.warning("checkpoint %s has no reference copy (%s/); the reference becomes a copy "
+                        "of the resumed actor", path, REF_DIR)
+        self.ref.follow(self.model, self.optimizer)
+        if not saved.is_dir():
+            self.ref.synced_updates = -1  # copy at the next use
 
     def to_device(self, device: str) -> None:
         """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""

@@ -5,7 +5,8 @@ forward per micro-batch, or megatron's pipeline schedule), everything else is he
 Phases of `train_on_batch`:
 1. plan: this rank's micro-batches from `algos.dp_schedule` (`training.data_parallel`); a sample
    longer than `micro_batches.max_tokens` is trained alone and counted in
-   `train/oversized_samples`;
+   `train/oversized_samples`; with colocated teachers the rank's samples are packed again,
+   teacher by teacher, by the same rule (`teacher_micro_batches`: one teacher per micro-batch);
 2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (the
    runner's log-prob pass, or the rollout's with `mismatch.bypass`; with decoupled PPO's
    `proximal = "rollout_version"` each sample's from the old-actor weight set of its version),
@@ -13,8 +14,12 @@ Phases of `train_on_batch`:
    `loss.advantage_estimator` (`algos.advantages`), whitened over the whole step;
 3. policy: the runner's forward+backward pass; per micro-batch the loss callback gives the
    PPO-clip loss with the mismatch correction's token weights, minus the entropy bonus, plus
-   `kl.coef * KL(policy || ref)` with `kl.use_kl_loss`, plus the OPD loss terms; gradients
-   accumulate, are summed over ranks, clipped, one optimizer step;
+   `kl.coef * KL(policy || ref)` with `kl.use_kl_loss`, plus the OPD terms; gradients
+   accumulate, are summed over ranks, clipped, one optimizer step. Distillation streams: the
+   callback of micro-batch i runs (or reads) the teachers of micro-batch i only
+   (`training.colocated_teachers.OpdSignals`), shapes its advantages ("sampled"), builds its OPD
+   loss terms, and drops the teacher outputs before the next micro-batch; with colocated
+   teachers the micro-batches run in teacher order (one switch per teacher);
 4. critic (ppo): clipped value loss against the GAE returns, its own optimizer step.
 Every loss is divided by the number of samples in the whole step, so the summed gradient of R
 ranks equals the one-process gradient of the same batch.
@@ -46,30 +51,45 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from algos.advantages import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
+from algos.dp_schedule import pack
 from algos.kl import approx_kl
+from algos.logprobs import response_slice
 from algos.mismatch import correction_weights, mismatch_metrics
 from algos.opd import (
-    distribution_reverse_kl,
+    gather_scores,
+    ids_reverse_kl,
     is_loss_term,
+    nucleus_logprobs,
     opd_loss,
+    opd_weights,
     teacher_kl_metrics,
     teacher_kl_sums,
+    top_k_ids,
+    top_k_reverse_kl,
+    weighted_set_kl,
 )
 from algos.policy_loss import masked_sample_sum, ppo_clip_loss
 from algos.value import value_loss
+from logic.teachers import teacher_order
 from models.invariant import enable as enable_invariant
 from training.aux_models import OldActors, micro_batch_logprobs
 from training.batching import MicroBatch, make_micro_batch
-from training.colocated_teachers import kl_coefs, prepare_opd, rows_with, sampled_ratio
+from training.colocated_teachers import (
+    OpdInputs,
+    OpdSignals,
+    kl_coefs,
+    micro_batch_order,
+    rows_with,
+    sampled_ratio,
+)
 from training.config import TrainConfig
-from training.data_parallel import SingleProcess, plan_micro_batches
+from training.data_parallel import NO_CAP, SingleProcess, plan_micro_batches
 from training.runner import ModelRunner, TorchRunner
 from training.state import TrainState
 from transport.schema import Sample
@@ -93,7 +113,6 @@ class Prepared:
     ref: torch.Tensor | None = None  # [B, R] reference log-probs
     values: torch.Tensor | None = None  # [B, R] critic values before the step
     returns: torch.Tensor | None = None  # [B, R] critic targets
-    opd: Any = None  # training.colocated_teachers.OpdInputs (distillation runs)
 
 
 def forward(state: TrainState, mb: MicroBatch, temperature: float,
@@ -120,16 +139,25 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     by_length = _by_length(cfg, runner.device)
     plan = plan_micro_batches(samples, cfg.micro_batches.size, cfg.micro_batches.max_tokens,
                               dp.rank, dp.world_size)
+    groups = plan.micro_batches
+    if cfg.opd is not None and cfg.teachers:  # colocated teachers: one per micro-batch
+        groups = teacher_micro_batches(groups, samples, cfg.micro_batches.size,
+                                       cfg.micro_batches.max_tokens)
     mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id).to(runner.device)
-           for idx in plan.micro_batches]
+           for idx in groups]
     last = runner.is_last_stage  # the stage with logits: losses and statistics
     totals = dict.fromkeys(TOTALS, 0.0)
-    prep = prepare(state, runner, samples, plan.micro_batches, mbs, cfg, dp, totals, by_length)
+    prep = prepare(state, runner, samples, groups, mbs, cfg, dp, totals, by_length)
     opd_sums: dict[str, list[float]] = {}
-    opd_time_s = (add_opd(state, mbs, prep, cfg, opd_sums)
-                  if cfg.opd is not None and last else None)
-    current = policy_pass(state, runner, mbs, prep, cfg, len(samples), totals, opd_sums,
-                          by_length)
+    order = opd_order(state, mbs, cfg, runner)
+    signals = (OpdSignals(mbs, cfg, state.teachers, order, state.next_teachers)
+               if cfg.opd is not None and last else None)
+    try:
+        current = policy_pass(state, runner, mbs, prep, cfg, len(samples), totals, opd_sums,
+                              by_length, signals, order)
+    finally:
+        if signals is not None:
+            signals.close()
     grad_norm = optimizer_step(state, cfg, dp)
     stats: dict[str, float] = {}
     if state.critic is not None and last:  # the critic's inputs exist where the losses do
@@ -146,8 +174,8 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     stats["train/oversized_samples"] = float(len(plan.oversized))
     if cfg.true_on_policy and dp.rank == 0:
         warn_unequal(totals, state.step)
-    if opd_time_s is not None:
-        stats |= opd_stats(state, opd_sums, opd_time_s, dp)
+    if signals is not None:
+        stats |= opd_stats(state, opd_sums, signals.time_s, dp, signals.counts)
     parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
                                                  for c, mb in zip(current, mbs)])])
     return runner.share(stats | mismatch_metrics(*_stack(parts)))
@@ -250,35 +278,73 @@ def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.T
     return out
 
 
-def add_opd(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared], cfg: TrainConfig,
-            sums: dict[str, list[float]]) -> float:
-    """Teacher signals per micro-batch; "sampled" shapes the (already whitened) advantages
-    A - kl_coef * coef * r, so the distillation term keeps its own scale. Returns the seconds
-    spent getting the teachers' outputs (forwards, or unpacking server replies)."""
+def teacher_micro_batches(planned: list[list[int]], samples: list[Sample], size: int,
+                          max_tokens: int) -> list[list[int]]:
+    """This rank's planned samples packed again, teacher by teacher, by the same rule (`size`
+    samples, or first-fit decreasing under `max_tokens`): every micro-batch holds one teacher's
+    samples, so that streaming them in teacher order switches each teacher in once. The rank's
+    share of the batch is unchanged (every loss is a sum over samples: the same gradient)."""
+    by_teacher: dict[str, list[int]] = {}
+    for i in sorted(i for mb in planned for i in mb):
+        by_teacher.setdefault(samples[i].teacher, []).append(i)
+    out = []
+    for idx in by_teacher.values():
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
+        parts, _ = (pack(lengths, max_tokens) if max_tokens > 0
+                    else pack(lengths, NO_CAP, "fixed", size))
+        out += [sorted(idx[p] for p in part) for part in parts]
+    return sorted(out)
 
-    t0 = time.perf_counter()
-    inputs = prepare_opd(mbs, [p.old for p in prep], cfg, state.teachers, state.next_teachers)
-    elapsed_s = time.perf_counter() - t0
-    for mb, p, inp in zip(mbs, prep, inputs):
-        p.opd = inp
-        sampled = torch.tensor([float(c.mode == "sampled") for c in inp.configs],
-                               device=inp.mask.device)
-        if sampled.any():
-            r = sampled_ratio(p.old, inp)
-            p.adv = p.adv - kl_coefs(inp)[:, None] * r
-            teacher_kl_sums(r, inp.mask * sampled[:, None], [s.teacher for s in mb.samples],
-                            sums)
-    return elapsed_s
+
+def opd_order(state: TrainState, mbs: list[MicroBatch], cfg: TrainConfig,
+              runner: ModelRunner) -> list[int]:
+    """The order the policy pass runs the micro-batches in: by teacher with colocated teachers
+    (one switch per teacher: `micro_batch_order`), else as planned. Every pipeline stage must
+    run the same order, and only the last one holds the teachers, so with stages the teachers
+    are ranked from the samples alone (first appearance), never from the memory's residency."""
+    if cfg.opd is None or not cfg.teachers:
+        return list(range(len(mbs)))
+    names = [t.name for t in cfg.teachers]
+    if runner.whole_model and state.teachers is not None:
+        names = state.teachers.teacher_order(mbs)
+    else:
+        seen = teacher_order([s.teacher for mb in mbs for s in mb.samples])
+        names = [t for t in seen if t in names]
+    return micro_batch_order(mbs, names)
+
+
+def check_replay(cfg: TrainConfig) -> None:
+    """top_p_replay renormalises the proximal log-probs with the nucleus mass of the weights
+    the policy pass runs (the proximal ones unless `rollout_version`), from the response logits
+    of the transformers forward."""
+    if cfg.opd is None or not any(c.top_p_replay for c in
+                                  [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]):
+        return
+    if cfg.mismatch.proximal == "rollout_version":
+        raise ValueError("opd top_p_replay renormalises the proximal log-probs over each token's "
+                         "nucleus with the mass under the weights being trained; mismatch "
+                         "proximal = 'rollout_version' takes them from older weights: use "
+                         "proximal = 'current' or top_p_replay = false")
+    if cfg.true_on_policy:
+        raise ValueError("opd top_p_replay reads the response logits of the transformers "
+                         "forward, not the invariant one: use true_on_policy = false or "
+                         "top_p_replay = false")
 
 
 def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
-              dp: Any) -> dict[str, float]:
-    """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency."""
+              dp: Any, counts: dict[str, int] | None = None) -> dict[str, float]:
+    """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency, and
+    the samples whose top-p set came from the rollout's record or from the student's logits."""
     stats = {"opd/teacher_time_s": time_s}
     if state.teachers is not None:
         counters = state.teachers.memory.counters
         stats["opd/teacher_gpu_loads"] = float(counters["gpu_loads"])
         stats["opd/teacher_sync_fallbacks"] = float(counters["sync_fallbacks"])
+    if counts is not None:
+        keys = ("rollout_nucleus_samples", "student_nucleus_samples")
+        summed = dp.sum_tensor(torch.tensor([float(counts.get(k, 0)) for k in keys],
+                                            dtype=torch.float64))
+        stats |= {f"opd/{k}": v for k, v in zip(keys, summed.tolist())}
     # every rank sums the same teachers, even one that had no samples on this rank
     names = sorted({n for part in dp.gather(sorted(sums)) for n in part if n})  # "": none
     if names:
@@ -291,50 +357,134 @@ def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
 def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
                 prep: list[Prepared] | None, cfg: TrainConfig, num_samples: int,
                 totals: dict[str, float], opd_sums: dict[str, list[float]] | None = None,
-                by_length: bool = False) -> list[torch.Tensor]:
-    """Backward of every micro-batch's policy loss; returns the log-probs before the update
-    (on the last stage; [] on other pipeline stages, which only run their part of the passes)."""
-    opd_term = cfg.opd is not None and any(
-        is_loss_term(c.mode) for c in [cfg.opd] + [t.opd for t in cfg.teachers if t.opd])
+                by_length: bool = False, signals: OpdSignals | None = None,
+                order: list[int] | None = None) -> list[torch.Tensor]:
+    """Backward of every micro-batch's policy loss, the micro-batches in `order` (default: as
+    given); returns the log-probs before the update, indexed like `mbs` (on the last stage; []
+    on other pipeline stages, which only run their part of the passes). `signals` gives each
+    micro-batch's OPD inputs when its loss is built (teacher forwards streamed)."""
+    order = list(range(len(mbs))) if order is None else list(order)
+    configs = [] if cfg.opd is None else [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]
+    opd_term = any(is_loss_term(c.mode) for c in configs)
+    replay = any(c.top_p_replay for c in configs)
+    check_replay(cfg)
     current: list[Any] = [None] * len(mbs)
 
     def loss_fn(i: int, logp: torch.Tensor, ent: torch.Tensor,
                 logits: torch.Tensor | None) -> torch.Tensor:
-        mb, p = mbs[i], prep[i]
-        current[i] = logp.detach()
-        weights, keep = correction_weights(p.old, mb.rollout_logp, mb.mask, cfg.mismatch)
-        terms = ppo_clip_loss(logp, p.old, p.adv, keep, num_samples, cfg.loss.eps_clip,
+        j = order[i]
+        mb, p = mbs[j], prep[j]
+        current[j] = logp.detach()
+        adv, train_logp, old, rollout = p.adv, logp, p.old, mb.rollout_logp
+        inp = signals.inputs(j) if signals is not None else None
+        if inp is not None:
+            adv = shaped_opd_advantages(adv, p.old, inp, mb, opd_sums)
+            if replay:
+                train_logp, old, rollout = replayed_logprobs(logp, p.old, mb, inp, logits,
+                                                            cfg.loss.temperature)
+        weights, keep = correction_weights(old, rollout, mb.mask, cfg.mismatch)
+        terms = ppo_clip_loss(train_logp, old, adv, keep, num_samples, cfg.loss.eps_clip,
                               cfg.loss.eps_clip_high, cfg.loss.dual_clip_c, weights)
         loss = terms.loss - cfg.loss.entropy_coef * masked_sample_sum(ent, keep) / num_samples
         if cfg.kl.use_kl_loss:
             kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl.estimator), keep) / num_samples
             loss = loss + cfg.kl.coef * kl
             totals["kl_loss"] += float(kl.detach())
-        if opd_term:
-            loss = loss + opd_term_loss(cfg, mb, p.opd, logits, num_samples, opd_sums)
-        _accumulate(totals, mb, terms, ent, current[i], state.version)
+        if opd_term and inp is not None:
+            loss = loss + opd_term_loss(cfg, mb, inp, logits, num_samples, opd_sums,
+                                        signals.counts)
+        del inp  # the teacher outputs of this micro-batch go before the next one's come
+        _accumulate(totals, mb, terms, ent, current[j], state.version)
         return loss
 
     state.optimizer.zero_grad(set_to_none=True)
-    runner.forward_backward(mbs, cfg.loss.temperature, loss_fn, with_logits=opd_term,
-                            by_length=by_length)
+    runner.forward_backward([mbs[j] for j in order], cfg.loss.temperature, loss_fn,
+                            with_logits=opd_term or replay, by_length=by_length)
     return current if runner.is_last_stage else []
 
 
-def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: Any, logits: torch.Tensor,
-                  num_samples: int, sums: dict[str, list[float]] | None) -> torch.Tensor:
-    """Sum over the samples' distinct loss-term OPD configs of kl_coef * sample-mean of the
-    teacher-weighted reverse KL on those samples (algos/opd.py)."""
+def shaped_opd_advantages(adv: torch.Tensor, student_logp: torch.Tensor, inp: OpdInputs,
+                          mb: MicroBatch, sums: dict[str, list[float]] | None) -> torch.Tensor:
+    """"sampled" rows: the (already whitened) advantages A - kl_coef * coef * r, so the
+    distillation term keeps its own scale; r is logged per teacher."""
+    sampled = torch.tensor([float(c.mode == "sampled") for c in inp.configs],
+                           device=inp.mask.device)
+    if not sampled.any():
+        return adv
+    r = sampled_ratio(student_logp, inp)
+    if sums is not None:
+        teacher_kl_sums(r, inp.mask * sampled[:, None], [s.teacher for s in mb.samples], sums)
+    adv = adv if adv.dim() == 2 else adv[:, None].expand_as(r)
+    return adv - kl_coefs(inp)[:, None] * r
 
-    total = logits.new_zeros(())
+
+def replayed_logprobs(logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, inp: OpdInputs,
+                      logits: torch.Tensor, temperature: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-p replay on the rows whose config sets it and that carry a recorded nucleus: the
+    training, proximal and rollout log-probs of each token renormalised over its nucleus
+    (algos/opd.py `nucleus_logprobs`). The proximal weights are the ones this pass runs
+    (`check_replay`), so the proximal nucleus mass is the training one, detached."""
+    rows = torch.tensor([c.top_p_replay for c in inp.configs], device=mb.mask.device)
+    if inp.nucleus_rows is None or not (rows & inp.nucleus_rows).any():
+        return logp, old, mb.rollout_logp
+    rows = (rows & inp.nucleus_rows)[:, None] & (mb.mask > 0)
+    tokens = response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
+    renorm = nucleus_logprobs(logits, tokens, inp.nucleus_ids, inp.nucleus_valid, rows,
+                              temperature)
+    log_mass = (logp - renorm).detach()
+    return (torch.where(rows, renorm.to(logp.dtype), logp),
+            torch.where(rows, old - log_mass.to(old.dtype), old),
+            torch.where(rows, mb.rollout_logp - inp.nucleus_logmass.to(old.dtype),
+                        mb.rollout_logp))
+
+
+def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: OpdInputs, logits: torch.Tensor,
+                  num_samples: int, sums: dict[str, list[float]] | None,
+                  counts: dict[str, int] | None = None) -> torch.Tensor:
+    """Sum over the samples' distinct loss-term OPD configs of kl_coef * sample-mean of the
+    teacher-weighted reverse KL on those samples (algos/opd.py). Whole-vocabulary sets use the
+    weighted form (gradient computed now, the teacher's logits not kept); id sets (top-k, a
+    recorded nucleus) keep [B, R, k] values."""
+    total = logits.new_zeros((), dtype=torch.float32)
+    T = cfg.loss.temperature
     for config in {id(c): c for c in inp.configs if is_loss_term(c.mode)}.values():
         mask = inp.mask * rows_with(inp, config)[:, None]
-        kl = distribution_reverse_kl(config, logits, mask, cfg.loss.temperature,
-                                     teacher_logits=inp.teacher_logits,
-                                     teacher_ids=inp.topk_ids, teacher_logprobs=inp.topk_logp)
-        if sums is not None:
-            teacher_kl_sums(kl.detach(), mask, [s.teacher for s in mb.samples], sums)
-        total = total + opd_loss(kl * inp.coef[:, None], mask, num_samples, config.kl_coef)
+        if not mask.any():
+            continue
+        parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        if config.mode == "top_k":
+            if inp.teacher_logits is not None:  # colocated: the set from either side's logits
+                source = logits if config.top_k_from == "student" else inp.teacher_logits
+                ids = top_k_ids(source, config.top_k)
+                kl = ids_reverse_kl(logits, ids, gather_scores(inp.teacher_logits, ids, T),
+                                    mask, T)
+            else:  # server replies: the teacher's top-k (top_k_from = "teacher")
+                kl = top_k_reverse_kl(logits, inp.topk_ids, inp.topk_logp, mask, T)
+            parts.append((kl, None, mask))
+        else:
+            recorded = torch.zeros_like(mask)
+            if config.mode == "top_p" and inp.nucleus_rows is not None:
+                recorded = mask * inp.nucleus_rows[:, None].to(mask.dtype)
+            if recorded.any():  # the nucleus each token was sampled from
+                ids = inp.nucleus_ids.masked_fill(~inp.nucleus_valid, 0)
+                kl = ids_reverse_kl(logits, ids, gather_scores(inp.teacher_logits, ids, T),
+                                    recorded, T, inp.nucleus_valid)
+                parts.append((kl, None, recorded))
+            rest = mask - recorded
+            if rest.any():  # full vocabulary, or the nucleus rebuilt from the student's logits
+                top_p = config.top_p if config.mode == "top_p" else 1.0
+                if top_p < 1 and counts is not None:
+                    counts["student_nucleus_samples"] += int((rest.sum(1) > 0).sum())
+                w = opd_weights(rest, inp.coef, num_samples, config.kl_coef)
+                loss, kl = weighted_set_kl(logits, inp.teacher_logits, rest, w, T, top_p)
+                parts.append((kl, loss, rest))
+        for kl, loss, m in parts:
+            if sums is not None:
+                teacher_kl_sums(kl.detach(), m, [s.teacher for s in mb.samples], sums)
+            if loss is None:
+                loss = opd_loss(kl * inp.coef[:, None], m, num_samples, config.kl_coef)
+            total = total + loss
     return total
 
 

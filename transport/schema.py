@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 # 2: Sample.teacher_topk_ids / teacher_topk_logprobs are arrays (tensor frames), not nested lists
+# (Sample.rollout_nucleus_* came later as optional fields: a peer without them ignores them and
+# sends none, which the trainer reads as "no recorded nucleus"; no new version)
 PROTOCOL_VERSION = 2
 
 
@@ -173,6 +175,8 @@ class Metrics(Msg):
 # ----------------------------------------------------------------------------- RL loop
 TOPK_IDS_DTYPE = np.dtype(np.int32)  # Sample.teacher_topk_ids
 TOPK_LOGPROBS_DTYPE = np.dtype(np.float32)  # Sample.teacher_topk_logprobs
+NUCLEUS_IDS_DTYPE = np.dtype(np.int32)  # Sample.rollout_nucleus_ids and _offsets
+NUCLEUS_LOGMASS_DTYPE = np.dtype(np.float32)  # Sample.rollout_nucleus_logmass
 
 
 class Sample(Msg):
@@ -198,6 +202,15 @@ class Sample(Msg):
     teacher_logprobs: list[float] = []
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
+    # the top-p nucleus each response token was sampled from, as the rollout recorded it
+    # (engine/session.py, `nucleus_top_logprobs`; top_p OPD and top_p_replay read it): token j's
+    # ids are rollout_nucleus_ids[offsets[j]:offsets[j + 1]] (ragged, NUCLEUS_IDS_DTYPE; an
+    # empty range for observation tokens), offsets [len(response_ids) + 1]; logmass
+    # [len(response_ids)] (NUCLEUS_LOGMASS_DTYPE) is log of the nucleus' mass under the rollout
+    # policy at its temperature (0 for observation tokens). All three or none.
+    rollout_nucleus_ids: np.ndarray | None = None
+    rollout_nucleus_offsets: np.ndarray | None = None
+    rollout_nucleus_logmass: np.ndarray | None = None
 
 
 class SampleGroup(Msg):
@@ -326,8 +339,8 @@ class Blob(Msg):
 
 Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
-    Endpoints, Ready, Heartbeat, Dead, Notice, Ack, Stopped, Metrics, Sample, SampleGroup, RolloutPermit,
-    Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, ReadToHost,
+    Endpoints, Ready, Heartbeat, Dead, Notice, Ack, Stopped, Metrics, Sample, SampleGroup,
+    RolloutPermit, Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, ReadToHost,
     ReadToHostReply, LoadCheckpoint, LoadCheckpointReply, Scale, ScaleReply, WorkItem, Blob,
 ]
 
