@@ -74,38 +74,35 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> Open
 
 
 # ----------------------------------------------------------------------------- requests
-@dataclass
-class ChatRequest:
-    """A validated /v1/chat/completions request (messages normalized: see `parse_messages`)."""
+@dataclass(kw_only=True)
+class GenerationRequest:
+    """What chat and text completion requests share: the model and how to generate."""
 
     model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    seed: int | None = None
+
+
+@dataclass(kw_only=True)
+class ChatRequest(GenerationRequest):
+    """A validated /v1/chat/completions request (messages normalized: see `parse_messages`)."""
+
     messages: list[dict]
     tools: list[dict] | None = None
     tool_choice: str = "auto"  # "auto" | "none"
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: bool = False
-    seed: int | None = None
 
 
-@dataclass
-class CompletionRequest:
+@dataclass(kw_only=True)
+class CompletionRequest(GenerationRequest):
     """A validated /v1/completions request; `prompt` is text or a list of token ids."""
 
-    model: str
     prompt: str | list[int]
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: bool = False
-    seed: int | None = None
 
 
 @dataclass
