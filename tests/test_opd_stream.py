@@ -405,11 +405,11 @@ def test_replay_changes_the_update_and_is_neutral_on_the_whole_vocabulary(tmp_pa
 
 
 def test_replay_refuses_what_it_cannot_renormalise():
-    batch = samples(2, 3, ["a"])
-    student = tiny(0)
-    state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=0.0))
-    cfg = TrainConfig(model="code", opd=OpdConfig(mode="sampled", top_p_replay=True),
-                      loss=LossConfig(advantage_estimator="grpo"),
-                      mismatch=MismatchConfig(correction="decoupled", proximal="rollout_version"))
+    """At load (the config), not at the first step."""
+    replay = OpdConfig(mode="sampled", top_p_replay=True)
     with pytest.raises(ValueError, match="proximal = 'rollout_version'"):
-        train_on_batch(state, batch, cfg)
+        TrainConfig(model="code", opd=replay, loss=LossConfig(advantage_estimator="grpo"),
+                    mismatch=MismatchConfig(correction="decoupled", proximal="rollout_version"))
+    with pytest.raises(ValueError, match="use true_on_policy = false or top_p_replay = false"):
+        TrainConfig(model="code", opd=replay, true_on_policy=True)
+    assert TrainConfig(model="code", opd=replay).opd.top_p_replay  # alone it loads

@@ -269,12 +269,31 @@ def check_algorithm(cfg: TrainConfig) -> None:
                          f"{est} ignores token rewards; use kl.use_kl_loss = true or one of "
                          f"{TOKEN_REWARDS}")
     _check_opd(cfg)
+    _check_replay(cfg)
     if cfg.true_on_policy:
         _check_true_on_policy(cfg)
     if cfg.parallel.dp > 1 and cfg.backend == "megatron":
         raise ValueError(f"parallel.dp = {cfg.parallel.dp} and backend = 'megatron' conflict: "
                          "the actor runs megatron as one rank; run multi-rank megatron under "
                          "torchrun (backends.megatron) or use backend = 'torch'")
+
+
+def _check_replay(cfg: TrainConfig) -> None:
+    """top_p_replay renormalises the proximal log-probs with the nucleus mass of the weights
+    the policy pass runs (the proximal ones unless `rollout_version`), from the response logits
+    of the transformers forward: refused at load where that does not hold."""
+    if cfg.opd is None or not any(c.top_p_replay for c in
+                                  [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]):
+        return
+    if cfg.mismatch.proximal == "rollout_version":
+        raise ValueError("opd top_p_replay renormalises the proximal log-probs over each token's "
+                         "nucleus with the mass under the weights being trained; mismatch "
+                         "proximal = 'rollout_version' takes them from older weights: use "
+                         "proximal = 'current' or top_p_replay = false")
+    if cfg.true_on_policy:
+        raise ValueError("opd top_p_replay reads the response logits of the transformers "
+                         "forward, not the invariant one: use true_on_policy = false or "
+                         "top_p_replay = false")
 
 
 def _check_true_on_policy(cfg: TrainConfig) -> None:

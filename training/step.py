@@ -313,24 +313,6 @@ def opd_order(state: TrainState, mbs: list[MicroBatch], cfg: TrainConfig,
     return micro_batch_order(mbs, names)
 
 
-def check_replay(cfg: TrainConfig) -> None:
-    """top_p_replay renormalises the proximal log-probs with the nucleus mass of the weights
-    the policy pass runs (the proximal ones unless `rollout_version`), from the response logits
-    of the transformers forward."""
-    if cfg.opd is None or not any(c.top_p_replay for c in
-                                  [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]):
-        return
-    if cfg.mismatch.proximal == "rollout_version":
-        raise ValueError("opd top_p_replay renormalises the proximal log-probs over each token's "
-                         "nucleus with the mass under the weights being trained; mismatch "
-                         "proximal = 'rollout_version' takes them from older weights: use "
-                         "proximal = 'current' or top_p_replay = false")
-    if cfg.true_on_policy:
-        raise ValueError("opd top_p_replay reads the response logits of the transformers "
-                         "forward, not the invariant one: use true_on_policy = false or "
-                         "top_p_replay = false")
-
-
 def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
               dp: Any, counts: dict[str, int] | None = None) -> dict[str, float]:
     """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency, and
@@ -367,7 +349,6 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
     configs = [] if cfg.opd is None else [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]
     opd_term = any(is_loss_term(c.mode) for c in configs)
     replay = any(c.top_p_replay for c in configs)
-    check_replay(cfg)
     current: list[Any] = [None] * len(mbs)
 
     def loss_fn(i: int, logp: torch.Tensor, ent: torch.Tensor,
@@ -424,7 +405,8 @@ def replayed_logprobs(logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, inp
     """Top-p replay on the rows whose config sets it and that carry a recorded nucleus: the
     training, proximal and rollout log-probs of each token renormalised over its nucleus
     (algos/opd.py `nucleus_logprobs`). The proximal weights are the ones this pass runs
-    (`check_replay`), so the proximal nucleus mass is the training one, detached."""
+    (checked at load: training.config `_check_replay`), so the proximal nucleus mass is the
+    training one, detached."""
     rows = torch.tensor([c.top_p_replay for c in inp.configs], device=mb.mask.device)
     if inp.nucleus_rows is None or not (rows & inp.nucleus_rows).any():
         return logp, old, mb.rollout_logp
