@@ -1,7 +1,8 @@
 """The router actor: runs sglang-router in front of the inference workers it depends on.
 
 The router process is a child of this actor: started in on_start with the workers' HTTP URLs
-(from the peers listed in `after`), waited for until it answers /health, stopped in on_stop. Its
+(from the peers listed in `after`), waited for until it answers /health and routes to every one of
+them (/readiness), stopped in on_stop. Its
 URL is reported as this actor's `http` endpoint. `/generate` goes through the router; control
 calls (weight updates, pause/continue) must go to each worker directly, since the router does not
 forward them. Every option of the `router` table (and `--router-<option>` on the launcher's
@@ -19,9 +20,12 @@ refuse it. A bad request never reaches a worker and never stops the router.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import time
 from typing import Any
 
+import aiohttp
 import msgspec
 
 from engine.client import wait_for_health
@@ -30,6 +34,9 @@ from runtime.child import die_with_parent
 from runtime.passthrough import refuse_owned, render
 from runtime.procs import terminate
 from transport.sockets import free_port
+
+log = logging.getLogger(__name__)
+ALL_WORKERS_WAIT_S = 15.0  # READY waits this long at most for the router to route to every worker
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -90,6 +97,7 @@ class RouterActor(Actor):
             stdout=None, stderr=None, preexec_fn=die_with_parent)  # dies with this actor
         self.bound.http = f"http://{cfg.host}:{port}"
         await self._wait_healthy(cfg.health_timeout_s)
+        await self._wait_workers(len(urls), time.monotonic() + ALL_WORKERS_WAIT_S)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
         def exited() -> str | None:
@@ -99,6 +107,36 @@ class RouterActor(Actor):
         if await wait_for_health(self.bound.http, exited, timeout_s, request_timeout_s=1.0):
             return
         raise TimeoutError(f"sglang-router did not answer /health within {timeout_s:g} s")
+
+    async def _wait_workers(self, expected: int, deadline: float) -> None:
+        """READY once the router routes to every worker it was given (GET /readiness:
+        healthy_workers): a request before that would hash its routing key over fewer workers,
+        and the key would move when the rest join. After `ALL_WORKERS_WAIT_S` (a worker that is
+        down, restarting) it goes on with the workers it has, and says so; a router without
+        /readiness is not waited for."""
+        if not expected:
+            return
+        seen = 0
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.proc.returncode is not None:
+                    raise RuntimeError(f"sglang-router exited with code {self.proc.returncode}")
+                try:
+                    async with session.get(f"{self.bound.http}/readiness",
+                                           timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                        if r.status == 404:
+                            return
+                        body = await r.json(content_type=None) if r.status in (200, 503) \
+                            else {}
+                    seen = int(body.get("healthy_workers", 0)) if isinstance(body, dict) else 0
+                    if seen >= expected:
+                        return
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    pass
+                await asyncio.sleep(0.1)
+        log.warning("%s: sglang-router routes to %d of its %d workers after %g s; going on "
+                    "(routing keys may move when the others become healthy)", self.name, seen,
+                    expected, ALL_WORKERS_WAIT_S)
 
     async def run(self) -> None:
         code = await self.proc.wait()

@@ -99,9 +99,9 @@ async def router_post(url: str, data: bytes, length: int | None = None) -> tuple
             await writer.drain()
         raw = await asyncio.wait_for(reader.read(), 10)
     finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+        # abort, not close: what the router did not read is dropped here, so the transport
+        # never tries to send it to a closed socket (a broken pipe in the loop's callback)
+        writer.transport.abort()
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body.decode("utf-8", "replace")
 
