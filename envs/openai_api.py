@@ -663,30 +663,28 @@ class AgentEndpoint:
             raise bad(f"We could not parse the JSON body of your request: {e}") from None
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        backend = self._backend(request)
-        try:
-            req = parse_chat_request(await self._body(request))
-            completion = await backend.chat_completion(req)
-        except OpenAIError as e:
-            _refused(backend, e)
-            raise
-        rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        if req.stream:
-            return await _sse(request, chat_chunks(req, completion, rid, created))
-        return web.json_response(chat_response(req, completion, rid, created))
+        return await self._generate(request, parse_chat_request, "chat_completion", "chatcmpl-",
+                                    chat_chunks, chat_response)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion_request, "text_completion",
+                                    "cmpl-", completion_chunks, completion_response)
+
+    async def _generate(self, request: web.Request, parse, method: str, id_prefix: str,
+                        chunks, response) -> web.StreamResponse:
+        """One completion request of either kind: parse, generate through the episode's
+        backend (`method`), answer whole or as server-sent events."""
         backend = self._backend(request)
         try:
-            req = parse_completion_request(await self._body(request))
-            completion = await backend.text_completion(req)
+            req = parse(await self._body(request))
+            completion = await getattr(backend, method)(req)
         except OpenAIError as e:
             _refused(backend, e)
             raise
-        rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+        rid, created = id_prefix + secrets.token_hex(12), int(time.time())
         if req.stream:
-            return await _sse(request, completion_chunks(req, completion, rid, created))
-        return web.json_response(completion_response(req, completion, rid, created))
+            return await _sse(request, chunks(req, completion, rid, created))
+        return web.json_response(response(req, completion, rid, created))
 
     def _model_entry(self, backend: ChatBackend) -> dict:
         return {"id": backend.model_id, "object": "model", "created": 0, "owned_by": "rlx"}

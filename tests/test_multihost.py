@@ -34,6 +34,7 @@ from launch.agent import (
 )
 from launch.cluster import main
 from launch.config import ConfigError, load
+from tests.test_cluster import launch as run_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,9 +143,7 @@ def test_main_job_split_over_two_hosts_runs_to_completion_with_metrics(netns, tm
         host = "#1"
         """))
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
-                             str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=110)
+    result = run_launcher(hosts, run_dir, timeout_s=110)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "run complete: trainer finished" in out
@@ -346,9 +345,7 @@ def test_a_host_whose_code_differs_is_refused_before_anything_starts(netns, tmp_
         host = "nsb"
         """))
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
-                             str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
+    result = run_launcher(hosts, run_dir, timeout_s=60)
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     assert "host nsb: its code or environment differs from the launcher's" in out
