@@ -14,7 +14,15 @@ import pytest
 import torch
 import zmq
 
-from transport.codec import EXT_SHM, EXT_TENSOR, Codec, Limits, WireError, scan_header
+from transport.codec import (
+    EXT_SHM,
+    EXT_TENSOR,
+    Codec,
+    Limits,
+    WireError,
+    scan_header,
+    tensor_frame,
+)
 from transport.schema import (
     PROTOCOL_VERSION,
     Blob,
@@ -357,7 +365,7 @@ def test_malformed_tensor_reference_is_always_a_wire_error(case):
         if case == "negative_shape":  # numel (-1 * -4) matches the 16-byte frame
             frames = [header_with_ext(EXT_TENSOR, ["float32", [-1, -4], 0]), bytearray(16)]
         else:
-            name, nbytes = sender.put(torch.ones(1024))
+            name, nbytes = sender.put(tensor_frame(torch.ones(1024)))
             ref = {
                 "shm_missing_segment": ["float32", [4], PREFIX + "no-such-segment", 16],
                 "shm_bad_dtype": ["nosuch_dtype", [1024], name, nbytes],
@@ -519,7 +527,7 @@ def test_shm_pool_budget_falls_back_to_frames():
     try:
         enc, dec = Codec(shm=sender), Codec(shm=receiver)
         big = torch.arange(2 * 256 * 1024, dtype=torch.float32)  # 2 MiB > pool budget
-        assert sender.accepts(big) is False
+        assert sender.accepts(big.numel() * 4) is False
         frames = enc.encode(Kind.EVENT, 0, Blob(tensors={"x": big}))
         assert len(frames) == 2 and len(sender._own) == 0
         assert torch.equal(dec.decode(as_zmq_would(frames)).body.tensors["x"], big)
@@ -527,13 +535,13 @@ def test_shm_pool_budget_falls_back_to_frames():
         one = torch.full((256 * 1024,), 4.0)
         held = dec.decode(as_zmq_would(enc.encode(Kind.EVENT, 0, Blob(tensors={"x": one}))))
         assert len(sender._own) == 1
-        assert sender.accepts(one) is False
+        assert sender.accepts(one.numel() * 4) is False
         frames = enc.encode(Kind.EVENT, 0, Blob(tensors={"x": one * 2}))
         assert len(frames) == 2 and len(sender._own) == 1
         assert torch.equal(dec.decode(as_zmq_would(frames)).body.tensors["x"], one * 2)
         assert torch.equal(held.body.tensors["x"], one)
         # small tensors never take the shm path
-        assert sender.accepts(torch.ones(8)) is False
+        assert sender.accepts(torch.ones(8).numel() * 4) is False
         del held
     finally:
         sender.close()
@@ -554,7 +562,7 @@ def test_shm_refuses_foreign_segment_names(shm_pair):
 
 def test_shm_reference_larger_than_segment_is_refused(shm_pair):
     sender, receiver = shm_pair
-    name, _ = sender.put(torch.ones(1024))
+    name, _ = sender.put(tensor_frame(torch.ones(1024)))
     frames = [header_with_ext(EXT_SHM, ["float32", [1 << 28], name, 1 << 30])]
     err = wire_error(Codec(shm=receiver), frames)
     assert err.code == ErrorCode.UNDECODABLE

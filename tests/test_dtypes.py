@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from safetensors.torch import save
 
 from transport.dtypes import (
     MODEL_DTYPES,
+    NUMPY_DTYPES,
     SAFETENSORS_DTYPES,
     TORCH_DTYPES,
     dtype_name,
@@ -17,6 +20,7 @@ from transport.dtypes import (
     model_dtype,
     safetensors_dtype,
     torch_dtype,
+    wire_itemsize,
 )
 
 
@@ -59,3 +63,23 @@ def test_safetensors_codes_match_the_files_safetensors_writes():
 def test_numpy_support():
     assert has_numpy(torch.float32) and has_numpy(torch.int64) and has_numpy(torch.float16)
     assert not has_numpy(torch.bfloat16) and not has_numpy(torch.float8_e5m2)
+
+
+def test_wire_tables_agree_with_torch_and_numpy():
+    """The torch-free tables the codec reads agree with torch's dtypes and numpy's."""
+    for name, dtype in TORCH_DTYPES.items():
+        assert wire_itemsize(name) == dtype.itemsize, name
+    for name, np_dtype in NUMPY_DTYPES.items():
+        assert has_numpy(TORCH_DTYPES[name])
+        assert torch.zeros(2, dtype=TORCH_DTYPES[name]).numpy().dtype == np_dtype
+    assert wire_itemsize("nosuch") is None
+
+
+def test_light_actors_do_not_import_torch():
+    """The buffer and the router (and every actor process's entry) move numpy arrays only, so
+    they start without importing torch (~1-2 s and ~230 MB each)."""
+    code = ("import sys, runtime.child, actors.buffer, actors.router, transport.rpc; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -17,16 +17,19 @@ and `decode` raises nothing but WireError.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import numpy as np
-import torch
 
-from transport.dtypes import TORCH_DTYPES, dtype_name, has_numpy
-from transport.schema import PROTOCOL_VERSION, ErrorCode, Header, Kind, Msg
+from transport.dtypes import NUMPY_DTYPES, torch_dtype, wire_itemsize
+from transport.schema import PROTOCOL_VERSION, ErrorCode, Header, Kind, Msg, Tensor
+
+if TYPE_CHECKING:
+    import torch
 
 EXT_TENSOR = 1  # payload: [dtype, shape, frame_index]
 EXT_SHM = 2  # payload: [dtype, shape, segment, nbytes]
@@ -75,29 +78,37 @@ class Decoded:
     body: Msg
 
 
-def tensor_frame(t: torch.Tensor) -> Any:
-    """The tensor's bytes as a buffer zmq can send without copying (contiguous, on CPU)."""
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy()
+def _torch_tensor(obj: Any) -> bool:
+    """Whether `obj` is a torch tensor (never imports torch: without it, nothing is one)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def as_tensor(obj: torch.Tensor | np.ndarray) -> torch.Tensor:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if obj.dtype == object or obj.dtype.kind in "USVmM":
-        raise TypeError(f"numpy dtype {obj.dtype} cannot travel as a tensor frame")
-    return torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
+def flat_bytes(obj: Any) -> tuple[str, list[int], Any]:
+    """(dtype name, shape, bytes) of a torch tensor or numpy array; the bytes are a flat uint8
+    array over its (contiguous, CPU) memory, or b"" when it is empty. TypeError for anything that
+    cannot travel as a tensor frame."""
+    if isinstance(obj, np.ndarray):
+        name = obj.dtype.name
+        if name not in NUMPY_DTYPES or not obj.dtype.isnative:
+            raise TypeError(f"numpy dtype {obj.dtype} cannot travel as a tensor frame")
+        shape = list(obj.shape)
+        flat = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+    elif _torch_tensor(obj):
+        import torch
+
+        t = obj.cpu() if obj.device.type != "cpu" else obj
+        t = t.resolve_conj().resolve_neg().contiguous()
+        name, shape = str(t.dtype).removeprefix("torch."), list(t.shape)
+        flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None
+    else:
+        raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+    return name, shape, flat if flat is not None and flat.size else b""
 
 
-def wire_dtype(name: Any) -> torch.dtype:
-    tdtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
-    if tdtype is None:
-        raise WireError(ErrorCode.UNDECODABLE, f"unknown dtype {name!r}")
-    return tdtype
+def tensor_frame(t: Any) -> Any:
+    """The tensor's (or array's) bytes as a buffer zmq can send without copying."""
+    return flat_bytes(t)[2]
 
 
 def checked_numel(shape: Any) -> int:
@@ -109,19 +120,59 @@ def checked_numel(shape: Any) -> int:
     return numel
 
 
+def checked_nbytes(dtype: Any, shape: Any) -> int:
+    """Bytes of a `dtype`-`shape` tensor; WireError for an unknown dtype or a bad shape."""
+    size = wire_itemsize(dtype) if isinstance(dtype, str) else None
+    if size is None:
+        raise WireError(ErrorCode.UNDECODABLE, f"unknown dtype {dtype!r}")
+    return checked_numel(shape) * size
+
+
+class WireArray:
+    """A received tensor before its field's type is known: its bytes (a view over the frame or a
+    shared-memory segment), dtype name and shape, checked to agree. The decoder turns it into a
+    numpy array (`np.ndarray` fields) or a torch tensor (`Tensor` fields, importing torch then)."""
+
+    __slots__ = ("buf", "dtype", "shape")
+
+    def __init__(self, buf: Any, dtype: Any, shape: Any):
+        nbytes = checked_nbytes(dtype, shape)
+        got = buf.nbytes if isinstance(buf, (memoryview, np.ndarray)) else len(buf)
+        if got != nbytes:
+            raise WireError(ErrorCode.UNDECODABLE, f"tensor frame holds {got} bytes, "
+                            f"{dtype}{list(shape)} needs {nbytes}")
+        self.buf, self.dtype, self.shape = buf, dtype, tuple(shape)
+
+    def _writable(self) -> Any:
+        buf = self.buf
+        return memoryview(bytearray(buf)) if isinstance(buf, memoryview) and buf.readonly \
+            else buf
+
+    def numpy(self) -> np.ndarray:
+        dtype = NUMPY_DTYPES.get(self.dtype)
+        if dtype is None:
+            raise ValueError(f"{self.dtype} has no numpy equivalent; declare the field "
+                             f"torch.Tensor")
+        if 0 in self.shape:
+            return np.empty(self.shape, dtype=dtype)
+        if isinstance(self.buf, np.ndarray):  # a shared-memory view: keeps its segment mapped
+            return self.buf.view(dtype).reshape(self.shape)
+        return np.frombuffer(self._writable(), dtype=dtype).reshape(self.shape)
+
+    def torch(self) -> torch.Tensor:
+        import torch
+
+        tdtype = torch_dtype(self.dtype)
+        if 0 in self.shape:
+            return torch.empty(self.shape, dtype=tdtype)
+        if isinstance(self.buf, np.ndarray):  # a shared-memory view: keeps its segment mapped
+            return torch.from_numpy(self.buf).view(tdtype).reshape(self.shape)
+        return torch.frombuffer(self._writable(), dtype=tdtype).reshape(self.shape)
+
+
 def tensor_from_buffer(buf: memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
     """Zero-copy view of `buf` as a tensor; raises WireError if the sizes disagree."""
-    tdtype = wire_dtype(dtype)
-    numel = checked_numel(shape)
-    if buf.nbytes != numel * tdtype.itemsize:
-        raise WireError(ErrorCode.UNDECODABLE,
-                        f"tensor frame holds {buf.nbytes} bytes, {dtype}{list(shape)} needs "
-                        f"{numel * tdtype.itemsize}")
-    if numel == 0:
-        return torch.empty(tuple(shape), dtype=tdtype)
-    if buf.readonly:
-        buf = memoryview(bytearray(buf))
-    return torch.frombuffer(buf, dtype=tdtype).reshape(tuple(shape))
+    return WireArray(buf, dtype, list(shape)).torch()
 
 
 class Codec:
@@ -148,16 +199,15 @@ class Codec:
             self._out = []
 
     def _enc_hook(self, obj: Any) -> Any:
-        if not isinstance(obj, (torch.Tensor, np.ndarray)):
+        if not isinstance(obj, np.ndarray) and not _torch_tensor(obj):
             raise NotImplementedError(f"cannot encode {type(obj).__name__} on the wire")
-        t = as_tensor(obj)
-        shape = list(t.shape)
-        if self.shm is not None and self.shm.accepts(t):
-            ref = self.shm.put(t)
-            return msgspec.msgpack.Ext(EXT_SHM, self._ext_encoder.encode([dtype_name(t.dtype), shape, *ref]))
+        name, shape, flat = flat_bytes(obj)
+        if self.shm is not None and self.shm.accepts(len(flat)):
+            ref = self.shm.put(flat)
+            return msgspec.msgpack.Ext(EXT_SHM, self._ext_encoder.encode([name, shape, *ref]))
         index = len(self._out)
-        self._out.append(tensor_frame(t))
-        return msgspec.msgpack.Ext(EXT_TENSOR, self._ext_encoder.encode([dtype_name(t.dtype), shape, index]))
+        self._out.append(flat)
+        return msgspec.msgpack.Ext(EXT_TENSOR, self._ext_encoder.encode([name, shape, index]))
 
     # -------------------------------------------------------------------------------- decode
     def decode(self, frames: Sequence[Any]) -> Decoded:
@@ -215,7 +265,7 @@ class Codec:
                             f"actor speaks {PROTOCOL_VERSION}")
         return header
 
-    def _ext_hook(self, code: int, data: memoryview) -> torch.Tensor:
+    def _ext_hook(self, code: int, data: memoryview) -> WireArray:
         try:
             if code not in _EXT_META:
                 raise WireError(ErrorCode.UNDECODABLE, f"unsupported extension code {code}")
@@ -225,9 +275,9 @@ class Codec:
                 index = meta[2]
                 if not 0 <= index < len(self._in) - 1:
                     raise WireError(ErrorCode.TRUNCATED, f"tensor frame {index} is missing")
-                return tensor_from_buffer(self._in[1 + index], dtype, shape)
+                return WireArray(self._in[1 + index], dtype, shape)
             if code == EXT_SHM and self.shm is not None:
-                return self.shm.get(dtype, shape, meta[2:])
+                return self.shm.get_raw(dtype, shape, meta[2:])
         except WireError:
             raise
         except (msgspec.DecodeError, LookupError, TypeError, ValueError, RuntimeError,
@@ -237,14 +287,17 @@ class Codec:
 
     @staticmethod
     def _dec_hook(tp: type, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if tp is torch.Tensor:
-                return obj
+        if isinstance(obj, WireArray):
             if tp is np.ndarray:
-                if not has_numpy(obj.dtype):
-                    raise ValueError(f"{obj.dtype} has no numpy equivalent; declare the field torch.Tensor")
                 return obj.numpy()
+            if tp is Tensor or _torch_tensor_type(tp):
+                return obj.torch()
         raise NotImplementedError(f"cannot decode {type(obj).__name__} as {tp}")
+
+
+def _torch_tensor_type(tp: type) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and tp is torch.Tensor
 
 
 def _view(frame: Any) -> memoryview:

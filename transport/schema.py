@@ -11,11 +11,24 @@ the HELLO/WELCOME handshake and stamped on every header.
 from __future__ import annotations
 
 import enum
-from typing import Union
+import sys
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
+else:
+    class _TensorType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            torch = sys.modules.get("torch")
+            return torch is not None and isinstance(obj, torch.Tensor)
+
+    class Tensor(metaclass=_TensorType):
+        """A field's type: decoded as a torch.Tensor (torch imported then, not with this module;
+        fields of numpy arrays are `np.ndarray`); `isinstance(t, Tensor)` for torch tensors."""
+
 
 # 2: Sample.teacher_topk_ids / teacher_topk_logprobs are arrays (tensor frames), not nested lists
 # (Sample.rollout_nucleus_* came later as optional fields: a peer without them ignores them and
@@ -312,12 +325,12 @@ class LoadCheckpointReply(Msg):
 class Scale(Msg):
     """Demo request: multiply a tensor; the reply carries the product and its sum."""
 
-    tensor: torch.Tensor
+    tensor: Tensor
     factor: float
 
 
 class ScaleReply(Msg):
-    tensor: torch.Tensor
+    tensor: Tensor
     total: float
 
 
@@ -332,7 +345,7 @@ class WorkItem(Msg):
 class Blob(Msg):
     """A named bag of tensors; used by the transport benchmark and tests."""
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Tensor] = {}
     arrays: dict[str, np.ndarray] = {}
     payload: bytes = b""
 

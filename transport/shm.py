@@ -21,12 +21,15 @@ import os
 import secrets
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
 
-from transport.codec import checked_numel, wire_dtype
+from transport.codec import WireArray, checked_nbytes
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rlx-"
@@ -70,18 +73,20 @@ class ShmChannel:
         self._tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
 
     # ------------------------------------------------------------------------ sender side
-    def accepts(self, t: torch.Tensor) -> bool:
-        nbytes = t.numel() * t.element_size()
+    def accepts(self, nbytes: int) -> bool:
+        """Whether a tensor of `nbytes` bytes goes through a segment (else as a frame)."""
         if not self.enabled or nbytes < self.config.min_bytes:
             return False
         return self._free_segment(nbytes) is not None or self._can_grow(nbytes)
 
-    def put(self, t: torch.Tensor) -> list:
-        nbytes = t.numel() * t.element_size()
+    def put(self, flat: Any) -> list:
+        """Copy `flat` (a tensor's bytes: a uint8 array, `codec.flat_bytes`) into a free segment;
+        the reference [segment name, byte count] the header carries."""
+        nbytes = len(flat)
         seg = self._free_segment(nbytes) or self._grow(nbytes)
         seg.mm[0] = BUSY
         dst = np.frombuffer(seg.mm, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
-        torch.from_numpy(dst).copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+        dst[:] = flat
         del dst
         return [seg.name, nbytes]
 
@@ -108,10 +113,11 @@ class ShmChannel:
         return seg
 
     # ------------------------------------------------------------------------ receiver side
-    def get(self, dtype: str, shape: list[int], ref: list) -> torch.Tensor:
+    def get_raw(self, dtype: str, shape: list[int], ref: list) -> WireArray:
+        """The referenced bytes as a view (no copy); the segment is marked free once every view
+        of them is gone. ValueError for a foreign name or sizes that disagree."""
         name, nbytes = ref
-        tdtype = wire_dtype(dtype)
-        if not isinstance(nbytes, int) or checked_numel(shape) * tdtype.itemsize != nbytes:
+        if not isinstance(nbytes, int) or checked_nbytes(dtype, shape) != nbytes:
             raise ValueError(f"{dtype}{shape} does not fill {nbytes!r} bytes")
         if not (isinstance(name, str) and name.startswith(PREFIX) and "/" not in name):
             raise ValueError(f"refusing shared-memory segment name {name!r}")
@@ -120,9 +126,11 @@ class ShmChannel:
             raise ValueError(f"segment {name} holds {len(mm)} bytes, reference needs {nbytes}")
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
         weakref.finalize(arr, _release, mm)
-        if nbytes == 0:
-            return torch.empty(tuple(shape), dtype=tdtype)
-        return torch.from_numpy(arr).view(tdtype).reshape(tuple(shape))
+        return WireArray(arr, dtype, shape)
+
+    def get(self, dtype: str, shape: list[int], ref: list) -> torch.Tensor:
+        """`get_raw` as a torch tensor."""
+        return self.get_raw(dtype, shape, ref).torch()
 
     def _map(self, name: str) -> mmap.mmap:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
