@@ -68,8 +68,8 @@ class PinnedArena:
         free = os.statvfs(SHM_DIR)
         if free.f_bavail * free.f_frsize < nbytes:
             raise HostBudgetError(
-                f"{SHM_DIR} has {free.f_bavail * free.f_frsize / 2**30:.2f} GiB free, the host tier "
-                f"budget asks {nbytes / 2**30:.2f} GiB: lower host_budget_bytes or enlarge "
+                f"{SHM_DIR} has {free.f_bavail * free.f_frsize / 2**30:.2f} GiB free, the host "
+                f"tier budget asks {nbytes / 2**30:.2f} GiB: lower host_budget_bytes or enlarge "
                 f"{SHM_DIR}")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -106,8 +106,9 @@ class PinnedArena:
         start = self._first_fit(nbytes)
         if start is None:
             raise HostBudgetError(
-                f"host tier: {tag!r} needs {nbytes / 2**20:.1f} MiB, {self.free_bytes() / 2**20:.1f}"
-                f" MiB free of {self.nbytes / 2**20:.1f} MiB (held by {sorted(self.regions)})")
+                f"host tier: {tag!r} needs {nbytes / 2**20:.1f} MiB, "
+                f"{self.free_bytes() / 2**20:.1f} MiB free of {self.nbytes / 2**20:.1f} MiB "
+                f"(held by {sorted(self.regions)})")
         self.regions[tag] = Region(start, nbytes)
         return self.regions[tag]
 

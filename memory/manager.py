@@ -11,6 +11,14 @@ Operations, with the meaning of slime's TensorBackuper where the names match:
   copy event only, never on the whole device); `run(order, fn)` runs a declared switch order with
   the planner's Belady eviction and prefetch one or more switches ahead.
 
+A set registered with a `source` (its checkpoint) is loaded from it with `load_source`: into a
+host region, or streamed chunk by chunk straight into an NVMe file (`to_tier="nvme"`: no copy in
+host memory; see memory/sources.py for the bound). The source stays registered: a chunk that
+fails its checksum on a later NVMe read is reloaded from there and the file rewritten (warning,
+`checksum_reloads`). A set whose host region is dropped goes to NVMe once if it is not there yet
+(its source too: later reads are the NVMe tier's O_DIRECT, checksummed ones); without an NVMe
+directory a set with a source is read from the source again.
+
 On CUDA, H2D and D2H run on two dedicated streams ordered by events: a slot is overwritten only
 after the compute that last read it (its release event), and compute on a set starts only after
 its copy event. On a CPU-only machine the "GPU" tier is the CPU device and copies run on a thread,
@@ -38,7 +46,7 @@ from memory.host import PinnedArena, Region
 from memory.layout import FlatLayout, bind, module_tensors, pack
 from memory.nvme import ChecksumError, NvmeStore
 from memory.planner import Plan, check_sizes, plan_switches
-from memory.sources import read_source
+from memory.sources import read_source, source_pieces
 from memory.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -80,8 +88,11 @@ class WeightMemory:
         self.sets: dict[str, WeightSet] = {}
         self.counters = {"sync_fallbacks": 0, "gpu_loads": 0, "host_loads": 0,
                          "checksum_reloads": 0}
-        # two pools, so that a copy waiting for its disk read never holds the thread the read needs
-        self._disk = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightmem-disk")
+        # two pools, so that a copy waiting for its disk read never holds the thread the read needs;
+        # disk reads one set at a time, in the order issued (the plan's order of need: a set
+        # needed soon never shares the disk with one needed later; each read has `num_readers`
+        # chunks in flight)
+        self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-disk")
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-h2d")
         self._lock = threading.RLock()
         self.gds, self.gds_error = None, ""
@@ -117,6 +128,32 @@ class WeightMemory:
         """Register a set from a state dict and place it on the host tier."""
         ws = self.register(tag, FlatLayout.from_state_dict(tensors), source)
         pack(tensors, self.reserve_host(tag), ws.layout)
+        return ws
+
+    def load_source(self, tag: str, layout: FlatLayout, source: str, to_tier: str = "host",
+                    progress: Callable[[int, int], None] | None = None) -> WeightSet:
+        """Register a set whose canonical copy is the checkpoint `source` and read it: into a
+        host region (`to_tier="host"`), or straight into the NVMe tier (`"nvme"`: streamed,
+        about three chunks of host memory, never a copy of the set). On any failure the set is
+        not registered. Registering (and the budget checks) happen before anything is read."""
+        if to_tier not in ("host", "nvme"):
+            raise ValueError(f"to_tier = {to_tier!r}; use 'host' or 'nvme'")
+        if to_tier == "nvme" and self.store is None:
+            raise ValueError("loading to the NVMe tier needs an NVMe directory (nvme_dir)")
+        ws = self.register(tag, layout, source)
+        t0 = self.timeline.now()
+        try:
+            if to_tier == "host":
+                read_source(source, self.reserve_host(tag), layout, progress)
+            else:
+                self.store.write_stream(tag, layout, source_pieces(
+                    source, layout, self.store.chunk_bytes), source, progress)
+        except BaseException:
+            self.arena.free(tag)
+            del self.sets[tag]
+            raise
+        self.timeline.add("disk", tag, "disk", t0, nbytes=layout.total_bytes, src="source",
+                          dst=to_tier)
         return ws
 
     def reserve_host(self, tag: str) -> torch.Tensor:
@@ -312,10 +349,19 @@ class WeightMemory:
         except ChecksumError as e:
             if not ws.source:
                 raise
-            log.warning("%s; reloading %r from %s", e, ws.tag, ws.source)
-            self.counters["checksum_reloads"] += 1
+            self._repair(ws, e)
+
+    def _repair(self, ws: WeightSet, error: ChecksumError) -> None:
+        """The set's host region from its source, and its NVMe file rewritten from that."""
+        log.warning("%s; reloading %r from its source %s and rewriting its NVMe file", error,
+                    ws.tag, ws.source)
+        self.counters["checksum_reloads"] += 1
+        try:
             read_source(ws.source, self.arena.view(ws.region), ws.layout)
-            self.store.write(ws.tag, self.arena.view(ws.region), ws.layout, ws.source)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"weight set {ws.tag!r}: an NVMe chunk failed its checksum and its "
+                             f"source {ws.source} cannot be read: {e}") from error
+        self.store.write(ws.tag, self.arena.view(ws.region), ws.layout, ws.source)
 
     def _to_gpu(self, ws: WeightSet) -> Future:
         with self._lock:
@@ -439,9 +485,9 @@ class WeightMemory:
             ws.copy_future.result()
         if ws.ready is not None and self.cuda:
             ws.ready.synchronize()  # an H2D may still be reading the region
-        has_copy = ws.source or (self.store is not None and self.store.has(ws.tag))
-        if not has_copy:
-            self.spill(ws.tag)
+        on_nvme = self.store is not None and self.store.has(ws.tag)
+        if not on_nvme and (self.store is not None or not ws.source):
+            self.spill(ws.tag)  # once: later reads are NVMe's; a source stays for repairs
         self.arena.free(ws.tag)
         ws.region, ws.host_ready = None, None
 

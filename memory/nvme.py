@@ -2,9 +2,13 @@
 
 `<root>/<tag>.bin` holds the flat buffer (whole pages), `<tag>.json` its manifest: layout,
 chunk size, CRC-32 of every chunk, and the source checkpoint it came from (so a corrupted chunk
-can be reloaded from there). Reads use O_DIRECT (no page-cache copy) into page-aligned buffers,
-with several chunk reads in flight on a thread pool (the syscalls release the GIL); where
-O_DIRECT is refused (tmpfs, a misaligned buffer) the same code reads buffered and says so.
+can be reloaded from there). A set is written from a flat buffer (`write`) or streamed from its
+checkpoint piece by piece through one chunk-sized staging buffer (`write_stream`: a teacher
+beyond the host budget goes from its checkpoint to this tier without a copy in host memory).
+Written pages are dropped from the page cache after the sync. Reads use O_DIRECT (no page-cache
+copy) into page-aligned buffers, with several chunk reads in flight on a thread pool (the
+syscalls release the GIL); where O_DIRECT is refused (tmpfs, a misaligned buffer) the same code
+reads buffered and says so.
 
 Invariant: a manifest is written only after its data file is complete and synced, and removed
 before a data file is replaced, so a reader never sees a half-written set: a missing manifest
@@ -19,7 +23,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,25 +97,55 @@ class NvmeStore:
     # ---- write ---------------------------------------------------------------------------
     def write(self, tag: str, buffer: torch.Tensor, layout: FlatLayout, source: str = "") -> None:
         """Store a CPU flat buffer; on any failure nothing readable is left behind."""
+        data = buffer[:layout.total_bytes]
+        self._write_chunks(tag, layout, (data[off:off + n] for off, n in
+                                         layout.chunks(self.chunk_bytes)), source)
+
+    def write_stream(self, tag: str, layout: FlatLayout,
+                     pieces: Iterable[tuple[int, torch.Tensor]], source: str = "",
+                     progress: Callable[[int, int], None] | None = None) -> None:
+        """Store a set given as pieces (byte offset in the flat buffer, uint8 CPU bytes), in
+        increasing offset order (memory/sources.py `source_pieces`: a checkpoint streamed
+        straight here). They are assembled chunk by chunk in one staging buffer of `chunk_bytes`,
+        so the set never exists whole in memory; bytes no piece covers are zeros."""
+        self._write_chunks(tag, layout, _assemble(layout, pieces, self.chunk_bytes), source,
+                           progress)
+
+    def drop_cache(self, tag: str) -> None:
+        """Ask the kernel to drop the set's file from the page cache (clean pages only), so a
+        read that cannot use O_DIRECT still comes from the disk."""
+        fd = os.open(self.data_path(tag), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def _write_chunks(self, tag: str, layout: FlatLayout, chunks: Iterable[torch.Tensor],
+                      source: str, progress: Callable[[int, int], None] | None = None) -> None:
         free = shutil.disk_usage(self.root).free
         if free < layout.total_bytes:
             raise DiskFullError(errno.ENOSPC, f"NVMe tier {self.root}: {tag!r} needs "
-                                f"{layout.total_bytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free")
+                                f"{layout.total_bytes / 2**20:.1f} MiB, "
+                                f"{free / 2**20:.1f} MiB free")
         self.manifest_path(tag).unlink(missing_ok=True)  # the old set is gone from here on
         tmp = self.data_path(tag).with_suffix(".bin.tmp")
-        data = buffer[:layout.total_bytes].numpy()
-        sums = []
+        sums, done = [], 0
         try:
             with open(tmp, "wb") as f:
-                for off, n in layout.chunks(self.chunk_bytes):
-                    piece = memoryview(data[off:off + n])
+                for chunk in chunks:
+                    piece = memoryview(chunk.numpy())
                     sums.append(zlib.crc32(piece))
                     f.write(piece)
+                    done += len(piece)
+                    if progress is not None:
+                        progress(done, layout.total_bytes)
                 f.flush()
                 os.fsync(f.fileno())
-        except OSError as e:
+                # written pages leave the page cache: later reads come from the disk
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
-            if e.errno == errno.ENOSPC:
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise DiskFullError(errno.ENOSPC, f"NVMe tier {self.root} is full while writing "
                                     f"{tag!r}; the partial file was removed") from e
             raise
@@ -161,6 +195,34 @@ class NvmeStore:
         if bad:
             raise min(bad, key=lambda e: getattr(e, "offset", 0))
         return stats
+
+
+def _assemble(layout: FlatLayout, pieces: Iterable[tuple[int, torch.Tensor]], chunk_bytes: int
+              ) -> Iterator[torch.Tensor]:
+    """The chunks of `layout.chunks(chunk_bytes)` in order, filled from `pieces`, each yielded
+    from one reused staging buffer (written out before the next one is assembled)."""
+    chunks = layout.chunks(chunk_bytes)
+    staging = torch.zeros(chunk_bytes, dtype=torch.uint8)
+    index, end = 0, 0  # the chunk being assembled; the end of the last piece
+    for offset, piece in pieces:
+        if offset < end or offset + piece.numel() > layout.total_bytes:
+            raise ValueError(f"piece at byte {offset} ({piece.numel()} bytes) is out of order or "
+                             f"past the layout's {layout.total_bytes} bytes")
+        pos, n = 0, piece.numel()
+        while pos < n:
+            start, size = chunks[index]
+            if offset + pos >= start + size:  # the piece begins past this chunk: it is complete
+                yield staging[:size]
+                staging.zero_()
+                index += 1
+                continue
+            take = min(n - pos, start + size - offset - pos)
+            staging[offset + pos - start:offset + pos - start + take].copy_(piece[pos:pos + take])
+            pos += take
+        end = offset + n
+    for i in range(index, len(chunks)):
+        yield staging[:chunks[i][1]]
+        staging.zero_()
 
 
 def _open_for_read(path: Path, buffer_ptr: int) -> tuple[int, bool]:

@@ -10,13 +10,20 @@ A step declares its switch order up front (for example teacher-ordered micro-bat
   or over a set needed later than it; the set being computed on is never a victim. When Belady's
   victim would be exactly that busy set, prefetch evicts the next-furthest one instead: one more
   load than the optimum (hidden behind compute) in exchange for a switch that does not wait.
-  With `lookahead = 0` (demand only) the plan is Belady's and makes the optimal number of loads.
+  With `lookahead = 0` (demand only, on both tiers) the plan is Belady's and makes the optimal
+  number of loads.
 - Host: a byte budget. A set must be on the host before it can go to the GPU; host loads come from
   NVMe. The tiers are not inclusive: a set on the GPU may leave the host (its canonical copy is
   on NVMe or in its source checkpoint), so a small host budget still stages the next set while the
-  current one computes. Eviction by furthest
-  next use until the new set fits (with unequal sizes this is the standard heuristic, not proven
-  optimal). Host loads are issued one switch earlier than GPU loads, since disk is the slowest.
+  current one computes. A host copy is needed only for a GPU load: a set in a slot that Belady
+  keeps there through its uses in the declared order (fewer sets to load before each use than
+  slots held by sets needed later) does not need its host copy, which is then the first victim.
+  Eviction by furthest such need until the new set fits (with unequal sizes this is the standard
+  heuristic, not proven optimal). Disk being the slowest tier, host loads run as far ahead as the
+  budget allows, in order of need: at each switch, the next sets that are in neither tier are
+  loaded to the host while room can be made from sets needed later than them (never from sets
+  being copied to a slot at that switch). With a hint of the next step's order this starts the
+  next step's disk reads during this step's last computes.
 
 Invariant: at no point of a plan does a tier hold more than its budget, and a set larger than a
 tier's budget is refused before anything runs, with the numbers.
@@ -75,11 +82,19 @@ def check_sizes(sizes: dict[str, int], slot_bytes: int, host_budget_bytes: int) 
 
 
 class _Tier:
-    """Residency of one tier during planning, with its budget (slots or bytes)."""
+    """Residency of one tier during planning, with its budget (slots or bytes). The host tier
+    knows the GPU tier (`gpu`): a set's host copy is needed only for its GPU loads."""
 
-    def __init__(self, name: str, capacity: float, sizes: dict[str, int], resident: Sequence[str]):
+    def __init__(self, name: str, capacity: float, sizes: dict[str, int], resident: Sequence[str],
+                 gpu: _Tier | None = None):
         self.name, self.capacity, self.sizes = name, capacity, sizes
         self.resident: list[str] = list(resident)
+        self.gpu = gpu
+
+    def next_need(self, order: Sequence[str], now: int, tag: str) -> float:
+        if self.gpu is None:
+            return next_use(order, now, tag)
+        return host_need(order, now, tag, self.gpu.resident, self.gpu.capacity)
 
     def used(self) -> float:
         return len(self.resident) if self.name == "gpu" else sum(self.sizes[t] for t in
@@ -97,8 +112,8 @@ class _Tier:
             cands = [t for t in self.resident if t not in keep and t not in evicted]
             if not cands:
                 return None
-            victim = max(cands, key=lambda t: (next_use(order, now, t), t))
-            if next_use(order, now, victim) <= limit:
+            victim = max(cands, key=lambda t: (self.next_need(order, now, t), t))
+            if self.next_need(order, now, victim) <= limit:
                 return None
             evicted.append(victim)
         for t in evicted:
@@ -117,7 +132,7 @@ def plan_switches(order: Sequence[str], sizes: dict[str, int], gpu_slots: int,
     if unknown:
         raise ValueError(f"switch order names unregistered weight sets {unknown}")
     gpu = _Tier("gpu", gpu_slots, sizes, gpu_resident)
-    host = _Tier("host", host_budget_bytes, sizes, host_resident)
+    host = _Tier("host", host_budget_bytes, sizes, host_resident, gpu)
     steps = [Step(tag) for tag in order]
     for i, tag in enumerate(order):
         step = steps[i]
@@ -131,7 +146,8 @@ def plan_switches(order: Sequence[str], sizes: dict[str, int], gpu_slots: int,
             if nxt in gpu.resident:
                 continue
             if nxt not in host.resident:
-                acts = _load(host, nxt, order, i + 1, keep={nxt}, prefetch=True, limit=j)
+                acts = _load(host, nxt, order, i + 1, keep=_copying(step) | {nxt},
+                             prefetch=True, limit=j)
                 if acts is None:
                     break
                 step.prefetch += acts
@@ -139,13 +155,47 @@ def plan_switches(order: Sequence[str], sizes: dict[str, int], gpu_slots: int,
             if acts is None:
                 break
             step.prefetch += acts
-        # the host side runs one switch further ahead: disk is the slowest tier
-        far = i + 1 + lookahead
-        if far < len(order) and order[far] not in host.resident:
-            acts = _load(host, order[far], order, i + 1,
-                         keep=set(order[i + 1:far + 1]), prefetch=True, limit=far)
-            step.prefetch += acts or []
+        if lookahead:
+            step.prefetch += _host_ahead(host, order, i, _copying(step))
     return Plan(steps)
+
+
+def _host_ahead(host: _Tier, order: Sequence[str], i: int, busy: set[str]) -> list[Action]:
+    """Host loads issued at switch i for the next sets that need one, in order of need, while
+    room can be made from sets needed later (the disk is the slowest tier) and not in `busy`."""
+    out: list[Action] = []
+    for k in range(i + 1, len(order)):
+        tag = order[k]
+        if tag in host.resident or host.next_need(order, i + 1, tag) > k:
+            continue  # on the host, or in a slot that keeps it until its use at k
+        acts = _load(host, tag, order, i + 1, keep=busy | {tag} | {a.tag for a in out},
+                     prefetch=True, limit=k)
+        if acts is None:
+            break
+        out += acts
+    return out
+
+
+def _copying(step: Step) -> set[str]:
+    """Sets this switch starts copying to a slot: their host copies are being read."""
+    return {a.tag for a in step.prefetch if a.op == "load" and a.tier == "gpu"}
+
+
+def host_need(order: Sequence[str], now: int, tag: str, gpu_resident: Sequence[str],
+              gpu_slots: float) -> float:
+    """When the host copy of `tag` is next needed (for a GPU load): its next use, unless it is
+    in a slot now and Belady keeps it there through its uses in `order`, then never."""
+    j = next_use(order, now, tag)
+    if tag not in gpu_resident:
+        return j
+    start = now
+    while j != math.inf:
+        loads = {t for t in order[start:j] if t not in gpu_resident}
+        later = sum(1 for t in gpu_resident if t != tag and next_use(order, start, t) > j)
+        if len(loads) > gpu_slots - len(gpu_resident) + later:
+            return j  # evicted before its use at j: a load (from the host) then
+        start, j = j + 1, next_use(order, j + 1, tag)
+    return math.inf
 
 
 def _load(tier: _Tier, tag: str, order: Sequence[str], now: int, keep: set[str],

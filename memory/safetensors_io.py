@@ -4,11 +4,13 @@ Role: a checkpoint is a `.safetensors` file, or a directory holding either a Hug
 `model.safetensors.index.json` (its `weight_map` names the shards) or `*.safetensors` files (one
 `model.safetensors`, or shards without an index). `safetensors_files` resolves it, `read_header`
 and `safetensors_shapes` read headers only (no tensor bytes), `iter_safetensors` yields one tensor
-at a time (for copying into a preallocated buffer), `load_safetensors` returns {name: tensor},
-optionally only some names, on a device, in a dtype, and `read_safetensors_into` reads a
-checkpoint straight into existing tensors (the engine's /update_weights_from_disk: the live
-model's parameters, no second copy). Used by the weight memory (memory/), the engine's
-/update_weights_from_disk and the trainer's resume.
+at a time (for copying into a preallocated buffer), `tensor_extents` gives where each tensor's
+bytes lie in its file (checked against the file's size: for reading a tensor in pieces with
+plain reads, as memory/sources.py does to stream a checkpoint with bounded memory),
+`load_safetensors` returns {name: tensor}, optionally only some names, on a device, in a dtype,
+and `read_safetensors_into` reads a checkpoint straight into existing tensors (the engine's
+/update_weights_from_disk: the live model's parameters, no second copy). Used by the weight
+memory (memory/), the engine's /update_weights_from_disk and the trainer's resume.
 Invariant: a missing or malformed checkpoint (no such path, no safetensors in the directory, an
 index naming a missing shard, a corrupt header, a name asked for that no file holds, a name held
 twice) raises ValueError naming the path and what was expected; nothing is read partially silently.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,6 +83,36 @@ def safetensors_shapes(path: str | Path) -> list[tuple[str, torch.dtype, tuple[i
         for name, (dtype, shape) in read_header(f).items():
             _check_once(name, seen, path)
             out.append((name, dtype, shape))
+    return out
+
+
+@dataclass(frozen=True)
+class TensorExtent:
+    """Where one tensor's bytes lie: `nbytes` from byte `offset` of `file` (row-major)."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def tensor_extents(path: str | Path) -> dict[str, TensorExtent]:
+    """{name: TensorExtent} of every tensor of the checkpoint, file by file in data order;
+    headers only. ValueError naming the file for a tensor whose byte range disagrees with its
+    dtype and shape or lies past the end of the file (a truncated file)."""
+    out: dict[str, TensorExtent] = {}
+    seen: set[str] = set()
+    for f in safetensors_files(path):
+        start, entries = _data_offsets(f)
+        size = f.stat().st_size
+        for name, (dtype, shape, begin, end) in entries.items():
+            _check_once(name, seen, path)
+            want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if end - begin != want or start + end > size:
+                raise ValueError(f"{f}: {name} is bytes {begin}..{end} of the data section "
+                                 f"({want} expected) in a file of {size} bytes")
+            out[name] = TensorExtent(f, dtype, shape, start + begin, end - begin)
     return out
 
 

@@ -126,9 +126,11 @@ def test_no_copy_mode_catches_a_modified_tensor():
             model.bias[2] += 1e-3
         with pytest.raises(ChecksumMismatch, match="bias"):
             mem.restore("actor")
-        with torch.no_grad():  # a swap of two words keeps the plain sum; the weighted one catches it
+        # a swap of two words keeps the plain sum; the weighted one catches it
+        with torch.no_grad():
             model.bias[2] -= 1e-3
-            model.weight[0, 0], model.weight[0, 1] = model.weight[0, 1].item(), model.weight[0, 0].item()
+            w = model.weight
+            w[0, 0], w[0, 1] = w[0, 1].item(), w[0, 0].item()
         with pytest.raises(ChecksumMismatch, match="weight"):
             mem.restore("actor")
     finally:
@@ -210,7 +212,8 @@ def test_arena_is_shared_across_processes(tmp_path):
     try:
         r = arena.alloc("t", 1000)
         code = ("import sys, torch; from memory.host import PinnedArena, Region;"
-                f"a = PinnedArena.attach({arena.name!r}); v = a.view(Region({r.offset}, {r.nbytes}));"
+                f"a = PinnedArena.attach({arena.name!r}); "
+                f"v = a.view(Region({r.offset}, {r.nbytes}));"
                 "v[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8); a.close()")
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
         assert arena.view(r)[:4].tolist() == [1, 2, 3, 4]
@@ -272,6 +275,33 @@ def test_budgets_never_exceeded_under_random_workloads():
                         assert a.tag in on_host  # staged on the host first
                 if phase is step.demand:
                     assert step.tag in gpu  # computed on only when resident
+
+
+def test_disk_reads_run_ahead_and_skip_the_host_copies_of_resident_sets():
+    """4 teachers, 2 slots, a host budget of 2: each step leaves 2 teachers in the slots, so 2
+    loads from disk per step is the minimum. With the next step's order as a hint, the planner
+    drops the host copies of the teachers in slots first, reads every teacher from disk before
+    its switch (no demand load), and starts one read of the next step during this one."""
+    sizes = {t: 10 for t in "abcd"}
+    gpu, host = [], ["a"]
+    per_step = []
+    for _ in range(5):
+        order = sorted("abcd", key=lambda t: t not in gpu)  # those in a slot first
+        hint = sorted("abcd", key=lambda t: t not in order[-2:])
+        plan = plan_switches(order + hint, sizes, 2, 20, gpu, host, lookahead=4)
+        steps = plan.steps[:4]
+        loads = [(i, a) for i, s in enumerate(steps) for a in s.demand + s.prefetch
+                 if a.op == "load"]
+        per_step.append((sum(a.tier == "host" for _, a in loads),
+                         sum(a.tier == "gpu" for _, a in loads)))
+        assert all(not s.demand for s in steps[1:])  # nothing waits after the first switch
+        for s in steps:
+            for a in s.demand + s.prefetch:
+                tier = gpu if a.tier == "gpu" else host
+                (tier.append if a.op == "load" else tier.remove)(a.tag)
+        assert set(gpu) == set(order[-2:])
+        assert set(host) - set(gpu)  # a teacher of the next step is already (being) read
+    assert per_step[2:] == [(2, 2)] * 3
 
 
 def test_planner_refuses_a_set_too_large():

@@ -2,7 +2,9 @@
 
 `ColocatedTeachers` holds every teacher as a weight set of `memory.WeightMemory` (tags
 `teacher:<name>`): the device tier has `gpu_slots` fixed slots (fewer than teachers forces
-switching), the host tier a byte budget, the rest waits on NVMe. A teacher computes through a
+switching), the host tier a byte budget, the rest waits on NVMe (loaded within that budget from
+the start, by training/teacher_weights.py: a teacher the host cannot hold goes from its
+checkpoint straight to NVMe, its checkpoint registered as its source). A teacher computes through a
 skeleton of its architecture whose parameters live on the meta device: `torch.func.functional_call`
 runs it on the tensors of whatever slot holds that teacher, so teachers of another size or
 architecture than the student work.
@@ -15,7 +17,8 @@ micro-batch at a time. The micro-batches run in teacher order (`micro_batch_orde
 already in a slot first, then first appearance; a micro-batch holding two teachers between
 them), so each teacher is switched in once per step in the common case, and that switch order is
 declared to the planner before the pass (Belady eviction, the next teacher prefetched while the
-current one computes; the buffer's hint loads the next step's first teacher). A teacher computes
+current one computes; the buffer's hint of the next step's teachers, put in the order that step
+will run them, extends the plan across the step boundary). A teacher computes
 only its own rows of a micro-batch, and only at response positions (its output head sees the
 response positions' hidden states), in its own dtype.
 
@@ -31,7 +34,6 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,11 +47,10 @@ from algos.logprobs import (
 )
 from algos.opd import sampled_log_ratio, token_logprobs_chunked
 from logic.teachers import TeacherSpec, opd_configs, teacher_order
-from memory.layout import FlatLayout, module_tensors
 from memory.manager import WeightMemory
-from models.load import load_model
 from training.batching import MicroBatch
 from training.config import TeacherMemoryConfig, TrainConfig
+from training.teacher_weights import load_teachers, meta_skeleton  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -167,7 +168,11 @@ class TeacherStream:
                     current = name
         self.switches = switches
         memory = owner.memory
-        hint = [f"teacher:{t}" for t in next_teachers if t in owner.specs]
+        # the next step runs the teachers this one leaves in the slots first (teacher_order):
+        # its hint is put in that order, so the plan prefetches what that step loads
+        left = list(dict.fromkeys(reversed(switches)))[:len(memory.slots)]
+        hint = [f"teacher:{t}" for t in sorted(next_teachers, key=lambda t: t not in left)
+                if t in owner.specs]
         plan = memory.plan([f"teacher:{t}" for t in switches] + hint[:memory.lookahead])
         self._steps = iter(plan.steps[:len(switches)])
         self._next = 0  # position in self.order
@@ -250,31 +255,10 @@ class ColocatedTeachers:
     @classmethod
     def load(cls, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
              cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0) -> ColocatedTeachers:
-        """Teachers from their checkpoints: the host keeps what its budget holds, the rest is
-        written to NVMe (a teacher evicted from the host later is written on its first eviction)."""
-
-        by_arch: dict[str, torch.nn.Module] = {}
-        skeletons, loaded = {}, {}
-        for t in specs:
-            model, _ = load_model(t.model, "cpu", dtype, seed)
-            loaded[t.name] = module_tensors(model)
-            key = model.config.to_json_string()
-            if key not in by_arch:
-                by_arch[key] = meta_skeleton(model, device)
-            skeletons[t.name] = by_arch[key]
-            missing = set(dict(skeletons[t.name].named_parameters())) - set(loaded[t.name])
-            if missing:  # a parameter left on the meta device would compute garbage
-                raise ValueError(f"teacher {t.name!r}: weights missing for {sorted(missing)[:3]}")
-        sizes = [FlatLayout.from_state_dict(s).total_bytes for s in loaded.values()]
-        host = cfg.host_budget_bytes or sum(sizes)
-        memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes),
-                              host_budget_bytes=host, lookahead=cfg.lookahead,
-                              nvme_dir=cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme"))
-        for name, tensors in loaded.items():  # staged one at a time; what the host budget
-            tag = f"teacher:{name}"              # cannot keep goes to NVMe (evict spills)
-            memory.load_tensors(tag, tensors)
-            if not memory.arena.fits(max(sizes)):
-                memory.evict(tag, "host")
+        """Teachers from their checkpoints, within the host budget from the start: those the
+        budget holds on the pinned host, the others streamed from their checkpoints straight to
+        NVMe, each registered with its checkpoint as its source (training/teacher_weights.py)."""
+        memory, skeletons = load_teachers(specs, device, dtype, cfg, run_dir, seed)
         return cls(memory, skeletons, specs)
 
     def teacher_order(self, mbs: list[MicroBatch]) -> list[str]:
@@ -307,24 +291,6 @@ class ColocatedTeachers:
 
     def close(self) -> None:
         self.memory.close()
-
-
-def meta_skeleton(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """The model with its parameters and persistent buffers on the meta device (they come from
-    a weight slot at call time); non-persistent buffers (rotary tables) stay real, on device."""
-    persistent = set(model.state_dict())
-    metas: dict[int, torch.nn.Parameter] = {}  # tied weights stay tied (functional_call ties)
-    for mod_name, mod in model.named_modules():
-        for p_name, p in list(mod.named_parameters(recurse=False)):
-            if id(p) not in metas:
-                metas[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
-                                                  requires_grad=False)
-            mod._parameters[p_name] = metas[id(p)]
-        for b_name, buf in list(mod.named_buffers(recurse=False)):
-            full = f"{mod_name}.{b_name}" if mod_name else b_name
-            mod._buffers[b_name] = (torch.empty_like(buf, device="meta") if full in persistent
-                                    else buf.to(device))
-    return model.eval()
 
 
 # --- the step's OPD inputs, one micro-batch at a time -------------------------------------------
