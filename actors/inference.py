@@ -18,7 +18,7 @@ import torch
 
 from engine.scheduler import Scheduler
 from engine.server import EngineServer, start_server
-from memory.device_usage import process_device_bytes
+from memory.device_usage import process_device_bytes, storage_bytes
 from runtime.actor import Actor
 from runtime.devices import gpu_ids
 from transport.dtypes import model_dtype
@@ -45,6 +45,11 @@ class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # equal, bit for bit, those of a trainer with `true_on_policy = true` on the same kind of
     # device and the same weights (docs/training.md, True on-policy mode)
     true_on_policy: bool = False
+    # /release_memory_occupation parks the weights in pinned host memory and resume copies them
+    # back, so a resumed worker serves exactly the version it reports; false (SGLang's default)
+    # drops them: resume reloads the last checkpoint loaded, or zeros when the last version came
+    # as tensors, and the trainer's next push fills them (saves one copy and one host model)
+    weights_cpu_backup: bool = True
 
 
 class InferenceWorker(Actor):
@@ -66,7 +71,8 @@ class InferenceWorker(Actor):
         self.scheduler = await Scheduler.create(
             cfg.model, device=cfg.device, dtype=model_dtype(cfg.dtype), seed=cfg.seed,
             max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms,
-            weight_version=cfg.weight_version, true_on_policy=cfg.true_on_policy)
+            weight_version=cfg.weight_version, true_on_policy=cfg.true_on_policy,
+            weights_backup=cfg.weights_cpu_backup)
         self.scheduler.on_memory_change = self._publish_memory  # every phase switch, exactly
         self.spawn(self.scheduler.run(), "scheduler")
         if cfg.catch_up and self.ctx.run_dir:
@@ -101,6 +107,9 @@ class InferenceWorker(Actor):
             self._publish_memory()
 
     def _publish_memory(self) -> None:
+        """`memory/nvml_bytes`: what NVML (nvidia-smi) shows for this process, the CUDA context
+        and the allocator's cache included; `memory/device_bytes`: what torch's allocator
+        reserves (CUDA) or the model's storages (CPU)."""
         if self.metrics and self.scheduler is not None:
             s = self.scheduler.stats()
             values = {"memory/device_bytes": device_bytes(self.scheduler.model,
@@ -130,7 +139,9 @@ class InferenceWorker(Actor):
 
 
 def device_bytes(model, device: str) -> int:
-    """Bytes the process holds on its device (CUDA allocator) or in the model's parameters."""
+    """Bytes the process holds on its device as torch's allocator sees them (cached blocks
+    included: they are not free for another process), or, on CPU, in the model's storages
+    (0 for released weights)."""
     if device.startswith("cuda"):
-        return torch.cuda.memory_allocated(torch.device(device))
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+        return torch.cuda.memory_reserved(torch.device(device))
+    return storage_bytes(model.parameters())

@@ -312,7 +312,7 @@ def print_overlap(pairs: list[dict[int, dict]]) -> None:
     asy = [runs[1]["samples_per_s"] for runs in pairs]
     stages = [(runs[0]["rollout_s"], runs[0]["train_s"] + runs[0]["weight_sync_s"])
               for runs in pairs]
-    print(f"stages of the synchronous run (rollout s, train + push s): "
+    print("stages of the synchronous run (rollout s, train + push s): "
           + ", ".join(f"{a:.3f}, {b:.3f}" for a, b in stages))
     print(f"medians over {len(pairs)} repeat(s) (min..max): sync_sps {med(sync)}, async_sps "
           f"{med(asy)}, async_vs_sync {med([r[0] for r in ratios])}, overlap_ratio "

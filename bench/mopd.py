@@ -52,8 +52,8 @@ from types import SimpleNamespace
 import torch
 
 from actors.trainer import TrainerConfig
-from bench.opd_memory import run_mode
 from algos.opd import OpdConfig
+from bench.opd_memory import run_mode
 from logic.teachers import TeacherSpec
 from memory.host import SHM_DIR
 from memory.layout import FlatLayout, bind

@@ -43,14 +43,20 @@ sequences (prompt + tokens so far) are prefilled again. A weight update while pa
 immediately, so a paused wave continues with the new weights (in_place keeps the KV entries
 computed with the old ones, as SGLang does).
 
-Memory release on CPU: `release(tags)` with tag "weights" (or no tags) frees every parameter's
-storage (parameters become 0-element tensors; buffers stay); "kv_cache" and "cuda_graph" have
-nothing to free here (the KV cache only lives during a wave). Any released tag makes `generate`
-raise `EngineUnavailable` until `resume`; resuming "weights" reallocates the parameters and
-reloads them from the last loaded source (the startup model, or the last weight-update path); when
-the last update came as tensors (a process group, /update_weights_from_tensor) there is no such
-source: the parameters come back zeroed and the trainer pushes weights before generation resumes
-(SGLang without a CPU weight backup behaves the same way).
+Memory release (SGLang's `/release_memory_occupation` tags): "weights" (or no tags) parks every
+parameter's storage in host memory (memory/device_usage.py `HostOffload`: pinned on CUDA, one
+buffer reused by every release; the parameters keep their shapes, their storages hold 0 bytes),
+then returns the caching allocator's free blocks and the cuBLAS workspaces to the driver, so
+NVML shows the process at its CUDA context plus its buffers (rotary tables: kilobytes).
+"kv_cache" and "cuda_graph": the KV cache only lives during a wave and no graph is captured, so
+releasing them returns the cached blocks only. Any released tag makes `generate` raise
+`EngineUnavailable` until `resume`. Resuming "weights" copies the host copy back in place: the
+weights are those of the version the engine reports, whatever path brought them. With
+`weights_backup=False` (SGLang's default, no `--enable-weights-cpu-backup`) nothing is copied
+out: resumed weights are reloaded from the last checkpoint loaded (the startup model, or the
+last weight-update path), or, when the last update came as tensors, come back zeroed until the
+trainer pushes (the colocated trainer always pushes after a resume: `weights_backup=False`
+saves a device-to-host copy and the host memory of one model per worker).
 Release/resume wait until no wave is running.
 """
 
@@ -83,7 +89,7 @@ from engine.sampling import (
     sample_token,
     top_list,
 )
-from memory.device_usage import give_back_cached
+from memory.device_usage import HostOffload, give_back_cached
 from memory.safetensors_io import read_safetensors_into, safetensors_shapes
 from models.invariant import decoder_for
 from models.invariant import log_softmax as invariant_log_softmax
@@ -198,7 +204,8 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, source: str, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int = 0, max_batch_size: int = 64,
                  batch_wait_ms: float = 5.0, weight_version: str = "0",
-                 executor: ThreadPoolExecutor | None = None, true_on_policy: bool = False):
+                 executor: ThreadPoolExecutor | None = None, true_on_policy: bool = False,
+                 weights_backup: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.source: str | None = source  # checkpoint the weights equal (None: pushed tensors)
         self.device, self.dtype, self.seed = device, dtype, seed
@@ -228,7 +235,9 @@ class Scheduler:
         self._quiet = asyncio.Event()  # set while no forward pass is running
         self._quiet.set()
         self._seed_rng = random.Random(seed)
-        self._param_shapes: dict[str, torch.Size] = {}
+        # released weights: a host copy in memory pinned once (weights_backup), or nothing
+        self._parked = HostOffload(backup=weights_backup,
+                                   pin=str(device).startswith("cuda") and weights_backup)
         self._closed = False
 
     @classmethod
@@ -327,8 +336,8 @@ class Scheduler:
         tags = self._check_tags(tags)
 
         async def op():
-            if "weights" in tags and "weights" not in self.released:
-                await self._in_thread(self._free_weights)
+            weights = "weights" in tags and "weights" not in self.released
+            await self._in_thread(self._free_memory, weights)
             self.released.update(tags)
             self._memory_changed()
 
@@ -614,18 +623,17 @@ class Scheduler:
             for name, tensor in new.items():
                 state[name].copy_(tensor)
 
-    def _free_weights(self) -> None:
-        self._param_shapes = {}
-        for name, p in self.model.named_parameters():
-            self._param_shapes[name] = p.shape
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        give_back_cached(self.device)  # else the allocator keeps the freed blocks (NVML shows them)
+    def _free_memory(self, weights: bool) -> None:
+        """Park the weights (when `weights`), then give the allocator's free blocks back (the
+        last waves' KV caches are among them), else NVML keeps showing them."""
+        if weights:
+            self._parked.offload(self.model.parameters())
+        give_back_cached(self.device)
 
     def _restore_weights(self) -> None:
-        for name, p in self.model.named_parameters():
-            p.data = torch.zeros(self._param_shapes[name], dtype=p.dtype, device=p.device)
-        if self.source is not None:  # else, like SGLang without a CPU backup: push weights next
-            self._load_into_model(self.source)
+        self._parked.restore()
+        if not self._parked.backup and self.source is not None:
+            self._load_into_model(self.source)  # else zeros: the trainer pushes weights next
 
     # ------------------------------------------------------------------ bookkeeping
     def _new_seq(self, req: GenRequest) -> _Seq:

@@ -31,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--batch-wait-ms", type=float, default=1.0)
+    p.add_argument("--weights-cpu-backup", action=argparse.BooleanOptionalAction, default=True,
+                   help="released weights keep a pinned host copy (engine/scheduler.py)")
     return p
 
 
@@ -40,7 +42,8 @@ async def serve(args: argparse.Namespace,
     scheduler = await Scheduler.create(args.model_path, device=args.device,
                                        dtype=model_dtype(args.dtype), seed=args.seed,
                                        max_batch_size=args.max_batch_size,
-                                       batch_wait_ms=args.batch_wait_ms)
+                                       batch_wait_ms=args.batch_wait_ms,
+                                       weights_backup=getattr(args, "weights_cpu_backup", True))
     loop_task = asyncio.ensure_future(scheduler.run())
     server = EngineServer(scheduler, {"model_path": args.model_path, "host": args.host,
                                       "device": args.device, "dtype": args.dtype,

@@ -8,7 +8,8 @@ and `/update_weights_from_tensor` with SGLang's request fields (io_struct.py:
 rank_offset, world_size, group_name = "weight_update_group", backend = "nccl"},
 `UpdateWeightsFromDistributedReqInput` {names, dtypes, shapes, group_name, flush_cache,
 abort_all_requests, weight_version, load_format}, `UpdateWeightsFromTensorReqInput`
-{serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version}) and
+{serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version}: the
+versions read are named in engine/cuda_ipc.py) and
 its answers (`{"success", "message"}`, HTTP 200 or 400).
 
 Invariants:
@@ -19,19 +20,20 @@ Invariants:
   `rank_offset` (one rank: no tensor parallelism here); gloo receives on CPU, nccl on the GPU.
 - Bodies are bounded before they are parsed (`read_body`, `parse_json`): 413 over the byte,
   array/object or value limits, 400 for malformed or too deeply nested JSON; never a 500.
-- Never unpickles. Differs from SGLang on purpose: `serialized_named_tensors` entries are
-  base64 of a safetensors blob (name -> tensor), where SGLang's are base64 of its
-  MultiprocessingSerializer pickle of [(name, tensor)] with CUDA IPC handles; unpickling what
-  arrives over HTTP would run arbitrary code. A pickle payload is refused with a 400 that says so.
-  Only the first entry is read (SGLang has one per TP rank; this engine has one rank).
-  `load_format` must be null (SGLang's "direct" / "flattened_bucket" are refused).
+- `/update_weights_from_tensor` reads both entry formats, told apart by their first bytes:
+  base64 of a safetensors blob (name -> tensor; any device, the CPU included: what
+  `TensorSync(serializer="safetensors")` sends), and SGLang's own payload of CUDA IPC handles
+  (load_format null or "flattened_bucket", engine/cuda_ipc.py), read only by a worker on CUDA
+  and only through engine/cuda_ipc.py's allowlist unpickler: a CPU worker refuses a pickle
+  before reading it, and any name outside the allowlist is refused (never an arbitrary
+  unpickle of what arrives over HTTP). Only the first entry is read (SGLang has one per TP
+  rank; this engine has one rank); load_format "direct" is refused. An IPC update is
+  synchronized before it answers, so the sender may reuse its buffer at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import struct
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from engine import dist_group
+from engine import cuda_ipc, dist_group
 from engine.scheduler import Scheduler
 from transport.dtypes import torch_dtype
 
@@ -151,20 +153,32 @@ def parse_update_distributed(body: Any) -> dict[str, Any]:
             "weight_version": version, "abort_all_requests": abort_all}
 
 
-def decode_tensors(payload: Any) -> dict[str, torch.Tensor]:
-    """base64 text of a safetensors blob -> {name: tensor}; anything else is refused."""
+def decode_tensors(payload: Any, device: str = "cpu", load_format: str | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """One serialized_named_tensors entry -> {name: tensor}: base64 safetensors, or (a worker on
+    CUDA only) SGLang's CUDA IPC pickle through engine/cuda_ipc.py; anything else is refused."""
     from safetensors.torch import load
 
-    _require(isinstance(payload, str), "serialized_named_tensors entries must be base64 text")
     try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise WeightRequestError("serialized_named_tensors[0] is not valid base64") from None
+        raw = cuda_ipc.b64decode(payload)
+    except cuda_ipc.IpcFormatError as e:
+        raise WeightRequestError(str(e)) from None
+    if cuda_ipc.is_pickle(raw):
+        _require(str(device).startswith("cuda"),
+                 f"serialized_named_tensors[0] is a pickle (SGLang's CUDA IPC format); this "
+                 f"worker runs on {device} and reads those only on CUDA, through an allowlist "
+                 f"(it never unpickles anything else): send base64(safetensors.torch.save("
+                 f"named_tensors)) (weight_sync.path = 'tensor')")
+        try:
+            return dict(cuda_ipc.decode(raw, load_format))
+        except cuda_ipc.IpcFormatError as e:
+            raise WeightRequestError(f"serialized_named_tensors[0]: {e}") from None
+    _require(load_format is None, f"load_format {load_format!r} goes with SGLang's CUDA IPC "
+                                  f"payloads; a safetensors entry takes load_format null")
     header_len = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else -1
     _require(0 < header_len <= len(raw) - 8 and raw[8:9] == b"{",
-             "serialized_named_tensors[0] is not a safetensors blob; this engine never "
-             "unpickles (SGLang's MultiprocessingSerializer payloads are refused): send "
-             "base64(safetensors.torch.save(named_tensors))")
+             "serialized_named_tensors[0] is neither a safetensors blob nor SGLang's CUDA IPC "
+             "payload: send base64(safetensors.torch.save(named_tensors))")
     try:
         return load(raw)
     except Exception as e:  # noqa: BLE001 - a corrupt blob is the caller's mistake
@@ -172,15 +186,17 @@ def decode_tensors(payload: Any) -> dict[str, torch.Tensor]:
             from None
 
 
-def parse_update_tensor(body: Any) -> dict[str, Any]:
+def parse_update_tensor(body: Any, device: str = "cpu") -> dict[str, Any]:
     _require(isinstance(body, dict), "the request body must be a JSON object")
     entries = body.get("serialized_named_tensors")
     _require(isinstance(entries, list) and entries,
              "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
-    _require(body.get("load_format") is None,
-             f"load_format {body.get('load_format')!r} is not supported here (only null)")
+    load_format = body.get("load_format")
+    _require(load_format in (None, cuda_ipc.FLATTENED_BUCKET),
+             f"load_format {load_format!r} is not supported here (null or "
+             f"{cuda_ipc.FLATTENED_BUCKET!r})")
     version, abort_all = _common(body)
-    return {"tensors": decode_tensors(entries[0]), "weight_version": version,
+    return {"tensors": decode_tensors(entries[0], device, load_format), "weight_version": version,
             "abort_all_requests": abort_all}
 
 
@@ -197,6 +213,19 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
     with torch.no_grad():
         for name, t in tensors.items():
             targets[name].copy_(t.to(dtype=targets[name].dtype, device=targets[name].device))
+
+
+def load_and_let_go(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """`load_named_tensors`, then (CUDA) wait for the copies and drop the received tensors: for
+    CUDA IPC ones this closes the sender's handles, so it may reuse or free its buffer."""
+    try:
+        load_named_tensors(model, tensors)
+        cuda = {t.device for t in tensors.values() if t.is_cuda}
+        cuda |= {p.device for p in model.parameters() if p.is_cuda}
+        for device in cuda:
+            torch.cuda.synchronize(device)
+    finally:
+        tensors.clear()
 
 
 def _answer(ok: bool, message: str, **extra: Any) -> web.Response:
@@ -298,12 +327,13 @@ class WeightEndpoints:
         try:
             body = await _json(request, self.max_tensor_body_bytes)
             args = await asyncio.get_running_loop().run_in_executor(
-                self._decode_pool, parse_update_tensor, body)
+                self._decode_pool, parse_update_tensor, body, str(self.scheduler.device))
         except WeightRequestError as e:
             return _refused(e)
         ok, message, _ = await self.scheduler.update_weights(
-            lambda: load_named_tensors(self.scheduler.model, args["tensors"]), None,
+            lambda: load_and_let_go(self.scheduler.model, args["tensors"]), None,
             args["weight_version"], args["abort_all_requests"], "tensor")
+        args["tensors"].clear()  # also when the update was refused before loading
         return _answer(ok, message)
 
     async def destroy_group(self, request: web.Request) -> web.Response:

@@ -12,10 +12,17 @@ embedded engine: the same requests reach both). Three paths:
   gloo on CPU. NCCL takes one rank per GPU in a group, so workers sharing a GPU go to
   different groups (`plan_groups`); a failed push gives its groups up, forms new ones and
   sends again before it fails.
-- `TensorSync` (colocated): tensors go in the request body (`/update_weights_from_tensor`), in
-  buckets. `serializer = "safetensors"` for the embedded engine (it never unpickles); for real
-  SGLang `serializer = "sglang"` uses SGLang's own MultiprocessingSerializer (CUDA IPC handles,
-  same GPU; needs sglang importable in the trainer process).
+- `TensorSync` (same host): tensors in the request body (`/update_weights_from_tensor`), in
+  buckets. `serializer = "safetensors"`: base64 safetensors of each bucket (the embedded engine;
+  any device, CPU included; buckets of at most 160 MiB, so that a body fits the engine's
+  256 MiB limit: a single tensor above ~190 MiB is refused there with 413, use another path).
+  `serializer = "cuda_ipc"` (weight_sync.path "cuda_ipc"): SGLang's own format, load_format
+  "flattened_bucket" (engine/cuda_ipc.py): each bucket (one dtype) is copied into one staging
+  buffer on the trainer's GPU and only its CUDA IPC handle travels; the worker copies GPU to GPU.
+  Peak extra device memory: one bucket (the largest tensor if bigger), freed after the push.
+  Real SGLang and the embedded engine read the same payload.
+- `SplitSync` (weight_sync.path "auto"): by placement, per worker: CUDA IPC to the workers on the
+  trainer's GPU, a process group (NCCL from a CUDA trainer) to the others (`plan_paths`).
 
 Pause modes (`pause_mode`, /pause_generation's `mode`; default "in_place"): "in_place" holds
 the requests running on a worker at a step boundary with their KV cache; the update applies while
@@ -47,8 +54,9 @@ from typing import Any, AsyncIterator, Awaitable, Iterable, Iterator, Literal
 
 import torch
 
-from engine import dist_group
+from engine import cuda_ipc, dist_group
 from engine.client import SglangClient, SglangConnectionError
+from memory.device_usage import give_back_cached
 from transport.dtypes import dtype_name
 from transport.sockets import free_port
 
@@ -76,6 +84,23 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, 
         size += nbytes
     if bucket:
         yield bucket
+
+
+def dtype_buckets(named: NamedTensors, bucket_bytes: int
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`buckets`, each of one dtype (a flattened bucket is one tensor)."""
+    run: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named:
+        if run and tensor.dtype != run[-1][1].dtype:
+            yield from buckets(run, bucket_bytes)
+            run = []
+        run.append((name, tensor))
+    if run:
+        yield from buckets(run, bucket_bytes)
+
+
+def bucket_nbytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
 DEFAULT_PAUSE_MODE = "in_place"  # nothing in flight is discarded by a push
@@ -145,41 +170,91 @@ class DiskSync:
         await check_versions([client], version)
 
 
-class TensorSync:
-    """Colocated: tensors in the request body, bucketed; see the module docstring."""
+MAX_SAFETENSORS_BUCKET_BYTES = 160 << 20  # base64 of it (+ headers) stays under 256 MiB
 
-    def __init__(self, clients: list[SglangClient], serializer: Literal["safetensors", "sglang"]
-                 = "safetensors", bucket_bytes: int = 512 << 20, tp_sizes: list[int] | None = None,
+
+class TensorSync:
+    """Tensors in the request body, bucketed: base64 safetensors, or CUDA IPC handles of a
+    staging buffer on the trainer's GPU `device` (`serializer = "cuda_ipc"`); see the module
+    docstring."""
+
+    def __init__(self, clients: list[SglangClient],
+                 serializer: Literal["safetensors", "cuda_ipc"] = "safetensors",
+                 bucket_bytes: int = 512 << 20, tp_sizes: list[int] | None = None,
                  pause_mode: str = DEFAULT_PAUSE_MODE,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None, device: str | None = None):
+        if serializer == "cuda_ipc" and not str(device).startswith("cuda"):
+            raise SyncError(f"weight_sync.path = 'cuda_ipc' sends CUDA IPC handles of the "
+                            f"trainer's GPU; this trainer runs on {device}: use 'tensor' "
+                            f"(weights in the request body) or 'disk'")
+        if serializer not in ("safetensors", "cuda_ipc"):
+            raise ValueError(f"serializer must be 'safetensors' or 'cuda_ipc', got {serializer!r}")
         self.clients, self.serializer, self.bucket_bytes = clients, serializer, bucket_bytes
         self.tp_sizes = tp_sizes or [1] * len(clients)  # serialized copies per worker (TP ranks)
-        self.pause_mode = pause_mode
+        self.pause_mode, self.device = pause_mode, device
+        self.load_format = cuda_ipc.FLATTENED_BUCKET if serializer == "cuda_ipc" else None
         # serializing copies every tensor: never on the event loop (None: a pool of its own)
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="weight-serialize")
+        self._staging: torch.Tensor | None = None  # cuda_ipc: one bucket's bytes, during a push
+        self.reduce = cuda_ipc.reduce_cuda  # a staged tensor -> its IPC arguments (torch's)
 
     def serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        if self.serializer == "sglang":  # SGLang's own format: pickled CUDA IPC handles
-            from sglang.srt.utils import MultiprocessingSerializer
-
-            return MultiprocessingSerializer.serialize(bucket, output_str=True)
+        """One bucket's payload (cuda_ipc: staged in the push's buffer first)."""
+        if self.serializer == "cuda_ipc":
+            return self._stage(bucket)
         from safetensors.torch import save
 
         blob = save({name: t.detach().contiguous().cpu() for name, t in bucket})
         return base64.b64encode(blob).decode("ascii")
 
     async def push(self, named: NamedTensors, version: str) -> None:
+        if self.serializer == "cuda_ipc":
+            parts = list(dtype_buckets(named, self.bucket_bytes))
+        else:  # base64 of a bucket must fit a worker's body limit (a bigger tensor: 413)
+            parts = list(buckets(named, min(self.bucket_bytes, MAX_SAFETENSORS_BUCKET_BYTES)))
+        run = asyncio.get_running_loop().run_in_executor
         async with paused(self.clients, self.pause_mode):
-            parts = list(buckets(named, self.bucket_bytes))
-            for i, bucket in enumerate(parts):
-                last = i == len(parts) - 1
-                payload = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.serialize, bucket)
-                await _settle({c.base_url: _succeeded(c.update_weights_from_tensor(
-                    [payload] * tp, weight_version=version if last else None, flush_cache=last))
-                    for c, tp in zip(self.clients, self.tp_sizes)}, None,
-                    f"weight version {version}, bucket {i + 1} of {len(parts)}")
+            try:
+                if self.serializer == "cuda_ipc":
+                    await run(self.executor, self._allocate, max(map(bucket_nbytes, parts)))
+                for i, bucket in enumerate(parts):
+                    last = i == len(parts) - 1
+                    payload = await run(self.executor, self.serialize, bucket)
+                    extra = {"load_format": self.load_format} if self.load_format else {}
+                    await _settle({c.base_url: _succeeded(c.update_weights_from_tensor(
+                        [payload] * tp, weight_version=version if last else None,
+                        flush_cache=last, **extra))
+                        for c, tp in zip(self.clients, self.tp_sizes)}, None,
+                        f"weight version {version}, bucket {i + 1} of {len(parts)}")
+            finally:
+                if self._staging is not None:
+                    await run(self.executor, self._free)
         await check_versions(self.clients, version)
+
+    def _allocate(self, nbytes: int) -> None:
+        nbytes = -(-nbytes // 256) * 256  # every dtype's view of it covers whole elements
+        self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _stage(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
+        """Copy one bucket (one dtype) into the staging buffer; its flattened_bucket payload.
+        The worker answers only once it has copied out of it, so the next bucket may reuse it."""
+        metadata, numel = cuda_ipc.flatten_metadata(bucket)
+        dtype = bucket[0][1].dtype
+        flat = self._staging[:numel * bucket[0][1].element_size()].view(dtype)
+        with torch.no_grad():
+            for m, (_, t) in zip(metadata, bucket):
+                flat[m.start_idx:m.end_idx].copy_(t.detach().reshape(-1), non_blocking=True)
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        return cuda_ipc.encode_bucket(flat, metadata, self.reduce)
+
+    def _free(self) -> None:
+        """Drop the staging buffer; its memory goes back to the driver (a colocated trainer is
+        asleep while it pushes) once the workers closed their handles (`ipc_collect`)."""
+        self._staging = None
+        if str(self.device).startswith("cuda"):
+            torch.cuda.ipc_collect()
+            give_back_cached(self.device)
 
 
 def plan_groups(workers: list[list[str]], trainer: list[str], names: list[str],
@@ -203,8 +278,8 @@ def plan_groups(workers: list[list[str]], trainer: list[str], names: list[str],
             raise SyncError(
                 f"worker {names[i]} runs on {shared[0]}, the GPU the trainer sends from: a "
                 f"NCCL group holds one rank per GPU. Move the worker (or the trainer) to "
-                f"another GPU, or set weight_sync.path = 'tensor' (colocated on one GPU) or "
-                f"'disk'")
+                f"another GPU, or set weight_sync.path = 'cuda_ipc' (CUDA IPC on the shared "
+                f"GPU), 'auto' (CUDA IPC there, NCCL to the others) or 'disk'")
         for members, used in groups:
             if used.isdisjoint(gpus):
                 members.append(i)
@@ -420,22 +495,66 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 500 else text[:500] + "..."
 
 
+def plan_paths(devices: list[list[str]] | None, own_devices: list[str], device: str,
+               num_workers: int) -> list[str]:
+    """The path to each worker for weight_sync.path "auto": "cuda_ipc" to a worker on the
+    CUDA trainer's own GPU (NCCL cannot have both in one group), else "distributed" (NCCL
+    between GPUs, gloo from a CPU trainer). Unknown placement (`devices` None): distributed."""
+    if devices is None or not device.startswith("cuda"):
+        return ["distributed"] * num_workers
+    mine = set(own_devices)
+    return ["cuda_ipc" if mine & set(gpus) else "distributed" for gpus in devices]
+
+
+class SplitSync:
+    """Several paths pushing the same version at once, each to its own workers."""
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    async def push(self, named: NamedTensors, version: str) -> None:
+        named = list(named)
+        await asyncio.gather(*(part.push(named, version) for part in self.parts))
+
+    async def close(self) -> None:
+        for part in self.parts:
+            if hasattr(part, "close"):
+                await part.close()
+
+
 async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
                            bucket_bytes: int, *, names: list[str] | None = None,
                            devices: list[list[str]] | None = None,
                            own_devices: list[str] | None = None, timeout_s: float = 120.0,
                            retries: int = 1, master_address: str = "127.0.0.1",
                            pause_mode: str = DEFAULT_PAUSE_MODE):
-    """The weight-sync path named `kind` (disk | tensor | distributed), pausing the workers in
-    `pause_mode` around every push; a distributed group uses NCCL when the trainer's `device`
-    is CUDA, else gloo. Its groups form at the first push; a placement no group can serve
-    (`plan_groups`) raises SyncError here."""
+    """The weight-sync path named `kind` (disk | tensor | cuda_ipc | distributed | auto),
+    pausing the workers in `pause_mode` around every push; a distributed group uses NCCL when
+    the trainer's `device` is CUDA, else gloo. Its groups form at the first push; a placement
+    no group can serve (`plan_groups`), or cuda_ipc from a CPU trainer, raises SyncError here.
+    "auto": `plan_paths` per worker, one `SplitSync` over the paths it chose."""
+    names = names or [c.base_url for c in clients]
     if kind == "disk":
         return DiskSync(clients, pause_mode)
-    if kind == "tensor":
-        return TensorSync(clients, bucket_bytes=bucket_bytes, pause_mode=pause_mode)
+    if kind in ("tensor", "cuda_ipc"):
+        return TensorSync(clients, "cuda_ipc" if kind == "cuda_ipc" else "safetensors",
+                          bucket_bytes=bucket_bytes, pause_mode=pause_mode, device=device)
+    if kind == "auto":
+        paths = plan_paths(devices, own_devices or [], device, len(clients))
+        parts = []
+        for path in dict.fromkeys(paths):
+            mine = [i for i, p in enumerate(paths) if p == path]
+            parts.append(await make_weight_sync(
+                path, [clients[i] for i in mine], device, bucket_bytes,
+                names=[names[i] for i in mine],
+                devices=None if devices is None else [devices[i] for i in mine],
+                own_devices=own_devices, timeout_s=timeout_s, retries=retries,
+                master_address=master_address, pause_mode=pause_mode))
+        return parts[0] if len(parts) == 1 else SplitSync(parts)
+    if kind != "distributed":
+        raise ValueError(f"unknown weight_sync.path {kind!r}: disk, tensor, cuda_ipc, "
+                         f"distributed or auto")
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    names = names or [c.base_url for c in clients]
     if devices is not None:
         plan_groups(devices, own_devices or [], names, nccl=backend == "nccl")
     return DistributedSync(clients, backend, master_address, bucket_bytes=bucket_bytes,

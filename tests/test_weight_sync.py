@@ -22,6 +22,7 @@ from actors.sglang_worker import SglangWorker, SglangWorkerConfig
 from algos.logprobs import token_logprobs
 from engine.client import SglangClient, SglangHTTPError
 from engine.weight_sync import DiskSync, TensorSync, buckets, resume_weights_then
+from memory.device_usage import storage_bytes
 from models.load import save_checkpoint
 from models.tiny import build_tiny
 from tests.fake_sglang_server import install
@@ -142,19 +143,30 @@ async def test_colocated_tensor_sync_with_memory_release(ipc):
     async with serve(ipc) as (worker, client):
         model, _ = trained(11)
         await client.release_memory_occupation()  # trainer's turn on the device
-        assert all(p.numel() == 0 for p in worker.scheduler.model.parameters())
+        assert storage_bytes(worker.scheduler.model.parameters()) == 0
         sync = TensorSync([client], bucket_bytes=32 << 10)
         await resume_weights_then([client], lambda: sync.push(named(model), "3"))
         assert worker.scheduler.released == set()
         assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
         await assert_generates_with(client, model, "3")
-        # resuming again reloads nothing from disk: the pushed weights have no checkpoint
+        # a release keeps a host copy: resumed, the worker serves exactly version 3 again
         await client.release_memory_occupation(["weights"])
         await client.resume_memory_occupation(["weights"])
+        assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
+
+
+async def test_released_weights_without_host_copy_wait_for_the_push(ipc):
+    async with serve(ipc, weights_cpu_backup=False) as (worker, client):
+        model, _ = trained(12)
+        await TensorSync([client]).push(named(model), "2")
+        await client.release_memory_occupation()
+        await client.resume_memory_occupation()
+        assert worker.scheduler._parked.host is None  # nothing was copied out
+        # pushed tensors have no checkpoint to reload: zeros until the trainer pushes again
         assert all(p.abs().sum() == 0 for p in worker.scheduler.model.parameters())
 
 
-async def test_tensor_payload_must_be_safetensors_never_pickle(ipc):
+async def test_cpu_worker_never_unpickles_a_tensor_payload(ipc):
     async with serve(ipc) as (worker, client):
         before = {n: p.clone() for n, p in worker.scheduler.model.named_parameters()}
         evil = base64.b64encode(pickle.dumps([("lm_head.weight", torch.zeros(1))])).decode()

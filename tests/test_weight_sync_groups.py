@@ -111,7 +111,7 @@ def test_launcher_refuses_a_placement_no_group_can_serve(tmp_path, monkeypatch):
         load(hosts(tmp_path, w0="cuda:0"))
     text = str(err.value)
     assert "[actors.trainer.config]" in text and "[actors.worker0]" in text
-    assert "local/gpu0" in text and "weight_sync.path = 'tensor'" in text
+    assert "local/gpu0" in text and "weight_sync.path = 'cuda_ipc'" in text
     # the same GPU under two names: the trainer's cuda:0 is physical GPU 1 here
     with pytest.raises(ConfigError, match="worker1.*local/gpu1"):
         load(hosts(tmp_path, w0="cuda:2", t_env='CUDA_VISIBLE_DEVICES = "1"'))
