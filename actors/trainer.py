@@ -29,6 +29,7 @@ import importlib.util
 import json
 import logging
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -43,8 +44,7 @@ from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView, check_named_peers
 from runtime.devices import gpu_ids
 from training.config import CheckpointConfig, TrainConfig, WeightSyncConfig
-from training.ranks import RankGroup
-from training.setup import load_train_state
+from training.ranks import load_trainer, named_weights, save_checkpoint, save_weights
 from training.step import train_on_batch
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 
@@ -68,6 +68,14 @@ class TrainerConfig(TrainConfig, kw_only=True):
     weight_sync: WeightSyncConfig = WeightSyncConfig()  # how versions reach the workers
 
 
+def _megatron_on_cpu() -> bool:
+    """This process runs megatron-core on the CPU through the test-only torch.cuda stand-ins
+    (backends/megatron/cpu_shim.py, armed by the tests' sitecustomize); looked up, never
+    imported, so production code does not depend on it."""
+    shim = sys.modules.get("backends.megatron.cpu_shim")
+    return shim is not None and shim.armed()
+
+
 class TrainerActor(Actor):
     Config = TrainerConfig
     role = "trainer"
@@ -89,7 +97,10 @@ class TrainerActor(Actor):
             if importlib.util.find_spec("megatron.core") is None:
                 raise ValueError("backend = 'megatron' needs megatron-core: pip install "
                                  "'rlx[megatron]' (megatron-core 0.16.1)")
-            if not config.device.startswith("cuda"):
+            from backends.megatron.convert import check_parallel_layout  # no megatron import
+
+            check_parallel_layout(config.model, config.parallel.tp, config.parallel.pp)
+            if not config.device.startswith("cuda") and not _megatron_on_cpu():
                 raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
                                  "CPU path); use backend = 'torch' with device = 'cpu'")
         elif config.megatron:
@@ -222,8 +233,12 @@ class TrainerActor(Actor):
         cfg = self.config
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._closers.append(lambda: self.pool.shutdown(wait=True))
-        self.state = await self._in_thread(load_train_state, cfg, self.ctx.run_dir or ".",
-                                           self.ctx.resume)
+        run_dir = self.ctx.run_dir or "."
+        # rank 0 here; with parallel.tp * pp * dp > 1 the other ranks as processes (training.ranks)
+        self.state, self.ranks = await self._in_thread(load_trainer, cfg, run_dir,
+                                                       self.ctx.resume, Path(run_dir) / "logs")
+        if self.ranks is not None:
+            self._closers.append(self._stop_ranks)
         for skipped in self.state.skipped_checkpoints:
             self.notify(f"resume skipped a damaged checkpoint: {skipped}")
         if self.ctx.resume:
@@ -258,13 +273,8 @@ class TrainerActor(Actor):
         self.epoch = uuid.uuid4().hex  # a restarted trainer is a new epoch for the buffer
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
         self.run_dir = Path(self.ctx.run_dir or ".")
-        self.ranks, self._warned_stale = None, False
+        self._warned_stale = False
         self._unequal_notice_at = -1e9  # last true_on_policy inequality said on the console
-        if cfg.parallel.dp > 1:
-            self.ranks = await self._in_thread(RankGroup, cfg, str(self.run_dir), self.ctx.resume,
-                                               self.run_dir / "logs")
-            self._closers.append(self._stop_ranks)
-            await self._in_thread(self.ranks.check_same_weights, self.state.model)
 
     async def run(self) -> None:
         cfg = self.config
@@ -373,13 +383,13 @@ class TrainerActor(Actor):
         version, ws = self.state.version, self.config.weight_sync
         if not self._weight_bytes:
             self._weight_bytes = await self._in_thread(lambda: sum(
-                t.numel() * t.element_size() for _, t in self.state.named_weights()))
+                t.numel() * t.element_size() for _, t in named_weights(self.state, self.ranks)))
         t0, path = time.monotonic(), ws.path
         if ws.path == "disk":
             await self._push_disk(version)
         else:
             try:
-                named = await self._in_thread(self.state.named_weights)
+                named = await self._in_thread(named_weights, self.state, self.ranks)
                 await self.sync.push(named, str(version))
             except SyncError as e:
                 if ws.fallback != "disk":
@@ -404,7 +414,7 @@ class TrainerActor(Actor):
     async def _push_disk(self, version: int) -> None:
         """Write the version once under <run_dir>/weights/v<N>; every worker loads it."""
         path = self.run_dir / "weights" / f"v{version}"
-        await self._in_thread(self.state.save_weights, path)
+        await self._in_thread(save_weights, self.state, path, self.ranks)
         await self.disk_sync.push(str(path), str(version))
         versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
         for old in sorted(versions, key=lambda p: int(p.name[1:]))[
@@ -438,7 +448,7 @@ class TrainerActor(Actor):
 
     def save_checkpoint(self) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"
-        self.state.save(path)
+        save_checkpoint(self.state, path, self.ranks)
         return path
 
     async def _in_thread(self, fn, *args):

@@ -1,8 +1,12 @@
-"""A data-parallel rank process of the trainer actor: `python -m actors.trainer_rank ...`, started
-by the trainer (training/ranks.py `RankGroup`), never by hand.
+"""A rank process of the trainer actor: `python -m actors.trainer_rank ...`, started by the
+trainer (training/ranks.py `RankGroup`), never by hand.
 
-Role: loads its state exactly as rank 0 does (training/setup.py), joins rank 0's group, then runs
-rank 0's commands (step, device, digest, stop) until told to stop. Dies with its parent.
+Role: reaches rank 0's TCP store at the address it was given, loads its state as rank 0 does
+(training/setup.py) and joins rank 0's group (megatron: joins first, its model is built on the
+groups), then runs rank 0's commands (step, device, digest, hf, save, stop) until told to stop,
+recording its progress in the store. Dies with its parent.
+The heavy imports are inside the functions: multiprocessing's spawn (megatron's checkpoint
+writer starts a helper that way) imports this main module again, and that should cost nothing.
 """
 
 from __future__ import annotations
@@ -12,43 +16,52 @@ import datetime
 import logging
 import sys
 from pathlib import Path
-
-import msgspec
-import torch.distributed as dist
-
-from actors.trainer import TrainerConfig
-from runtime.child import die_with_parent
-from training.config import TrainConfig
-from training.ranks import Ranks, rank_config, rank_device
-from training.setup import load_train_state
-from training.state import TrainState
-from training.step import train_on_batch
+from typing import Any
 
 
-def serve(state: TrainState, cfg: TrainConfig, ranks: Ranks) -> None:
+def run_command(cmd: Any, state: Any, cfg: Any, ranks: Any) -> None:
+    """This rank's part of one of rank 0's commands (training.ranks.RankCommand)."""
+    if cmd.op == "step":
+        state.next_teachers = cmd.next_teachers
+        ranks.step(state, cmd.samples, cfg)
+    elif cmd.op == "device":
+        state.to_device(cmd.device or cfg.device)
+    elif cmd.op == "digest":
+        ranks.digests(state.model)
+    elif cmd.op == "hf":  # one gather of the HF tensors to rank 0
+        state.model.hf_state_dict()
+    elif cmd.op == "save":
+        ranks.save_shards(state, Path(cmd.path))
+    else:
+        raise ValueError(f"unknown command {cmd.op!r} from trainer rank 0")
+
+
+def serve(state: Any, cfg: Any, ranks: Any) -> None:
     """Ranks 1..N-1: run rank 0's commands until it says stop."""
     while True:
         cmd = ranks.broadcast(None)
         if cmd.op == "stop":
             return
-        if cmd.op == "step":
-            state.next_teachers = cmd.next_teachers
-            train_on_batch(state, cmd.samples, cfg, ranks.dp)
-        elif cmd.op == "device":
-            state.to_device(rank_device(cmd.device, ranks.rank))
-        elif cmd.op == "digest":
-            ranks.digests(state.model)
-        else:
-            raise ValueError(f"unknown command {cmd.op!r} from trainer rank 0")
+        ranks.record(f"{cmd.op} started")
+        run_command(cmd, state, cfg, ranks)
+        ranks.record("done")
 
 
 def main(argv: list[str] | None = None) -> int:
+    import msgspec
+    import torch.distributed as dist
+
+    from actors.trainer import TrainerConfig
+    from runtime.child import die_with_parent
+    from training.ranks import Ranks, rank_config
+    from training.setup import load_train_state
+
     die_with_parent()
-    ap = argparse.ArgumentParser(description="a data-parallel rank of the trainer actor "
-                                             "(started by it, not by hand)")
+    ap = argparse.ArgumentParser(description="a rank of the trainer actor (started by it, not "
+                                             "by hand)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--store", required=True, help="rank 0's TCP store, host:port")
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true")
@@ -57,13 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
     cfg = msgspec.structs.replace(rank_config(cfg, args.rank, args.run_dir), prefetcher="")
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, is_master=False,
-                          timeout=timeout)
+    host, port = args.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), args.world_size, is_master=False, timeout=timeout)
+    ranks = None
+    if cfg.backend == "megatron":  # the model is built on megatron's groups: join first
+        import backends.megatron.model  # noqa: F401 - the slow import, before rank 0 waits on us
+
+        store.set(f"started{args.rank}", "1")
+        ranks = Ranks(cfg, args.rank, args.world_size, store)
     state = load_train_state(cfg, args.run_dir, args.resume)
     store.set(f"loaded{args.rank}", "1")
-    ranks = Ranks(cfg, args.rank, args.world_size, store)
+    ranks = ranks or Ranks(cfg, args.rank, args.world_size, store)
     try:
         ranks.check_same_weights(state.model)
+        ranks.record("ready")
         serve(state, cfg, ranks)
     finally:
         ranks.close()

@@ -45,11 +45,10 @@ def dp_versus_one_process(cfg, samples_of, tmp_path):
     (two-rank state, its stats, one-process state, its stats)."""
     one = load_train_state(msgspec.structs.replace(cfg, parallel=ParallelConfig(dp=1)),
                            str(tmp_path / "one"), False)
-    state = load_train_state(cfg, str(tmp_path), False)
+    ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")  # compared the weights
+    state = ranks.state
     samples = samples_of(state.tokenizer)
-    ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
     try:
-        ranks.check_same_weights(state.model)
         before = ranks.all_digests(state.model)
         stats = ranks.train(state, samples, cfg, ["arith"])
         after = ranks.all_digests(state.model)
@@ -117,13 +116,29 @@ def test_server_topk_on_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_dead_rank_is_reported_with_its_log(tmp_path):
-    cfg = msgspec.structs.replace(config(), parallel=TWO)
-    state = load_train_state(cfg, str(tmp_path), False)
+def test_a_stuck_then_a_dead_rank_are_reported_with_their_logs(tmp_path):
+    """A rank that stops answering (SIGSTOP) fails the step after parallel.timeout_s, naming it
+    and where it was; once it is dead the next command says so at once, with its exit code."""
+    import signal
+    import time
+
+    cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(dp=2, timeout_s=3))
     ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
+    state = ranks.state
+    rank1 = ranks.procs[0]
     try:
-        ranks.procs[0].kill()
-        ranks.procs[0].wait()
+        while not ranks.store.check(["at1"]):  # rank 1 has said it is ready for commands
+            time.sleep(0.05)
+        rank1.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"step command to the trainer's ranks failed: .*"
+                                               r"not done with command 1: trainer rank 1 \(at: "
+                                               r"command 0 ready, log .*trainer\.rank1\.log\)"):
+            ranks.train(state, make_batch(state.tokenizer), cfg)
+        assert time.monotonic() - t0 < 30  # parallel.timeout_s, not the default 600 s
+        rank1.kill()
+        rank1.send_signal(signal.SIGCONT)
+        rank1.wait()
         with pytest.raises(RuntimeError, match=r"trainer rank 1 exited with code -9, log .*"
                                                r"trainer\.rank1\.log"):
             ranks.train(state, make_batch(state.tokenizer), cfg)
@@ -133,10 +148,22 @@ def test_a_dead_rank_is_reported_with_its_log(tmp_path):
 
 @pytest.mark.parametrize("change, words", [
     ({"parallel": {"dp": 0}}, "dp >= 1"),
-    ({"parallel": {"dp": 2}, "backend": "megatron"},
-     "parallel.dp = 2 and backend = 'megatron' conflict"),
+    ({"parallel": {"cp": 2}, "backend": "megatron"}, "parallel.cp = 2: context parallelism"),
+    ({"parallel": {"tp": 2}}, "parallel.tp = 2, pp = 1 need backend = 'megatron'"),
+    ({"parallel": {"tp": 2, "devices": ["cpu", "cpu", "cpu"]}, "backend": "megatron"},
+     "lists 3 devices, not a multiple of tp \\* pp = 2"),
+    ({"parallel": {"tp": 2, "dp": 2, "devices": ["cuda:0", "cuda:1"]}, "device": "cuda:0",
+      "backend": "megatron"}, "lists 2 devices but tp \\* pp \\* dp"),
+    ({"parallel": {"devices": ["cuda:1", "cuda:0"]}, "device": "cuda:0"},
+     "parallel.devices\\[0\\] = 'cuda:1' but device = 'cuda:0'"),
+    ({"parallel": {"tp": 2}, "backend": "megatron",
+      "megatron": {"tensor_model_parallel_size": 4}},
+     "tensor_model_parallel_size = 4 and parallel = { tp = 2, pp = 1 } conflict"),
+    ({"parallel": {"pp": 2}, "backend": "megatron",
+      "mismatch": {"proximal": "rollout_version", "correction": "decoupled"}},
+     "parallel.pp = 2 and mismatch proximal"),
 ])
-def test_bad_data_parallel_options_are_refused(change, words):
+def test_bad_parallel_options_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
         msgspec.convert({"model": "tiny-qwen2", "workers": ["w"], **change}, TrainerConfig)
 
@@ -156,7 +183,7 @@ def test_a_rank_that_dies_while_loading_fails_the_start_at_once(tmp_path, monkey
                     **kw)
 
     monkeypatch.setattr(trainer_ranks.subprocess, "Popen", popen)
-    cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(dp=2, timeout_s=300))
+    cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(dp=2, start_timeout_s=300))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)trainer rank 1 exited with code 3, log .*"
                                            r"no such checkpoint"):

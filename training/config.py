@@ -13,7 +13,7 @@ at load with a message naming both options and what to change. The trainer actor
     micro_batches = { size = 16 }
     loss = { advantage_estimator = "grpo", eps_clip = 0.2 }
     kl = { coef = 0.1, use_kl_loss = true }
-    parallel = { dp = 2 }
+    parallel = { dp = 2 }  # or, with backend = "megatron": { tp = 2, pp = 1, dp = 2 }
 """
 
 from __future__ import annotations
@@ -182,17 +182,67 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Data-parallel ranks on the trainer's host (training/ranks.py): the actor is rank 0 and
-    starts the others; on CUDA rank r uses the r-th device from `device`, on CPU gloo processes.
-    Colocated teachers: every rank holds its own (own slots, arena, NVMe dir <dir>-rank<r>)."""
+    """The trainer's ranks (training/ranks.py): the actor is global rank 0 and starts the other
+    tp * pp * dp - 1 as processes on its host, joined in one torch.distributed group (NCCL on
+    CUDA, gloo on CPU). tp / pp are megatron-core's tensor / pipeline sizes (backend megatron
+    only); dp replicas each take their share of the step's micro-batches. Rank r runs on
+    `devices[r]`, or the r-th CUDA device counted from `device`. Colocated teachers: every rank
+    holds its own (own slots, arena, NVMe dir <dir>-rank<r>)."""
 
-    dp: int = 1  # data-parallel ranks (1 = the actor alone)
+    tp: int = 1  # tensor-parallel size (megatron's tensor_model_parallel_size)
+    pp: int = 1  # pipeline-parallel size (megatron's pipeline_model_parallel_size)
+    # data-parallel size; None = derived: len(devices) / (tp * pp) with `devices`, else 1
+    dp: int | None = None
+    cp: int = 1  # context-parallel size: only 1 (the trainer has no context-parallel path)
+    # one torch device per rank, global rank order ([] = from `device`: cuda:k -> cuda:k+r)
+    devices: list[str] = []
     timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank), seconds
+    # the rank processes must have started and loaded their state within this, seconds
+    start_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.timeout_s <= 0:
-            raise ValueError(f"need dp >= 1 and timeout_s > 0, got dp = {self.dp}, "
-                             f"timeout_s = {self.timeout_s}")
+        if self.tp < 1 or self.pp < 1 or self.cp < 1 or min(self.timeout_s,
+                                                            self.start_timeout_s) <= 0:
+            raise ValueError(f"parallel needs tp, pp, cp >= 1 and timeout_s, start_timeout_s > "
+                             f"0, got tp = {self.tp}, pp = {self.pp}, cp = {self.cp}, "
+                             f"timeout_s = {self.timeout_s}, start_timeout_s = "
+                             f"{self.start_timeout_s}")
+        if self.cp != 1:
+            raise ValueError(f"parallel.cp = {self.cp}: context parallelism is not supported by "
+                             f"the trainer (its micro-batches are whole sequences); set cp = 1")
+        model = self.tp * self.pp
+        dp = self.dp
+        if dp is None:
+            if self.devices and len(self.devices) % model:
+                raise ValueError(f"parallel.devices lists {len(self.devices)} devices, not a "
+                                 f"multiple of tp * pp = {model}; list tp * pp * dp devices")
+            dp = len(self.devices) // model if self.devices else 1
+            msgspec.structs.force_setattr(self, "dp", dp)
+        if dp < 1:
+            raise ValueError(f"need dp >= 1 (data-parallel replicas; omit it to derive it), "
+                             f"got dp = {dp}")
+        if self.devices and len(self.devices) != self.world_size:
+            raise ValueError(f"parallel.devices lists {len(self.devices)} devices but tp * pp * "
+                             f"dp = {self.tp} * {self.pp} * {dp} = {self.world_size} ranks; "
+                             f"list one device per rank (or omit dp to derive it)")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"parallel.devices {self.devices} names a device twice: each rank "
+                             f"needs its own")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the trainer: tp * pp * dp (the actor is one of them)."""
+        return self.tp * self.pp * self.cp * (self.dp or 1)
+
+    def device(self, default: str, rank: int) -> str:
+        """Rank r's torch device: `devices[r]`, else the r-th CUDA device from `default` (a
+        CPU `default` is every rank's)."""
+        if self.devices:
+            return self.devices[rank]
+        if not default.startswith("cuda"):
+            return default
+        base = int(default.split(":")[1]) if ":" in default else 0
+        return f"cuda:{base + rank}"
 
 
 class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -243,7 +293,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     opd: OpdConfig | None = None
     teachers: list[TeacherSpec] = []  # colocated teachers (the same list as the teacher pool's)
     teacher_memory: TeacherMemoryConfig = TeacherMemoryConfig()  # their tiers and budgets
-    parallel: ParallelConfig = ParallelConfig()  # data-parallel ranks on this host
+    parallel: ParallelConfig = ParallelConfig()  # the trainer's ranks: tp x pp x dp on this host
     # every policy log-prob (the no-grad recompute and the forward that trains) by the
     # batch-invariant forward (models/invariant): bitwise the log-probs of inference workers with
     # `true_on_policy = true` on the same kind of device (docs/training.md, True on-policy mode)
@@ -272,10 +322,35 @@ def check_algorithm(cfg: TrainConfig) -> None:
     _check_replay(cfg)
     if cfg.true_on_policy:
         _check_true_on_policy(cfg)
-    if cfg.parallel.dp > 1 and cfg.backend == "megatron":
-        raise ValueError(f"parallel.dp = {cfg.parallel.dp} and backend = 'megatron' conflict: "
-                         "the actor runs megatron as one rank; run multi-rank megatron under "
-                         "torchrun (backends.megatron) or use backend = 'torch'")
+    _check_parallel(cfg)
+
+
+def _check_parallel(cfg: TrainConfig) -> None:
+    """The parallel layout against the backend, the device and the megatron option table."""
+    par = cfg.parallel
+    if cfg.backend == "torch" and (par.tp > 1 or par.pp > 1):
+        raise ValueError(f"parallel.tp = {par.tp}, pp = {par.pp} need backend = 'megatron' (the "
+                         f"torch backend is data-parallel only); set backend = 'megatron' or "
+                         f"tp = pp = 1")
+    if par.devices and par.devices[0] != cfg.device:
+        raise ValueError(f"parallel.devices[0] = {par.devices[0]!r} but device = "
+                         f"{cfg.device!r}: the actor is rank 0 and runs on `device`; make them "
+                         f"the same")
+    for key, size in (("tensor_model_parallel_size", par.tp),
+                      ("pipeline_model_parallel_size", par.pp)):
+        if key in cfg.megatron and cfg.megatron[key] != size:
+            raise ValueError(f"megatron option {key} = {cfg.megatron[key]} and parallel = "
+                             f"{{ tp = {par.tp}, pp = {par.pp} }} conflict: the layout comes "
+                             f"from `parallel`; remove {key} from the megatron table")
+    if par.pp > 1 and cfg.mismatch.proximal == "rollout_version":
+        raise ValueError(f"parallel.pp = {par.pp} and mismatch proximal = 'rollout_version' "
+                         f"conflict: old-weight copies need a whole model on one rank; use "
+                         f"proximal = 'current' or pp = 1")
+    if par.world_size > 1 and cfg.backend == "megatron" and cfg.kl.ref_update_interval:
+        raise ValueError(f"kl.ref_update_interval = {cfg.kl.ref_update_interval} and a "
+                         f"multi-rank megatron trainer conflict: the reference copy of the "
+                         f"actor is taken from a whole model; use ref_update_interval = 0 or "
+                         f"one rank")
 
 
 def _check_replay(cfg: TrainConfig) -> None:

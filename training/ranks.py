@@ -1,21 +1,30 @@
-"""Data-parallel ranks of the trainer actor: rank 0 is the actor, ranks 1..N-1 processes it starts.
+"""The trainer's ranks: global rank 0 is the trainer actor, ranks 1..N-1 processes it starts.
 
-Role: with `parallel.dp = N > 1` the trainer actor starts N-1 rank processes
-(`python -m actors.trainer_rank`) on its host. All N join one torch.distributed group (NCCL when
-the trainer's device is CUDA, rank r on the r-th device from the trainer's; gloo on CPU) for the
-step's reductions, plus a gloo group that carries rank 0's commands. Every step rank 0 broadcasts
-the batch (msgpack) and every rank runs `training.step.train_on_batch` with
-`training.data_parallel.DataParallel`: the DP schedule gives each rank its micro-batches, gradients are
-summed, every rank takes the same optimizer step. The weights therefore stay identical: only rank
-0 pushes weights and writes checkpoints (every rank resumes from the same checkpoint).
+Role: with `parallel` asking for N = tp * pp * dp > 1 ranks, the trainer actor starts N-1 rank
+processes (`python -m actors.trainer_rank`). All N join one torch.distributed group through
+rank 0's TCP store (an address and a port, never a path, so a rank need not share rank 0's
+filesystem): NCCL when the trainer's device is CUDA (rank r on `parallel.devices[r]`, or the
+r-th device counted from the trainer's), gloo on CPU, plus a gloo group that carries rank 0's
+commands. With the megatron backend every rank then builds megatron-core's parallel state
+(tp x pp x dp groups, megatron's rank order) and loads its own TP/PP shard; the torch backend
+is data-parallel only, each rank holding the whole model. Every step rank 0 broadcasts the batch
+and every rank runs `training.step.train_on_batch` with `training.data_parallel.DataParallel`
+over the data-parallel group: the DP schedule gives each replica its micro-batches, gradients
+are summed over that group only, megatron's pipeline schedule runs the passes when pp > 1
+(`backends.megatron.pipeline.PipelineRunner`), every replica takes the same optimizer step.
+Only global rank 0 pushes weights and writes the HF export; with megatron the tensors come to it
+piece by piece from the other shards (`hf` commands, backends/megatron/parallel.py) and every
+rank writes its shards of a checkpoint (`save`; it reloads at another layout).
 
-Invariants: every rank loads its state exactly as rank 0 does (`load_train_state`); right after
-joining, the ranks compare a float64 digest of their weights and refuse to start if they differ;
-commands reach every rank in one order. Colocated teachers: every rank loads its own (its own
-device slots, pinned arena and NVMe directory), scoring only its micro-batches.
+Invariants: every rank loads its state as rank 0 does (training/setup.py); right after loading,
+ranks holding the same shard (all of them with the torch backend, the data-parallel replicas of
+one TP/PP position with megatron) compare a float64 digest of their weights and refuse to start
+if they differ; commands reach every rank in one order, and each command is a collective every
+rank takes part in.
 Faults: a rank process that exits (while loading or later) is reported by rank 0 at once or at
-its next command, with the exit code and the rank's log; a collective stuck on a dead rank fails
-after `parallel.timeout_s`; a rank whose parent dies gets SIGTERM.
+its next command, with the exit code and the rank's log tail; a collective stuck on a rank that
+no longer answers fails after `parallel.timeout_s`, naming every rank that had not finished the
+command (each rank records its progress in the store); a rank whose parent dies gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -35,21 +44,26 @@ import torch.distributed as dist
 
 from runtime.child import die_with_parent
 from runtime.procs import log_tail, terminate_sync
+from training.checkpoints import write_checkpoint
 from training.config import TrainConfig
 from training.data_parallel import DataParallel
+from training.setup import load_train_state
+from training.state import TrainState
 from training.step import train_on_batch
 from transport import records
 from transport.schema import Sample
-from transport.sockets import free_port
 
 log = logging.getLogger(__name__)
 
+STORE_HOST = "127.0.0.1"  # rank 0's TCP store: the ranks run on the trainer's host for now
+
 
 class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
-    op: str  # "step" | "device" | "digest" | "stop"
+    op: str  # "step" | "device" | "digest" | "hf" | "save" | "stop"
     samples: list[Sample] = []
     next_teachers: list[str] = []  # the buffer's hint (colocated teachers)
-    device: str = ""
+    device: str = ""  # "device": "cpu", or "" for each rank's own device
+    path: str = ""  # "save": the checkpoint directory being written
 
 
 _COMMAND_ENCODER, _COMMAND_DECODER = records.encoder(), records.decoder(RankCommand)
@@ -71,22 +85,39 @@ def weight_digest(model: torch.nn.Module) -> float:
     return float(total)
 
 
+def is_megatron(model: Any) -> bool:
+    return hasattr(model, "load_hf_state_dict")  # backends.megatron.model.MegatronCausalLM
+
+
 class Ranks:
-    """What every rank holds: the group, its command channel, the DP reductions."""
+    """What every rank holds: the group, its command channel, the data-parallel reductions,
+    and (megatron) the model-parallel layout."""
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, store: Any):
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.megatron = cfg.backend == "megatron"
+        self.pipeline = cfg.parallel.pp > 1
+        self.seq = 0  # commands taken (the same count on every rank)
         cuda = cfg.device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(torch.device(rank_device(cfg.device, 0)))  # an index
+        if cuda:  # this rank's own device ("cuda" alone is the first)
+            torch.cuda.set_device(torch.device(cfg.device if ":" in cfg.device
+                                               else f"{cfg.device}:0"))
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
-        self.dp = DataParallel()
-        self.rank, self.world_size = rank, world_size
+        group = None
+        if self.megatron:
+            from backends.megatron.model import initialize_parallel, parallel_state
+
+            initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed,
+                                cfg.parallel.timeout_s)
+            group = parallel_state.get_data_parallel_group()
+        self.dp = DataParallel(group)
 
     def broadcast(self, cmd: RankCommand | None) -> RankCommand:
         """Rank 0 sends `cmd`; the others receive it."""
+        self.seq += 1
         if self.rank == 0:
             data = _COMMAND_ENCODER.encode(cmd)  # a sample's top-k arrays go inline
             size = torch.tensor([len(data)], dtype=torch.int64)
@@ -98,68 +129,129 @@ class Ranks:
         dist.broadcast(buf, src=0, group=self.ctrl)
         return cmd if self.rank == 0 else _COMMAND_DECODER.decode(buf.numpy())
 
-    def digests(self, model: torch.nn.Module) -> list[float]:
+    def record(self, what: str) -> None:
+        """This rank's progress in the store (read by rank 0 when a collective fails)."""
+        self.store.set(f"at{self.rank}", f"command {self.seq} {what}")
+
+    def position(self) -> tuple[int, int]:
+        """Which shard this rank holds: (tensor rank, pipeline stage); (0, 0) for the torch
+        backend (every rank the whole model)."""
+        if not self.megatron:
+            return (0, 0)
+        from backends.megatron.model import parallel_state
+
+        return (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_pipeline_model_parallel_rank())
+
+    def _gather_digests(self, model: torch.nn.Module) -> list[tuple[tuple[int, int], float]]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, weight_digest(model), group=self.ctrl)
+        dist.all_gather_object(out, (self.position(), weight_digest(model)), group=self.ctrl)
         return out
 
+    def digests(self, model: torch.nn.Module) -> list[float]:
+        """Every rank's weight digest, in rank order."""
+        return [d for _, d in self._gather_digests(model)]
+
     def check_same_weights(self, model: torch.nn.Module) -> None:
-        got = self.digests(model)
-        if len(set(got)) != 1:
+        """Ranks holding the same shard hold the same weights, else RuntimeError."""
+        by_shard: dict[tuple[int, int], set[float]] = {}
+        got = self._gather_digests(model)
+        for position, digest in got:
+            by_shard.setdefault(position, set()).add(digest)
+        if any(len(d) != 1 for d in by_shard.values()):
             raise RuntimeError(f"the trainer's data-parallel ranks loaded different weights "
-                               f"(digests {got}); every rank must load the same checkpoint")
+                               f"(rank: (tensor rank, stage), digest: {got}); every rank must "
+                               f"load the same checkpoint")
+
+    def step(self, state: TrainState, samples: list[Sample], cfg: TrainConfig
+             ) -> dict[str, float]:
+        """This rank's part of one optimizer step (every rank of the job calls it)."""
+        runner = None
+        if self.pipeline:
+            from backends.megatron.pipeline import PipelineRunner
+
+            runner = PipelineRunner(state.model)
+        stats = train_on_batch(state, samples, cfg, self.dp, runner)
+        stats["train/dp_size"] = float(self.dp.world_size)
+        if self.megatron:
+            stats["train/tp_size"], stats["train/pp_size"] = (float(cfg.parallel.tp),
+                                                              float(cfg.parallel.pp))
+        return stats
+
+    def save_shards(self, state: TrainState, directory: Path) -> None:
+        """Every rank's part of a checkpoint written into `directory` (megatron only: the torch
+        backend's rank 0 writes the whole checkpoint alone)."""
+        from backends.megatron.checkpoint import save_trainer_checkpoint
+
+        save_trainer_checkpoint(state, directory)
 
     def close(self) -> None:
+        if self.megatron:
+            from backends.megatron.model import parallel_state
+
+            parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = None  # rank 0's store server ends with its last reference
 
 
 class RankGroup(Ranks):
-    """Rank 0's side, inside the trainer actor: starts the other ranks and drives them."""
+    """Rank 0's side, inside the trainer actor: starts the other ranks, loads its own state
+    (`self.state`) and drives them."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path):
         self.procs: list[subprocess.Popen] = []
-        size = cfg.parallel.dp
+        size = cfg.parallel.world_size
         self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, size)]
         log_dir.mkdir(parents=True, exist_ok=True)
         config_path = Path(run_dir) / "trainer_ranks.json"
         config_path.write_bytes(msgspec.json.encode(cfg))
-        port = free_port("127.0.0.1")
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=True,
+        timeout_s = cfg.parallel.start_timeout_s
+        store = dist.TCPStore(STORE_HOST, 0, size, is_master=True,
                               timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
                               wait_for_workers=False)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for r, path in zip(range(1, size), self.logs):
             cmd = [sys.executable, "-m", "actors.trainer_rank", "--rank", str(r), "--world-size",
-                   str(size), "--port", str(port), "--config", str(config_path),
-                   "--run-dir", run_dir] + (["--resume"] if resume else [])
+                   str(size), "--store", f"{STORE_HOST}:{store.port}", "--config",
+                   str(config_path), "--run-dir", run_dir] + (["--resume"] if resume else [])
             with open(path, "ab") as f:
                 self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=env,
                                                    stdin=subprocess.DEVNULL,
                                                    preexec_fn=die_with_parent))
-        log.info("trainer: started data-parallel ranks 1..%d (logs %s)", size - 1, log_dir)
+        log.info("trainer: started ranks 1..%d of tp %d x pp %d x dp %d (logs %s)", size - 1,
+                 cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, log_dir)
         try:
-            self._wait_loaded(store, cfg.parallel.timeout_s)
-            super().__init__(cfg, 0, size, store)
+            if cfg.backend == "megatron":  # megatron builds its model on the groups: join first
+                self._wait_for(store, "started", timeout_s)
+                super().__init__(cfg, 0, size, store)
+                self.state = load_train_state(cfg, run_dir, resume)
+                self._wait_for(store, "loaded", timeout_s)
+            else:  # each rank loads alone (all at once), then they join
+                self.state = load_train_state(cfg, run_dir, resume)
+                self._wait_for(store, "loaded", timeout_s)
+                super().__init__(cfg, 0, size, store)
+            self.check_same_weights(self.state.model)
         except Exception as e:
             dead = self.dead_rank()  # before the kill: the rank that failed on its own
             self.kill()
+            if dist.is_initialized():
+                self.close()
             message = str(e) if not dead or dead in str(e) else f"{e}; {dead}"
-            raise RuntimeError(f"the trainer's data-parallel group did not form: {message}") \
-                from e
+            raise RuntimeError(f"the trainer's ranks did not form a group: {message}") from e
 
-    def _wait_loaded(self, store: Any, timeout_s: float) -> None:
-        """Until every rank has loaded its state (as long as it takes while they live): a rank
-        that exits first is reported at once, not after a rendezvous timeout."""
+    def _wait_for(self, store: Any, what: str, timeout_s: float) -> None:
+        """Until every rank has set `<what><rank>` (while they live, up to the start timeout): a
+        rank that exits first is reported at once, not after a rendezvous timeout."""
         deadline = time.monotonic() + timeout_s
         for r in range(1, len(self.procs) + 1):
-            while not store.check([f"loaded{r}"]):
+            while not store.check([f"{what}{r}"]):
                 dead = self.dead_rank()
                 if dead:
                     raise RuntimeError(dead)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"trainer rank {r} did not load its state within "
-                                       f"parallel.timeout_s = {timeout_s:g}; "
+                    raise TimeoutError(f"trainer rank {r} was not {what} within "
+                                       f"parallel.start_timeout_s = {timeout_s:g}; "
                                        f"log {self.logs[r - 1]}")
                 time.sleep(0.05)
 
@@ -171,32 +263,69 @@ class RankGroup(Ranks):
                         f"lines:\n{log_tail(path, 20)}")
         return ""
 
-    def send(self, cmd: RankCommand) -> None:
+    def lagging(self) -> str:
+        """The ranks that had not finished the latest command, with where each was."""
+        behind = []
+        for r in range(1, self.world_size):
+            at = (self.store.get(f"at{r}").decode() if self.store.check([f"at{r}"])
+                  else "nothing yet")
+            if at != f"command {self.seq} done":
+                behind.append(f"trainer rank {r} (at: {at}, log {self.logs[r - 1]})")
+        return ("ranks not done with command " + str(self.seq) + ": " + "; ".join(behind)
+                if behind else "")
+
+    def _failed(self, op: str, e: Exception) -> RuntimeError:
+        why = self.dead_rank() or self.lagging()
+        return RuntimeError(f"{op} command to the trainer's ranks failed: {e}"
+                            f"{'; ' + why if why else ''}")
+
+    def run(self, cmd: RankCommand, fn: Any = None, *args: Any) -> Any:
+        """Send `cmd`, then take rank 0's part (`fn(*args)`); a failure names the ranks."""
         dead = self.dead_rank()
         if dead:
             raise RuntimeError(dead)
         try:
             self.broadcast(cmd)
-        except Exception as e:
-            dead = self.dead_rank()
-            raise RuntimeError(f"{cmd.op} command to the data-parallel ranks failed: {e}"
-                               f"{'; ' + dead if dead else ''}") from e
+            return fn(*args) if fn is not None else None
+        except RuntimeError as e:  # collectives (gloo/NCCL errors and timeouts) raise these
+            raise self._failed(cmd.op, e) from e
 
-    def train(self, state: Any, samples: list[Sample], cfg: TrainConfig,
+    def send(self, cmd: RankCommand) -> None:
+        self.run(cmd)
+
+    def train(self, state: TrainState, samples: list[Sample], cfg: TrainConfig,
               next_teachers: list[str] = ()) -> dict[str, float]:
-        self.send(RankCommand("step", samples=samples, next_teachers=list(next_teachers)))
-        stats = train_on_batch(state, samples, cfg, self.dp)
-        stats["train/dp_size"] = float(self.world_size)
-        return stats
+        return self.run(RankCommand("step", samples=samples, next_teachers=list(next_teachers)),
+                        self.step, state, samples, cfg)
 
     def all_digests(self, model: torch.nn.Module) -> list[float]:
-        """Every rank's weight digest, in rank order (equal while the ranks agree)."""
-        self.send(RankCommand("digest"))
-        return self.digests(model)
+        """Every rank's weight digest, in rank order."""
+        return self.run(RankCommand("digest"), self.digests, model)
 
-    def to_device(self, state: Any, device: str) -> None:
-        self.send(RankCommand("device", device=device))
-        state.to_device(rank_device(device, 0))
+    def to_device(self, state: TrainState, device: str) -> None:
+        """"cpu", or back to each rank's own device (colocated mode)."""
+        own = "" if device != "cpu" else "cpu"
+        self.run(RankCommand("device", device=own), state.to_device, device)
+
+    def named_weights(self, state: TrainState) -> list[tuple[str, torch.Tensor]]:
+        """The whole model's HF-named weights on rank 0 (megatron: gathered from the shards)."""
+        if not self.megatron:
+            return state.named_weights()
+        return self.run(RankCommand("hf"), state.named_weights)
+
+    def save_weights(self, state: TrainState, path: Path) -> None:
+        """The HF export rank 0 pushes through disk (megatron: gathered from the shards)."""
+        if not self.megatron:
+            return state.save_weights(path)
+        return self.run(RankCommand("hf"), state.save_weights, path)
+
+    def save_checkpoint(self, state: TrainState, path: Path) -> None:
+        """A checkpoint at `path`, complete or absent (training/checkpoints.py); with megatron
+        every rank writes its shards into it."""
+        if not self.megatron:
+            return state.save(path)
+        write_checkpoint(path, lambda tmp: self.run(RankCommand("save", path=str(tmp)),
+                                                    self.save_shards, state, tmp))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Tell the ranks to exit and wait for them (killed past the timeout)."""
@@ -222,5 +351,40 @@ def rank_config(cfg: TrainConfig, rank: int, run_dir: str) -> TrainConfig:
     (reads go through its own process; the prefetcher actor serves rank 0)."""
     nvme = cfg.teacher_memory.nvme_dir or str(Path(run_dir) / "teachers-nvme")
     memory = msgspec.structs.replace(cfg.teacher_memory, nvme_dir=f"{nvme}-rank{rank}")
-    return msgspec.structs.replace(cfg, device=rank_device(cfg.device, rank),
+    return msgspec.structs.replace(cfg, device=cfg.parallel.device(cfg.device, rank),
                                    teacher_memory=memory)
+
+
+def load_trainer(cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path
+                 ) -> tuple[TrainState, RankGroup | None]:
+    """The trainer's state on rank 0, and the group of the other ranks when there are any."""
+    if cfg.parallel.world_size == 1:
+        return load_train_state(cfg, run_dir, resume), None
+    ranks = RankGroup(cfg, run_dir, resume, log_dir)
+    return ranks.state, ranks
+
+
+def named_weights(state: TrainState, ranks: RankGroup | None) -> list[tuple[str, torch.Tensor]]:
+    """What a push sends: the whole model's HF-named weights on rank 0."""
+    return ranks.named_weights(state) if ranks is not None else state.named_weights()
+
+
+def save_weights(state: TrainState, path: Path, ranks: RankGroup | None) -> None:
+    """The HF export a disk push writes (rank 0)."""
+    if ranks is not None:
+        ranks.save_weights(state, path)
+    else:
+        state.save_weights(path)
+
+
+def save_checkpoint(state: TrainState, path: Path, ranks: RankGroup | None) -> None:
+    """The trainer's checkpoint at `path` (megatron: its distributed format, at any rank
+    count, so it resumes at another layout)."""
+    if ranks is not None:
+        ranks.save_checkpoint(state, path)
+    elif is_megatron(state.model):
+        from backends.megatron.checkpoint import save_trainer_checkpoint
+
+        write_checkpoint(path, lambda tmp: save_trainer_checkpoint(state, tmp))
+    else:
+        state.save(path)

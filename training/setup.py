@@ -1,8 +1,14 @@
 """Building the trainer's state from its config: the policy (torch or megatron backend), its
 optimizer, the reference and critic, colocated teachers, and the latest checkpoint on resume.
 
-Role: the one place every trainer rank (the actor's rank 0 and the data-parallel rank
-processes) loads its state, so all ranks start from identical weights.
+Role: the one place every trainer rank (the actor's rank 0 and the rank processes,
+training/ranks.py) loads its state, so all ranks start from identical weights (the torch
+backend) or from the shards of one model (megatron: each rank its TP/PP shard, cut from the
+same HF weights; a megatron checkpoint is read through megatron's distributed checkpointing, so
+it resumes at any layout).
+Invariant: with more than one rank, the megatron backend finds torch.distributed and megatron's
+parallel state already initialised by training/ranks.py (its model is built on those groups);
+alone, it initialises a one-rank group itself.
 """
 
 from __future__ import annotations
@@ -90,19 +96,32 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState
     if resume:
         latest, state.skipped_checkpoints = resumable_checkpoint(Path(run_dir) / "checkpoints")
         if latest is not None:
-            state.load(latest, cfg.device)
+            resume_from(state, latest, cfg)
             log.info("resumed from %s (step %d)", latest, state.step)
     return state
 
 
 def load_megatron(cfg: TrainConfig, dtype: torch.dtype):
-    """A one-rank megatron-core model (TP = PP = 1 inside the actor; multi-rank megatron runs
-    use backends.megatron directly under torchrun)."""
+    """This rank's megatron-core model (its TP/PP shard) and the tokenizer."""
     # megatron-core is an optional dependency: imported only when the megatron backend is used
-    from backends.megatron.model import initialize_parallel, load_model
+    from backends.megatron.model import initialize_parallel, load_model, parallel_state
 
     if not dist.is_initialized():
+        assert cfg.parallel.world_size == 1, "training.ranks joins a multi-rank group first"
         dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
                                 store=dist.HashStore(), rank=0, world_size=1)
-        initialize_parallel(1, 1, cfg.seed)
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_s)
     return load_model(cfg.model, cfg.megatron, cfg.device, dtype, cfg.seed)
+
+
+def resume_from(state: TrainState, path: Path, cfg: TrainConfig) -> None:
+    """Load the checkpoint at `path` into `state`: a megatron checkpoint through megatron's
+    distributed checkpointing (any TP/PP/DP layout; collective), else the HF directory."""
+    if cfg.backend == "megatron":
+        from backends.megatron.checkpoint import is_trainer_checkpoint, load_trainer_checkpoint
+
+        if is_trainer_checkpoint(path):
+            load_trainer_checkpoint(state, path)
+            return
+    state.load(path, cfg.device)

@@ -70,13 +70,31 @@ def check_model_reference(path: str) -> None:
     """ValueError unless the model a trainer config names (a tiny name or an HF checkpoint
     directory) is of a supported architecture: reads config.json only, no weights, no megatron."""
 
+    check_supported(_hf_config(path))
+
+
+def _hf_config(path: str):
     check_model_path(path)
     if path in TINY:
-        check_supported(tiny_config(path))
-        return
+        return tiny_config(path)
     from transformers import AutoConfig
 
-    check_supported(AutoConfig.from_pretrained(path))
+    return AutoConfig.from_pretrained(path)
+
+
+def check_parallel_layout(path: str, tp: int, pp: int) -> None:
+    """ValueError unless the model at `path` splits over `tp` tensor ranks and `pp` pipeline
+    stages (config.json only): heads, groups, MLP width and vocabulary divisible by tp, the
+    layers by pp."""
+    layout = layout_from_hf(_hf_config(path))
+    try:
+        check_tensor_parallel(layout, tp)
+    except ValueError as e:
+        raise ValueError(f"parallel.tp = {tp} does not fit {path}: {e}") from None
+    if layout.num_layers % pp:
+        raise ValueError(f"parallel.pp = {pp} does not fit {path}: its {layout.num_layers} "
+                         f"layers do not split evenly into {pp} pipeline stages; choose a pp "
+                         f"dividing {layout.num_layers}")
 
 
 def rope_parameters(hf_config) -> dict:

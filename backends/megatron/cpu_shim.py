@@ -1,10 +1,18 @@
 """CPU stand-ins for the few `torch.cuda` calls megatron-core makes: for CPU tests and the CPU
-run of bench/megatron_gpu.py only; the backend itself never imports it.
+runs of bench/megatron_gpu.py and bench/train_parallel.py only; the backend itself never imports
+it.
 
 Role: lets megatron-core build and run a GPTModel on a CPU-only torch (CI) without any change to
-the backend code: `torch.cuda.current_device()` answers "cpu", `synchronize` / `manual_seed` do
-nothing, megatron's CUDA RNG tracker is replaced by one over CPU generator states, and the
-pipeline schedules' one hard-coded `device="cuda"` allocation (a token counter) lands on the CPU.
+the backend code: `torch.cuda.current_device()` answers "cpu", `synchronize` / `manual_seed` /
+`Tensor.cuda()` do nothing, megatron's CUDA RNG tracker is replaced by one over CPU generator
+states, and the pipeline schedules' one hard-coded `device="cuda"` allocation (a token
+counter) lands on the CPU.
+`install_on_import()` arms it for a whole process tree (tests/megatron_shim/sitecustomize.py):
+it installs the patches the moment the backend imports megatron-core, so processes that never
+use megatron pay nothing (torch too is imported inside the functions, not at import).
+`armed()` says whether this process (and its children) run megatron on the CPU this way; the
+trainer actor reads it through `sys.modules` (never importing this module) to accept backend =
+"megatron" on a CPU device.
 Invariant: `install()` is idempotent, and `uninstall()` restores every patched attribute
 exactly; the RNG tracker forks the CPU generator, so dropout-free forwards are unaffected.
 """
@@ -12,10 +20,13 @@ exactly; the RNG tracker forks the CPU generator, so dropout-free forwards are u
 from __future__ import annotations
 
 import contextlib
-
-import torch
+import importlib.abc
+import sys
+from typing import Any
 
 _saved: dict[tuple[object, str], object] = {}
+_ARMED_ON = "backends.megatron.mcore"  # the backend's one import of megatron-core
+_armed = False
 
 
 class CpuRngTracker:
@@ -25,20 +36,22 @@ class CpuRngTracker:
         self.reset()
 
     def reset(self) -> None:
-        self.states_: dict[str, torch.Tensor] = {}
+        self.states_: dict[str, Any] = {}  # name -> CPU generator state
         self.seeds_: set[int] = set()
         self._is_initialized = False
 
     def is_initialized(self) -> bool:
         return self._is_initialized
 
-    def get_states(self) -> dict[str, torch.Tensor]:
+    def get_states(self) -> dict[str, Any]:
         return dict(self.states_)
 
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+    def set_states(self, states: dict[str, Any]) -> None:
         self._is_initialized, self.states_ = True, dict(states)
 
     def add(self, name: str, seed: int) -> None:
+        import torch
+
         if seed in self.seeds_ or name in self.states_:
             raise ValueError(f"rng state {name!r} or seed {seed} already added")
         self._is_initialized = True
@@ -47,6 +60,8 @@ class CpuRngTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
+        import torch
+
         if name not in self.states_:
             raise ValueError(f"rng state {name!r} is not added")
         with torch.random.fork_rng(devices=[]):
@@ -61,10 +76,14 @@ class _TorchOnCpu:
     """The torch module as megatron's schedules see it: allocations asked on "cuda" go to CPU."""
 
     def __getattr__(self, name: str):
+        import torch
+
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*size, device=None, **kwargs):
+        import torch
+
         return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
 
 
@@ -75,12 +94,15 @@ def _patch(owner: object, name: str, value: object) -> None:
 
 def install() -> None:
     """Patch torch.cuda's current device / synchronize and megatron's RNG tracker for CPU."""
+    import torch
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
 
     _patch(torch.cuda, "current_device", lambda: "cpu")
     _patch(torch.cuda, "synchronize", lambda device=None: None)
     _patch(torch.cuda, "manual_seed", lambda seed: None)
+    # tied embeddings over pipeline stages: the last stage's copy is moved with `.cuda()`
+    _patch(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     _patch(schedules, "torch", _TorchOnCpu())
@@ -91,3 +113,46 @@ def uninstall() -> None:
     for (owner, name), value in _saved.items():
         setattr(owner, name, value)
     _saved.clear()
+
+
+def armed() -> bool:
+    """This process and the ones it starts run megatron-core on the CPU: `install_on_import`
+    was called (the patches are in place, or will be at megatron-core's import). A bare
+    `install()` (one test process) does not arm it."""
+    return _armed
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when the backend's megatron module is being imported, wraps its
+    loader so `install()` runs right after the module executed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _ARMED_ON:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                execute = spec.loader.exec_module
+
+                def exec_then_install(module, execute=execute):
+                    execute(module)
+                    install()
+
+                spec.loader.exec_module = exec_then_install
+                return spec
+        return None
+
+
+def install_on_import() -> None:
+    """Install the patches when (and only if) this process imports megatron-core through the
+    backend; at once if it already has."""
+    global _armed
+    if _armed:
+        return
+    _armed = True
+    if _ARMED_ON in sys.modules:
+        install()
+    else:
+        sys.meta_path.insert(0, _InstallAfterImport())

@@ -46,7 +46,7 @@ from backends.megatron.mcore import (
     tensor_parallel,
 )
 from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
-from backends.megatron.parallel import gather_hf_state_dict
+from backends.megatron.parallel import hf_tensors_on_rank0
 from models.load import load_model as load_hf
 from transport.dtypes import torch_dtype
 
@@ -170,13 +170,17 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
 
 
 def initialize_parallel(tensor_model_parallel_size: int = 1,
-                        pipeline_model_parallel_size: int = 1, seed: int = 0) -> None:
-    """Megatron's parallel state and RNG tracker on the already-initialized default group."""
+                        pipeline_model_parallel_size: int = 1, seed: int = 0,
+                        timeout_s: float = 1800.0) -> None:
+    """Megatron's parallel state and RNG tracker on the already-initialized default group (the
+    data-parallel size is what the world leaves); its groups' collectives fail after
+    `timeout_s`."""
     if not torch.distributed.is_initialized():
         raise ValueError("torch.distributed must be initialized before the megatron backend "
                          "(torchrun, or init_process_group with a store)")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size,
                                              pipeline_model_parallel_size,
+                                             distributed_timeout_minutes=timeout_s / 60,
                                              create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -259,11 +263,13 @@ class MegatronCausalLM(torch.nn.Module):
                              f"{missing}, unexpected {unexpected}")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's HF tensors (CPU), identical on every rank."""
-        return gather_hf_state_dict(self)
+        """The whole model's HF tensors (CPU) on global rank 0, {} on the other ranks.
+        Collective: every rank calls it (backends.megatron.parallel.hf_tensors_on_rank0)."""
+        return hf_tensors_on_rank0(self)
 
     def save_pretrained(self, directory: str) -> None:
-        """HF checkpoint directory (safetensors + config.json), written by global rank 0."""
+        """HF checkpoint directory (safetensors + config.json), written by global rank 0;
+        collective like `hf_state_dict`."""
         save_hf(self, directory)
 
     def clip_grad_norm(self, max_norm: float) -> float:

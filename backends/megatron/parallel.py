@@ -2,8 +2,15 @@
 
 Role: what the trainer needs from a sharded model as if it were one module: the HF state dict
 (gathered over tensor ranks, merged over pipeline stages) and a clipped global gradient norm.
+`hf_tensors_on_rank0` is the weight push's and the HF export's gather: only data-parallel replica
+0 moves data, piece by piece (the embedding, one transformer layer, the final norm and output
+layer): a piece's tensor shards are gathered to its stage's first tensor rank one tensor at a
+time, converted to HF names there, and sent from later stages to global rank 0. Memory bound:
+on a device, one tensor's gathered shards beyond the model; in rank 0's host memory, the whole
+HF model (what a push sends and an export writes), on other ranks one piece.
+`gather_hf_state_dict` gives every rank the whole model (tests, small models).
 Invariant: at any TP/PP layout both results equal those of the same model at TP=PP=1 (up to
-float summation order), and every rank of the model-parallel group gets the same values.
+float summation order); the gradient norm is the same on every rank of the model-parallel group.
 """
 
 from __future__ import annotations
@@ -52,6 +59,116 @@ def gather_hf_state_dict(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
                                group=parallel_state.get_pipeline_model_parallel_group())
         hf = {k: v for stage in stages for k, v in stage.items()}
     return hf
+
+
+def _pieces(model: MegatronCausalLM) -> list[tuple[str, int]]:
+    """This stage's pieces in model order: ("embedding", -1), ("layer", global index), ("final",
+    -1)."""
+    core = model.core
+    out = [("embedding", -1)] if core.pre_process else []
+    out += [("layer", i) for i in model.layers]
+    return out + ([("final", -1)] if core.post_process else [])
+
+
+def _piece_tensors(local: dict[str, torch.Tensor], kind: str, local_layer: int, tied: bool
+                   ) -> dict[str, torch.Tensor]:
+    """The stage's megatron tensors of one piece, a layer's renamed to layer 0 (the last
+    stage's copy of tied embeddings left out: HF has no lm_head then)."""
+    if kind == "embedding":
+        return {k: v for k, v in local.items() if k == "embedding.word_embeddings.weight"}
+    if kind == "final":
+        keep = ("decoder.final_layernorm.weight",) + (() if tied else ("output_layer.weight",))
+        return {k: v for k, v in local.items() if k in keep}
+    prefix = f"decoder.layers.{local_layer}."
+    return {"decoder.layers.0." + k[len(prefix):]: v for k, v in local.items()
+            if k.startswith(prefix)}
+
+
+def _gather_to_first_tensor_rank(piece: dict[str, torch.Tensor]
+                                 ) -> list[dict[str, torch.Tensor]] | None:
+    """Every tensor rank's copy of `piece` (CPU, rank order) on the stage's first tensor rank,
+    one tensor at a time; None on the other tensor ranks."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return [{k: v.detach().cpu() for k, v in piece.items()}]
+    first = parallel_state.get_tensor_model_parallel_rank() == 0
+    group = parallel_state.get_tensor_model_parallel_group()
+    dst = parallel_state.get_tensor_model_parallel_src_rank()
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for key in sorted(piece):  # on the collective's device (the model may be on the CPU)
+        tensor = piece[key].detach().to(_comm_device()).contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(tp)] if first else None
+        dist.gather(tensor, parts, dst=dst, group=group)
+        if first:
+            for rank, part in enumerate(parts):
+                shards[rank][key] = part.cpu()
+    return shards if first else None
+
+
+def _comm_device() -> torch.device:
+    """Where point-to-point tensors live: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send_piece(hf: dict[str, torch.Tensor] | None, dst: int) -> None:
+    """One converted piece (None = the stage is done) to global rank `dst`: names, shapes and
+    dtypes as an object, then each tensor."""
+    meta = None if hf is None else [(k, tuple(v.shape), str(v.dtype)) for k, v in hf.items()]
+    dist.send_object_list([meta], dst=dst, device=_comm_device())
+    for tensor in (hf or {}).values():
+        dist.send(tensor.to(_comm_device()).contiguous(), dst=dst)
+
+
+def _recv_piece(src: int) -> dict[str, torch.Tensor] | None:
+    box: list = [None]
+    dist.recv_object_list(box, src=src, device=_comm_device())
+    if box[0] is None:
+        return None
+    out = {}
+    for key, shape, dtype in box[0]:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]),
+                             device=_comm_device())
+        dist.recv(tensor, src=src)
+        out[key] = tensor.cpu()
+    return out
+
+
+def hf_tensors_on_rank0(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
+    """The whole model's HF tensors (CPU) on global rank 0, {} on every other rank. Collective:
+    every rank calls it; ranks outside data-parallel replica 0 return at once."""
+    if parallel_state.get_data_parallel_rank() != 0:
+        return {}
+    core = model.core
+    local = {k: v for k, v in core.state_dict(keep_vars=True).items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    offset = model.layers.start
+    for kind, index in _pieces(model):
+        piece = _piece_tensors(local, kind, index - offset, model.layout.tied_embeddings)
+        shards = _gather_to_first_tensor_rank(piece)
+        if shards is None:
+            continue
+        layers = range(index, index + 1) if kind == "layer" else range(0)
+        hf = megatron_to_hf(shards, model.layout, layers, kind == "embedding", kind == "final")
+        if stage == 0:
+            out.update(hf)
+        else:
+            _send_piece(hf, dst=0)
+    if stage > 0:
+        if first_tensor_rank:
+            _send_piece(None, dst=0)
+        return {}
+    if first_tensor_rank:  # global rank 0: the later stages' pieces, stage by stage
+        stages = dist.get_process_group_ranks(
+            parallel_state.get_pipeline_model_parallel_group())
+        for src in stages[1:]:
+            while (hf := _recv_piece(src)) is not None:
+                out.update(hf)
+    return out
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:

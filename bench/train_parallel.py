@@ -1,0 +1,182 @@
+"""The megatron trainer's ranks (training/ranks.py) at TP=2, DP=2 and PP=2 against one rank.
+
+Role: this process plays the trainer actor (global rank 0): for each layout it starts the other
+rank as a process through `training.ranks.RankGroup`, takes one optimizer step on the same
+synthetic batch from the same initial weights (the trainer's AdamW, its GRPO loss, micro-batches
+from the DP schedule; PP through megatron's 1F1B schedule), gathers the HF weights to rank 0 as
+a weight push does, and compares them with the step of one rank (TP = PP = DP = 1).
+On CPU the ranks run megatron-core over gloo with the test-only torch.cuda stand-ins
+(backends/megatron/cpu_shim.py, armed for the rank processes through tests/megatron_shim on
+PYTHONPATH); on GPUs over NCCL, rank r on cuda:r, no stand-ins.
+`python -m bench.train_parallel [--device cpu|cuda] [--model examples/base-tiny]
+[--dtype float32] [--samples 8] [--layouts tp2,dp2,pp2]`.
+Final line: RESULT tp2_vs_tp1_max_abs=... dp2_vs_dp1_max_abs=... pp2_vs_pp1_max_abs=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from actors.trainer import TrainerConfig
+from models.load import load_tokenizer
+from training.config import MicroBatchConfig, OptimizerConfig, ParallelConfig
+from training.ranks import load_trainer
+from training.state import TrainState
+from training.step import train_on_batch
+from transport.schema import Sample
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIM_DIR = ROOT / "tests" / "megatron_shim"  # sitecustomize arming the CPU stand-ins
+LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
+
+
+def use_cpu_shim() -> None:
+    """megatron-core on the CPU here and in every rank process started from here."""
+    from backends.megatron import cpu_shim
+
+    cpu_shim.install_on_import()
+    path = os.environ.get("PYTHONPATH", "")
+    if str(SHIM_DIR) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), path) if p)
+
+
+def make_batch(num_samples: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """Groups of two responses of varied lengths, random rewards (GRPO advantages != 0)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_samples):
+        prompt = [1] + [rng.randint(3, vocab - 1) for _ in range(rng.randint(3, 6))]
+        n = rng.randint(2, 12)
+        resp = [rng.randint(3, vocab - 1) for _ in range(n)]
+        out.append(Sample(group_id=f"g{i // 2}", index=i % 2, domain="d", prompt_ids=prompt,
+                          response_ids=resp, loss_mask=[1] * n, rollout_logprobs=[-3.0] * n,
+                          reward=rng.random()))
+    return out
+
+
+def base_config(model: str, device: str, dtype: str, timeout_s: float = 120.0
+                ) -> TrainerConfig:
+    """The megatron trainer's config at one rank: AdamW (the trainer's optimizer), micro-batches
+    of two samples, a global gradient clip."""
+    return TrainerConfig(model=model, workers=["w"], backend="megatron", device=device,
+                         dtype=dtype, micro_batches=MicroBatchConfig(size=2),
+                         optimizer=OptimizerConfig(lr=1e-3, grad_clip=1.0),
+                         parallel=ParallelConfig(timeout_s=timeout_s))
+
+
+def at_layout(cfg: TrainerConfig, tp: int = 1, pp: int = 1, dp: int = 1) -> TrainerConfig:
+    parallel = msgspec.structs.replace(cfg.parallel, tp=tp, pp=pp, dp=dp)
+    return msgspec.structs.replace(cfg, parallel=parallel)
+
+
+def release() -> None:
+    """Tear down the one-rank group and megatron's state (the next layout builds its own)."""
+    from backends.megatron.model import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def hf_weights(state: TrainState, ranks: Any) -> dict[str, torch.Tensor]:
+    """The HF weights a push would send, gathered to this rank (float32 copies)."""
+    named = ranks.named_weights(state) if ranks is not None else state.named_weights()
+    return {k: v.detach().float().cpu().clone() for k, v in named}
+
+
+class Trainer:
+    """The trainer's state and ranks at one layout, as the actor holds them (a context)."""
+
+    def __init__(self, cfg: TrainerConfig, run_dir: Path, resume: bool = False):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.state, self.ranks = load_trainer(cfg, str(run_dir), resume, run_dir / "logs")
+
+    def step(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
+        """One optimizer step on every rank: (rank 0's statistics, seconds)."""
+        sync = torch.cuda.synchronize if self.cfg.device.startswith("cuda") else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        if self.ranks is not None:
+            stats = self.ranks.train(self.state, samples, self.cfg)
+        else:
+            stats = train_on_batch(self.state, samples, self.cfg)
+        sync()
+        self.state.step += 1
+        self.state.version += 1
+        return stats, time.perf_counter() - t0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return hf_weights(self.state, self.ranks)
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ranks is not None:
+            self.ranks.stop()
+        else:
+            release()
+
+
+def max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if set(a) != set(b):
+        raise AssertionError(f"different tensors: {sorted(set(a) ^ set(b))}")
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def fraction_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float
+                    ) -> float:
+    close = sum(int(((a[k] - b[k]).abs() <= tol).sum()) for k in a)
+    return close / sum(t.numel() for t in a.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="cpu (gloo + stand-ins) or cuda (NCCL)")
+    ap.add_argument("--model", default="examples/base-tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--layouts", default="tp2,dp2,pp2")
+    args = ap.parse_args(argv)
+    device = "cuda:0" if args.device == "cuda" else args.device
+    if not device.startswith("cuda"):
+        use_cpu_shim()
+
+    samples = make_batch(args.samples, len(load_tokenizer(args.model)))
+    cfg = base_config(args.model, device, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        with Trainer(cfg, Path(tmp) / "one") as one:
+            want_stats, t_one = one.step(samples)
+            want = one.weights()
+        print(f"one rank: step {t_one:.3f} s, grad norm {want_stats['train/grad_norm']:.6f}",
+              flush=True)
+        result = {}
+        for name in args.layouts.split(","):
+            with Trainer(at_layout(cfg, **LAYOUTS[name]), Path(tmp) / name) as many:
+                stats, t = many.step(samples)
+                got = many.weights()
+            result[name] = max_abs(got, want)
+            norm = stats["train/grad_norm"] / want_stats["train/grad_norm"] - 1
+            print(f"{name}: step {t:.3f} s, max |param - one rank's| {result[name]:.3e}, "
+                  f"params within 1e-7 {fraction_within(got, want, 1e-7):.5f}, grad norm "
+                  f"rel. diff {norm:.1e}", flush=True)
+    print("RESULT " + " ".join(f"{name}_vs_{name[:2]}1_max_abs={value:.3e}"
+                               for name, value in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
