@@ -17,8 +17,10 @@ One optimizer step per batch from the buffer (training.step):
    weights), tell the buffer the version; its time per GB is a metric per path.
 Checkpoints (model, optimizer, step, version) every `checkpoint.save_every` steps; with the
 run's `--resume` it continues from the latest. In `colocated` mode the workers release their
-memory while the trainer trains, and the trainer moves its weights and optimizer state off the
-device while the workers generate. Compute runs in a dedicated thread so the actor stays responsive.
+memory while the trainer trains, and the trainer parks its parameters, gradients and optimizer
+state in pinned host memory while the workers generate (training/sleep.py: in place, the
+allocator's cache given back; `_set_phase` gives the order around each push). Compute runs in
+a dedicated thread so the actor stays responsive.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Literal
 
 from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
-from engine.weight_sync import DiskSync, SyncError, make_weight_sync, plan_groups
+from engine.weight_sync import DiskSync, SyncError, make_weight_sync, plan_groups, plan_paths
 from logic.teachers import check_vocab
 from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
@@ -45,6 +47,7 @@ from runtime.actor import Actor, ActorView, check_named_peers
 from runtime.devices import gpu_ids
 from training.config import CheckpointConfig, TrainConfig, WeightSyncConfig
 from training.ranks import load_trainer, named_weights, save_checkpoint, save_weights
+from training.sleep import SleepReport
 from training.step import train_on_batch
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 
@@ -106,6 +109,10 @@ class TrainerActor(Actor):
         elif config.megatron:
             raise ValueError("`megatron` options are set but backend = 'torch'; set "
                              "backend = 'megatron' or remove them")
+        if config.weight_sync.path == "cuda_ipc" and not config.device.startswith("cuda"):
+            raise ValueError(f"weight_sync.path = 'cuda_ipc' sends CUDA IPC handles of the "
+                             f"trainer's GPU memory, but device = {config.device!r}: use "
+                             f"'tensor' (weights in the request body) or 'disk' on the CPU")
 
     @classmethod
     def gpus(cls, config: TrainerConfig, env: dict[str, str], host: str) -> list[str]:
@@ -115,17 +122,30 @@ class TrainerActor(Actor):
     def check_peers(cls, name: str, config: TrainerConfig, actors: dict[str, ActorView]) -> None:
         """Every worker is an actor of the run; a distributed weight sync's placement can be
         served (engine.weight_sync.plan_groups: no worker on the trainer's GPU, no CPU worker
-        under NCCL)."""
+        under NCCL); cuda_ipc reaches only workers on the trainer's GPU ("auto" picks
+        engine.weight_sync.plan_paths per worker and checks each part)."""
         check_named_peers(name, actors, {
             **{f"workers[{i}]": w for i, w in enumerate(config.workers)},
             "buffer": config.buffer, "rollout": config.rollout, "prefetcher": config.prefetcher})
         cls._check_buffer_side(name, config, actors)
         cls._check_true_on_policy(name, config, actors)
-        if config.weight_sync.path != "distributed":
+        path, workers = config.weight_sync.path, config.workers
+        if path not in ("distributed", "cuda_ipc", "auto"):
             return
+        mine, gpus = actors[name].gpus, [actors[w].gpus for w in workers]
+        paths = (plan_paths(gpus, mine, config.device, len(workers)) if path == "auto"
+                 else [path] * len(workers))
+        for w, p, theirs in zip(workers, paths, gpus):
+            if p == "cuda_ipc" and not set(theirs) & set(mine):
+                raise ValueError(
+                    f"weight_sync.path = 'cuda_ipc' hands [actors.{w}] CUDA IPC handles of the "
+                    f"trainer's GPU ({', '.join(mine)}), but it runs on "
+                    f"{', '.join(theirs) or 'the CPU'}: put it on the trainer's GPU, or set "
+                    f"weight_sync.path = 'auto' (CUDA IPC on the shared GPU, NCCL to the "
+                    f"others), 'distributed' or 'disk'")
+        nccl = [i for i, p in enumerate(paths) if p == "distributed"]
         try:
-            plan_groups([actors[w].gpus for w in config.workers], actors[name].gpus,
-                        [f"[actors.{w}]" for w in config.workers],
+            plan_groups([gpus[i] for i in nccl], mine, [f"[actors.{workers[i]}]" for i in nccl],
                         nccl=config.device.startswith("cuda"))
         except SyncError as e:
             raise ValueError(str(e)) from None
@@ -275,10 +295,13 @@ class TrainerActor(Actor):
         self.run_dir = Path(self.ctx.run_dir or ".")
         self._warned_stale = False
         self._unequal_notice_at = -1e9  # last true_on_policy inequality said on the console
+        self._saved_step = -1  # the step of the latest checkpoint this process wrote
 
     async def run(self) -> None:
         cfg = self.config
         await self.push_weights()  # workers serve exactly the trainer's weights from the start
+        if self.config.mode == "colocated":  # the workers generate first: the trainer sleeps
+            await self._sleep(keep_weights=False)
         while self.state.step < cfg.num_steps:
             t0 = time.monotonic()
             async with self.waiting_for(f"{cfg.buffer}'s batch for step {self.state.step}",
@@ -293,12 +316,17 @@ class TrainerActor(Actor):
             t_train = time.monotonic() - t0 - t_wait
             self.state.step += 1
             self.state.version += 1
-            await self._set_phase("generate")
-            await self.push_weights()
-            t_sync = time.monotonic() - t0 - t_wait - t_train
             every = cfg.checkpoint.save_every
-            if every and self.state.step % every == 0:
-                await self.checkpoint()
+            save = self.state.step >= cfg.num_steps or bool(every and self.state.step % every == 0)
+            # colocated: written while awake (asleep, the trainer holds no weights to write);
+            # the buffer hears of it after the push either way (its version comes first)
+            written = save and cfg.mode == "colocated"
+            if written:
+                await self._in_thread(self.save_checkpoint)
+            await self._set_phase("generate")  # with the push of the new version
+            t_sync = time.monotonic() - t0 - t_wait - t_train
+            if save:
+                await self.checkpoint(written=written)
             stats.update({"time/wait_batch_s": t_wait, "time/train_s": t_train,
                           "time/weight_sync_s": t_sync, "time/step_s": time.monotonic() - t0,
                           "version": self.state.version,
@@ -311,7 +339,8 @@ class TrainerActor(Actor):
             self._warn_unequal(stats)
             if self.metrics:
                 self.metrics.publish(stats, step=self.state.step, total_steps=cfg.num_steps)
-        await self.checkpoint()
+        if self._saved_step != self.state.step:  # no step ran (resumed at num_steps)
+            await self.checkpoint()
         if self.rollout is not None:
             await self.final_eval()
 
@@ -358,11 +387,15 @@ class TrainerActor(Actor):
             return self.ranks.train(self.state, samples, self.config, self.state.next_teachers)
         return train_on_batch(self.state, samples, self.config)
 
-    def to_device(self, device: str) -> None:
+    def sleep(self, keep_weights: bool = False) -> SleepReport:
         if self.ranks is not None:
-            self.ranks.to_device(self.state, device)
-        else:
-            self.state.to_device(device)
+            return self.ranks.sleep(self.state, keep_weights)
+        return self.state.sleep(keep_weights)
+
+    def wake(self) -> SleepReport:
+        if self.ranks is not None:
+            return self.ranks.wake(self.state)
+        return self.state.wake()
 
     async def final_eval(self) -> None:
         """Ask the rollout to score the eval tasks with the final weights; record the result."""
@@ -422,32 +455,58 @@ class TrainerActor(Actor):
             shutil.rmtree(old, ignore_errors=True)
 
     async def _set_phase(self, phase: str) -> None:
-        """Colocated mode: one side's memory leaves the device while the other side works."""
+        """Push the new version when the workers generate next. Colocated mode: one side's
+        memory leaves the device while the other side works. To train: the workers release
+        theirs (weights, KV cache, CUDA graphs), then the trainer wakes. To generate: the
+        trainer parks its gradients and optimizer state, the workers take their weights back,
+        the push fills them (CUDA IPC reads the trainer's parameters where they are), the
+        trainer parks its parameters too, and the workers take their KV cache back."""
         if self.config.mode != "colocated":
+            if phase == "generate":
+                await self.push_weights()
             return
         if phase == "train":
             await asyncio.gather(*(c.release_memory_occupation() for c in self.clients))
-            await self._in_thread(self.to_device, self.config.device)
-        else:
-            await self._in_thread(self.to_device, "cpu")
-            await asyncio.gather(*(c.resume_memory_occupation() for c in self.clients))
-        if self.metrics:
-            values = {f"memory/{phase}/trainer_device_bytes":
-                      self.state.device_bytes(self.config.device)}
-            nvml = process_device_bytes()
-            if nvml is not None:  # what nvidia-smi shows: allocator cache and context included
-                values[f"memory/{phase}/trainer_nvml_bytes"] = nvml
-            self.metrics.publish(values, step=self.state.step)
+            report = await self._in_thread(self.wake)
+            self._publish_memory("train", report)
+            return
+        await self._in_thread(self.sleep, True)
+        await asyncio.gather(*(c.resume_memory_occupation(["weights"]) for c in self.clients))
+        await self.push_weights()
+        await self._sleep(keep_weights=False)
+        await asyncio.gather(*(c.resume_memory_occupation(["kv_cache", "cuda_graph"])
+                               for c in self.clients))
 
-    async def checkpoint(self) -> None:
-        """Save, then tell the buffer: batches of earlier steps are never needed again."""
-        await self._in_thread(self.save_checkpoint)
+    async def _sleep(self, keep_weights: bool) -> None:
+        report = await self._in_thread(self.sleep, keep_weights)
+        if not keep_weights:
+            self._publish_memory("generate", report)
+
+    def _publish_memory(self, phase: str, report: SleepReport) -> None:
+        """The trainer's device memory after a sleep or wake: the bytes its step's tensors hold
+        there, what NVML shows for the process (CUDA; allocator cache and context included),
+        and the bytes moved and the time the move took (rank 0's)."""
+        if not self.metrics:
+            return
+        values = {f"memory/{phase}/trainer_device_bytes": float(self.state.device_bytes()),
+                  **report.metrics(f"memory/{phase}/trainer_move")}
+        nvml = process_device_bytes() if self.config.device.startswith("cuda") else None
+        if nvml is not None:
+            values[f"memory/{phase}/trainer_nvml_bytes"] = float(nvml)
+        self.metrics.publish(values, step=self.state.step)
+
+    async def checkpoint(self, written: bool = False) -> None:
+        """Save (unless `written` already), then tell the buffer: batches of earlier steps are
+        never needed again."""
+        if not written:
+            await self._in_thread(self.save_checkpoint)
         await self.call_retrying(self.buffer, VersionUpdate(
             version=self.state.version, step=self.state.step, trainer_epoch=self.epoch,
             checkpointed=True), self.config.batch_timeout_s)
 
     def save_checkpoint(self) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"
+        self._saved_step = self.state.step
         save_checkpoint(self.state, path, self.ranks)
         return path
 

@@ -3,7 +3,7 @@ trainer (training/ranks.py `RankGroup`), never by hand.
 
 Role: reaches rank 0's TCP store at the address it was given, loads its state as rank 0 does
 (training/setup.py) and joins rank 0's group (megatron: joins first, its model is built on the
-groups), then runs rank 0's commands (step, device, digest, hf, save, stop) until told to stop,
+groups), then runs rank 0's commands (step, sleep, wake, digest, hf, save, stop) until told to stop,
 recording its progress in the store. Dies with its parent.
 The heavy imports are inside the functions: multiprocessing's spawn (megatron's checkpoint
 writer starts a helper that way) imports this main module again, and that should cost nothing.
@@ -24,8 +24,10 @@ def run_command(cmd: Any, state: Any, cfg: Any, ranks: Any) -> None:
     if cmd.op == "step":
         state.next_teachers = cmd.next_teachers
         ranks.step(state, cmd.samples, cfg)
-    elif cmd.op == "device":
-        state.to_device(cmd.device or cfg.device)
+    elif cmd.op == "sleep":
+        state.sleep(cmd.keep_weights)
+    elif cmd.op == "wake":
+        state.wake()
     elif cmd.op == "digest":
         ranks.digests(state.model)
     elif cmd.op == "hf":  # one gather of the HF tensors to rank 0

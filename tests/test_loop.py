@@ -127,9 +127,23 @@ def test_colocated_synchronous_run(tmp_path):
     assert all(r["values"]["train/engine_logprob_abs_diff"] < 1e-5 for r in steps)
     assert all(r["values"]["train/staleness_max"] == 0 for r in steps)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    phases = {k for r in records if r["actor"] == "trainer" for k in r["values"]
-              if k.startswith("memory/")}
-    assert phases == {"memory/train/trainer_device_bytes", "memory/generate/trainer_device_bytes"}
+    memory = {}
+    for r in records:
+        if r["actor"] == "trainer":
+            for k, v in r["values"].items():
+                if k.startswith("memory/"):
+                    memory.setdefault(k, []).append(v)
+    # asleep while the workers generate: every storage of the step's tensors parked (0 bytes on
+    # the device), awake to train: all of them back, the same bytes each time; moved both ways
+    assert set(memory["memory/generate/trainer_device_bytes"]) == {0.0}
+    # (the first step wakes the parameters alone: AdamW makes its state and the gradients
+    # appear in that step, so the second wake brings back more than twice as much)
+    awake = memory["memory/train/trainer_device_bytes"]
+    assert len(awake) == 2 and awake[1] > 2 * awake[0] > 0
+    assert memory["memory/train/trainer_move/moved_bytes"] == awake
+    assert min(memory["memory/generate/trainer_move/moved_bytes"]) > 0
+    # the last step's checkpoint was written while awake, before the trainer slept
+    assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
     worker = [r["values"] for r in records if r["actor"] == "worker0"]
     released = {v["memory/device_bytes"] for v in worker if v["memory/released"] == 1.0}
     held = {v["memory/device_bytes"] for v in worker if v["memory/released"] == 0.0}

@@ -127,6 +127,29 @@ def test_launcher_refuses_a_placement_no_group_can_serve(tmp_path, monkeypatch):
         load(typo)
 
 
+def test_launcher_checks_cuda_ipc_and_auto_placements(tmp_path, monkeypatch):
+    """cuda_ipc reaches workers on the trainer's own GPU only; auto sends CUDA IPC there and
+    NCCL to the others, and each part is checked as its own path would be."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    load(hosts(tmp_path, w0="cuda:0", w1="cuda:0", path="cuda_ipc"))  # colocated: accepted
+    with pytest.raises(ConfigError) as err:
+        load(hosts(tmp_path, w0="cuda:0", w1="cuda:1", path="cuda_ipc"))
+    text = str(err.value)
+    assert "[actors.worker1] CUDA IPC handles" in text and "local/gpu1" in text
+    assert "weight_sync.path = 'auto'" in text
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        load(hosts(tmp_path, w0="cuda:0", w1="cpu", path="cuda_ipc"))
+    with pytest.raises(ConfigError, match="device = 'cpu'.*'tensor'"):
+        load(hosts(tmp_path, t="cpu", w0="cpu", w1="cpu", path="cuda_ipc"))
+    # auto: worker0 on the trainer's GPU (CUDA IPC), worker1 on another (NCCL): accepted
+    load(hosts(tmp_path, w0="cuda:0", w1="cuda:1", path="auto"))
+    # ... but the NCCL part still refuses a CPU worker under a CUDA trainer
+    with pytest.raises(ConfigError, match="worker\\(s\\) \\[actors.worker1\\] run on the CPU"):
+        load(hosts(tmp_path, w0="cuda:0", w1="cpu", path="auto"))
+    load(hosts(tmp_path, t="cpu", w0="cpu", w1="cpu", path="auto"))  # all gloo from a CPU trainer
+
+
 async def workers(stack: AsyncExitStack, ipc, tmp_path: Path, n: int) -> list[SglangWorker]:
     fake = install(tmp_path / "fake")
     env = {"PYTHONPATH": f"{fake}:{ROOT}", "OMP_NUM_THREADS": "1"}

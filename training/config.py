@@ -150,8 +150,11 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     # disk (safetensors + /update_weights_from_disk), distributed (torch.distributed groups
     # with the workers: NCCL on GPU, gloo on CPU; workers sharing a GPU go to different
-    # groups), tensor (weights in the request body; colocated workers on the same host)
-    path: Literal["disk", "distributed", "tensor"] = "disk"
+    # groups), tensor (weights in the request body; colocated workers on the same host),
+    # cuda_ipc (CUDA IPC handles of the trainer's GPU memory in SGLang's
+    # update_weights_from_tensor format: workers on the trainer's own GPU), auto (cuda_ipc to
+    # the workers on the trainer's GPU, distributed to the others)
+    path: Literal["disk", "distributed", "tensor", "cuda_ipc", "auto"] = "disk"
     bucket_mib: int = 512  # bucket size of the distributed and tensor paths, MiB
     keep_versions: int = 2  # disk path: pushed weight versions kept on disk
     # distributed: the trainer's address as the workers reach it (its TCP store and rank 0)

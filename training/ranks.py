@@ -59,10 +59,10 @@ STORE_HOST = "127.0.0.1"  # rank 0's TCP store: the ranks run on the trainer's h
 
 
 class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
-    op: str  # "step" | "device" | "digest" | "hf" | "save" | "stop"
+    op: str  # "step" | "sleep" | "wake" | "digest" | "hf" | "save" | "stop"
     samples: list[Sample] = []
     next_teachers: list[str] = []  # the buffer's hint (colocated teachers)
-    device: str = ""  # "device": "cpu", or "" for each rank's own device
+    keep_weights: bool = False  # "sleep": park all but the parameters (TrainState.sleep)
     path: str = ""  # "save": the checkpoint directory being written
 
 
@@ -302,10 +302,13 @@ class RankGroup(Ranks):
         """Every rank's weight digest, in rank order."""
         return self.run(RankCommand("digest"), self.digests, model)
 
-    def to_device(self, state: TrainState, device: str) -> None:
-        """"cpu", or back to each rank's own device (colocated mode)."""
-        own = "" if device != "cpu" else "cpu"
-        self.run(RankCommand("device", device=own), state.to_device, device)
+    def sleep(self, state: TrainState, keep_weights: bool = False) -> Any:
+        """Colocated mode: every rank parks its step's tensors in host memory (TrainState.sleep);
+        rank 0's report is returned."""
+        return self.run(RankCommand("sleep", keep_weights=keep_weights), state.sleep, keep_weights)
+
+    def wake(self, state: TrainState) -> Any:
+        return self.run(RankCommand("wake"), state.wake)
 
     def named_weights(self, state: TrainState) -> list[tuple[str, torch.Tensor]]:
         """The whole model's HF-named weights on rank 0 (megatron: gathered from the shards)."""

@@ -21,12 +21,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from memory.device_usage import give_back_cached
 from memory.layout import module_tensors
 from memory.safetensors_io import load_safetensors
 from models.load import save_checkpoint
 from training.checkpoints import write_checkpoint
-from training.master_weights import move_optimizer
+from training.sleep import SleepReport, TrainerSleep
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +49,7 @@ class TrainState:
         self.step = 0
         self.version = 0
         self.skipped_checkpoints: list[str] = []  # newer checkpoints a resume found damaged
+        self._sleeper: TrainerSleep | None = None  # colocated mode's sleep (made on first use)
 
     @property
     def pad_id(self) -> int:
@@ -138,15 +138,31 @@ class TrainState:
         if not saved.is_dir():
             self.ref.synced_updates = -1  # copy at the next use
 
-    def to_device(self, device: str) -> None:
-        """Move weights and optimizer state (colocated mode; a no-op between identical devices)."""
-        old = next(self.model.parameters()).device
-        self.model.to(device)
-        move_optimizer(self.optimizer, device)
-        if old != torch.device(device):
-            give_back_cached(str(old))  # the freed blocks go back to the driver, not the cache
+    def sleep(self, keep_weights: bool = False) -> SleepReport:
+        """Colocated mode: the model's parameters, gradients and buffers and the optimizer's
+        state leave the device for pinned host memory, in place (training/sleep.py);
+        `keep_weights` keeps the parameters there (a push reads them; a later `sleep()` parks
+        them too). The freed memory goes back to the driver."""
+        if self._sleeper is None:
+            self._sleeper = TrainerSleep(self.model, self.optimizer)
+        return self._sleeper.sleep(keep_weights)
 
-    def device_bytes(self, device: str) -> int:
-        if device.startswith("cuda"):
-            return torch.cuda.memory_allocated(torch.device(device))
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+    def wake(self) -> SleepReport:
+        """Everything `sleep` parked back on the device, same tensors, same bytes."""
+        if self._sleeper is None:
+            raise RuntimeError("the trainer is awake: wake() follows sleep()")
+        return self._sleeper.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleeper is not None and self._sleeper.asleep
+
+    def device_bytes(self) -> int:
+        """What the step's tensors hold on their device now: the bytes of every storage of the
+        model and optimizer there (0 for each parked one), each storage once."""
+        sleeper = self._sleeper or TrainerSleep(self.model, self.optimizer)
+        seen: dict[int, int] = {}
+        for t in sleeper.tensors():
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+        return sum(seen.values())
