@@ -7,8 +7,8 @@ step time goes (waiting for a batch, training, weight sync), and the train-rollo
 mismatch (`logprob_abs_diff` includes the policy lag of stale samples; the RESULT reports the
 synchronous run's, where trainer and workers hold the same weights).
 `python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]
-[--worker-devices cuda:1,cuda:1] [--weight-sync disk|distributed] [--compare-sync]
-[--dp-size 1] [--true-on-policy]`.
+[--worker-devices cuda:1,cuda:1] [--weight-sync disk|distributed|tensor|cuda_ipc|auto]
+[--compare-sync] [--colocated-syncs disk,cuda_ipc] [--dp-size 1] [--true-on-policy]`.
 Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... overlap_ratio=...
 logprob_abs_diff=... (medians over `--repeat N` pairs of runs); overlap_ratio = the overlapped
 run's step time / max(rollout time, train + weight-sync time), each stage timed in the
@@ -20,6 +20,9 @@ engine-only metrics are the whole batch).
 With --compare-sync: staleness 1 with weight_sync distributed, then disk (both workers may share
 one GPU, e.g. --device cuda:0 --worker-devices cuda:1,cuda:1): RESULT nccl_sync_s=...
 disk_sync_s=... (gloo_sync_s on CPU).
+With --colocated-syncs disk,cuda_ipc: colocated mode (staleness 0, the trainer asleep while the
+workers generate) once per path: RESULT colocated_<path>_sps=... colocated_<path>_sync_s=...
+<path>_vs_<first>_sps=...
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ def memory_by_phase(records: list[dict]) -> dict[str, float]:
     for r in records:
         v = r["values"]
         for phase in ("train", "generate"):
-            for kind, label in (("device", "allocated"), ("nvml", "nvml")):
+            for kind, label in (("device", "tensors"), ("nvml", "nvml")):
                 key = f"memory/{phase}/trainer_{kind}_bytes"
                 if key in v:
                     name = (f"trainer while {'training' if phase == 'train' else 'generating'}"
@@ -211,6 +214,23 @@ def run_colocated(args, root: Path) -> None:
           f"(train {colo['train_s']:.3g} s, weight sync {colo['weight_sync_s']:.3g} s)")
 
 
+def compare_colocated_syncs(args: argparse.Namespace, root: Path) -> None:
+    """Colocated mode (the trainer sleeps while the workers generate) with each weight-sync
+    path in `--colocated-syncs`, in turn; the same run otherwise."""
+    syncs = args.colocated_syncs.split(",")
+    runs = {sync: run_once(args, 0, root, "colocated", sync=sync) for sync in syncs}
+    print(f"{'colocated':20}" + "".join(f"{s:>14}" for s in syncs))
+    for key in ("samples_per_s", "step_s", "wait_batch_s", "train_s", "weight_sync_s",
+                "engine_logprob_abs_diff"):
+        print(f"{key:20}" + "".join(f"{runs[s][key]:14.4g}" for s in syncs))
+    first = runs[syncs[0]]
+    print("RESULT " + " ".join(
+        f"colocated_{s}_sps={runs[s]['samples_per_s']:.3f} "
+        f"colocated_{s}_sync_s={runs[s]['weight_sync_s']:.4f} "
+        f"{s}_vs_{syncs[0]}_sps={runs[s]['samples_per_s'] / first['samples_per_s']:.3f}"
+        for s in syncs))
+
+
 def compare_sync(args: argparse.Namespace, root: Path) -> None:
     """Distributed (NCCL on CUDA, gloo on CPU) against disk, the same run otherwise, in turn."""
     runs = {sync: run_once(args, 1, root, sync=sync) for sync in ("distributed", "disk")}
@@ -257,8 +277,12 @@ def main() -> None:
                         help="run only colocated mode and report its memory per phase")
     parser.add_argument("--worker-devices", default="",
                         help="the two workers' devices, e.g. cuda:1,cuda:1 (default: --device)")
-    parser.add_argument("--weight-sync", default="disk", choices=["disk", "distributed"],
+    parser.add_argument("--weight-sync", default="disk",
+                        choices=["disk", "distributed", "tensor", "cuda_ipc", "auto"],
                         help="how versions reach the workers (trainer's weight_sync.path)")
+    parser.add_argument("--colocated-syncs", default="",
+                        help="only: colocated mode once per weight-sync path, e.g. "
+                             "disk,cuda_ipc; reports each one's step and weight sync time")
     parser.add_argument("--compare-sync", action="store_true",
                         help="only: staleness 1 with weight_sync distributed, then disk; "
                              "reports each one's weight sync time per step")
@@ -272,6 +296,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
     if args.true_on_policy:
         return compare_true_on_policy(args, root)
+    if args.colocated_syncs:
+        return compare_colocated_syncs(args, root)
     if args.only_colocated:
         return run_colocated(args, root)
     if args.compare_sync:
