@@ -409,8 +409,9 @@ class TrainerActor(Actor):
             self.metrics.publish({f"final_eval/{d}": v for d, v in reply.scores.items()},
                                  step=self.state.step, total_steps=self.config.num_steps)
 
-    async def push_weights(self) -> None:
-        """Send this version to every worker (`weight_sync`), then tell the buffer. A failed
+    async def push_weights(self, announce: bool = True) -> None:
+        """Send this version to every worker (`weight_sync`), then (`announce`) tell the buffer,
+        which lets the rollout generate with it. A failed
         distributed/tensor push goes through disk instead when `weight_sync.fallback = "disk"`,
         said on the console with the failing worker and the cause."""
         version, ws = self.state.version, self.config.weight_sync
@@ -433,8 +434,12 @@ class TrainerActor(Actor):
                 path = "disk"
                 await self._push_disk(version)
         self._record_push(path, time.monotonic() - t0)
+        if announce:
+            await self._announce()
+
+    async def _announce(self) -> None:
         await self.call_retrying(self.buffer, VersionUpdate(
-            version=version, step=self.state.step, trainer_epoch=self.epoch),
+            version=self.state.version, step=self.state.step, trainer_epoch=self.epoch),
             self.config.batch_timeout_s)
 
     def _record_push(self, path: str, seconds: float) -> None:
@@ -460,7 +465,8 @@ class TrainerActor(Actor):
         theirs (weights, KV cache, CUDA graphs), then the trainer wakes. To generate: the
         trainer parks its gradients and optimizer state, the workers take their weights back,
         the push fills them (CUDA IPC reads the trainer's parameters where they are), the
-        trainer parks its parameters too, and the workers take their KV cache back."""
+        trainer parks its parameters too, and the workers take their KV cache back; then the
+        buffer hears of the version."""
         if self.config.mode != "colocated":
             if phase == "generate":
                 await self.push_weights()
@@ -472,10 +478,13 @@ class TrainerActor(Actor):
             return
         await self._in_thread(self.sleep, True)
         await asyncio.gather(*(c.resume_memory_occupation(["weights"]) for c in self.clients))
-        await self.push_weights()
+        await self.push_weights(announce=False)
         await self._sleep(keep_weights=False)
         await asyncio.gather(*(c.resume_memory_occupation(["kv_cache", "cuda_graph"])
                                for c in self.clients))
+        # only now may the rollout generate: a worker still holding a released tag refuses
+        # requests (503), which the router counts against it (its circuit breaker opens)
+        await self._announce()
 
     async def _sleep(self, keep_weights: bool) -> None:
         report = await self._in_thread(self.sleep, keep_weights)

@@ -19,7 +19,11 @@ embedded engine: the same requests reach both). Three paths:
   `serializer = "cuda_ipc"` (weight_sync.path "cuda_ipc"): SGLang's own format, load_format
   "flattened_bucket" (engine/cuda_ipc.py): each bucket (one dtype) is copied into one staging
   buffer on the trainer's GPU and only its CUDA IPC handle travels; the worker copies GPU to GPU.
-  Peak extra device memory: one bucket (the largest tensor if bigger), freed after the push.
+  Extra device memory: one bucket (the largest tensor if bigger), allocated at the first push
+  and kept for the sync's life: torch's IPC reference count pairs one export with one release,
+  but every worker releases every bucket of the same buffer, so a dropped buffer would never
+  count down to 0 and `ipc_collect` would never free it (one bucket lost per push, measured on
+  an H200); a buffer that is never dropped costs one bucket, once.
   Real SGLang and the embedded engine read the same payload.
 - `SplitSync` (weight_sync.path "auto"): by placement, per worker: CUDA IPC to the workers on the
   trainer's GPU, a process group (NCCL from a CUDA trainer) to the others (`plan_paths`).
@@ -195,7 +199,10 @@ class TensorSync:
         self.load_format = cuda_ipc.FLATTENED_BUCKET if serializer == "cuda_ipc" else None
         # serializing copies every tensor: never on the event loop (None: a pool of its own)
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="weight-serialize")
-        self._staging: torch.Tensor | None = None  # cuda_ipc: one bucket's bytes, during a push
+        # cuda_ipc: one bucket's bytes, kept from the first push on (see the module docstring);
+        # a bigger bucket later gets a bigger buffer and the old one stays referenced too
+        self._staging: torch.Tensor | None = None
+        self._outgrown: list[torch.Tensor] = []
         self.reduce = cuda_ipc.reduce_cuda  # a staged tensor -> its IPC arguments (torch's)
 
     def serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
@@ -227,12 +234,16 @@ class TensorSync:
                         for c, tp in zip(self.clients, self.tp_sizes)}, None,
                         f"weight version {version}, bucket {i + 1} of {len(parts)}")
             finally:
-                if self._staging is not None:
-                    await run(self.executor, self._free)
+                if self.serializer == "cuda_ipc":
+                    await run(self.executor, self._collect)
         await check_versions(self.clients, version)
 
     def _allocate(self, nbytes: int) -> None:
         nbytes = -(-nbytes // 256) * 256  # every dtype's view of it covers whole elements
+        if self._staging is not None and self._staging.numel() >= nbytes:
+            return
+        if self._staging is not None:
+            self._outgrown.append(self._staging)
         self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _stage(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
@@ -248,10 +259,9 @@ class TensorSync:
             torch.cuda.current_stream(flat.device).synchronize()
         return cuda_ipc.encode_bucket(flat, metadata, self.reduce)
 
-    def _free(self) -> None:
-        """Drop the staging buffer; its memory goes back to the driver (a colocated trainer is
-        asleep while it pushes) once the workers closed their handles (`ipc_collect`)."""
-        self._staging = None
+    def _collect(self) -> None:
+        """After a push: whatever torch's IPC bookkeeping can free goes back to the driver (the
+        staging buffer itself stays, see the module docstring)."""
         if str(self.device).startswith("cuda"):
             torch.cuda.ipc_collect()
             give_back_cached(self.device)

@@ -185,7 +185,12 @@ async def test_cuda_ipc_push_sends_sglang_bodies_in_dtype_buckets(handles):
     assert all(b["load_format"] == FLATTENED_BUCKET for b in worker.bodies)
     assert [b.get("weight_version") for b in worker.bodies][-1] == "4"
     assert [b["flush_cache"] for b in worker.bodies] == [False] * (len(worker.bodies) - 1) + [True]
-    assert sync._staging is None  # the staging buffer lives for one push
+    # one staging buffer, kept for the next push (a dropped one would never be freed: every
+    # worker releases every bucket of one export); the next push reuses it
+    staging = sync._staging
+    assert staging is not None and 0 < staging.numel() <= 40 << 10
+    await sync.push(weights, "5")
+    assert sync._staging is staging and sync._outgrown == []
     got = dict(worker.model.named_parameters())
     for name, t in weights:
         assert torch.equal(got[name], t.to(got[name].dtype)), name
