@@ -109,6 +109,10 @@ class TrainerActor(Actor):
         elif config.megatron:
             raise ValueError("`megatron` options are set but backend = 'torch'; set "
                              "backend = 'megatron' or remove them")
+        if config.parallel.shard == "fsdp2" and config.mode == "colocated":
+            raise ValueError("parallel.shard = 'fsdp2' and mode = 'colocated' conflict: sleeping "
+                             "moves the trainer's tensors off the GPU, and FSDP's sharded storage "
+                             "is not moved yet; use mode = 'decoupled' or shard = 'none'")
         if config.weight_sync.path == "cuda_ipc" and not config.device.startswith("cuda"):
             raise ValueError(f"weight_sync.path = 'cuda_ipc' sends CUDA IPC handles of the "
                              f"trainer's GPU memory, but device = {config.device!r}: use "

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     store.set(f"loaded{args.rank}", "1")
     ranks = ranks or Ranks(cfg, args.rank, args.world_size, store)
     try:
-        ranks.check_same_weights(state.model)
+        ranks.check_and_shard(state, cfg)
         ranks.record("ready")
         serve(state, cfg, ranks)
     finally:

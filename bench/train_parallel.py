@@ -9,7 +9,9 @@ On CPU the ranks run megatron-core over gloo with the test-only torch.cuda stand
 (backends/megatron/cpu_shim.py, armed for the rank processes through tests/megatron_shim on
 PYTHONPATH); on GPUs over NCCL, rank r on cuda:r, no stand-ins.
 `python -m bench.train_parallel [--device cpu|cuda] [--model examples/base-tiny]
-[--dtype float32] [--samples 8] [--layouts tp2,dp2,pp2]`.
+[--dtype float32] [--samples 8] [--layouts tp2,dp2,pp2]`; `--backend torch --layouts
+dp2,fsdp2` runs the torch backend's data parallelism, replicated and sharded (training/fsdp.py;
+both sides then forward one padded pass per micro-batch, as FSDP does).
 Final line: RESULT tp2_vs_tp1_max_abs=... dp2_vs_dp1_max_abs=... pp2_vs_pp1_max_abs=...
 """
 
@@ -38,7 +40,8 @@ from transport.schema import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = ROOT / "tests" / "megatron_shim"  # sitecustomize arming the CPU stand-ins
-LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
+LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2),
+           "fsdp2": dict(dp=2, shard="fsdp2")}
 
 
 def use_cpu_shim() -> None:
@@ -75,8 +78,9 @@ def base_config(model: str, device: str, dtype: str, timeout_s: float = 120.0
                          parallel=ParallelConfig(timeout_s=timeout_s))
 
 
-def at_layout(cfg: TrainerConfig, tp: int = 1, pp: int = 1, dp: int = 1) -> TrainerConfig:
-    parallel = msgspec.structs.replace(cfg.parallel, tp=tp, pp=pp, dp=dp)
+def at_layout(cfg: TrainerConfig, tp: int = 1, pp: int = 1, dp: int = 1, shard: str = "none"
+              ) -> TrainerConfig:
+    parallel = msgspec.structs.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, shard=shard)
     return msgspec.structs.replace(cfg, parallel=parallel)
 
 
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--layouts", default="tp2,dp2,pp2")
+    ap.add_argument("--backend", default="megatron", choices=["megatron", "torch"])
     args = ap.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else args.device
     if not device.startswith("cuda"):
@@ -157,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 
     samples = make_batch(args.samples, len(load_tokenizer(args.model)))
     cfg = base_config(args.model, device, args.dtype)
+    if args.backend == "torch":  # one padded forward per micro-batch on every layout
+        cfg = msgspec.structs.replace(cfg, backend="torch", micro_batches=msgspec.structs.replace(
+            cfg.micro_batches, forward_by_length=False))
     with tempfile.TemporaryDirectory() as tmp:
         with Trainer(cfg, Path(tmp) / "one") as one:
             want_stats, t_one = one.step(samples)
@@ -173,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: step {t:.3f} s, max |param - one rank's| {result[name]:.3e}, "
                   f"params within 1e-7 {fraction_within(got, want, 1e-7):.5f}, grad norm "
                   f"rel. diff {norm:.1e}", flush=True)
-    print("RESULT " + " ".join(f"{name}_vs_{name[:2]}1_max_abs={value:.3e}"
+    print("RESULT " + " ".join(f"{name}_vs_{'dp' if name == 'fsdp2' else name[:2]}1_max_abs="
+                               f"{value:.3e}"
                                for name, value in result.items()))
     return 0
 

@@ -64,11 +64,13 @@ parallel = {{ dp = {dp} }}
 
 
 def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, staleness: int = 1,
-        mode: str = "decoupled", sync: str = "disk", dp: int = 1, sync_opts: str = ""
-        ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+        mode: str = "decoupled", sync: str = "disk", dp: int = 1, sync_opts: str = "",
+        shard: str = "none") -> tuple[subprocess.CompletedProcess, list[dict]]:
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync, dp=dp,
-                                  sync_opts=sync_opts))
+    text = HOSTS.format(steps=steps, staleness=staleness, mode=mode, sync=sync, dp=dp,
+                        sync_opts=sync_opts)
+    hosts.write_text(text.replace(f"parallel = {{ dp = {dp} }}",
+                                  f'parallel = {{ dp = {dp}, shard = "{shard}" }}'))
     cmd = [sys.executable, "-m", "launch.cluster", str(hosts)]
     cmd += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -94,8 +96,10 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     assert final["version"] == 4 and set(final["scores"]) == {"math", "reverse"}
     assert (run_dir / "checkpoints" / "step_000004" / "trainer_state.pt").exists()
     # resume: continue the same run to 6 steps from the step-4 checkpoint, now overlapped and on
-    # two data-parallel ranks (both load the checkpoint; they refuse to start if they differ)
-    result, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1, dp=2)
+    # two data-parallel ranks that shard the model (FSDP2: both load the checkpoint, refuse to
+    # start if they differ, then shard it; each push gathers the whole model to rank 0)
+    result, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1, dp=2,
+                        shard="fsdp2")
     assert result.returncode == 0, result.stdout[-3000:]
     assert [r["values"]["version"] for r in steps][-2:] == [5, 6]
     assert all(r["values"]["train/staleness_max"] <= 1 for r in steps[-2:])
@@ -104,6 +108,10 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     assert "resumed from" in (run_dir / "logs" / "trainer.rank1.log").read_text()
     assert steps[-1]["values"]["train/samples"] == 16  # the whole batch, over both ranks
     assert steps[-1]["values"]["train/dp_size"] == 2
+    # the sharded forward is the worker's function: the first batch after the resume was
+    # generated wholly by the checkpoint's weights (later ones mix versions per token)
+    first = steps[-2]["values"]
+    assert first["train/fresh_tokens"] > 0 and first["train/engine_logprob_abs_diff"] < 1e-5
     assert "resumed from the checkpoint of step 4 (weight version 4); 2 of 6 steps to go" in \
         result.stdout  # said on the console
     # once more: nothing is left to do, and nothing starts

@@ -202,6 +202,10 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank), seconds
     # the rank processes must have started and loaded their state within this, seconds
     start_timeout_s: float = 3600.0
+    # backend "torch" with dp > 1: "none" = every rank holds the whole model (gradients summed
+    # by all-reduce, DDP's math); "fsdp2" = parameters, gradients and optimizer state sharded
+    # over the dp ranks (torch's fully_shard, per decoder layer; training/fsdp.py)
+    shard: Literal["none", "fsdp2"] = "none"
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.cp < 1 or min(self.timeout_s,
@@ -349,11 +353,36 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.pp = {par.pp} and mismatch proximal = 'rollout_version' "
                          f"conflict: old-weight copies need a whole model on one rank; use "
                          f"proximal = 'current' or pp = 1")
+    if par.shard == "fsdp2":
+        _check_fsdp(cfg)
     if par.world_size > 1 and cfg.backend == "megatron" and cfg.kl.ref_update_interval:
         raise ValueError(f"kl.ref_update_interval = {cfg.kl.ref_update_interval} and a "
                          f"multi-rank megatron trainer conflict: the reference copy of the "
                          f"actor is taken from a whole model; use ref_update_interval = 0 or "
                          f"one rank")
+
+
+def _check_fsdp(cfg: TrainConfig) -> None:
+    """What parallel.shard = "fsdp2" does not cover fails at load, naming what to change
+    (training/fsdp.py says why each is out)."""
+    par = cfg.parallel
+    if cfg.backend != "torch":
+        raise ValueError("parallel.shard = 'fsdp2' shards the torch backend; megatron shards "
+                         "with tp / pp and replicates over dp: use shard = 'none' with "
+                         "backend = 'megatron'")
+    if par.world_size < 2:
+        raise ValueError("parallel.shard = 'fsdp2' shards over the data-parallel ranks but dp "
+                         "= 1; set dp >= 2 (or list the devices) or shard = 'none'")
+    why = {"mismatch proximal = 'rollout_version'": cfg.mismatch.proximal == "rollout_version",
+           "kl.ref_update_interval > 0": cfg.kl.ref_update_interval > 0,
+           "true_on_policy = true": cfg.true_on_policy,
+           "colocated teachers (`teachers`)": bool(cfg.teachers),
+           "micro_batches.forward_by_length = true": bool(cfg.micro_batches.forward_by_length)}
+    for what, refused in why.items():
+        if refused:
+            raise ValueError(f"parallel.shard = 'fsdp2' and {what} conflict: that path needs "
+                             f"the whole model on one rank or a per-rank number of forwards; "
+                             f"change it or use shard = 'none'")
 
 
 def _check_replay(cfg: TrainConfig) -> None:

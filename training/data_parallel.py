@@ -78,7 +78,11 @@ class DataParallel(SingleProcess):
             else torch.device("cpu")
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum every parameter's gradient over ranks in one flat all-reduce (missing = zero)."""
+        """Sum every parameter's gradient over ranks in one flat all-reduce (missing = zero).
+        Shards of an FSDP model (DTensors) are skipped: their backward already summed them."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in params if not isinstance(p, DTensor)]
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -47,10 +47,12 @@ from runtime.procs import log_tail, terminate_sync
 from training.checkpoints import write_checkpoint
 from training.config import TrainConfig
 from training.data_parallel import DataParallel
+from training.fsdp import full, shard_state
 from training.setup import load_train_state
 from training.state import TrainState
 from training.step import train_on_batch
 from transport import records
+from transport.dtypes import model_dtype
 from transport.schema import Sample
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,11 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def weight_digest(model: torch.nn.Module) -> float:
-    """A float64 sum of every parameter with a position weight (equal weights, equal digest)."""
+    """A float64 sum of every parameter with a position weight (equal weights, equal digest);
+    of the whole parameters for a sharded (FSDP) model, so every rank calls it."""
     total = torch.zeros((), dtype=torch.float64)
     for i, p in enumerate(model.parameters()):
-        total += (i + 1) * p.detach().double().sum().cpu()
+        total += (i + 1) * full(p.detach()).double().sum().cpu()
     return float(total)
 
 
@@ -96,6 +99,8 @@ class Ranks:
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, store: Any):
         self.rank, self.world_size, self.store = rank, world_size, store
         self.megatron = cfg.backend == "megatron"
+        self.fsdp = cfg.parallel.shard == "fsdp2"
+        self.sharded = self.megatron or self.fsdp  # rank 0 gathers to push and export
         self.pipeline = cfg.parallel.pp > 1
         self.seq = 0  # commands taken (the same count on every rank)
         cuda = cfg.device.startswith("cuda")
@@ -163,6 +168,14 @@ class Ranks:
                                f"(rank: (tensor rank, stage), digest: {got}); every rank must "
                                f"load the same checkpoint")
 
+    def check_and_shard(self, state: TrainState, cfg: TrainConfig) -> None:
+        """Right after loading: the weight check, then (fsdp2) the policy sharded over the
+        ranks (training/fsdp.py)."""
+        self.check_same_weights(state.model)
+        if self.fsdp:
+            shard_state(state, model_dtype(cfg.dtype), cfg.optimizer.lr,
+                        cfg.optimizer.weight_decay)
+
     def step(self, state: TrainState, samples: list[Sample], cfg: TrainConfig
              ) -> dict[str, float]:
         """This rank's part of one optimizer step (every rank of the job calls it)."""
@@ -179,8 +192,16 @@ class Ranks:
         return stats
 
     def save_shards(self, state: TrainState, directory: Path) -> None:
-        """Every rank's part of a checkpoint written into `directory` (megatron only: the torch
-        backend's rank 0 writes the whole checkpoint alone)."""
+        """Every rank's part of a checkpoint written into `directory`: megatron's ranks write
+        their shards; with fsdp2 every rank takes part in the gathers and rank 0 writes the
+        one-process checkpoint (the torch backend unsharded: rank 0 alone, not here)."""
+        if self.fsdp:
+            if self.rank == 0:
+                state.write_files(directory)
+            else:  # the gathers of write_files, in its order
+                state.model.hf_state_dict()
+                state.optimizer.state_dict()
+            return
         from backends.megatron.checkpoint import save_trainer_checkpoint
 
         save_trainer_checkpoint(state, directory)
@@ -231,7 +252,7 @@ class RankGroup(Ranks):
                 self.state = load_train_state(cfg, run_dir, resume)
                 self._wait_for(store, "loaded", timeout_s)
                 super().__init__(cfg, 0, size, store)
-            self.check_same_weights(self.state.model)
+            self.check_and_shard(self.state, cfg)
         except Exception as e:
             dead = self.dead_rank()  # before the kill: the rank that failed on its own
             self.kill()
@@ -311,21 +332,21 @@ class RankGroup(Ranks):
         return self.run(RankCommand("wake"), state.wake)
 
     def named_weights(self, state: TrainState) -> list[tuple[str, torch.Tensor]]:
-        """The whole model's HF-named weights on rank 0 (megatron: gathered from the shards)."""
-        if not self.megatron:
+        """The whole model's HF-named weights on rank 0 (sharded: gathered from the shards)."""
+        if not self.sharded:
             return state.named_weights()
         return self.run(RankCommand("hf"), state.named_weights)
 
     def save_weights(self, state: TrainState, path: Path) -> None:
-        """The HF export rank 0 pushes through disk (megatron: gathered from the shards)."""
-        if not self.megatron:
+        """The HF export rank 0 pushes through disk (sharded: gathered from the shards)."""
+        if not self.sharded:
             return state.save_weights(path)
         return self.run(RankCommand("hf"), state.save_weights, path)
 
     def save_checkpoint(self, state: TrainState, path: Path) -> None:
         """A checkpoint at `path`, complete or absent (training/checkpoints.py); with megatron
-        every rank writes its shards into it."""
-        if not self.megatron:
+        every rank writes its shards into it, with fsdp2 every rank gathers."""
+        if not self.sharded:
             return state.save(path)
         write_checkpoint(path, lambda tmp: self.run(RankCommand("save", path=str(tmp)),
                                                     self.save_shards, state, tmp))

@@ -65,7 +65,7 @@ class TrainState:
     def save(self, path: Path) -> None:
         """Model as an HF directory plus optimizer/step/version, written atomically with a
         manifest of checksums (training/checkpoints.py): a checkpoint is complete or absent."""
-        write_checkpoint(path, self._write)
+        write_checkpoint(path, self.write_files)
 
     @property
     def follows_actor(self) -> bool:
@@ -79,7 +79,8 @@ class TrainState:
                                      getattr(self.old_actors, "store", None)) if s is not None}
         return sum(s.nbytes for s in stores.values())
 
-    def _write(self, path: Path) -> None:
+    def write_files(self, path: Path) -> None:
+        """The checkpoint's files into the directory `path` (TrainState.save makes it atomic)."""
         save_checkpoint(self.model, self.tokenizer, path)
         if self.critic is not None:
             torch.save(self.critic.checkpoint(), path / "critic.pt")

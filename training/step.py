@@ -212,6 +212,8 @@ def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
 
 def _by_length(cfg: TrainConfig, device: torch.device) -> bool:
     flag = cfg.micro_batches.forward_by_length
+    if cfg.parallel.shard == "fsdp2":  # every rank one forward per micro-batch (collectives)
+        return False
     if flag is None:
         return device.type == "cpu" and cfg.dtype == "float32"
     return bool(flag)
