@@ -89,7 +89,8 @@ def shard_state(state: Any, dtype: torch.dtype, lr: float, weight_decay: float) 
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in [*decoder_layers(model), model]:  # each FSDP module has its own setting
         module.set_gradient_divide_factor(1.0)  # the sum over ranks (losses are pre-divided)
-        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     sharded = [p for p in model.parameters() if p.requires_grad]
     optimizer = ShardedOptimizer(sharded, lr, weight_decay, masters, dtype)
     optimizer.load_full(saved)
