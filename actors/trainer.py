@@ -39,14 +39,15 @@ from typing import Literal
 
 from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
-from engine.weight_sync import DiskSync, SyncError, make_weight_sync, plan_groups, plan_paths
+from engine.weight_sync import (DiskSync, SyncError, WeightStream, make_weight_sync,
+                                plan_groups, plan_paths)
 from logic.teachers import check_vocab
 from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView, check_named_peers
 from runtime.devices import gpu_ids
 from training.config import CheckpointConfig, TrainConfig, WeightSyncConfig
-from training.ranks import load_trainer, named_weights, save_checkpoint, save_weights
+from training.ranks import load_trainer, save_checkpoint, save_weights, stream_weights
 from training.sleep import SleepReport
 from training.step import train_on_batch
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
@@ -282,7 +283,7 @@ class TrainerActor(Actor):
                                                str(mem.store.root))
         ws = cfg.weight_sync
         self.sync = await make_weight_sync(
-            ws.path, self.clients, cfg.device, ws.bucket_mib << 20, names=list(cfg.workers),
+            ws.path, self.clients, cfg.device, ws.bucket_bytes, names=list(cfg.workers),
             devices=[self.peer(w).devices for w in cfg.workers],
             own_devices=gpu_ids([cfg.device]), timeout_s=ws.timeout_s, retries=ws.retries,
             master_address=ws.master_address, pause_mode=ws.pause_mode)
@@ -293,6 +294,7 @@ class TrainerActor(Actor):
                                                                       ws.pause_mode)
         self.push_stats: dict[str, float] = {}  # the latest push's time per GB (metrics)
         self._weight_bytes = 0  # bytes of one version (what each push moves per worker)
+        self._held_bytes = 0  # the latest gathered push's most bytes held at once
         self.buffer = await self.connect(cfg.buffer)
         self.epoch = uuid.uuid4().hex  # a restarted trainer is a new epoch for the buffer
         self.rollout = await self.connect(cfg.rollout) if cfg.rollout else None
@@ -419,16 +421,15 @@ class TrainerActor(Actor):
         distributed/tensor push goes through disk instead when `weight_sync.fallback = "disk"`,
         said on the console with the failing worker and the cause."""
         version, ws = self.state.version, self.config.weight_sync
-        if not self._weight_bytes:
-            self._weight_bytes = await self._in_thread(lambda: sum(
-                t.numel() * t.element_size() for _, t in named_weights(self.state, self.ranks)))
         t0, path = time.monotonic(), ws.path
         if ws.path == "disk":
             await self._push_disk(version)
         else:
+            stream = self.weight_stream()
             try:
-                named = await self._in_thread(named_weights, self.state, self.ranks)
-                await self.sync.push(named, str(version))
+                await self.sync.push(stream, str(version))
+                self._weight_bytes = stream.bytes_read or self._weight_bytes
+                self._held_bytes = stream.peak_held_bytes
             except SyncError as e:
                 if ws.fallback != "disk":
                     raise
@@ -441,6 +442,14 @@ class TrainerActor(Actor):
         if announce:
             await self._announce()
 
+    def weight_stream(self) -> WeightStream:
+        """One version's weights as the in-memory paths read them: produced bucket by bucket
+        in the compute thread (a sharded trainer gathers each piece from its ranks as it is
+        sent, never the whole model at once)."""
+        gathered = self.state.streams_weights
+        return WeightStream(lambda: stream_weights(self.state, self.ranks), self.pool,
+                            copies=gathered, shared=not gathered)
+
     async def _announce(self) -> None:
         await self.call_retrying(self.buffer, VersionUpdate(
             version=self.state.version, step=self.state.step, trainer_epoch=self.epoch),
@@ -449,14 +458,20 @@ class TrainerActor(Actor):
     def _record_push(self, path: str, seconds: float) -> None:
         """The push's time per GB of weights (one version's bytes; the disk path counts the
         write and every worker's load, the others every bucket to every worker)."""
-        per_gb = seconds / (self._weight_bytes / 1e9)
+        per_gb = seconds / (max(self._weight_bytes, 1) / 1e9)
         self.push_stats = {"weight_sync/push_s": seconds, "weight_sync/push_s_per_gb": per_gb,
-                           f"weight_sync/{path}/push_s_per_gb": per_gb}
+                           f"weight_sync/{path}/push_s_per_gb": per_gb,
+                           "weight_sync/weight_bytes": float(self._weight_bytes)}
+        if self._held_bytes:  # a gathered (sharded) push: the most of it held at once
+            self.push_stats["weight_sync/push_held_bytes"] = float(self._held_bytes)
 
     async def _push_disk(self, version: int) -> None:
         """Write the version once under <run_dir>/weights/v<N>; every worker loads it."""
         path = self.run_dir / "weights" / f"v{version}"
-        await self._in_thread(save_weights, self.state, path, self.ranks)
+        await self._in_thread(save_weights, self.state, path, self.ranks,
+                              self.config.weight_sync.bucket_bytes)
+        self._weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        self._held_bytes = 0
         await self.disk_sync.push(str(path), str(version))
         versions = [p for p in (self.run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
         for old in sorted(versions, key=lambda p: int(p.name[1:]))[

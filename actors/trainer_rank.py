@@ -21,6 +21,8 @@ from typing import Any
 
 def run_command(cmd: Any, state: Any, cfg: Any, ranks: Any) -> None:
     """This rank's part of one of rank 0's commands (training.ranks.RankCommand)."""
+    from training.ranks import drain
+
     if cmd.op == "step":
         state.next_teachers = cmd.next_teachers
         ranks.step(state, cmd.samples, cfg)
@@ -30,8 +32,8 @@ def run_command(cmd: Any, state: Any, cfg: Any, ranks: Any) -> None:
         state.wake()
     elif cmd.op == "digest":
         ranks.digests(state.model)
-    elif cmd.op == "hf":  # one gather of the HF tensors to rank 0
-        state.model.hf_state_dict()
+    elif cmd.op == "hf":  # one gather of the HF tensors to rank 0, streamed there
+        drain(state.iter_named_weights())
     elif cmd.op == "save":
         ranks.save_shards(state, Path(cmd.path))
     else:

@@ -53,6 +53,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Iterable, Iterator, Literal
 
@@ -73,34 +74,114 @@ class SyncError(RuntimeError):
     """A worker refused or missed a weight update; the message names the worker and why."""
 
 
-def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor is alone)."""
+def _bucketed(named: NamedTensors, bucket_bytes: int, by_dtype: bool = False
+              ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """(bucket, last) pairs: consecutive groups of at most `bucket_bytes` (a bigger tensor is
+    alone; `by_dtype`: one dtype each). A bucket is given out as soon as the next tensor does
+    not fit, so at most one bucket and the tensor after it are held here; `last` is known then
+    (a next tensor exists) or at the end."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
+        if bucket and (size + nbytes > bucket_bytes
+                       or (by_dtype and tensor.dtype != bucket[-1][1].dtype)):
+            yield bucket, False
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True
+
+
+def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor is alone)."""
+    return (bucket for bucket, _ in _bucketed(named, bucket_bytes))
 
 
 def dtype_buckets(named: NamedTensors, bucket_bytes: int
                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """`buckets`, each of one dtype (a flattened bucket is one tensor)."""
-    run: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in named:
-        if run and tensor.dtype != run[-1][1].dtype:
-            yield from buckets(run, bucket_bytes)
-            run = []
-        run.append((name, tensor))
-    if run:
-        yield from buckets(run, bucket_bytes)
+    return (bucket for bucket, _ in _bucketed(named, bucket_bytes, by_dtype=True))
+
+
+class WeightStream:
+    """One weight version's tensors, produced while they are sent: `produce()` is a fresh
+    iterator of (name, tensor) each time the version is read (a retry reads it again), advanced
+    only in `executor`'s thread (a sharded trainer's gather runs collectives there, in the order
+    its other ranks run them). `copies`: the tensors are new host copies (a gather), not views of
+    the live parameters, so what a push holds of them is extra memory: `peak_held_bytes` is the
+    most bytes of them alive at once during the latest read (one bucket and one gathered piece,
+    where a whole-model list would hold the model). `shared`: several reads may run at once
+    (views of a local model); a gather's reads go one after another. A plain list or iterable
+    of tensors is a stream of views (`as_stream`)."""
+
+    def __init__(self, produce: Any, executor: ThreadPoolExecutor | None = None,
+                 copies: bool = False, shared: bool = False):
+        self.produce, self.executor, self.copies, self.shared = produce, executor, copies, shared
+        self.peak_held_bytes = 0
+        self.bytes_read = 0  # the latest complete read's bytes (one version)
+        self._held = 0
+
+    def _count(self, named: Iterator[tuple[str, torch.Tensor]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._held = self.peak_held_bytes = 0
+        total = 0
+        for name, tensor in named:
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            if self.copies:  # alive until the push lets go of it
+                self._held += nbytes
+                self.peak_held_bytes = max(self.peak_held_bytes, self._held)
+                weakref.finalize(tensor, self._release, nbytes)
+            yield name, tensor
+        self.bytes_read = total
+
+    def _release(self, nbytes: int) -> None:
+        self._held -= nbytes
+
+    @contextlib.asynccontextmanager
+    async def buckets(self, bucket_bytes: int, by_dtype: bool = False
+                      ) -> AsyncIterator[AsyncIterator[tuple[list[tuple[str, torch.Tensor]],
+                                                                bool]]]:
+        """`async with stream.buckets(n) as parts: async for bucket, last in parts`: one read,
+        each bucket produced in the stream's thread when it is wanted; leaving the block early
+        (a failed push) finishes the read there (a gather's other ranks complete it)."""
+        source = iter(self.produce())
+        parts = _bucketed(self._count(source), bucket_bytes, by_dtype)
+        run = asyncio.get_running_loop().run_in_executor
+
+        async def each() -> AsyncIterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+            while True:
+                got = await run(self.executor, next, parts, None)
+                if got is None:
+                    return
+                yield got
+                del got  # before the next is made: the consumer's is the only reference
+
+        try:
+            yield each()
+        finally:
+            await run(self.executor, _finish, parts, source)
+
+
+def _finish(parts: Iterator, source: Iterator) -> None:
+    """A read's end: the bucketing closed, then the source (a gather's `close` runs what is
+    left of its collectives)."""
+    for it in (parts, source):
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def as_stream(named: Any) -> WeightStream:
+    """`named` as a WeightStream: itself, or a list of (name, tensor) views read in place."""
+    if isinstance(named, WeightStream):
+        return named
+    named = list(named)
+    return WeightStream(lambda: named, shared=True)
 
 
 def bucket_nbytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
@@ -214,25 +295,28 @@ class TensorSync:
         blob = save({name: t.detach().contiguous().cpu() for name, t in bucket})
         return base64.b64encode(blob).decode("ascii")
 
-    async def push(self, named: NamedTensors, version: str) -> None:
-        if self.serializer == "cuda_ipc":
-            parts = list(dtype_buckets(named, self.bucket_bytes))
-        else:  # base64 of a bucket must fit a worker's body limit (a bigger tensor: 413)
-            parts = list(buckets(named, min(self.bucket_bytes, MAX_SAFETENSORS_BUCKET_BYTES)))
+    async def push(self, named: NamedTensors | WeightStream, version: str) -> None:
+        stream = as_stream(named)
+        size = (self.bucket_bytes if self.serializer == "cuda_ipc"  # a bucket is one dtype
+                # base64 of a bucket must fit a worker's body limit (a bigger tensor: 413)
+                else min(self.bucket_bytes, MAX_SAFETENSORS_BUCKET_BYTES))
         run = asyncio.get_running_loop().run_in_executor
         async with paused(self.clients, self.pause_mode):
             try:
-                if self.serializer == "cuda_ipc":
-                    await run(self.executor, self._allocate, max(map(bucket_nbytes, parts)))
-                for i, bucket in enumerate(parts):
-                    last = i == len(parts) - 1
-                    payload = await run(self.executor, self.serialize, bucket)
-                    extra = {"load_format": self.load_format} if self.load_format else {}
-                    await _settle({c.base_url: _succeeded(c.update_weights_from_tensor(
-                        [payload] * tp, weight_version=version if last else None,
-                        flush_cache=last, **extra))
-                        for c, tp in zip(self.clients, self.tp_sizes)}, None,
-                        f"weight version {version}, bucket {i + 1} of {len(parts)}")
+                async with stream.buckets(size, self.serializer == "cuda_ipc") as parts:
+                    i = 0
+                    async for bucket, last in parts:
+                        i += 1
+                        payload = await run(self.executor, self.serialize, bucket)
+                        del bucket  # one bucket held at a time (the stream's next is made now)
+                        extra = {"load_format": self.load_format} if self.load_format else {}
+                        await _settle({c.base_url: _succeeded(c.update_weights_from_tensor(
+                            [payload] * tp, weight_version=version if last else None,
+                            flush_cache=last, **extra))
+                            for c, tp in zip(self.clients, self.tp_sizes)}, None,
+                            f"weight version {version}, bucket {i}" + (" (the last)" if last
+                                                                        else ""))
+                        del payload
             finally:
                 if self.serializer == "cuda_ipc":
                     await run(self.executor, self._collect)
@@ -247,8 +331,10 @@ class TensorSync:
         self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _stage(self, bucket: list[tuple[str, torch.Tensor]]) -> str:
-        """Copy one bucket (one dtype) into the staging buffer; its flattened_bucket payload.
-        The worker answers only once it has copied out of it, so the next bucket may reuse it."""
+        """Copy one bucket (one dtype) into the staging buffer (grown to it if smaller); its
+        flattened_bucket payload. The worker answers only once it has copied out of it, so the
+        next bucket may reuse it."""
+        self._allocate(bucket_nbytes(bucket))
         metadata, numel = cuda_ipc.flatten_metadata(bucket)
         dtype = bucket[0][1].dtype
         flat = self._staging[:numel * bucket[0][1].element_size()].view(dtype)
@@ -397,15 +483,15 @@ class DistributedSync:
             log.info("weight sync: %d groups so that no GPU is in one twice: %s", len(groups),
                      "; ".join(", ".join(self.names[i] for i in g.members) for g in groups))
 
-    async def push(self, named: NamedTensors, version: str) -> None:
-        named = list(named)  # sent again after a failure
+    async def push(self, named: NamedTensors | WeightStream, version: str) -> None:
+        stream = as_stream(named)  # read again after a failure
         for attempt in range(self.retries + 1):
             try:
                 if not self.groups:
                     if attempt or self.generation:
                         self.reconnects += 1
                     await self.connect()
-                await self._push_once(named, version)
+                await self._push_once(stream, version)
                 return
             except SyncError as e:
                 await self._give_up()
@@ -414,13 +500,14 @@ class DistributedSync:
                 log.warning("weight version %s: %s; forming the groups again (attempt %d of "
                             "%d)", version, e, attempt + 2, self.retries + 1)
 
-    async def _push_once(self, named: list[tuple[str, torch.Tensor]], version: str) -> None:
+    async def _push_once(self, stream: WeightStream, version: str) -> None:
         handles = [g.handle for g in self.groups]
         members = [(i, g.name) for g in self.groups for i in g.members]
-        async with paused([self.clients[i] for i, _ in members], self.pause_mode):
-            parts = list(buckets(named, self.bucket_bytes))
-            for n, bucket in enumerate(parts):
-                last = n == len(parts) - 1
+        async with paused([self.clients[i] for i, _ in members], self.pause_mode), \
+                stream.buckets(self.bucket_bytes) as parts:
+            n = 0
+            async for bucket, last in parts:
+                n += 1
                 names = [name for name, _ in bucket]
                 dtypes = [dtype_name(t.dtype) for _, t in bucket]
                 shapes = [list(t.shape) for _, t in bucket]
@@ -430,8 +517,10 @@ class DistributedSync:
                         weight_version=version if last else None, flush_cache=last))
                     for i, group in members}
                 calls["trainer's broadcast"] = self._in_thread(self._broadcast, bucket, handles)
-                await _settle(calls, self.timeout_s,
-                              f"weight version {version}, bucket {n + 1} of {len(parts)}")
+                del bucket
+                await _settle(calls, self.timeout_s, f"weight version {version}, bucket {n}"
+                              + (" (the last)" if last else ""))
+                del calls
         await check_versions([self.clients[i] for i, _ in members], version)
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]], handles: list) -> None:
@@ -522,9 +611,15 @@ class SplitSync:
     def __init__(self, parts: list[Any]):
         self.parts = parts
 
-    async def push(self, named: NamedTensors, version: str) -> None:
-        named = list(named)
-        await asyncio.gather(*(part.push(named, version) for part in self.parts))
+    async def push(self, named: NamedTensors | WeightStream, version: str) -> None:
+        """All paths at once over views of a local model; one after another over a gather
+        (each reads the version again: one bucket held at a time, never the whole model)."""
+        stream = as_stream(named)
+        if stream.shared:
+            await asyncio.gather(*(part.push(stream, version) for part in self.parts))
+            return
+        for part in self.parts:
+            await part.push(stream, version)
 
     async def close(self) -> None:
         for part in self.parts:

@@ -1,4 +1,5 @@
-"""Reading safetensors checkpoints: the one reader of weights written as safetensors.
+"""Reading safetensors checkpoints: the one reader of weights written as safetensors (and the
+writer of streamed ones).
 
 Role: a checkpoint is a `.safetensors` file, or a directory holding either a Hugging Face
 `model.safetensors.index.json` (its `weight_map` names the shards) or `*.safetensors` files (one
@@ -9,7 +10,9 @@ bytes lie in its file (checked against the file's size: for reading a tensor in 
 plain reads, as memory/sources.py does to stream a checkpoint with bounded memory),
 `load_safetensors` returns {name: tensor}, optionally only some names, on a device, in a dtype,
 and `read_safetensors_into` reads a checkpoint straight into existing tensors (the engine's
-/update_weights_from_disk: the live model's parameters, no second copy). Used by the weight
+/update_weights_from_disk: the live model's parameters, no second copy);
+`write_safetensors_shards` writes tensors as they are produced, one shard at a time (a sharded
+trainer's HF export). Used by the weight
 memory (memory/), the engine's /update_weights_from_disk and the trainer's resume.
 Invariant: a missing or malformed checkpoint (no such path, no safetensors in the directory, an
 index naming a missing shard, a corrupt header, a name asked for that no file holds, a name held
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from transport.dtypes import safetensors_dtype, torch_dtype
 
@@ -224,3 +228,53 @@ def _check_once(name: str, seen: set[str], path: str | Path) -> None:
     if name in seen:
         raise ValueError(f"checkpoint {path} holds {name!r} in more than one file")
     seen.add(name)
+
+
+DEFAULT_SHARD_BYTES = 512 << 20  # the weight push's default bucket: one export shard
+
+
+def write_safetensors_shards(named: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
+                             shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
+    """Write (name, tensor) pairs as they come into `directory` as shards of at most
+    `shard_bytes` (a bigger tensor alone): `model.safetensors` when one shard holds them all,
+    else `model-00001.safetensors`, ... and an `INDEX_FILE` whose `weight_map` names them (what
+    `safetensors_files`, transformers and SGLang read). Holds one shard in memory, never the
+    whole model: a streamed source (a sharded trainer's gather) is written as it is produced.
+    Returns the bytes written (tensor data)."""
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    files: list[str] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file({k: v.detach().contiguous().cpu() for k, v in shard.items()},
+                  str(directory / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, tensor in named:
+        if name in weight_map or name in shard:
+            raise ValueError(f"tensor {name!r} given twice for {directory}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    if shard or not files:
+        flush()
+    for stale in [directory / INDEX_FILE, directory / "model.safetensors"]:
+        stale.unlink(missing_ok=True)
+    if len(files) == 1:
+        (directory / files[0]).replace(directory / "model.safetensors")
+    else:
+        (directory / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return total

@@ -77,6 +77,8 @@ def _drive(tmp: Path) -> dict:
             if name != "dp2":  # the checkpoints every rank writes, resumed at one rank below
                 save_checkpoint(many.state, tmp / name / "checkpoints" / "step_000001",
                                 many.ranks)
+            if name != "dp2":  # a streamed push's read, whole and left early
+                out["stream"] = _read_streamed(many)
             if name == "tp2":  # the HF export a disk push writes, gathered from both shards
                 save_weights(many.state, tmp / "push", many.ranks)
                 out["pushed"] = load_file(tmp / "push" / "model.safetensors")
@@ -89,6 +91,41 @@ def _drive(tmp: Path) -> dict:
                                          "stats": back.step(second)[0],
                                          "after": back.weights()}
     return report
+
+
+STREAM_BUCKET = 16 << 10  # bytes: the tiny model (0.3 MB) in about 20 buckets
+
+
+def _read_streamed(many) -> dict:
+    """What an in-memory push reads from the sharded trainer (engine.weight_sync.WeightStream
+    over training.ranks' stream, in a compute thread as the actor runs it): every tensor once,
+    the most bytes of gathered tensors held at once, and a read stopped after two buckets (a
+    failed push) after which the ranks still take commands in step."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.weight_sync import WeightStream
+
+    pool = ThreadPoolExecutor(1)
+    stream = WeightStream(lambda: many.ranks.stream_weights(many.state), pool, copies=True)
+
+    async def read(stop_after: int = 0) -> dict:
+        got, n = {}, 0
+        async with stream.buckets(STREAM_BUCKET) as parts:
+            async for bucket, _ in parts:
+                got.update({k: v.detach().float().clone() for k, v in bucket})
+                del bucket
+                n += 1
+                if n == stop_after:
+                    break
+        return got
+
+    weights = asyncio.run(read())
+    held, total = stream.peak_held_bytes, stream.bytes_read
+    asyncio.run(read(stop_after=2))
+    digests = many.ranks.all_digests(many.state.model)
+    pool.shutdown()
+    return {"weights": weights, "held": held, "total": total, "digests_after": digests}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +209,23 @@ def test_the_pushed_export_is_the_gathered_model(report):
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_a_push_streams_the_sharded_model_one_bucket_at_a_time(report, name):
+    """A push from the sharded trainer reads exactly the gathered model, holding at most one
+    bucket and the tensor after it (never the whole model, as the earlier gather-then-send did);
+    a push that fails midway still finishes the ranks' gather, so the next command works."""
+    got = report[name]["stream"]
+    want = report[name]["weights"]
+    assert set(got["weights"]) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got["weights"][key], value), key
+    largest = max(v.numel() * 4 for v in want.values())  # fp32
+    assert got["total"] == sum(v.numel() * 4 for v in want.values())
+    assert 0 < got["held"] <= max(STREAM_BUCKET, largest) + largest, got["held"]
+    assert got["held"] < got["total"] / 3, (got["held"], got["total"])
+    assert got["digests_after"] == report[name]["digests"]
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
 def test_a_sharded_checkpoint_resumes_at_one_rank(report, name):
     """Written by both ranks at TP=2 (PP=2), loaded at TP=PP=1: the same weights exactly, and
     the next step (AdamW moments resharded with the weights) equals one rank's second step."""
@@ -223,6 +277,7 @@ workers = ["worker0"]
 num_steps = 2
 micro_batches = { size = 4 }
 parallel = { tp = 2, timeout_s = 120 }
+weight_sync = { path = "tensor", bucket_mib = 0.015625 }  # 16 KiB: streamed from the shards
 """
 
 
@@ -242,6 +297,12 @@ def test_rl_loop_from_hosts_toml_with_megatron_tp2(runs):
         assert v["train/tp_size"] == 2 and v["train/samples"] == 8
         assert v["train/fresh_tokens"] == v["train/tokens"] > 0
         assert v["train/engine_logprob_abs_diff"] < 1e-4, v  # fp32 megatron vs transformers
+    pushes = [r["values"] for r in records if r["actor"] == "trainer"
+              and "weight_sync/push_held_bytes" in r["values"]]
+    assert pushes, "no streamed push recorded"
+    for v in pushes:  # each version streamed from the shards: about one bucket held at a time
+        assert v["weight_sync/weight_bytes"] > 250_000  # the tiny model in fp32
+        assert v["weight_sync/push_held_bytes"] < v["weight_sync/weight_bytes"] / 3, v
     assert "rank1" in (logs / "trainer.rank1.log").read_text()
     checkpoint = run_dir / "checkpoints" / "step_000002"
     assert (checkpoint / "megatron" / "trainer_state.json").is_file()

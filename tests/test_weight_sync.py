@@ -21,8 +21,11 @@ from safetensors.torch import load as load_safetensors
 from actors.sglang_worker import SglangWorker, SglangWorkerConfig
 from algos.logprobs import token_logprobs
 from engine.client import SglangClient, SglangHTTPError
-from engine.weight_sync import DiskSync, TensorSync, buckets, resume_weights_then
+from engine.weight_sync import (DiskSync, TensorSync, WeightStream, buckets,
+                                resume_weights_then)
 from memory.device_usage import storage_bytes
+from memory.safetensors_io import INDEX_FILE, load_safetensors as read_checkpoint, \
+    write_safetensors_shards
 from models.load import save_checkpoint
 from models.tiny import build_tiny
 from tests.fake_sglang_server import install
@@ -82,6 +85,72 @@ def test_buckets_keep_order_and_bound_size():
     assert all(sum(t.numel() * 4 for _, t in b) <= 24 for b in parts if len(b) > 1)
     with pytest.raises(ValueError):
         list(buckets(tensors, 0))
+
+
+async def test_a_stream_is_read_bucket_by_bucket_holding_one_bucket():
+    """A gathered version (fresh copies) is bucketed as it is produced: the push never holds
+    more than one bucket and the tensor after it, the last bucket is flagged, and a read left
+    early still runs the producer to its end in the stream's thread (a sharded trainer's other
+    ranks finish the same gather)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import threading
+
+    sizes = [40] * 10  # 10 x 160 bytes
+    produced, threads, closed = [], set(), []
+
+    def gather():
+        for i, n in enumerate(sizes):
+            threads.add(threading.current_thread().name)
+            produced.append(i)
+            yield f"t{i}", torch.full((n,), float(i))
+
+    def produce():  # as training.ranks' stream: closed early, the gather still runs to its end
+        it = gather()
+        try:
+            for item in it:
+                yield item
+        finally:
+            for _ in it:
+                pass
+            closed.append(threading.current_thread().name)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gather")
+    stream = WeightStream(produce, pool, copies=True)
+    seen, flags = [], []
+    async with stream.buckets(2 * 160) as parts:
+        async for bucket, last in parts:
+            assert len(produced) <= len(seen) + len(bucket) + 1  # produced as it is wanted
+            seen += [(n, float(t[0])) for n, t in bucket]
+            flags.append(last)
+            del bucket
+    assert seen == [(f"t{i}", float(i)) for i in range(10)]
+    assert flags == [False] * 4 + [True]
+    assert stream.bytes_read == 1600
+    assert stream.peak_held_bytes <= 2 * 160 + 160 < 1600  # one bucket + the next tensor
+    assert threads == {"gather_0"}
+    produced.clear()
+    async with stream.buckets(160) as parts:
+        async for bucket, last in parts:
+            break  # a failed push: the rest is still produced (and dropped)
+    assert produced == list(range(10)) and closed == ["gather_0", "gather_0"]
+    pool.shutdown()
+
+
+def test_streamed_export_writes_shards_with_an_index(tmp_path):
+    tensors = [(f"w{i}", torch.randn(64, generator=torch.Generator().manual_seed(i)))
+               for i in range(5)]
+    assert write_safetensors_shards(iter(tensors), tmp_path / "many", 2 * 256) == 5 * 256
+    files = sorted(p.name for p in (tmp_path / "many").glob("*.safetensors"))
+    assert files == ["model-00001.safetensors", "model-00002.safetensors",
+                     "model-00003.safetensors"] and (tmp_path / "many" / INDEX_FILE).is_file()
+    back = read_checkpoint(tmp_path / "many")
+    assert list(back) == [n for n, _ in tensors]
+    assert all(torch.equal(back[n], t) for n, t in tensors)
+    write_safetensors_shards(iter(tensors), tmp_path / "one", 1 << 20)
+    assert [p.name for p in (tmp_path / "one").iterdir()] == ["model.safetensors"]
+    with pytest.raises(ValueError, match="given twice"):
+        write_safetensors_shards(iter(tensors + tensors[:1]), tmp_path / "bad", 1 << 20)
 
 
 async def test_distributed_sync_over_gloo_to_two_worker_processes(ipc, tmp_path):

@@ -155,7 +155,10 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # update_weights_from_tensor format: workers on the trainer's own GPU), auto (cuda_ipc to
     # the workers on the trainer's GPU, distributed to the others)
     path: Literal["disk", "distributed", "tensor", "cuda_ipc", "auto"] = "disk"
-    bucket_mib: int = 512  # bucket size of the distributed and tensor paths, MiB
+    # bucket size of the in-memory paths (distributed, tensor, cuda_ipc), MiB (fractions allowed):
+    # a push holds one bucket of the gathered weights at a time, and a sharded trainer's ranks
+    # send each piece as it is wanted
+    bucket_mib: float = 512
     keep_versions: int = 2  # disk path: pushed weight versions kept on disk
     # distributed: the trainer's address as the workers reach it (its TCP store and rank 0)
     master_address: str = "127.0.0.1"
@@ -175,13 +178,18 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
 
     def __post_init__(self) -> None:
-        if self.bucket_mib < 1 or self.keep_versions < 1:
-            raise ValueError(f"weight_sync needs bucket_mib >= 1 and keep_versions >= 1, got "
+        if self.bucket_mib * 2**20 < 1024 or self.keep_versions < 1:
+            raise ValueError(f"weight_sync needs bucket_mib >= 1/1024 (1 KiB) and keep_versions "
+                             f">= 1, got "
                              f"bucket_mib = {self.bucket_mib}, keep_versions = "
                              f"{self.keep_versions}")
         if self.timeout_s <= 0 or self.retries < 0:
             raise ValueError(f"weight_sync needs timeout_s > 0 and retries >= 0, got "
                              f"timeout_s = {self.timeout_s}, retries = {self.retries}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mib * 2**20)
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

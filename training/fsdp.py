@@ -19,8 +19,9 @@ Numerics, kept equal to the replicated (one-process) step:
   same number of forwards, each a collective), every rank the same number of micro-batches
   (training.data_parallel's schedule).
 
-Checkpoints and pushes gather: `full_state_dict` (every rank calls it, rank 0 gets the whole
-model in `dtype` on the CPU) is what a push sends and what the HF export holds; the optimizer's
+Checkpoints and pushes gather: `iter_full_state` (every rank runs it, rank 0 gets the whole
+model in `dtype` on the CPU one tensor at a time, as a push sends it and the HF export writes
+it: never the whole model in host memory at once); the optimizer's
 state is gathered into the one-process format (AdamW's, or the master-weight optimizer's), so a
 checkpoint resumes at any dp, sharded or not.
 Not covered (refused at load, training/config.py): the megatron backend (it shards itself),
@@ -33,11 +34,12 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from memory.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_shards
 from training.master_weights import MasterWeightOptimizer
 
 
@@ -98,6 +100,7 @@ def shard_state(state: Any, dtype: torch.dtype, lr: float, weight_decay: float) 
     # what the trainer calls on a sharded policy (training/step.py, training/state.py)
     model.clip_grad_norm = partial(clip_grad_norm, model)
     model.hf_state_dict = partial(full_state_dict, model, dtype)
+    model.iter_hf_tensors = partial(iter_full_state, model, dtype)
     model.save_pretrained = partial(save_pretrained, model, dtype)
 
 
@@ -183,20 +186,27 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def full_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The whole model's HF-named tensors in `dtype` on the CPU of rank 0 ({} on the others);
-    every rank calls it. One tensor gathered at a time; tied weights once."""
-    out: dict[str, torch.Tensor] = {}
+def iter_full_state(model: torch.nn.Module, dtype: torch.dtype
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's HF-named tensors in `dtype` on the CPU of rank 0, one tensor gathered
+    at a time and given out at once (nothing on the others); every rank runs it to its end.
+    Tied weights once."""
     seen: set[int] = set()
     rank0 = dist.get_rank() == 0
+    skip = _non_persistent(model)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or name in _non_persistent(model):
+        if id(t) in seen or name in skip:
             continue
         seen.add(id(t))
         whole = full(t.detach())
         if rank0:
-            out[name] = whole.to("cpu", dtype if whole.is_floating_point() else whole.dtype)
-    return out
+            yield name, whole.to("cpu", dtype if whole.is_floating_point() else whole.dtype)
+        del whole
+
+
+def full_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`iter_full_state` as one dict ({} on ranks other than 0)."""
+    return dict(iter_full_state(model, dtype))
 
 
 def _non_persistent(model: torch.nn.Module) -> set[str]:
@@ -207,9 +217,14 @@ def _non_persistent(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def save_pretrained(model: torch.nn.Module, dtype: torch.dtype, directory: str) -> None:
-    """The HF directory of the whole model, written by rank 0 (collective: every rank calls
-    it, or the `hf` command's `full_state_dict`)."""
-    weights = full_state_dict(model, dtype)
-    if dist.get_rank() == 0:
-        type(model).save_pretrained(model, directory, state_dict=weights)
+def save_pretrained(model: torch.nn.Module, dtype: torch.dtype, directory: str,
+                    shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """The HF directory of the whole model, written by rank 0 as the tensors are gathered (one
+    shard file in memory at a time); collective: every rank calls it."""
+    tensors = iter_full_state(model, dtype)
+    if dist.get_rank() != 0:
+        for _ in tensors:
+            pass
+        return
+    write_safetensors_shards(tensors, directory, shard_bytes)
+    model.config.save_pretrained(directory)

@@ -36,12 +36,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 import torch
 import torch.distributed as dist
 
+from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from runtime.child import die_with_parent
 from runtime.procs import log_tail, terminate_sync
 from training.checkpoints import write_checkpoint
@@ -199,7 +200,7 @@ class Ranks:
             if self.rank == 0:
                 state.write_files(directory)
             else:  # the gathers of write_files, in its order
-                state.model.hf_state_dict()
+                drain(state.iter_named_weights())
                 state.optimizer.state_dict()
             return
         from backends.megatron.checkpoint import save_trainer_checkpoint
@@ -332,16 +333,42 @@ class RankGroup(Ranks):
         return self.run(RankCommand("wake"), state.wake)
 
     def named_weights(self, state: TrainState) -> list[tuple[str, torch.Tensor]]:
-        """The whole model's HF-named weights on rank 0 (sharded: gathered from the shards)."""
-        if not self.sharded:
-            return state.named_weights()
-        return self.run(RankCommand("hf"), state.named_weights)
+        """The whole model's HF-named weights on rank 0 as one list (tests, small models)."""
+        return list(self.stream_weights(state))
 
-    def save_weights(self, state: TrainState, path: Path) -> None:
-        """The HF export rank 0 pushes through disk (sharded: gathered from the shards)."""
+    def stream_weights(self, state: TrainState) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model's HF-named weights on rank 0 as a push reads them; sharded: the
+        `hf` command, then each tensor as the gather brings it (one piece in host memory at a
+        time). Closed early (a failed push), it still runs the rest of the gather, which the
+        other ranks are running; a collective that fails names the ranks."""
         if not self.sharded:
-            return state.save_weights(path)
-        return self.run(RankCommand("hf"), state.save_weights, path)
+            yield from state.iter_named_weights()
+            return
+        self.run(RankCommand("hf"))
+        gather = state.iter_named_weights()
+        try:
+            while True:
+                try:
+                    item = next(gather)
+                except StopIteration:
+                    return
+                except RuntimeError as e:
+                    raise self._failed("hf", e) from e
+                yield item
+                del item
+        finally:
+            try:
+                for _ in gather:  # nothing left after a normal end or a failed collective
+                    pass
+            except RuntimeError as e:
+                raise self._failed("hf", e) from e
+
+    def save_weights(self, state: TrainState, path: Path,
+                     shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        """The HF export rank 0 pushes through disk (sharded: streamed from the shards)."""
+        if not self.sharded:
+            return state.save_weights(path, shard_bytes)
+        return self.run(RankCommand("hf"), state.save_weights, path, shard_bytes)
 
     def save_checkpoint(self, state: TrainState, path: Path) -> None:
         """A checkpoint at `path`, complete or absent (training/checkpoints.py); with megatron
@@ -370,6 +397,12 @@ class RankGroup(Ranks):
             terminate_sync(p, 0)
 
 
+def drain(gather: Iterator[Any]) -> None:
+    """A rank's part of a gather whose results go to rank 0."""
+    for _ in gather:
+        pass
+
+
 def rank_config(cfg: TrainConfig, rank: int, run_dir: str) -> TrainConfig:
     """Rank r's trainer config: its device, and its own NVMe directory for colocated teachers
     (reads go through its own process; the prefetcher actor serves rank 0)."""
@@ -389,16 +422,25 @@ def load_trainer(cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path
 
 
 def named_weights(state: TrainState, ranks: RankGroup | None) -> list[tuple[str, torch.Tensor]]:
-    """What a push sends: the whole model's HF-named weights on rank 0."""
-    return ranks.named_weights(state) if ranks is not None else state.named_weights()
+    """The whole model's HF-named weights on rank 0, as one list (tests, small models)."""
+    return list(stream_weights(state, ranks))
 
 
-def save_weights(state: TrainState, path: Path, ranks: RankGroup | None) -> None:
-    """The HF export a disk push writes (rank 0)."""
+def stream_weights(state: TrainState, ranks: RankGroup | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a push sends, tensor by tensor, on rank 0: views of a local model, or a sharded
+    model's tensors as they are gathered (run in the trainer's compute thread)."""
+    return ranks.stream_weights(state) if ranks is not None else state.iter_named_weights()
+
+
+def save_weights(state: TrainState, path: Path, ranks: RankGroup | None,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """The HF export a disk push writes (rank 0; a sharded model in files of at most
+    `shard_bytes`, streamed from its shards)."""
     if ranks is not None:
-        ranks.save_weights(state, path)
+        ranks.save_weights(state, path, shard_bytes)
     else:
-        state.save_weights(path)
+        state.save_weights(path, shard_bytes)
 
 
 def save_checkpoint(state: TrainState, path: Path, ranks: RankGroup | None) -> None:

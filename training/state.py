@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
 
 from memory.layout import module_tensors
-from memory.safetensors_io import load_safetensors
+from memory.safetensors_io import DEFAULT_SHARD_BYTES, load_safetensors
 from models.load import save_checkpoint
 from training.checkpoints import write_checkpoint
 from training.sleep import SleepReport, TrainerSleep
@@ -55,10 +55,16 @@ class TrainState:
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id or 0
 
-    def save_weights(self, path: Path) -> None:
+    def save_weights(self, path: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        """The HF export a disk push loads, written under a temporary name, then renamed; a
+        sharded model streams it from its shards in files of at most `shard_bytes`."""
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_checkpoint(self.model, self.tokenizer, tmp)
+        if self.streams_weights:  # collective: every rank runs it (or the hf command)
+            self.model.save_pretrained(str(tmp), shard_bytes=shard_bytes)
+            self.tokenizer.save_pretrained(str(tmp))
+        else:
+            save_checkpoint(self.model, self.tokenizer, tmp)
         shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites its current version
         tmp.replace(path)
 
@@ -94,11 +100,22 @@ class TrainState:
                    path / "trainer_state.pt")
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full weights (what the workers load), for the in-memory weight-sync paths."""
-        hf = getattr(self.model, "hf_state_dict", None)  # the megatron backend converts
-        if hf is not None:
-            return list(hf().items())
-        return [(n, t.detach()) for n, t in module_tensors(self.model).items()]  # tied: once
+        """HF-named full weights (what the workers load) as one list (tests, small models)."""
+        return list(self.iter_named_weights())
+
+    def iter_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full weights as a push sends them: views of a whole local model, or (a
+        sharded model: megatron, fsdp2) the tensors as each is gathered, on rank 0 (collective
+        there: every rank runs it to its end; nothing on the others)."""
+        stream = getattr(self.model, "iter_hf_tensors", None)  # the sharded backends convert
+        if stream is not None:
+            return stream()
+        return iter([(n, t.detach()) for n, t in module_tensors(self.model).items()])  # tied: once
+
+    @property
+    def streams_weights(self) -> bool:
+        """`iter_named_weights` gathers new host copies (a sharded model), not views."""
+        return hasattr(self.model, "iter_hf_tensors")
 
     def load(self, path: Path, device: str) -> None:
         weights = load_safetensors(path, device=device)

@@ -6,7 +6,8 @@ saved at one TP/PP/DP layout loads at another. The optimizer's per-parameter ten
 moments, fp32 master weights) are sharded like the parameter they belong to (megatron's
 `make_sharded_optimizer_tensor`), so they reshard with it; per-parameter scalars (AdamW's step
 count) are equal for every parameter and kept once in `trainer_state.json`. `save_hf` writes the
-whole model as a Hugging Face directory that transformers, the embedded worker and SGLang's
+whole model as a Hugging Face directory (streamed from the shards, one safetensors shard file
+at a time, with an index when there are several) that transformers, the embedded worker and SGLang's
 /update_weights_from_disk load. `save_trainer_checkpoint` / `load_trainer_checkpoint` are the
 trainer's checkpoint (HF export, `megatron/` shards, critic, step and version).
 Invariant: every function here is collective (call it on every rank of the job); files are
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import warnings
 from pathlib import Path
@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from backends.megatron.mcore import dist_checkpointing, parallel_state
+from backends.megatron.parallel import iter_hf_tensors
+from memory.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_shards
 
 if TYPE_CHECKING:  # annotations only: model.py imports this module
     from backends.megatron.model import MegatronCausalLM
@@ -51,14 +52,17 @@ def _quiet_torch_deprecations():
         yield
 
 
-def save_hf(model: MegatronCausalLM, directory: str | Path) -> None:
-    """Whole model as safetensors + config.json, gathered to and written by global rank 0."""
-    tensors = model.hf_state_dict()
-    if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()},
-                  os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(directory)
+def save_hf(model: MegatronCausalLM, directory: str | Path,
+            shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Whole model as safetensors + config.json, written by global rank 0 as the pieces arrive
+    (shards of at most `shard_bytes`: one shard in host memory, never the whole model)."""
+    tensors = iter_hf_tensors(model)
+    if dist.get_rank() != 0:
+        for _ in tensors:  # this rank's part of the gather
+            pass
+        return
+    write_safetensors_shards(tensors, directory, shard_bytes)
+    model.config.save_pretrained(directory)
 
 
 def _optimizer_parts(optimizer: Any) -> tuple[Any, list, list]:

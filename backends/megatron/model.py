@@ -21,12 +21,13 @@ import difflib
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
+from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from backends.megatron.convert import (
     Layout,
     check_model_reference,
@@ -46,7 +47,7 @@ from backends.megatron.mcore import (
     tensor_parallel,
 )
 from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
-from backends.megatron.parallel import hf_tensors_on_rank0
+from backends.megatron.parallel import hf_tensors_on_rank0, iter_hf_tensors
 from models.load import load_model as load_hf
 from transport.dtypes import torch_dtype
 
@@ -267,10 +268,15 @@ class MegatronCausalLM(torch.nn.Module):
         Collective: every rank calls it (backends.megatron.parallel.hf_tensors_on_rank0)."""
         return hf_tensors_on_rank0(self)
 
-    def save_pretrained(self, directory: str) -> None:
-        """HF checkpoint directory (safetensors + config.json), written by global rank 0;
-        collective like `hf_state_dict`."""
-        save_hf(self, directory)
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`hf_state_dict` streamed piece by piece (what a push sends: one piece in host
+        memory at a time). Collective: every rank runs it to its end."""
+        return iter_hf_tensors(self)
+
+    def save_pretrained(self, directory: str, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        """HF checkpoint directory (safetensors + config.json), written by global rank 0 as
+        the pieces arrive; collective like `hf_state_dict`."""
+        save_hf(self, directory, shard_bytes)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to a global gradient norm over all tensor/pipeline shards; returns the norm."""

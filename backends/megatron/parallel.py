@@ -2,13 +2,15 @@
 
 Role: what the trainer needs from a sharded model as if it were one module: the HF state dict
 (gathered over tensor ranks, merged over pipeline stages) and a clipped global gradient norm.
-`hf_tensors_on_rank0` is the weight push's and the HF export's gather: only data-parallel replica
+`iter_hf_tensors` is the weight push's and the HF export's gather: only data-parallel replica
 0 moves data, piece by piece (the embedding, one transformer layer, the final norm and output
 layer): a piece's tensor shards are gathered to its stage's first tensor rank one tensor at a
-time, converted to HF names there, and sent from later stages to global rank 0. Memory bound:
-on a device, one tensor's gathered shards beyond the model; in rank 0's host memory, the whole
-HF model (what a push sends and an export writes), on other ranks one piece.
-`gather_hf_state_dict` gives every rank the whole model (tests, small models).
+time, converted to HF names there, and sent from later stages to global rank 0; rank 0 gives
+each piece out as it comes, so a push (or the HF export) streams the model. Memory bound: on a
+device, one tensor's gathered shards beyond the model; in host memory, one piece on every rank
+(plus what the consumer keeps: one bucket of a push, one shard file of an export).
+`hf_tensors_on_rank0` collects the stream into one dict and `gather_hf_state_dict` gives every
+rank the whole model (tests, small models). gives every rank the whole model (tests, small models).
 Invariant: at any TP/PP layout both results equal those of the same model at TP=PP=1 (up to
 float summation order); the gradient norm is the same on every rank of the model-parallel group.
 """
@@ -16,7 +18,7 @@ float summation order); the gradient norm is the same on every rank of the model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,17 +137,19 @@ def _recv_piece(src: int) -> dict[str, torch.Tensor] | None:
     return out
 
 
-def hf_tensors_on_rank0(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
-    """The whole model's HF tensors (CPU) on global rank 0, {} on every other rank. Collective:
-    every rank calls it; ranks outside data-parallel replica 0 return at once."""
+def iter_hf_tensors(model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's HF tensors (CPU) on global rank 0, one piece at a time as they are
+    gathered (the embedding, each layer, the final norm and output layer; later stages' pieces
+    as they arrive), nothing on the other ranks. Collective: every rank runs it to the end;
+    ranks outside data-parallel replica 0 return at once. A consumer that lets go of each piece
+    before asking for the next holds one piece of the model, never the whole of it."""
     if parallel_state.get_data_parallel_rank() != 0:
-        return {}
+        return
     core = model.core
     local = {k: v for k, v in core.state_dict(keep_vars=True).items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     stage = parallel_state.get_pipeline_model_parallel_rank()
     first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
-    out: dict[str, torch.Tensor] = {}
     offset = model.layers.start
     for kind, index in _pieces(model):
         piece = _piece_tensors(local, kind, index - offset, model.layout.tied_embeddings)
@@ -154,21 +158,29 @@ def hf_tensors_on_rank0(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
             continue
         layers = range(index, index + 1) if kind == "layer" else range(0)
         hf = megatron_to_hf(shards, model.layout, layers, kind == "embedding", kind == "final")
+        del shards
         if stage == 0:
-            out.update(hf)
+            for key in list(hf):  # given out one by one: the consumer's is the only reference
+                yield key, hf.pop(key)
         else:
             _send_piece(hf, dst=0)
+        del hf
     if stage > 0:
         if first_tensor_rank:
             _send_piece(None, dst=0)
-        return {}
+        return
     if first_tensor_rank:  # global rank 0: the later stages' pieces, stage by stage
         stages = dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())
         for src in stages[1:]:
             while (hf := _recv_piece(src)) is not None:
-                out.update(hf)
-    return out
+                for key in list(hf):
+                    yield key, hf.pop(key)
+
+
+def hf_tensors_on_rank0(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
+    """`iter_hf_tensors` as one dict (tests, small models): the whole model on rank 0."""
+    return dict(iter_hf_tensors(model))
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:
