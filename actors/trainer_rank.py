@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from actors.trainer import TrainerConfig
     from runtime.child import die_with_parent
-    from training.ranks import Ranks, rank_config
+    from training.ranks import CONFIG_KEY, Ranks, rank_config, use_interface_of
     from training.setup import load_train_state
 
     die_with_parent()
@@ -66,16 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--store", required=True, help="rank 0's TCP store, host:port")
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--address", default="",
+                    help="this host's address in [[hosts]] (ranks on several hosts)")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
-    cfg = msgspec.json.decode(Path(args.config).read_bytes(), type=TrainerConfig)
-    cfg = msgspec.structs.replace(rank_config(cfg, args.rank, args.run_dir), prefetcher="")
-    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     host, port = args.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), args.world_size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(host, int(port), args.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=600))
+    cfg = msgspec.json.decode(store.get(CONFIG_KEY), type=TrainerConfig)  # rank 0's config
+    cfg = msgspec.structs.replace(rank_config(cfg, args.rank, args.run_dir), prefetcher="")
+    store.set_timeout(datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    if args.address:
+        use_interface_of(cfg, args.address)
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    logging.info("trainer rank %d of %d on %s (store %s)%s", args.rank, args.world_size,
+                 args.address or "the trainer's host", args.store,
+                 f" over interface {interface}" if interface else "")
     ranks = None
     if cfg.backend == "megatron":  # the model is built on megatron's groups: join first
         import backends.megatron.model  # noqa: F401 - the slow import, before rank 0 waits on us

@@ -11,8 +11,10 @@ PYTHONPATH); on GPUs over NCCL, rank r on cuda:r, no stand-ins.
 `python -m bench.train_parallel [--device cpu|cuda] [--model examples/base-tiny]
 [--dtype float32] [--samples 8] [--layouts tp2,dp2,pp2]`; `--backend torch --layouts
 dp2,fsdp2` runs the torch backend's data parallelism, replicated and sharded (training/fsdp.py;
-both sides then forward one padded pass per micro-batch, as FSDP does).
+both sides then forward one padded pass per micro-batch, as FSDP does); layout `dp2do` is DP=2
+with megatron's distributed optimizer (training/distributed_optimizer.py).
 Final line: RESULT tp2_vs_tp1_max_abs=... dp2_vs_dp1_max_abs=... pp2_vs_pp1_max_abs=...
+dp2do_vs_dp1_max_abs=... dp2do_vs_dp2_max_abs=...
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from transport.schema import Sample
 ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = ROOT / "tests" / "megatron_shim"  # sitecustomize arming the CPU stand-ins
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2),
-           "fsdp2": dict(dp=2, shard="fsdp2")}
+           "fsdp2": dict(dp=2, shard="fsdp2"),
+           "dp2do": dict(dp=2, distributed_optimizer=True)}  # megatron's distributed optimizer
 
 
 def use_cpu_shim() -> None:
@@ -78,9 +81,10 @@ def base_config(model: str, device: str, dtype: str, timeout_s: float = 120.0
                          parallel=ParallelConfig(timeout_s=timeout_s))
 
 
-def at_layout(cfg: TrainerConfig, tp: int = 1, pp: int = 1, dp: int = 1, shard: str = "none"
-              ) -> TrainerConfig:
-    parallel = msgspec.structs.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, shard=shard)
+def at_layout(cfg: TrainerConfig, tp: int = 1, pp: int = 1, dp: int = 1, shard: str = "none",
+              distributed_optimizer: bool = False) -> TrainerConfig:
+    parallel = msgspec.structs.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, shard=shard,
+                                       distributed_optimizer=distributed_optimizer)
     return msgspec.structs.replace(cfg, parallel=parallel)
 
 
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="examples/base-tiny")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--layouts", default="tp2,dp2,pp2")
+    ap.add_argument("--layouts", default="tp2,dp2,pp2,dp2do")
     ap.add_argument("--backend", default="megatron", choices=["megatron", "torch"])
     args = ap.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else args.device
@@ -171,19 +175,22 @@ def main(argv: list[str] | None = None) -> int:
             want = one.weights()
         print(f"one rank: step {t_one:.3f} s, grad norm {want_stats['train/grad_norm']:.6f}",
               flush=True)
-        result = {}
+        result, weights = {}, {}
         for name in args.layouts.split(","):
             with Trainer(at_layout(cfg, **LAYOUTS[name]), Path(tmp) / name) as many:
                 stats, t = many.step(samples)
-                got = many.weights()
+                got = weights[name] = many.weights()
             result[name] = max_abs(got, want)
             norm = stats["train/grad_norm"] / want_stats["train/grad_norm"] - 1
             print(f"{name}: step {t:.3f} s, max |param - one rank's| {result[name]:.3e}, "
                   f"params within 1e-7 {fraction_within(got, want, 1e-7):.5f}, grad norm "
                   f"rel. diff {norm:.1e}", flush=True)
-    print("RESULT " + " ".join(f"{name}_vs_{'dp' if name == 'fsdp2' else name[:2]}1_max_abs="
-                               f"{value:.3e}"
-                               for name, value in result.items()))
+    extra = ""
+    if "dp2" in weights and "dp2do" in weights:  # the distributed optimizer vs replicated
+        extra = f" dp2do_vs_dp2_max_abs={max_abs(weights['dp2do'], weights['dp2']):.3e}"
+    print("RESULT " + " ".join(f"{name}_vs_{'dp' if name in ('fsdp2', 'dp2do') else name[:2]}"
+                               f"1_max_abs={value:.3e}" for name, value in result.items())
+          + extra)
     return 0
 
 

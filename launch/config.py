@@ -414,6 +414,7 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
         host = entry.host or names[0]
         if distributed and "host" not in entry.config and _binds_host(cls.Config):
             entry.config["host"] = hosts[host].address  # its HTTP server, reached from others
+        _place_ranks(entry.config, host, hosts, table, fail)
         config = actor_config(cls, entry.config, f"{path}: table [{table}.config]")
         try:
             notes += [f"[actors.{name}]: {n}" for n in cls.check_config(config) or []]
@@ -430,6 +431,38 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
         except ValueError as e:
             raise ConfigError(f"{path}: table [actors.{name}.config]: {e}") from None
     start_order(cfg, path)
+
+
+def _place_ranks(config: dict[str, Any], host: str, hosts: dict[str, HostConfig], table: str,
+                 fail: Any) -> None:
+    """A trainer's `parallel.hosts`: each a [[hosts]] name, the first the actor's own host (rank
+    0 is the actor), addresses the ranks reach across machines; the launcher copies each host's
+    address and command prefix into `parallel.placement` (training/config.py RankHost), which
+    the trainer starts its ranks through."""
+    parallel = config.get("parallel")
+    if not isinstance(parallel, dict) or not parallel.get("hosts"):
+        return
+    where = f"{table}.config.parallel"
+    if "placement" in parallel:
+        fail(where, "placement", "is filled by the launcher from [[hosts]]: leave it out")
+    names = parallel["hosts"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        fail(where, "hosts", f"{names!r}: give a list of [[hosts]] names")
+    unknown = [n for n in names if n not in hosts]
+    if unknown:
+        fail(where, "hosts", f"unknown host(s) {unknown}; hosts are {list(hosts)}")
+    if names[0] != host:
+        fail(where, "hosts", f"the first host runs rank 0, which is this actor, on host "
+             f"{host!r}; start the list with {host!r} (got {names[0]!r})")
+    if len(names) > 1:
+        for n in names:
+            if _is_loopback(hosts[n].address):
+                fail(where, "hosts", f"host {n!r} has the loopback address "
+                     f"{hosts[n].address!r}, but ranks on {', '.join(names)} reach each other "
+                     f"at their hosts' addresses: give it an address the others reach")
+    parallel["placement"] = [{"name": n, "address": hosts[n].address, "exec": hosts[n].exec,
+                              "python": hosts[n].python, "workdir": hosts[n].workdir,
+                              "shell": hosts[n].shell} for n in names]
 
 
 # ----------------------------------------------------------------------------- hosts

@@ -183,6 +183,61 @@ def test_main_job_split_over_two_hosts_runs_to_completion_with_metrics(netns, tm
     assert "serving run" in (run_dir / "logs" / "nsb" / "agent.log").read_text()
 
 
+def test_trainer_ranks_on_two_hosts_from_parallel_hosts(netns, tmp_path):
+    """`parallel.hosts` places the trainer's rank 1 on the namespace host: the trainer starts it
+    through the host's `exec` prefix, it reaches rank 0's store at the launcher host's address,
+    gloo runs over each host's own interface, and two data-parallel GRPO steps complete."""
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(hosts_toml(netns) + textwrap.dedent(f"""
+        [rl]
+        model = "{ROOT / 'examples' / 'base-tiny'}"
+        workers = 1
+        group_size = 4
+        groups_per_batch = 2
+        num_steps = 2
+        micro_batch_size = 4
+        eval_every = 0
+        eval_tasks = 4
+        envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
+
+        [actors.trainer.config]
+        parallel = {{ dp = 2, hosts = ["main", "nsb"], timeout_s = 60 }}
+        """))
+    run_dir = tmp_path / "run"
+    result = run_launcher(hosts, run_dir, timeout_s=110)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out + (run_dir / "logs" / "trainer.rank1.log").read_text()
+    config = json.loads((run_dir / "config.json").read_text())
+    placement = config["actors"]["trainer"]["config"]["parallel"]["placement"]
+    assert [(p["name"], p["address"], p["exec"]) for p in placement] == [
+        ("main", netns.root_address, []), ("nsb", netns.address, netns.exec)]
+    rank1 = (run_dir / "logs" / "trainer.rank1.log").read_text()
+    # the interface holding the namespace's address exists only inside the namespace
+    assert f"trainer rank 1 of 2 on {netns.address} (store {netns.root_address}:" in rank1
+    assert "over interface rlx" in rank1, rank1[-2000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    assert [v["version"] for v in steps] == [1, 2]
+    assert all(v["train/dp_size"] == 2 and v["train/samples"] == 8 for v in steps)
+
+
+def test_rank_hosts_are_checked_at_load(netns, tmp_path):
+    hosts = tmp_path / "hosts.toml"
+    base = hosts_toml(netns) + textwrap.dedent(f"""
+        [rl]
+        model = "{ROOT / 'examples' / 'base-tiny'}"
+        workers = 1
+        envs = [{{ cls = "envs.builtin.arith:ArithEnv" }}]
+        [actors.trainer.config]
+        """)
+    for parallel, words in (('{ dp = 2, hosts = ["nsb", "main"] }', "start the list with 'main'"),
+                            ('{ dp = 2, hosts = ["main", "gpu9"] }', "unknown host(s) ['gpu9']"),
+                            ('{ dp = 3, hosts = ["main", "nsb"] }', "ranks_per_host")):
+        hosts.write_text(base + f"parallel = {parallel}\n")
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load(hosts)
+
+
 # ----------------------------------------------------------------------------- losing a host
 CLIENT = """
 import asyncio, json, sys

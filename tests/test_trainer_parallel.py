@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIM_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     filter(None, [str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
 LR = 1e-3
-LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2)}
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2),
+           "dp2do": dict(dp=2, distributed_optimizer=True)}  # the distributed optimizer
 pytestmark = pytest.mark.timeout(600)  # whichever test comes first waits for the module's runs
 
 
@@ -77,13 +78,18 @@ def _drive(tmp: Path) -> dict:
             if name != "dp2":  # the checkpoints every rank writes, resumed at one rank below
                 save_checkpoint(many.state, tmp / name / "checkpoints" / "step_000001",
                                 many.ranks)
-            if name != "dp2":  # a streamed push's read, whole and left early
+            if name in ("tp2", "pp2"):  # a streamed push's read, whole and left early
                 out["stream"] = _read_streamed(many)
+            if name == "dp2do":  # this replica's range of the optimizer state
+                opt = many.state.optimizer
+                out["optimizer"] = {"range": opt.master[0].numel(), "params": opt.numel,
+                                    "moments": [v.numel() for v in opt.state[opt.master[0]]
+                                                .values() if v.dim()]}
             if name == "tp2":  # the HF export a disk push writes, gathered from both shards
                 save_weights(many.state, tmp / "push", many.ranks)
                 out["pushed"] = load_file(tmp / "push" / "model.safetensors")
             report[name] = out
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "dp2do"):
         with Trainer(cfg, tmp / name, resume=True) as back:
             resumed = back.weights()
             step = back.state.step
@@ -193,7 +199,7 @@ def test_sharded_step_equals_the_one_rank_step(report, name):
     moved = max(float((want["weights"][k] - report["one_second"]["weights"][k]).abs().max())
                 for k in want["weights"])
     assert moved > 0.5 * LR  # the steps did move the weights
-    if name == "dp2":  # the two replicas hold identical weights
+    if layout.get("dp"):  # the two replicas hold identical weights
         assert len(set(got["digests"])) == 1
     else:  # two different shards
         assert len(set(got["digests"])) == 2
@@ -225,7 +231,20 @@ def test_a_push_streams_the_sharded_model_one_bucket_at_a_time(report, name):
     assert got["digests_after"] == report[name]["digests"]
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_the_distributed_optimizer_gives_the_replicated_update_from_half_the_state(report):
+    """DP=2 with the distributed optimizer: each replica steps its half of the flattened
+    parameters (AdamW's moments and main weights for half the elements) and the update is the
+    replicated DP=2 update bit for bit (AdamW is elementwise on the same summed gradients)."""
+    got, want = report["dp2do"]["weights"], report["dp2"]["weights"]
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    opt = report["dp2do"]["optimizer"]
+    assert opt["range"] == -(-opt["params"] // 2) and opt["params"] > 70_000
+    assert opt["moments"] == [opt["range"], opt["range"]]  # exp_avg, exp_avg_sq: half each
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2do"])
 def test_a_sharded_checkpoint_resumes_at_one_rank(report, name):
     """Written by both ranks at TP=2 (PP=2), loaded at TP=PP=1: the same weights exactly, and
     the next step (AdamW moments resharded with the weights) equals one rank's second step."""

@@ -192,6 +192,18 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return int(self.bucket_mib * 2**20)
 
 
+class RankHost(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where and how the trainer starts the ranks of one host of `parallel.hosts` (the
+    launcher copies it from that [[hosts]] entry: launch/config.py HostConfig)."""
+
+    name: str
+    address: str = "127.0.0.1"  # where the other ranks reach this host (rank 0's store, gloo)
+    exec: list[str] = []  # command prefix that runs a command there ([] = this machine)
+    python: str = ""  # interpreter there ("" = the trainer's own)
+    workdir: str = ""  # the project's folder there ("" = the trainer's working directory)
+    shell: bool | None = None  # exec hands its command to a shell (None: true for ssh)
+
+
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The trainer's ranks (training/ranks.py): the actor is global rank 0 and starts the other
     tp * pp * dp - 1 as processes on its host, joined in one torch.distributed group (NCCL on
@@ -214,6 +226,17 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # by all-reduce, DDP's math); "fsdp2" = parameters, gradients and optimizer state sharded
     # over the dp ranks (torch's fully_shard, per decoder layer; training/fsdp.py)
     shard: Literal["none", "fsdp2"] = "none"
+    # backend "megatron": AdamW's moments and the fp32 main weights sharded over the dp
+    # replicas, 1/dp each (megatron's use_distributed_optimizer, ZeRO-1;
+    # training/distributed_optimizer.py); the update is the replicated one, bit for bit
+    distributed_optimizer: bool = False
+    # host names of [[hosts]] the ranks run on, `ranks_per_host` consecutive ranks each, in
+    # global rank order ([] = every rank on the trainer actor's host); the first is the actor's
+    # host (it is rank 0). Rank r's CUDA device is counted on its own host (cuda:<r mod n>)
+    hosts: list[str] = []
+    ranks_per_host: int = 0  # ranks on each host of `hosts` (0 = world size / len(hosts))
+    # filled by the launcher from [[hosts]], one entry per name in `hosts`; leave it out
+    placement: list[RankHost] = []
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.cp < 1 or min(self.timeout_s,
@@ -240,9 +263,37 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"parallel.devices lists {len(self.devices)} devices but tp * pp * "
                              f"dp = {self.tp} * {self.pp} * {dp} = {self.world_size} ranks; "
                              f"list one device per rank (or omit dp to derive it)")
-        if len(set(self.devices)) != len(self.devices):
+        if len(set(self.devices)) != len(self.devices) and not self.hosts:
             raise ValueError(f"parallel.devices {self.devices} names a device twice: each rank "
                              f"needs its own")
+        self._check_hosts()
+
+    def _check_hosts(self) -> None:
+        if not self.hosts:
+            if self.ranks_per_host or self.placement:
+                raise ValueError("parallel.ranks_per_host / placement need parallel.hosts (the "
+                                 "hosts the ranks run on)")
+            return
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"parallel.hosts {self.hosts} names a host twice: give each host "
+                             f"once and its number of ranks in ranks_per_host")
+        per_host = self.ranks_per_host or self.world_size // len(self.hosts)
+        if per_host < 1 or per_host * len(self.hosts) != self.world_size:
+            raise ValueError(f"parallel.hosts lists {len(self.hosts)} hosts with ranks_per_host "
+                             f"= {self.ranks_per_host or 'derived'} but tp * pp * dp = "
+                             f"{self.world_size} ranks: make ranks_per_host * len(hosts) equal "
+                             f"the ranks")
+        msgspec.structs.force_setattr(self, "ranks_per_host", per_host)
+        if self.placement and [h.name for h in self.placement] != self.hosts:
+            raise ValueError(f"parallel.placement names {[h.name for h in self.placement]}, not "
+                             f"parallel.hosts {self.hosts}: leave placement out (the launcher "
+                             f"fills it from [[hosts]])")
+
+    def rank_host(self, rank: int) -> RankHost | None:
+        """The host rank r runs on (None: the trainer's own host, no placement given)."""
+        if not self.placement:
+            return None
+        return self.placement[rank // self.ranks_per_host]
 
     @property
     def world_size(self) -> int:
@@ -257,7 +308,8 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if not default.startswith("cuda"):
             return default
         base = int(default.split(":")[1]) if ":" in default else 0
-        return f"cuda:{base + rank}"
+        local = rank % self.ranks_per_host if self.hosts else rank  # counted on its own host
+        return f"cuda:{base + local}"
 
 
 class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -340,6 +392,13 @@ def check_algorithm(cfg: TrainConfig) -> None:
     _check_parallel(cfg)
 
 
+def distributed_optimizer(cfg: TrainConfig) -> bool:
+    """`parallel.distributed_optimizer`, or megatron's own name for it in the megatron table
+    (`--megatron-use-distributed-optimizer`)."""
+    return bool(cfg.parallel.distributed_optimizer
+                or cfg.megatron.get("use_distributed_optimizer", False))
+
+
 def _check_parallel(cfg: TrainConfig) -> None:
     """The parallel layout against the backend, the device and the megatron option table."""
     par = cfg.parallel
@@ -347,6 +406,14 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.tp = {par.tp}, pp = {par.pp} need backend = 'megatron' (the "
                          f"torch backend is data-parallel only); set backend = 'megatron' or "
                          f"tp = pp = 1")
+    if distributed_optimizer(cfg) and cfg.backend != "megatron":
+        raise ValueError("parallel.distributed_optimizer = true needs backend = 'megatron' "
+                         "(the torch backend shards its optimizer state with shard = 'fsdp2')")
+    if distributed_optimizer(cfg) and cfg.optimizer.master_weights is False \
+            and cfg.dtype in ("bfloat16", "float16"):
+        raise ValueError(f"parallel.distributed_optimizer keeps fp32 main weights; "
+                         f"optimizer.master_weights = false with dtype = {cfg.dtype!r} asks "
+                         f"for none: remove master_weights (or set it true)")
     if par.devices and par.devices[0] != cfg.device:
         raise ValueError(f"parallel.devices[0] = {par.devices[0]!r} but device = "
                          f"{cfg.device!r}: the actor is rank 0 and runs on `device`; make them "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -58,7 +60,8 @@ from transport.schema import Sample
 
 log = logging.getLogger(__name__)
 
-STORE_HOST = "127.0.0.1"  # rank 0's TCP store: the ranks run on the trainer's host for now
+STORE_HOST = "127.0.0.1"  # rank 0's TCP store when every rank runs on the trainer's host
+CONFIG_KEY = "trainer_config"  # the trainer's config in the store (msgspec JSON)
 
 
 class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
@@ -226,19 +229,19 @@ class RankGroup(Ranks):
         size = cfg.parallel.world_size
         self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, size)]
         log_dir.mkdir(parents=True, exist_ok=True)
-        config_path = Path(run_dir) / "trainer_ranks.json"
-        config_path.write_bytes(msgspec.json.encode(cfg))
         timeout_s = cfg.parallel.start_timeout_s
-        store = dist.TCPStore(STORE_HOST, 0, size, is_master=True,
+        here = cfg.parallel.rank_host(0)
+        store_host = here.address if here is not None else STORE_HOST
+        use_interface_of(cfg, store_host)
+        # the store listens on every interface; the ranks reach it at this host's address
+        store = dist.TCPStore(store_host, 0, size, is_master=True,
                               timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
                               wait_for_workers=False)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        store.set(CONFIG_KEY, msgspec.json.encode(cfg))  # no shared path needed
         for r, path in zip(range(1, size), self.logs):
-            cmd = [sys.executable, "-m", "actors.trainer_rank", "--rank", str(r), "--world-size",
-                   str(size), "--store", f"{STORE_HOST}:{store.port}", "--config",
-                   str(config_path), "--run-dir", run_dir] + (["--resume"] if resume else [])
+            cmd = rank_command(cfg, r, size, f"{store_host}:{store.port}", run_dir, resume)
             with open(path, "ab") as f:
-                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=env,
+                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=rank_env(cfg, r),
                                                    stdin=subprocess.DEVNULL,
                                                    preexec_fn=die_with_parent))
         log.info("trainer: started ranks 1..%d of tp %d x pp %d x dp %d (logs %s)", size - 1,
@@ -395,6 +398,68 @@ class RankGroup(Ranks):
     def kill(self) -> None:
         for p in self.procs:
             terminate_sync(p, 0)
+
+
+_DERIVED_ENV: set[str] = set()  # interface variables use_interface_of set for this host only
+
+
+def rank_env(cfg: TrainConfig, rank: int) -> dict[str, str]:
+    """Rank r's environment: this process's, less the interface this host's ranks use when r
+    runs elsewhere (its own is found there from its address)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    host, here = cfg.parallel.rank_host(rank), cfg.parallel.rank_host(0)
+    if host is not None and here is not None and host.address != here.address:
+        for key in _DERIVED_ENV:
+            env.pop(key, None)
+    return env
+
+
+def rank_command(cfg: TrainConfig, rank: int, world_size: int, store: str, run_dir: str,
+                 resume: bool) -> list[str]:
+    """The command that starts rank r: on this machine, or through its host's `exec` prefix
+    (parallel.placement: ssh, srun, ip netns exec), in the host's workdir with its python and
+    this process's PYTHONPATH. It reaches rank 0's store at `store` (host:port)."""
+    host = cfg.parallel.rank_host(rank)
+    args = ["-m", "actors.trainer_rank", "--rank", str(rank), "--world-size", str(world_size),
+            "--store", store, "--run-dir", run_dir] + (["--resume"] if resume else [])
+    if host is not None:
+        args += ["--address", host.address]
+    if host is None or not host.exec:
+        return [sys.executable, *args]
+    env = [f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+                                              "NCCL_SOCKET_IFNAME")
+           if os.environ.get(k) and k not in _DERIVED_ENV]
+    words = ["sh", "-c", 'cd "$0" && exec env "$@"', host.workdir or os.getcwd(),
+             "PYTHONUNBUFFERED=1", *env, host.python or sys.executable, *args]
+    shell = host.shell
+    if shell is None:
+        shell = os.path.basename(host.exec[0]) == "ssh"
+    return [*host.exec, shlex.join(words)] if shell else [*host.exec, *words]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` on this machine (None: none does)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def use_interface_of(cfg: TrainConfig, address: str) -> None:
+    """Ranks on several hosts: gloo and NCCL talk over the interface of this host's address
+    (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless set), not whatever the hostname resolves
+    to. Before the process group forms."""
+    if len({h.address for h in cfg.parallel.placement}) < 2:
+        return
+    name = interface_of(address)
+    if name is None:
+        raise RuntimeError(f"this host has no interface with address {address!r} (its address "
+                           f"in [[hosts]], where the trainer's other ranks reach it): fix the "
+                           f"address or set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME")
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if key not in os.environ:
+            os.environ[key] = name
+            _DERIVED_ENV.add(key)
 
 
 def drain(gather: Iterator[Any]) -> None:

@@ -24,7 +24,8 @@ from models.load import load_model
 from training.aux_models import AuxModel, CriticModel, OldActors, new_store
 from training.checkpoints import resumable_checkpoint
 from training.colocated_teachers import ColocatedTeachers
-from training.config import TrainConfig
+from training.config import TrainConfig, distributed_optimizer
+from training.distributed_optimizer import DistributedOptimizer
 from training.master_weights import make_optimizer
 from training.state import TrainState
 from training.weight_sets import WeightSets, weight_tensors
@@ -81,8 +82,14 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState
     else:
         model, tokenizer = load_model(cfg.model, cfg.device, dtype, cfg.seed)
     model.train()
-    opt = make_optimizer(model.parameters(), dtype, cfg.optimizer.master_weights,
-                         cfg.optimizer.lr, cfg.optimizer.weight_decay)
+    if distributed_optimizer(cfg):  # megatron: the dp group exists (training.ranks joined it)
+        from backends.megatron.model import parallel_state
+
+        opt = DistributedOptimizer(model.parameters(), parallel_state.get_data_parallel_group(),
+                                   cfg.optimizer.lr, cfg.optimizer.weight_decay)
+    else:
+        opt = make_optimizer(model.parameters(), dtype, cfg.optimizer.master_weights,
+                             cfg.optimizer.lr, cfg.optimizer.weight_decay)
     hf_policy = model if cfg.backend == "torch" else None
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     state = TrainState(model, tokenizer, opt, ref, critic)

@@ -67,7 +67,8 @@ def save_hf(model: MegatronCausalLM, directory: str | Path,
 
 def _optimizer_parts(optimizer: Any) -> tuple[Any, list, list]:
     """(the torch optimizer, the model parameters it updates, the tensors it steps: fp32
-    masters (training/master_weights.py) or the parameters themselves)."""
+    masters (training/master_weights.py) or the parameters themselves); the distributed
+    optimizer through its per-parameter view (`_per_parameter`)."""
     if hasattr(optimizer, "master"):
         return optimizer.optimizer, optimizer.params, optimizer.master
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -128,10 +129,19 @@ def _optimizer_layout(optimizer: Any) -> dict[str, Any]:
             "masters": owners is not params}
 
 
+def _per_parameter(optimizer: Any) -> Any:
+    """The optimizer as the checkpoint sees it: per parameter. The distributed optimizer
+    (training/distributed_optimizer.py) gathers its ranges into that view (collective)."""
+    view = getattr(optimizer, "full_view", None)
+    return view() if view is not None else optimizer
+
+
 def save_distributed(model: MegatronCausalLM, directory: str | Path,
                      optimizer: Any = None, step: int = 0, version: int = 0) -> None:
     """Sharded model weights and optimizer state, and (rank 0, last) the state file."""
     directory = Path(directory)
+    if optimizer is not None:
+        optimizer = _per_parameter(optimizer)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -160,6 +170,9 @@ def load_distributed(model: MegatronCausalLM, directory: str | Path,
     meta = json.loads((directory / STATE_FILE).read_text())
     sharded = model.core.sharded_state_dict()
     saved = meta.get("optimizer")
+    target = optimizer
+    if optimizer is not None and hasattr(optimizer, "empty_view"):
+        optimizer = optimizer.empty_view()  # per parameter; its ranges taken out below
     if optimizer is not None and saved is not None:
         mine = _optimizer_parts(optimizer)
         if saved["masters"] and mine[2] is mine[1]:
@@ -177,6 +190,8 @@ def load_distributed(model: MegatronCausalLM, directory: str | Path,
                          f"unexpected {unexpected}")
     if optimizer is not None:
         _restore_optimizer(optimizer, loaded, saved)
+        if target is not optimizer:
+            target.load_view(optimizer)
     return meta
 
 

@@ -84,11 +84,18 @@ class CausalLMOutput:
     logits: torch.Tensor
 
 
+# megatron option names the trainer itself reads: use_distributed_optimizer is
+# parallel.distributed_optimizer (training/distributed_optimizer.py)
+TRAINER_OPTIONS = frozenset({"use_distributed_optimizer"})
+
+
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `megatron` option table -> (TransformerConfig kwargs, GPTModel kwargs); ValueError for
     keys that are owned by the backend or unknown (with the closest known names)."""
     config_kw, model_kw = {}, {}
     for key, value in options.items():
+        if key in TRAINER_OPTIONS:  # read by the trainer (training/config.py), not the model
+            continue
         if key in SHAPE_FIELDS or key in OWNED_MODEL_KWARGS:
             raise ValueError(f"megatron option {key!r} is set from the HF config / parallel "
                              f"layout by the backend; remove it from the megatron table")

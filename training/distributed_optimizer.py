@@ -1,0 +1,185 @@
+"""The distributed optimizer: AdamW state and fp32 main weights sharded over data-parallel ranks.
+
+Role: `parallel.distributed_optimizer = true` (megatron's `use_distributed_optimizer`, ZeRO
+stage 1): each of the D data-parallel replicas of one tensor/pipeline shard keeps 1/D of that
+shard's optimizer state, AdamW's two moments and the fp32 main weights, instead of all of it.
+The rank's parameters are laid end to end in one flat index space (model order, padded to a
+multiple of D); replica r owns the contiguous range [r * S, (r + 1) * S), S = ceil(N / D), and
+its AdamW steps one fp32 tensor of that range. Per step: the gradients are summed over the
+data-parallel group and clipped as before (training/step.py: every replica holds the summed,
+clipped gradients), each replica copies its range of them to fp32, takes the AdamW step on its
+range, and the updated ranges are all-gathered (in the parameters' dtype) into every replica's
+parameters.
+
+Memory per parameter (bf16 parameters with fp32 main weights): 2 (weight) + 2 (gradient) +
+12 / D (main weight, two moments) bytes, against 2 + 2 + 12 replicated; the step's transients
+are one range of fp32 gradients and one flat copy of the parameters in their dtype (the
+all-gather). Gradients are all-reduced, not reduce-scattered, so the clip norm is exactly the
+replicated step's.
+
+Numerics: AdamW is elementwise, so every element gets the update the replicated optimizer gives
+it from the same summed, clipped gradient, bit for bit; rounding the fp32 main weight to the
+parameter's dtype is the same as training/master_weights.py's. Invariant: between steps every
+parameter equals its main weight rounded (fp32 parameters: equal).
+
+Checkpoints: `full_view()` (collective over the data-parallel group) gathers the ranges into
+the per-parameter layout the megatron checkpoint writes (backends/megatron/checkpoint.py: each
+moment and main weight sharded like its parameter), so a checkpoint written with the distributed
+optimizer resumes with or without it, at any layout; `load_view` takes the ranges back out of
+a loaded view. The gather holds the tensor/pipeline shard's whole optimizer state for the
+duration of a save (the replicated optimizer's size), not between saves.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedOptimizer:
+    """AdamW over this replica's range of the flattened parameters (see the module docstring),
+    with the optimizer API the trainer uses (zero_grad, step, state, param_groups) and the
+    attributes training/sleep.py moves (`optimizer`, `master`)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], group: Any, lr: float,
+                 weight_decay: float = 0.0):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("the distributed optimizer needs parameters to train")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.numel = sum(p.numel() for p in self.params)
+        self.size = -(-self.numel // self.world)  # elements per replica (the last one padded)
+        self.start = self.rank * self.size
+        dtypes = {p.dtype for p in self.params}
+        self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        nccl = dist.get_backend(group) == "nccl"
+        self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                            else self.params[0].device)
+        main = torch.zeros(self.size, dtype=torch.float32, device=self.params[0].device)
+        self._copy_range([p.detach() for p in self.params], main)
+        self.master = [torch.nn.Parameter(main)]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> Any:
+        return self.optimizer.param_groups
+
+    @property
+    def masters(self) -> bool:
+        """Whether the fp32 main weights differ from the parameters (16-bit parameters)."""
+        return self.gather_dtype != torch.float32
+
+    def _pieces(self) -> Iterable[tuple[int, int, int, int]]:
+        """(parameter index, first element in it, first element in my range, count) of every
+        parameter that overlaps my range."""
+        offset, end = 0, self.start + self.size
+        for i, p in enumerate(self.params):
+            lo, hi = max(offset, self.start), min(offset + p.numel(), end)
+            if lo < hi:
+                yield i, lo - offset, lo - self.start, hi - lo
+            offset += p.numel()
+
+    def _copy_range(self, tensors: list[torch.Tensor | None], out: torch.Tensor) -> None:
+        """My range of the flattened `tensors` (None = zeros) into the fp32 `out`."""
+        with torch.no_grad():
+            for i, src, dst, n in self._pieces():
+                t = tensors[i]
+                if t is None:
+                    out[dst:dst + n].zero_()
+                else:
+                    out[dst:dst + n].copy_(t.reshape(-1)[src:src + n])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params + self.master:
+            p.grad = None
+
+    def step(self) -> None:
+        """My range of the (summed, clipped) gradients to fp32, AdamW on it, the updated ranges
+        gathered into every replica's parameters."""
+        main = self.master[0]
+        grad = torch.empty_like(main)
+        self._copy_range([p.grad for p in self.params], grad)
+        for p in self.params:
+            p.grad = None
+        main.grad = grad
+        self.optimizer.step()
+        main.grad = None
+        self._gather_into_params()
+
+    def _gather_into_params(self) -> None:
+        mine = self.master[0].detach().to(self.comm_device, self.gather_dtype)
+        flat = torch.empty(self.size * self.world, dtype=self.gather_dtype, device=self.comm_device)
+        if self.world == 1:
+            flat.copy_(mine)
+        else:
+            dist.all_gather(list(flat.chunk(self.world)), mine, group=self.group)
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _gathered(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every replica's range of a per-range fp32 tensor, as one fp32 tensor per parameter."""
+        mine = tensor.detach().to(self.comm_device, torch.float32)
+        flat = torch.empty(self.size * self.world, dtype=torch.float32, device=self.comm_device)
+        if self.world == 1:
+            flat.copy_(mine)
+        else:
+            dist.all_gather(list(flat.chunk(self.world)), mine, group=self.group)
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view(p.shape).to(p.device).clone())
+            offset += p.numel()
+        return out
+
+    def full_view(self) -> types.SimpleNamespace:
+        """The per-parameter optimizer the megatron checkpoint reads (`optimizer.state` keyed
+        by each parameter's fp32 main weight in `master`, or by the parameter itself when they
+        are fp32; `params`). Collective over the data-parallel group (every replica gets the
+        same view)."""
+        owners = self._gathered(self.master[0]) if self.masters else self.params
+        state = self.optimizer.state.get(self.master[0], {})
+        per_key = {k: self._gathered(v) for k, v in state.items()
+                   if isinstance(v, torch.Tensor) and v.dim()}
+        scalars = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim())}
+        inner = types.SimpleNamespace(state={
+            owner: {**{k: per_key[k][i] for k in per_key}, **scalars}
+            for i, owner in enumerate(owners)} if state else {})
+        return types.SimpleNamespace(optimizer=inner, params=self.params, master=owners)
+
+    def empty_view(self) -> types.SimpleNamespace:
+        """A view to load a checkpoint into (fresh per-parameter main weights); `load_view`
+        after."""
+        owners = ([torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                   for p in self.params] if self.masters else self.params)
+        inner = types.SimpleNamespace(state={o: {} for o in owners})
+        return types.SimpleNamespace(optimizer=inner, params=self.params, master=owners)
+
+    def load_view(self, view: types.SimpleNamespace) -> None:
+        """My ranges of a loaded view (its main weights and AdamW state)."""
+        main = self.master[0]
+        self._copy_range([m.detach() for m in view.master], main.data)
+        states = [view.optimizer.state.get(o, {}) for o in view.master]
+        keys = [k for k, v in states[0].items() if isinstance(v, torch.Tensor) and v.dim()]
+        if not keys:
+            self.optimizer.state.pop(main, None)
+            return
+        new = {}
+        for key in keys:
+            buf = torch.zeros_like(main)
+            self._copy_range([s[key] for s in states], buf)
+            new[key] = buf
+        for key, value in states[0].items():
+            if key not in new:
+                new[key] = value
+        self.optimizer.state[main] = new
