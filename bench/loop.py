@@ -8,7 +8,8 @@ mismatch (`logprob_abs_diff` includes the policy lag of stale samples; the RESUL
 synchronous run's, where trainer and workers hold the same weights).
 `python -m bench.loop [--steps 12] [--model examples/base-tiny] [--device cpu] [--threads 1]
 [--worker-devices cuda:1,cuda:1] [--weight-sync disk|distributed|tensor|cuda_ipc|auto]
-[--compare-sync] [--colocated-syncs disk,cuda_ipc] [--dp-size 1] [--true-on-policy]`.
+[--compare-sync] [--colocated-syncs disk,cuda_ipc] [--dp-size 1] [--true-on-policy]
+[--set PATH=VALUE ...]` (--set goes to the launcher: any trainer option, e.g. the megatron backend).
 Final line: RESULT sync_sps=... async_sps=... async_vs_sync=... overlap_ratio=...
 logprob_abs_diff=... (medians over `--repeat N` pairs of runs); overlap_ratio = the overlapped
 run's step time / max(rollout time, train + weight-sync time), each stage timed in the
@@ -111,8 +112,9 @@ def run_once(args: argparse.Namespace, staleness: int, root: Path,
     run_dir = root / f"run-{tag}"
     t0 = time.monotonic()
     gpu = GpuMemory() if args.device.startswith("cuda") else None
+    sets = [w for item in args.set for w in ("--set", item)]
     result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
-                             str(run_dir)], capture_output=True, text=True)
+                             str(run_dir), *sets], capture_output=True, text=True)
     wall = time.monotonic() - t0
     if gpu is not None:
         gpu.stop()
@@ -289,6 +291,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the staleness 0 / 1 pair this many times; the RESULT holds "
                              "the medians")
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                        help="passed to the launcher (repeatable), e.g. "
+                             "actors.trainer.config.backend=megatron")
     parser.add_argument("--true-on-policy", action="store_true",
                         help="only: staleness 0 with the default kernels, then with "
                              "true_on_policy = true on the workers and the trainer")

@@ -89,6 +89,19 @@ def _drive(tmp: Path) -> dict:
                 save_weights(many.state, tmp / "push", many.ranks)
                 out["pushed"] = load_file(tmp / "push" / "model.safetensors")
             report[name] = out
+    # colocated distillation at TP=2: each tensor rank holds its rows of the teacher
+    from algos.opd import OpdConfig
+    from logic.teachers import TeacherSpec
+
+    distill = msgspec.structs.replace(cfg, teachers=[TeacherSpec(
+        name="arith", model="examples/teacher-arith", domains=["d"])],
+        opd=OpdConfig(mode="full", kl_coef=1.0))
+    taught = [msgspec.structs.replace(x, teacher="arith") for x in first]
+    for name, layout in (("one_opd", {}), ("tp2_opd", {"tp": 2})):
+        with Trainer(at_layout(distill, **layout), tmp / name) as run:
+            stats = run.step(taught)[0]
+            teacher = run.state.teachers.memory.sets["teacher:arith"].layout.total_bytes
+            report[name] = {"stats": stats, "weights": run.weights(), "teacher_bytes": teacher}
     for name in ("tp2", "pp2", "dp2do"):
         with Trainer(cfg, tmp / name, resume=True) as back:
             resumed = back.weights()
@@ -242,6 +255,19 @@ def test_the_distributed_optimizer_gives_the_replicated_update_from_half_the_sta
     opt = report["dp2do"]["optimizer"]
     assert opt["range"] == -(-opt["params"] // 2) and opt["params"] > 70_000
     assert opt["moments"] == [opt["range"], opt["range"]]  # exp_avg, exp_avg_sq: half each
+
+
+def test_colocated_teachers_at_tp2_hold_half_their_layers_and_give_the_same_step(report):
+    """Distillation from a colocated teacher at TP=2: each tensor rank keeps its rows of the
+    teacher's linear layers (training/teacher_weights.py RowShard), and the step (full-vocabulary
+    reverse KL to the teacher) equals the one-rank step within the module's tolerance."""
+    one, tp2 = report["one_opd"], report["tp2_opd"]
+    assert 0.5 * one["teacher_bytes"] < tp2["teacher_bytes"] < 0.75 * one["teacher_bytes"]
+    keys = ["opd/arith/reverse_kl", "opd/arith/tokens"]
+    assert one["stats"]["opd/arith/reverse_kl"] > 0.01 and one["stats"]["opd/arith/tokens"] > 0
+    for key in keys:
+        assert tp2["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-6), key
+    assert_close_to_one_rank(tp2["weights"], one["weights"])
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2do"])

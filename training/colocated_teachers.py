@@ -50,7 +50,11 @@ from logic.teachers import TeacherSpec, opd_configs, teacher_order
 from memory.manager import WeightMemory
 from training.batching import MicroBatch
 from training.config import TeacherMemoryConfig, TrainConfig
-from training.teacher_weights import load_teachers, meta_skeleton  # noqa: F401 - re-exported
+from training.teacher_weights import (  # noqa: F401 - meta_skeleton re-exported
+    RowShard,
+    load_teachers,
+    meta_skeleton,
+)
 
 
 @dataclass
@@ -254,11 +258,13 @@ class ColocatedTeachers:
 
     @classmethod
     def load(cls, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
-             cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0) -> ColocatedTeachers:
+             cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0,
+             shard: RowShard | None = None) -> ColocatedTeachers:
         """Teachers from their checkpoints, within the host budget from the start: those the
         budget holds on the pinned host, the others streamed from their checkpoints straight to
-        NVMe, each registered with its checkpoint as its source (training/teacher_weights.py)."""
-        memory, skeletons = load_teachers(specs, device, dtype, cfg, run_dir, seed)
+        NVMe, each registered with its checkpoint as its source (training/teacher_weights.py);
+        `shard`: this tensor rank's rows of each teacher's linear layers."""
+        memory, skeletons = load_teachers(specs, device, dtype, cfg, run_dir, seed, shard=shard)
         return cls(memory, skeletons, specs)
 
     def teacher_order(self, mbs: list[MicroBatch]) -> list[str]:

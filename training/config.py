@@ -210,7 +210,8 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     CUDA, gloo on CPU). tp / pp are megatron-core's tensor / pipeline sizes (backend megatron
     only); dp replicas each take their share of the step's micro-batches. Rank r runs on
     `devices[r]`, or the r-th CUDA device counted from `device`. Colocated teachers: every rank
-    holds its own (own slots, arena, NVMe dir <dir>-rank<r>)."""
+    holds its own (own slots, arena, NVMe dir <dir>-rank<r>); with megatron at tp > 1, its rows
+    of each teacher's linear layers (training/teacher_weights.py)."""
 
     tp: int = 1  # tensor-parallel size (megatron's tensor_model_parallel_size)
     pp: int = 1  # pipeline-parallel size (megatron's pipeline_model_parallel_size)

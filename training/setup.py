@@ -23,7 +23,7 @@ from memory.layout import FlatLayout
 from models.load import load_model
 from training.aux_models import AuxModel, CriticModel, OldActors, new_store
 from training.checkpoints import resumable_checkpoint
-from training.colocated_teachers import ColocatedTeachers
+from training.colocated_teachers import ColocatedTeachers, RowShard
 from training.config import TrainConfig, distributed_optimizer
 from training.distributed_optimizer import DistributedOptimizer
 from training.master_weights import make_optimizer
@@ -99,13 +99,25 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState
         state.old_actors = build_old_actors(cfg, hf_policy, ref, store)
     if cfg.teachers:
         state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
-                                                cfg.teacher_memory, run_dir, cfg.seed)
+                                                cfg.teacher_memory, run_dir, cfg.seed,
+                                                teacher_shard(cfg))
     if resume:
         latest, state.skipped_checkpoints = resumable_checkpoint(Path(run_dir) / "checkpoints")
         if latest is not None:
             resume_from(state, latest, cfg)
             log.info("resumed from %s (step %d)", latest, state.step)
     return state
+
+
+def teacher_shard(cfg: TrainConfig) -> RowShard | None:
+    """Megatron at tp > 1: each tensor rank keeps its rows of every teacher's linear layers
+    (training/teacher_weights.py); else whole teachers on every rank."""
+    if cfg.backend != "megatron" or cfg.parallel.tp == 1:
+        return None
+    from backends.megatron.model import parallel_state
+
+    return RowShard(parallel_state.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                    parallel_state.get_tensor_model_parallel_group())
 
 
 def load_megatron(cfg: TrainConfig, dtype: torch.dtype):

@@ -15,6 +15,16 @@ read again from there. Built-in tiny models, checkpoints without safetensors and
 whose tensor names transformers converts on load (fused experts, say) are built in memory as
 before, without a source (the last with a warning).
 
+Sharded over tensor-parallel ranks (`shard`, the megatron trainer at tp > 1: every tensor rank
+of a replica runs the same micro-batches): each rank keeps 1/tp of every linear layer of the
+teacher (its block of output rows: the q/k/v/o and MLP projections, an untied output head),
+read straight from the checkpoint (one contiguous byte range per tensor: the set's source is
+the checkpoint with its rows, memory/sources.py `sharded_source`), and the embeddings and norms
+whole; a forward hook on each such layer all-gathers its output over the tensor group, so every
+rank computes the teacher's exact outputs (each output element is the same dot product) with
+about 1/tp of its layers in its weight memory. A layer whose rows do not divide by tp is refused
+naming the teacher, the tensor and the size.
+
 Invariant: host memory during the load is the arena (the budget) plus, per teacher, one skeleton
 on the meta device and the streaming buffers (about three chunks of `WeightMemory.chunk_bytes`,
 48 MiB at the default), never a whole teacher outside the arena for a safetensors teacher (the
@@ -31,13 +41,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from logic.teachers import TeacherSpec
 from memory.layout import FlatLayout, module_tensors
 from memory.manager import WeightMemory
 from memory.safetensors_io import INDEX_FILE, tensor_extents
+from memory.sources import sharded_source
 from models.load import is_checkpoint_dir, load_model
 from training.config import TeacherMemoryConfig
 
@@ -55,14 +68,27 @@ class TeacherWeights:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RowShard:
+    """This rank's part of every teacher: block `rank` of `world` of each linear layer's rows,
+    outputs all-gathered over `group` (a torch.distributed group; None = the world)."""
+
+    rank: int
+    world: int
+    group: Any = None
+
+
 def load_teachers(specs: Sequence[TeacherSpec], device: str, dtype: torch.dtype,
                   cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0,
-                  chunk_bytes: int = 16 << 20
+                  chunk_bytes: int = 16 << 20, shard: RowShard | None = None
                   ) -> tuple[WeightMemory, dict[str, torch.nn.Module]]:
     """(the weight memory holding every teacher, name -> skeleton); see the module docstring.
-    `chunk_bytes`: the NVMe tier's chunk (checksum unit, streaming buffer)."""
+    `chunk_bytes`: the NVMe tier's chunk (checksum unit, streaming buffer); `shard`: this
+    rank's rows of every linear layer (tensor-parallel ranks), else whole teachers."""
     by_arch: dict[str, torch.nn.Module] = {}
     teachers = [_resolve(t, device, dtype, seed, by_arch) for t in specs]
+    if shard is not None and shard.world > 1:
+        teachers = [_row_sharded(t, shard) for t in teachers]
     sizes = {t.name: t.layout.total_bytes for t in teachers}
     budget = cfg.host_budget_bytes or sum(sizes.values())
     on_host = set(host_placement(sizes, budget))
@@ -158,6 +184,58 @@ def _from_checkpoint(spec: TeacherSpec, device: str, dtype: torch.dtype,
     layout = FlatLayout.from_shapes((n, tensors[n].dtype, tuple(tensors[n].shape))
                                     for n in order)  # the checkpoint's order: sequential reads
     return TeacherWeights(spec.name, skeleton, layout, source=spec.model)
+
+
+def _row_sharded(t: TeacherWeights, shard: RowShard) -> TeacherWeights:
+    """`t` with this rank's block of rows of every linear layer (see the module docstring),
+    its skeleton's linear layers all-gathering their outputs."""
+    linear = sharded_names(t.skeleton)
+    specs = []
+    for spec in t.layout.specs:
+        shape = tuple(spec.shape)
+        if spec.name in linear:
+            if shape[0] % shard.world:
+                raise ValueError(f"teacher {t.name!r}: {spec.name} has {shape[0]} rows, which "
+                                 f"do not divide over tensor-parallel size {shard.world}; use "
+                                 f"a tp that divides every layer of the teacher")
+            shape = (shape[0] // shard.world, *shape[1:])
+        specs.append((spec.name, spec.torch_dtype, shape))
+    layout = FlatLayout.from_shapes(specs)
+    tensors = {n: (v.chunk(shard.world)[shard.rank].clone() if n in linear else v)
+               for n, v in t.tensors.items()}
+    _gather_outputs(t.skeleton, linear, shard)
+    source = sharded_source(t.source, shard.rank, shard.world) if t.source else ""
+    return TeacherWeights(t.name, t.skeleton, layout, source=source, tensors=tensors)
+
+
+def sharded_names(skeleton: torch.nn.Module) -> set[str]:
+    """The tensors a row shard splits: weight and bias of every linear layer whose weight is
+    its own (a tied output head shares the embedding, which stays whole)."""
+    own = set(skeleton_tensors(skeleton))
+    out = set()
+    for name, mod in skeleton.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            for p in ("weight", "bias"):
+                full = f"{name}.{p}" if name else p
+                if getattr(mod, p, None) is not None and full in own:
+                    out.add(full)
+    return out
+
+
+def _gather_outputs(skeleton: torch.nn.Module, linear: set[str], shard: RowShard) -> None:
+    """Once per skeleton: each sharded linear layer's output all-gathered over the group."""
+    if getattr(skeleton, "_row_shard", None) is not None:
+        return
+    skeleton._row_shard = shard
+
+    def gather(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(out) for _ in range(shard.world)]
+        dist.all_gather(parts, out.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=-1)
+
+    for name, mod in skeleton.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f"{name}.weight" in linear:
+            mod.register_forward_hook(gather)
 
 
 class _NamesDiffer(ValueError):

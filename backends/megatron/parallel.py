@@ -89,10 +89,11 @@ def _piece_tensors(local: dict[str, torch.Tensor], kind: str, local_layer: int, 
 def _gather_to_first_tensor_rank(piece: dict[str, torch.Tensor]
                                  ) -> list[dict[str, torch.Tensor]] | None:
     """Every tensor rank's copy of `piece` (CPU, rank order) on the stage's first tensor rank,
-    one tensor at a time; None on the other tensor ranks."""
+    one tensor at a time; None on the other tensor ranks. At tp = 1 the piece itself, on its
+    device."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return [{k: v.detach().cpu() for k, v in piece.items()}]
+    if tp == 1:  # where they are: a GPU push stages or broadcasts them without a host trip
+        return [{k: v.detach() for k, v in piece.items()}]
     first = parallel_state.get_tensor_model_parallel_rank() == 0
     group = parallel_state.get_tensor_model_parallel_group()
     dst = parallel_state.get_tensor_model_parallel_src_rank()
@@ -138,9 +139,9 @@ def _recv_piece(src: int) -> dict[str, torch.Tensor] | None:
 
 
 def iter_hf_tensors(model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model's HF tensors (CPU) on global rank 0, one piece at a time as they are
-    gathered (the embedding, each layer, the final norm and output layer; later stages' pieces
-    as they arrive), nothing on the other ranks. Collective: every rank runs it to the end;
+    """The whole model's HF tensors on global rank 0 (CPU; at tp = 1 on the model's device),
+    one piece at a time as they are gathered (the embedding, each layer, the final norm and
+    output layer; later stages' pieces as they arrive), nothing on the other ranks. Collective: every rank runs it to the end;
     ranks outside data-parallel replica 0 return at once. A consumer that lets go of each piece
     before asking for the next holds one piece of the model, never the whole of it."""
     if parallel_state.get_data_parallel_rank() != 0:
