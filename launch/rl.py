@@ -13,7 +13,9 @@ becomes `[actors.worker0]` .. `[actors.worker<N-1>]`, `[actors.router]`, `[actor
 teacher pool, the rollout's sink) and, for colocated teachers, `[actors.prefetcher]`. Each value
 is written once here and copied to every actor that needs it: the model to the workers, the
 rollout and the trainer (and the pool's `student`); group_size / groups_per_batch to the buffer
-and the rollout; the temperature to the rollout, the trainer's loss and the pool; the teachers and
+and the rollout; the temperature to the rollout, the trainer's loss and the pool; embedded
+workers on CUDA get the trainer's `weight_sync.path = "auto"` (CUDA IPC on its GPU, NCCL to
+the others; disk stays the default elsewhere); the teachers and
 `opd` to the pool and the trainer (with opd mode "top_p" or `top_p_replay`, the rollout records
 each token's nucleus: `nucleus_top_logprobs`); the worker names to the trainer.
 
@@ -159,6 +161,10 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         trainer["loss"] = loss
     if rl.kl_coef:
         trainer["kl"] = {"coef": rl.kl_coef, "use_kl_loss": True}
+    if rl.engine == "embedded" and rl.device.startswith("cuda"):
+        # on GPUs: CUDA IPC to a worker on the trainer's GPU, NCCL to the others (measured on
+        # H200s against disk: docs/benchmarks.md); any [actors.trainer.config] weight_sync wins
+        trainer["weight_sync"] = {"path": "auto"}
     trainer_after = [*workers, "buffer", "rollout"]
     if teachers:
         trainer["opd"] = dict(rl.opd)

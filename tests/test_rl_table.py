@@ -119,6 +119,17 @@ def test_colocated_derives_staleness_zero_and_teachers_a_pool_and_a_prefetcher(t
     assert a["trainer"].config["teachers"] == a["teachers"].config["teachers"]
 
 
+def test_embedded_workers_on_cuda_get_cuda_ipc_or_nccl_pushes(tmp_path):
+    """weight_sync "auto" on GPUs (CUDA IPC to a worker on the trainer's GPU, NCCL to the
+    others); the CPU default stays disk; the file's own trainer table wins."""
+    gpu = load(write(tmp_path, BASE + 'device = "cuda:0"\n')).actors["trainer"].config
+    assert gpu["weight_sync"] == {"path": "auto"}
+    assert "weight_sync" not in load(write(tmp_path, BASE)).actors["trainer"].config
+    mine = load(write(tmp_path, BASE + 'device = "cuda:0"\n[actors.trainer.config]\n'
+                      'weight_sync = { path = "disk" }\n')).actors["trainer"].config
+    assert mine["weight_sync"] == {"path": "disk"}
+
+
 def test_sglang_engine_derives_registering_servers_after_the_router(tmp_path):
     a = load(write(tmp_path, BASE + 'engine = "sglang"\nworkers = 1\n')).actors
     assert a["worker0"].cls == "actors.sglang_worker:SglangWorker"
