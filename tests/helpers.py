@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from runtime.actor import Actor, ActorContext
 from transport.schema import Endpoints
@@ -31,3 +32,35 @@ async def running(actor: Actor, timeout_s: float = 10.0):
     finally:
         actor.stop("test over")
         await asyncio.wait_for(task, timeout_s)
+
+
+def two_gloo_ranks(module: str, tmp_path: Path, timeout_s: float = 120) -> list[dict]:
+    """Run `module`'s `worker(rank, port, out)` as ranks 0 and 1 of a gloo group, each in a
+    process of its own; each writes its report (a dict) with torch.save to `<out>.<rank>`.
+    Returns both reports; a rank that fails fails the test with its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from transport.sockets import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    code = (f"import sys; from {module} import worker; "
+            "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port),
+                               str(tmp_path / "out")], cwd=root, env=env,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout_s)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:  # the other rank of a failed one: ended, its pipe closed
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    return [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]

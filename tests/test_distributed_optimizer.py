@@ -6,15 +6,11 @@ ranges (a resumed run continues the same update)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import two_gloo_ranks
+
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -70,20 +66,7 @@ def worker(rank: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_step_half_the_state_each_and_match_the_replicated_update(tmp_path):
-    from transport.sockets import free_port
-
-    port = free_port("127.0.0.1")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    code = "import sys; from tests.test_distributed_optimizer import worker; " \
-           "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port),
-                               str(tmp_path / "out")], cwd=ROOT, env=env,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-    for rank in range(2):
-        got = torch.load(tmp_path / f"out.{rank}")
+    for got in two_gloo_ranks("tests.test_distributed_optimizer", tmp_path):
         assert got["equal"] and got["resumed_equal"], got
         assert got["range"] == 38  # half of the 76 elements
         assert got["view_master"] and got["view_moments"] and got["view_step"] == 3.0

@@ -106,6 +106,22 @@ def hosts_toml(ns: Netns, run: str = "", remote: str = "") -> str:
         """)
 
 
+def tiny_rl(groups_per_batch: int, num_steps: int, micro_batch_size: int) -> str:
+    """An `[rl]` table of the main job, small: one worker, groups of 4, no evaluation."""
+    return textwrap.dedent(f"""
+        [rl]
+        model = "{ROOT / 'examples' / 'base-tiny'}"
+        workers = 1
+        group_size = 4
+        groups_per_batch = {groups_per_batch}
+        num_steps = {num_steps}
+        micro_batch_size = {micro_batch_size}
+        eval_every = 0
+        eval_tasks = 4
+        envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
+        """)
+
+
 def wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str],
                   timeout_s: float = 60) -> re.Match:
     """Read the launcher's output until a line matches `pattern` (kept in `lines`)."""
@@ -125,18 +141,8 @@ def test_main_job_split_over_two_hosts_runs_to_completion_with_metrics(netns, tm
     """The worker and router on the namespace host, buffer/rollout/trainer with the launcher:
     HTTP, ZMQ (CURVE) and disk weight sync cross hosts; three GRPO steps complete."""
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(hosts_toml(netns) + textwrap.dedent(f"""
-        [rl]
-        model = "{ROOT / 'examples' / 'base-tiny'}"
-        workers = 1
-        group_size = 4
-        groups_per_batch = 4
-        num_steps = 3
-        micro_batch_size = 16
-        eval_every = 0
-        eval_tasks = 4
-        envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
-
+    hosts.write_text(hosts_toml(netns) + tiny_rl(groups_per_batch=4, num_steps=3,
+                                                 micro_batch_size=16) + textwrap.dedent("""
         [actors.worker0]
         host = "nsb"
         [actors.router]
@@ -188,20 +194,10 @@ def test_trainer_ranks_on_two_hosts_from_parallel_hosts(netns, tmp_path):
     through the host's `exec` prefix, it reaches rank 0's store at the launcher host's address,
     gloo runs over each host's own interface, and two data-parallel GRPO steps complete."""
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(hosts_toml(netns) + textwrap.dedent(f"""
-        [rl]
-        model = "{ROOT / 'examples' / 'base-tiny'}"
-        workers = 1
-        group_size = 4
-        groups_per_batch = 2
-        num_steps = 2
-        micro_batch_size = 4
-        eval_every = 0
-        eval_tasks = 4
-        envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
-
+    hosts.write_text(hosts_toml(netns) + tiny_rl(groups_per_batch=2, num_steps=2,
+                                                 micro_batch_size=4) + textwrap.dedent("""
         [actors.trainer.config]
-        parallel = {{ dp = 2, hosts = ["main", "nsb"], timeout_s = 60 }}
+        parallel = { dp = 2, hosts = ["main", "nsb"], timeout_s = 60 }
         """))
     run_dir = tmp_path / "run"
     result = run_launcher(hosts, run_dir, timeout_s=110)

@@ -6,15 +6,13 @@ refused naming the tensor."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import two_gloo_ranks
+
 
 
 def worker(rank: int, port: int, out: str) -> None:
@@ -71,20 +69,7 @@ def worker(rank: int, port: int, out: str) -> None:
 
 
 def test_two_tensor_ranks_hold_half_of_each_teacher_and_compute_its_exact_outputs(tmp_path):
-    from transport.sockets import free_port
-
-    port = free_port("127.0.0.1")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    code = "import sys; from tests.test_teachers_sharded import worker; " \
-           "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port),
-                               str(tmp_path / "out")], cwd=ROOT, env=env,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-    for rank in range(2):
-        got = torch.load(tmp_path / f"out.{rank}")
+    for got in two_gloo_ranks("tests.test_teachers_sharded", tmp_path):
         for logits in (False, True):
             assert got[f"keys_{logits}"]
             # each output element is the same dot product: equal up to the matmul's blocking
