@@ -88,6 +88,15 @@ def _drive(tmp: Path) -> dict:
             if name == "tp2":  # the HF export a disk push writes, gathered from both shards
                 save_weights(many.state, tmp / "push", many.ranks)
                 out["pushed"] = load_file(tmp / "push" / "model.safetensors")
+                # an export that cannot be written (its directory is a file): the error, and
+                # the ranks finish the gather, so the next command still works
+                (tmp / "bad.tmp").write_text("not a directory")
+                try:
+                    save_weights(many.state, tmp / "bad", many.ranks)
+                    out["bad_export"] = ""
+                except OSError as e:
+                    out["bad_export"] = type(e).__name__
+                out["digests_after_bad_export"] = many.ranks.all_digests(many.state.model)
             report[name] = out
     # colocated distillation at TP=2: each tensor rank holds its rows of the teacher
     from algos.opd import OpdConfig
@@ -220,7 +229,10 @@ def test_sharded_step_equals_the_one_rank_step(report, name):
 
 def test_the_pushed_export_is_the_gathered_model(report):
     """The HF directory a disk push writes at TP=2 holds exactly the weights gathered to rank
-    0 (every HF tensor, the tied lm_head left out as save_pretrained does)."""
+    0 (every HF tensor, the tied lm_head left out as save_pretrained does); an export that
+    fails on rank 0 raises there and leaves the ranks in step."""
+    assert report["tp2"]["bad_export"] == "FileExistsError"
+    assert report["tp2"]["digests_after_bad_export"] == report["tp2"]["digests"]
     pushed, gathered = report["tp2"]["pushed"], report["tp2"]["weights"]
     assert set(pushed) == set(gathered) and "lm_head.weight" not in pushed
     for key, value in gathered.items():

@@ -222,9 +222,10 @@ def save_pretrained(model: torch.nn.Module, dtype: torch.dtype, directory: str,
     """The HF directory of the whole model, written by rank 0 as the tensors are gathered (one
     shard file in memory at a time); collective: every rank calls it."""
     tensors = iter_full_state(model, dtype)
-    if dist.get_rank() != 0:
+    try:
+        if dist.get_rank() == 0:
+            write_safetensors_shards(tensors, directory, shard_bytes)
+            model.config.save_pretrained(directory)
+    finally:  # the rest of the gathers after a failed write: the other ranks are in them
         for _ in tensors:
             pass
-        return
-    write_safetensors_shards(tensors, directory, shard_bytes)
-    model.config.save_pretrained(directory)

@@ -57,12 +57,13 @@ def save_hf(model: MegatronCausalLM, directory: str | Path,
     """Whole model as safetensors + config.json, written by global rank 0 as the pieces arrive
     (shards of at most `shard_bytes`: one shard in host memory, never the whole model)."""
     tensors = iter_hf_tensors(model)
-    if dist.get_rank() != 0:
-        for _ in tensors:  # this rank's part of the gather
+    try:
+        if dist.get_rank() == 0:
+            write_safetensors_shards(tensors, directory, shard_bytes)
+            model.config.save_pretrained(directory)
+    finally:  # this rank's part of the gather, or (a failed write) the rest of it: the other
+        for _ in tensors:  # ranks are in it, and stay in step for the next command
             pass
-        return
-    write_safetensors_shards(tensors, directory, shard_bytes)
-    model.config.save_pretrained(directory)
 
 
 def _optimizer_parts(optimizer: Any) -> tuple[Any, list, list]:
