@@ -12,9 +12,9 @@ version it measures rank 0's peak resident memory above what it held before, for
   (safetensors bytes, then base64: several copies of one bucket; no worker to send to);
 - `disk`: the disk path's HF export (`training.ranks.save_weights`), shards of one bucket.
 Peak RSS from the kernel (`VmHWM` of /proc/self/status, reset through /proc/self/clear_refs
-before each, after `malloc_trim`), so it counts what the process really touched; each case runs `--repeat` times,
-alternating, and the median with its range is printed. On CPU the ranks run megatron-core over
-gloo with the test-only torch.cuda stand-ins (as bench.train_parallel).
+before each, after `malloc_trim`), so it counts what the process really touched; each case runs
+`--repeat` times, alternating, and the median with its range is printed. On CPU the ranks run
+megatron-core over gloo with the test-only torch.cuda stand-ins (as bench.train_parallel).
 `python -m bench.push_memory [--model qwen2-0.5b-shape] [--dtype bfloat16] [--bucket-mib 64]
 [--layout tp2] [--repeat 3]`
 Final line: RESULT gather_extra_mib=... stream_extra_mib=... tensor_path_extra_mib=...

@@ -141,9 +141,10 @@ def _recv_piece(src: int) -> dict[str, torch.Tensor] | None:
 def iter_hf_tensors(model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model's HF tensors on global rank 0 (CPU; at tp = 1 on the model's device),
     one piece at a time as they are gathered (the embedding, each layer, the final norm and
-    output layer; later stages' pieces as they arrive), nothing on the other ranks. Collective: every rank runs it to the end;
-    ranks outside data-parallel replica 0 return at once. A consumer that lets go of each piece
-    before asking for the next holds one piece of the model, never the whole of it."""
+    output layer; later stages' pieces as they arrive), nothing on the other ranks. Collective:
+    every rank runs it to the end; ranks outside data-parallel replica 0 return at once. A
+    consumer that lets go of each piece before asking for the next holds one piece of the
+    model, never the whole of it."""
     if parallel_state.get_data_parallel_rank() != 0:
         return
     core = model.core
