@@ -98,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         ranks.check_and_shard(state, cfg)
         ranks.record("ready")
         serve(state, cfg, ranks)
+        logging.info("trainer rank %d: told to stop; leaving the group", args.rank)
     finally:
         ranks.close()
         if state.teachers is not None:
             state.teachers.close()
+    logging.info("trainer rank %d: stopped", args.rank)
     return 0
 
 

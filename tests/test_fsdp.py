@@ -92,7 +92,7 @@ def one_step_and_resume(tmp_path: Path) -> None:
         after = whole(ranks.named_weights(state))
     finally:
         ranks.stop()
-    assert [p.returncode for p in ranks.procs] == [0]
+    assert [p.returncode for p in ranks.procs] == [0], ranks.dead_rank()
     back = load_train_state(padded(base), str(tmp_path / "fsdp"), True)
     assert back.step == 1
     for name, t in whole(back.named_weights()).items():
