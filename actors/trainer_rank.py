@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--store", required=True, help="rank 0's TCP store, host:port")
+    ap.add_argument("--store-timeout", type=float, default=600.0,
+                    help="seconds to reach the store (the trainer's parallel.timeout_s)")
     ap.add_argument("--address", default="",
                     help="this host's address in [[hosts]] (ranks on several hosts)")
     ap.add_argument("--run-dir", required=True)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
     host, port = args.store.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), args.world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=600))
+                          timeout=datetime.timedelta(seconds=args.store_timeout))
     cfg = msgspec.json.decode(store.get(CONFIG_KEY), type=TrainerConfig)  # rank 0's config
     cfg = msgspec.structs.replace(rank_config(cfg, args.rank, args.run_dir), prefetcher="")
     store.set_timeout(datetime.timedelta(seconds=cfg.parallel.timeout_s))

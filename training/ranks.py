@@ -421,7 +421,8 @@ def rank_command(cfg: TrainConfig, rank: int, world_size: int, store: str, run_d
     this process's PYTHONPATH. It reaches rank 0's store at `store` (host:port)."""
     host = cfg.parallel.rank_host(rank)
     args = ["-m", "actors.trainer_rank", "--rank", str(rank), "--world-size", str(world_size),
-            "--store", store, "--run-dir", run_dir] + (["--resume"] if resume else [])
+            "--store", store, "--store-timeout", f"{cfg.parallel.timeout_s:g}",
+            "--run-dir", run_dir] + (["--resume"] if resume else [])
     if host is not None:
         args += ["--address", host.address]
     if host is None or not host.exec:
