@@ -189,3 +189,28 @@ def test_a_rank_that_dies_while_loading_fails_the_start_at_once(tmp_path, monkey
                                            r"no such checkpoint"):
         RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
     assert time.monotonic() - t0 < 60  # not the 300 s rendezvous timeout
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_host_that_cannot_be_reached_fails_the_start_with_its_words(tmp_path):
+    """parallel.hosts: rank 1 starts through its host's exec prefix; a prefix that fails (an
+    ssh that cannot connect, here a stand-in saying so) ends the start at once, naming the rank,
+    its exit code and what the prefix said."""
+    import time
+
+    from training.config import RankHost
+
+    ssh = ["sh", "-c", "echo 'ssh: connect to host gpu1 port 22: Connection refused' >&2; "
+                       "exit 255"]
+    parallel = ParallelConfig(dp=2, hosts=["head", "gpu1"], start_timeout_s=300, placement=[
+        RankHost(name="head"), RankHost(name="gpu1", exec=ssh, shell=False)])
+    cfg = msgspec.structs.replace(config(), parallel=parallel)
+    assert parallel.ranks_per_host == 1 and parallel.rank_host(1).name == "gpu1"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)trainer rank 1 exited with code 255, log .*"
+                                           r"connect to host gpu1 port 22"):
+        RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(ValueError, match="leave placement out"):
+        ParallelConfig(dp=2, hosts=["head", "gpu1"], placement=[RankHost(name="gpu1"),
+                                                                RankHost(name="head")])
