@@ -476,6 +476,16 @@ def used_hosts(cfg: ClusterConfig) -> list[str]:
     return [h.name for h in cfg.hosts if h.name in placed]
 
 
+def rank_hosts(cfg: ClusterConfig) -> set[str]:
+    """Hosts named in a trainer's `parallel.hosts` (its ranks run there, started by it)."""
+    out: set[str] = set()
+    for entry in cfg.actors.values():
+        parallel = entry.config.get("parallel") if isinstance(entry.config, dict) else None
+        if isinstance(parallel, dict) and isinstance(parallel.get("hosts"), list):
+            out |= {h for h in parallel["hosts"] if isinstance(h, str)}
+    return out
+
+
 def is_distributed(cfg: ClusterConfig) -> bool:
     """True when the run spans machines: actors on more than one host, or on a remote one."""
     used = used_hosts(cfg)

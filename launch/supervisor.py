@@ -49,6 +49,7 @@ from launch.config import (
     is_distributed,
     launcher_address,
     placement,
+    rank_hosts,
 )
 from runtime.actor import ActorContext
 from runtime.procs import log_tail, terminate, wait_exit
@@ -219,8 +220,11 @@ class Supervisor:
 
     # ------------------------------------------------------------------ remote hosts
     def remote_hosts(self) -> list[HostConfig]:
-        """The hosts with `exec` that at least one actor runs on."""
+        """The hosts with `exec` that at least one actor runs on, or a trainer's ranks (their
+        agent checks the host's code and versions before anything starts; the trainer starts
+        its ranks there itself)."""
         used = {ap_host for ap_host, names in placement(self.cfg).items() if names}
+        used |= rank_hosts(self.cfg)
         return [h for h in self.cfg.hosts if h.exec and h.name in used]
 
     async def open_hosts(self) -> None:

@@ -203,6 +203,8 @@ def test_trainer_ranks_on_two_hosts_from_parallel_hosts(netns, tmp_path):
     result = run_launcher(hosts, run_dir, timeout_s=110)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out + (run_dir / "logs" / "trainer.rank1.log").read_text()
+    # the host runs no actor, but its agent checked its code and versions first
+    assert re.search(r"host nsb: agent pid \d+ ready", out), out
     config = json.loads((run_dir / "config.json").read_text())
     placement = config["actors"]["trainer"]["config"]["parallel"]["placement"]
     assert [(p["name"], p["address"], p["exec"]) for p in placement] == [
