@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = ROOT / "tests" / "megatron_shim"  # sitecustomize arming the CPU stand-ins
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2),
            "fsdp2": dict(dp=2, shard="fsdp2"),
-           "dp2do": dict(dp=2, distributed_optimizer=True)}  # megatron's distributed optimizer
+           "dp2do": dict(dp=2, distributed_optimizer=True),  # megatron's distributed optimizer
+           "tp2dp2do": dict(tp=2, dp=2, distributed_optimizer=True)}  # 4 ranks
 
 
 def use_cpu_shim() -> None:

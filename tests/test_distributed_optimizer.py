@@ -61,6 +61,28 @@ def worker(rank: int, port: int, out: str) -> None:
     again.step()
     ref.step()
     report["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(again.params, replicated))
+    # the reduce-scatter path: each rank its own gradients, the sum and the clip (max norm 1)
+    # done by the optimizer on its range, against the replicated fp32-master step on the sum
+    mine, replicated = _params(2), _params(2)
+    dist_opt = DistributedOptimizer(mine, dist.group.WORLD, lr=1e-2, weight_decay=0.1)
+    ref = make_optimizer(replicated, torch.bfloat16, True, lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(3):
+        per_rank = [_grads(10 * step + r) for r in range(2)]
+        for p, g in zip(mine, per_rank[rank]):
+            p.grad = g.clone()
+        norms.append(dist_opt.reduce_and_clip(1.0))
+        dist_opt.step()
+        total = [a.float() + b.float() for a, b in zip(*per_rank)]
+        norm = torch.sqrt(sum(t.square().sum() for t in total))
+        for m, t in zip(ref.master, total):
+            m.grad = t * min(1.0, 1.0 / (float(norm) + 1e-6))
+        ref.step()
+        norms.append(float(norm))
+    report["rs_norms"] = norms
+    report["rs_max_abs"] = max(float((p.float() - q.float()).abs().max())
+                               for p, q in zip(mine, replicated))
+    report["rs_main_max_abs"] = float((dist_opt.full_view().master[0] - ref.master[0]).abs().max())
     torch.save(report, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -70,6 +92,13 @@ def test_two_ranks_step_half_the_state_each_and_match_the_replicated_update(tmp_
         assert got["equal"] and got["resumed_equal"], got
         assert got["range"] == 38  # half of the 76 elements
         assert got["view_master"] and got["view_moments"] and got["view_step"] == 3.0
+        # reduce-scattered and clipped by the optimizer: the replicated step up to the norm's
+        # summation order (fp32 main weights within 1e-6; bf16 weights within one unit)
+        norms = got["rs_norms"]
+        for mine, want in zip(norms[::2], norms[1::2]):
+            assert mine == pytest.approx(want, rel=1e-6) and want > 1.0  # clipping is on
+        assert got["rs_main_max_abs"] < 1e-6, got
+        assert got["rs_max_abs"] <= 2 ** -7, got
 
 
 def test_it_is_refused_outside_megatron_and_without_main_weights():

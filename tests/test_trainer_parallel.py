@@ -258,12 +258,16 @@ def test_a_push_streams_the_sharded_model_one_bucket_at_a_time(report, name):
 
 def test_the_distributed_optimizer_gives_the_replicated_update_from_half_the_state(report):
     """DP=2 with the distributed optimizer: each replica steps its half of the flattened
-    parameters (AdamW's moments and main weights for half the elements) and the update is the
-    replicated DP=2 update bit for bit (AdamW is elementwise on the same summed gradients)."""
+    parameters (AdamW's moments and main weights for half the elements), its gradients
+    reduce-scattered and clipped by a norm taken from the halves; the update is the replicated
+    DP=2 update (AdamW is elementwise; two fp32 replicas sum to the same numbers, only the
+    norm's summation order differs: within 1e-7, far inside the one-rank tolerance)."""
     got, want = report["dp2do"]["weights"], report["dp2"]["weights"]
     assert set(got) == set(want)
     for key, value in want.items():
-        assert torch.equal(got[key], value), key
+        assert float((got[key] - value).abs().max()) <= 1e-7, key
+    assert report["dp2do"]["stats"]["train/grad_norm"] == pytest.approx(
+        report["dp2"]["stats"]["train/grad_norm"], rel=1e-6)
     opt = report["dp2do"]["optimizer"]
     assert opt["range"] == -(-opt["params"] // 2) and opt["params"] > 70_000
     assert opt["moments"] == [opt["range"], opt["range"]]  # exp_avg, exp_avg_sq: half each

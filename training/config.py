@@ -229,7 +229,7 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     shard: Literal["none", "fsdp2"] = "none"
     # backend "megatron": AdamW's moments and the fp32 main weights sharded over the dp
     # replicas, 1/dp each (megatron's use_distributed_optimizer, ZeRO-1;
-    # training/distributed_optimizer.py); the update is the replicated one, bit for bit
+    # training/distributed_optimizer.py): gradients reduce-scattered, the replicated update
     distributed_optimizer: bool = False
     # host names of [[hosts]] the ranks run on, `ranks_per_host` consecutive ranks each, in
     # global rank order ([] = every rank on the trainer actor's host); the first is the actor's

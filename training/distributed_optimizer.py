@@ -5,22 +5,28 @@ stage 1): each of the D data-parallel replicas of one tensor/pipeline shard keep
 shard's optimizer state, AdamW's two moments and the fp32 main weights, instead of all of it.
 The rank's parameters are laid end to end in one flat index space (model order, padded to a
 multiple of D); replica r owns the contiguous range [r * S, (r + 1) * S), S = ceil(N / D), and
-its AdamW steps one fp32 tensor of that range. Per step: the gradients are summed over the
-data-parallel group and clipped as before (training/step.py: every replica holds the summed,
-clipped gradients), each replica copies its range of them to fp32, takes the AdamW step on its
-range, and the updated ranges are all-gathered (in the parameters' dtype) into every replica's
-parameters.
+its AdamW steps one fp32 tensor of that range.
+
+Per step (`reduce_and_clip`, then `step`; training/step.py): the gradients are reduce-scattered
+over the data-parallel group in fp32 (each replica receives the sum for its range only), the
+global norm is taken from the ranges (each element once: tensor-parallel duplicates and the tied
+output copy left out, summed over the data- and model-parallel groups) and the range clipped by
+it, each replica takes the AdamW step on its range, and the updated ranges are all-gathered (in
+the parameters' dtype) into every replica's parameters: the bytes of the replicated step's
+all-reduce.
 
 Memory per parameter (bf16 parameters with fp32 main weights): 2 (weight) + 2 (gradient) +
 12 / D (main weight, two moments) bytes, against 2 + 2 + 12 replicated; the step's transients
-are one range of fp32 gradients and one flat copy of the parameters in their dtype (the
-all-gather). Gradients are all-reduced, not reduce-scattered, so the clip norm is exactly the
-replicated step's.
+are one flat fp32 copy of the shard's gradients (what the reduce-scatter sends), one range of
+them, and one flat copy of the parameters in their dtype (the all-gather).
 
 Numerics: AdamW is elementwise, so every element gets the update the replicated optimizer gives
-it from the same summed, clipped gradient, bit for bit; rounding the fp32 main weight to the
-parameter's dtype is the same as training/master_weights.py's. Invariant: between steps every
-parameter equals its main weight rounded (fp32 parameters: equal).
+it from the same summed, clipped gradient; the sums are fp32 (the replicated step sums in the
+gradients' dtype) and the norm is summed in another order, so the step equals the replicated
+one up to that rounding (for two replicas of fp32 gradients the sums are the same numbers; the
+norm differs in its last bits). Rounding the fp32 main weight to the parameter's dtype is the
+same as training/master_weights.py's. Invariant: between steps every parameter equals its main
+weight rounded (fp32 parameters: equal).
 
 Checkpoints: `full_view()` (collective over the data-parallel group) gathers the ranges into
 the per-parameter layout the megatron checkpoint writes (backends/megatron/checkpoint.py: each
@@ -32,8 +38,9 @@ duration of a save (the replicated optimizer's size), not between saves.
 
 from __future__ import annotations
 
+import math
 import types
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -45,7 +52,11 @@ class DistributedOptimizer:
     attributes training/sleep.py moves (`optimizer`, `master`)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any, lr: float,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, counted: Callable[[torch.Tensor], bool] | None = None,
+                 norm_group: Any = None):
+        """`group`: the data-parallel group; `counted(p)`: whether p's elements count in the
+        global gradient norm (megatron: not a tensor-parallel duplicate, not the tied copy);
+        `norm_group`: where the norm is summed beyond it (the model-parallel group)."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the distributed optimizer needs parameters to train")
@@ -60,6 +71,11 @@ class DistributedOptimizer:
         nccl = dist.get_backend(group) == "nccl"
         self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if nccl
                             else self.params[0].device)
+        counted = counted or (lambda p: True)
+        self.norm_group = norm_group
+        # runs of my range whose elements count in the norm: (first, end) within the range
+        self._counted = [(dst, dst + n) for i, _, dst, n in self._pieces()
+                         if counted(self.params[i])]
         main = torch.zeros(self.size, dtype=torch.float32, device=self.params[0].device)
         self._copy_range([p.detach() for p in self.params], main)
         self.master = [torch.nn.Parameter(main)]
@@ -102,15 +118,49 @@ class DistributedOptimizer:
         for p in self.params + self.master:
             p.grad = None
 
+    def reduce_and_clip(self, max_norm: float) -> float:
+        """This replica's range of the gradients summed over the data-parallel group
+        (reduce-scatter, in fp32), clipped to `max_norm` by the global norm taken from the
+        ranges (each element once, over the data- and model-parallel groups); returns the norm
+        and leaves the range for `step`. The parameters' gradients are dropped."""
+        flat = torch.zeros(self.size * self.world, dtype=torch.float32, device=self.comm_device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                    p.grad = None
+                offset += p.numel()
+        mine = torch.empty(self.size, dtype=torch.float32, device=self.comm_device)
+        if self.world == 1:
+            mine.copy_(flat)
+        else:
+            dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+        del flat
+        square = torch.zeros((), dtype=torch.float32, device=self.comm_device)
+        for first, end in self._counted:
+            square += mine[first:end].square().sum()
+        if self.world > 1:
+            dist.all_reduce(square, group=self.group)
+        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            dist.all_reduce(square, group=self.norm_group)
+        norm = square.sqrt()
+        if max_norm and max_norm > 0 and math.isfinite(max_norm) and math.isfinite(float(norm)):
+            mine.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self.master[0].grad = mine.to(self.master[0].device)
+        return float(norm)
+
     def step(self) -> None:
-        """My range of the (summed, clipped) gradients to fp32, AdamW on it, the updated ranges
-        gathered into every replica's parameters."""
+        """AdamW on my range (its gradient from `reduce_and_clip`, else my range of the
+        parameters' gradients, already summed), the updated ranges gathered into every
+        replica's parameters."""
         main = self.master[0]
-        grad = torch.empty_like(main)
-        self._copy_range([p.grad for p in self.params], grad)
+        if main.grad is None:
+            grad = torch.empty_like(main)
+            self._copy_range([p.grad for p in self.params], grad)
+            main.grad = grad
         for p in self.params:
             p.grad = None
-        main.grad = grad
         self.optimizer.step()
         main.grad = None
         self._gather_into_params()

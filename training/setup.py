@@ -83,10 +83,15 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool) -> TrainState
         model, tokenizer = load_model(cfg.model, cfg.device, dtype, cfg.seed)
     model.train()
     if distributed_optimizer(cfg):  # megatron: the dp group exists (training.ranks joined it)
+        from backends.megatron.mcore import param_is_not_shared, \
+            param_is_not_tensor_parallel_duplicate
         from backends.megatron.model import parallel_state
 
-        opt = DistributedOptimizer(model.parameters(), parallel_state.get_data_parallel_group(),
-                                   cfg.optimizer.lr, cfg.optimizer.weight_decay)
+        opt = DistributedOptimizer(
+            model.parameters(), parallel_state.get_data_parallel_group(), cfg.optimizer.lr,
+            cfg.optimizer.weight_decay, counted=lambda p: bool(
+                param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)),
+            norm_group=parallel_state.get_model_parallel_group())
     else:
         opt = make_optimizer(model.parameters(), dtype, cfg.optimizer.master_weights,
                              cfg.optimizer.lr, cfg.optimizer.weight_decay)

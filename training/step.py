@@ -196,6 +196,12 @@ def warn_unequal(totals: dict[str, float], step: int) -> None:
 
 def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
     """Sum the gradients over data-parallel ranks, clip, step; returns the global norm."""
+    max_norm = cfg.optimizer.grad_clip or math.inf
+    reduce_and_clip = getattr(state.optimizer, "reduce_and_clip", None)
+    if reduce_and_clip is not None:  # the distributed optimizer: reduce-scatter, clip a range
+        grad_norm = reduce_and_clip(max_norm)
+        state.optimizer.step()
+        return grad_norm
     clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
     # fp32 master weights: sum and clip the fp32 gradients (a sharded model clips its own
     # parameters' gradients; the step then moves them to the masters)
@@ -203,7 +209,6 @@ def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
     params = (to_master() if to_master is not None
               else [p for p in state.model.parameters() if p.requires_grad])
     dp.sum_grads(params)
-    max_norm = cfg.optimizer.grad_clip or math.inf
     grad_norm = (clip(max_norm) if clip is not None
                  else torch.nn.utils.clip_grad_norm_(params, max_norm))
     state.optimizer.step()
