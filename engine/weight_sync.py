@@ -124,9 +124,11 @@ class WeightStream:
         self.peak_held_bytes = 0
         self.bytes_read = 0  # the latest complete read's bytes (one version)
         self._held = 0
+        self._read = 0  # reads so far: a tensor of an earlier read let go later is not counted
 
     def _count(self, named: Iterator[tuple[str, torch.Tensor]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._read += 1
         self._held = self.peak_held_bytes = 0
         total = 0
         for name, tensor in named:
@@ -135,12 +137,13 @@ class WeightStream:
             if self.copies:  # alive until the push lets go of it
                 self._held += nbytes
                 self.peak_held_bytes = max(self.peak_held_bytes, self._held)
-                weakref.finalize(tensor, self._release, nbytes)
+                weakref.finalize(tensor, self._release, self._read, nbytes)
             yield name, tensor
         self.bytes_read = total
 
-    def _release(self, nbytes: int) -> None:
-        self._held -= nbytes
+    def _release(self, read: int, nbytes: int) -> None:
+        if read == self._read:
+            self._held -= nbytes
 
     @contextlib.asynccontextmanager
     async def buckets(self, bucket_bytes: int, by_dtype: bool = False
