@@ -101,12 +101,6 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, 
     return (bucket for bucket, _ in _bucketed(named, bucket_bytes))
 
 
-def dtype_buckets(named: NamedTensors, bucket_bytes: int
-                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """`buckets`, each of one dtype (a flattened bucket is one tensor)."""
-    return (bucket for bucket, _ in _bucketed(named, bucket_bytes, by_dtype=True))
-
-
 class WeightStream:
     """One weight version's tensors, produced while they are sent: `produce()` is a fresh
     iterator of (name, tensor) each time the version is read (a retry reads it again), advanced

@@ -165,13 +165,18 @@ class DistributedOptimizer:
         main.grad = None
         self._gather_into_params()
 
-    def _gather_into_params(self) -> None:
-        mine = self.master[0].detach().to(self.comm_device, self.gather_dtype)
-        flat = torch.empty(self.size * self.world, dtype=self.gather_dtype, device=self.comm_device)
+    def _all_gather(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Every replica's range of the per-range `tensor`, in `dtype`: the flat index space."""
+        mine = tensor.detach().to(self.comm_device, dtype)
+        flat = torch.empty(self.size * self.world, dtype=dtype, device=self.comm_device)
         if self.world == 1:
             flat.copy_(mine)
         else:
             dist.all_gather(list(flat.chunk(self.world)), mine, group=self.group)
+        return flat
+
+    def _gather_into_params(self) -> None:
+        flat = self._all_gather(self.master[0], self.gather_dtype)
         with torch.no_grad():
             offset = 0
             for p in self.params:
@@ -180,12 +185,7 @@ class DistributedOptimizer:
 
     def _gathered(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every replica's range of a per-range fp32 tensor, as one fp32 tensor per parameter."""
-        mine = tensor.detach().to(self.comm_device, torch.float32)
-        flat = torch.empty(self.size * self.world, dtype=torch.float32, device=self.comm_device)
-        if self.world == 1:
-            flat.copy_(mine)
-        else:
-            dist.all_gather(list(flat.chunk(self.world)), mine, group=self.group)
+        flat = self._all_gather(tensor, torch.float32)
         out, offset = [], 0
         for p in self.params:
             out.append(flat[offset:offset + p.numel()].view(p.shape).to(p.device).clone())

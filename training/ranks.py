@@ -487,11 +487,6 @@ def load_trainer(cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path
     return ranks.state, ranks
 
 
-def named_weights(state: TrainState, ranks: RankGroup | None) -> list[tuple[str, torch.Tensor]]:
-    """The whole model's HF-named weights on rank 0, as one list (tests, small models)."""
-    return list(stream_weights(state, ranks))
-
-
 def stream_weights(state: TrainState, ranks: RankGroup | None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """What a push sends, tensor by tensor, on rank 0: views of a local model, or a sharded
