@@ -18,8 +18,11 @@ Whitening spans every policy token of the optimizer step, across micro-batches a
 `var = (sum a^2 / N - mean^2) * N / (N - 1)`, the same value `whiten` gives on
 the concatenated batch.
 Token rewards (`token_rewards`): `-kl_coef * kl_t * m_t`, plus the scalar reward on the last
-policy token. GAE: `delta_t = r_t + gamma V_{t+1} - V_t` (V past the end = 0),
-`A_t = sum_l (gamma lam)^l delta_{t+l}`, `returns = A + V`.
+policy token. GAE runs over the policy tokens alone: with t' the next policy token after t,
+`delta_t = r_t + gamma V_{t'} - V_t` (V = 0 after the last policy token),
+`A_t = delta_t + gamma lam A_{t'}`, `returns = A + V`. Observation tokens (mask 0: tool output
+inside a response) are skipped, not steps: they are the environment's transition, and the critic
+is not trained on them, so their values carry no estimate (A and returns there are 0).
 Invariant: pure tensor functions; the per-sample scores only depend on the whole batch's rewards
 and group ids, so every rank derives the same ones.
 """
@@ -147,14 +150,18 @@ def discounted_returns(rew: torch.Tensor, gamma: float) -> torch.Tensor:
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         kl: torch.Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both [B, T]; values are the critic's per-token estimates."""
+    """(advantages, returns), both [B, T], 0 off the mask; values are the critic's per-token
+    estimates. The recursion skips observation tokens (module docstring): the next value and
+    the running advantage are carried across them."""
     rew = token_rewards(rewards, mask, kl, kl_coef)
-    values = values.float() * mask.float()
+    policy = mask > 0
+    values = torch.where(policy, values.float(), torch.zeros_like(rew))
     adv = torch.zeros_like(rew)
     running = torch.zeros(rew.shape[0], dtype=rew.dtype, device=rew.device)
+    next_value = torch.zeros_like(running)  # V of the next policy token (0 after the last)
     for t in range(rew.shape[1] - 1, -1, -1):
-        next_value = values[:, t + 1] if t + 1 < rew.shape[1] else torch.zeros_like(running)
-        delta = rew[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
-        adv[:, t] = running
+        step = rew[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
+        running = torch.where(policy[:, t], step, running)
+        next_value = torch.where(policy[:, t], values[:, t], next_value)
+        adv[:, t] = torch.where(policy[:, t], step, torch.zeros_like(step))
     return adv, adv + values

@@ -56,6 +56,44 @@ def test_gae_matches_a_float64_reference():
         assert ret[b].tolist() == pytest.approx(ref_ret, abs=1e-5)
 
 
+def test_gae_skips_observation_tokens_with_a_perfect_critic():
+    """V = 1 everywhere, reward 1 at the end, 40 tool-output tokens inside the response: every
+    policy token has A = 0 and return 1 (the value is 0 only after the last policy token)."""
+    mask = torch.ones(1, 50)
+    mask[0, 5:45] = 0
+    adv, ret = gae(torch.tensor([1.0]), torch.ones(1, 50), mask, gamma=1.0, lam=0.95)
+    policy = mask[0] > 0
+    assert adv[0, 4].item() == pytest.approx(0.0, abs=1e-6)
+    assert ret[0, 4].item() == pytest.approx(1.0, abs=1e-6)
+    assert adv[0][policy].abs().max().item() < 1e-6
+    assert ret[0][policy].tolist() == pytest.approx([1.0] * 10, abs=1e-6)
+    assert adv[0][~policy].abs().max().item() == 0.0
+
+
+def test_gae_carries_value_and_advantage_across_observation_tokens():
+    """Against float64 GAE on each row's policy tokens alone, the observation tokens removed
+    (their values and KL are noise that must not enter)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0],
+                         [1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+                         [0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0]], dtype=torch.float)
+    values = torch.randn(3, 11, generator=g)
+    kl = torch.rand(3, 11, generator=g)
+    rewards = torch.tensor([1.0, -0.5, 0.25])
+    gamma, lam, coef = 0.9, 0.8, 0.1
+    adv, ret = gae(rewards, values, mask, kl, coef, gamma, lam)
+    for b in range(3):
+        idx = [t for t in range(11) if mask[b, t] > 0]
+        r = [-coef * float(kl[b, t]) for t in idx]
+        r[-1] += float(rewards[b])
+        ref_adv, ref_ret = loop_gae(r, [float(values[b, t]) for t in idx], gamma, lam)
+        assert [float(adv[b, t]) for t in idx] == pytest.approx(ref_adv, abs=1e-5)
+        assert [float(ret[b, t]) for t in idx] == pytest.approx(ref_ret, abs=1e-5)
+        off = [t for t in range(11) if mask[b, t] == 0]
+        assert [float(adv[b, t]) for t in off] == [0.0] * len(off)
+        assert [float(ret[b, t]) for t in off] == [0.0] * len(off)
+
+
 def test_reinforce_pp_returns_then_whitening():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     raw_adv, _ = token_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0]), mask, gamma=0.5)
