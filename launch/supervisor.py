@@ -3,8 +3,10 @@
 Invariants:
 - Actors start in dependency order; each must report READY within `ready_timeout_s`.
 - An actor that exits abnormally (non-zero code, DEAD report, signal, heartbeat timeout) is
-  restarted while its restart budget lasts; READY for `stable_after_s` refills the budget. Past
-  the budget the run fails: everything stops and the launcher exits non-zero with the error.
+  restarted while its restart budget lasts; READY for `stable_after_s` refills the budget. A
+  restart that fails before READY (exits, or stays silent past `ready_timeout_s`) spends one
+  more restart and is tried again while the budget lasts. Past the budget the run fails:
+  everything stops and the launcher exits non-zero naming the actor and its error or log tail.
 - Stopping an actor escalates: Shutdown message -> SIGTERM -> SIGKILL; the step that ended the
   process is recorded (`ActorProcess.shutdown_step`, run_dir/exit.json).
 - When a `primary` actor completes its work, the run ends with exit code 0.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -28,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import msgspec
 
@@ -51,6 +54,7 @@ from launch.config import (
     placement,
     rank_hosts,
 )
+from launch.files import write_json
 from runtime.actor import ActorContext
 from runtime.procs import log_tail, terminate, wait_exit
 from transport.metrics import MetricsProxy
@@ -97,6 +101,36 @@ class ActorProcess:
 
 class RunFailed(Exception):
     """The run cannot continue; the message names the actor and its error."""
+
+
+class StartFailed(RunFailed):
+    """An actor exited or stayed silent before READY: `what` happened, `why` quotes its error
+    or log tail."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(f"{what}\n{why}")
+        self.what, self.why = what, why
+
+
+def write_spec(path: Path, spec: dict) -> None:
+    """An actor's spec file (its owner's only), whole or not at all; RunFailed naming the file
+    when it cannot be written (a full disk)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, spec, mode=0o600)
+    except OSError as e:
+        raise RunFailed(f"cannot write {path}: {e}; the actor cannot start without it") \
+            from None
+
+
+def open_log(ap: ActorProcess) -> BinaryIO:
+    """The actor's log file, opened unbuffered for appending (its process writes there too);
+    RunFailed naming the file when it cannot be opened."""
+    try:
+        ap.log_path.parent.mkdir(parents=True, exist_ok=True)
+        return open(ap.log_path, "ab", buffering=0)
+    except OSError as e:
+        raise RunFailed(f"{ap.name}: cannot open its log {ap.log_path}: {e}") from None
 
 
 class Supervisor:
@@ -184,7 +218,6 @@ class Supervisor:
 
     # ------------------------------------------------------------------ starting
     async def spawn(self, ap: ActorProcess) -> None:
-        ap.log_path.parent.mkdir(parents=True, exist_ok=True)
         host = self.hosts[ap.host]
         if host.exec:
             await self._spawn_remote(ap, host)
@@ -192,9 +225,9 @@ class Supervisor:
         env = {**os.environ, **ap.entry.env, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                            os.environ.get("PYTHONPATH")]))}
-        with open(ap.log_path, "ab") as logf:
-            logf.write(f"=== start {ap.restarts} at {time.ctime()}\n".encode())
-            logf.flush()
+        with open_log(ap) as logf:
+            with contextlib.suppress(OSError):  # a full disk: the actor may run all the same
+                logf.write(f"=== start {ap.restarts} at {time.ctime()}\n".encode())
             ap.proc = await asyncio.create_subprocess_exec(
                 *self.command(ap), stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
                 env=env, start_new_session=True)
@@ -205,7 +238,7 @@ class Supervisor:
 
     async def _spawn_remote(self, ap: ActorProcess, host: HostConfig) -> None:
         link = await self.link_for(host)
-        with open(ap.log_path, "ab") as logf:
+        with open_log(ap) as logf, contextlib.suppress(OSError):
             logf.write(f"=== start {ap.restarts} at {time.ctime()} on host {host.name}\n"
                        .encode())
         try:
@@ -317,16 +350,21 @@ class Supervisor:
             return
         if not done:
             await self.stop_one(ap)
-            raise RunFailed(f"{ap.name} did not report READY within ready_timeout_s = "
-                            f"{self.cfg.run.ready_timeout_s:g}\n{self.describe_failure(ap)}")
+            raise StartFailed(f"{ap.name} did not report READY within ready_timeout_s = "
+                              f"{self.cfg.run.ready_timeout_s:g}", self.describe_failure(ap))
         await ap.proc.wait()
-        raise RunFailed(f"{ap.name} exited with code {ap.proc.returncode} during start\n"
-                        f"{self.describe_failure(ap)}")
+        raise StartFailed(f"{ap.name} exited with code {ap.proc.returncode} during start",
+                          self.describe_failure(ap))
 
     async def start_all(self) -> None:
         await self.open_hosts()
         for name in self.order:
-            await self.start_one(self.prepare(name))
+            try:
+                ap = self.prepare(name)
+            except OSError as e:  # a full disk
+                raise RunFailed(f"{name}: cannot write its spec under {self.run_dir}: {e}") \
+                    from None
+            await self.start_one(ap)
         self._tasks.append(asyncio.ensure_future(self._watch_heartbeats()))
 
     # ------------------------------------------------------------------ supervising
@@ -338,6 +376,8 @@ class Supervisor:
                 self.say("interrupted: stopping every actor")
                 return 0
             ap = self.actors[name]
+            if ap.alive:  # the exit of an earlier process (one whose restart failed, since retried)
+                continue
             if ap.stopped is not None and ap.stopped.completed and ap.exit_code == 0:
                 self.say(f"{name} completed ({ap.stopped.reason})")
                 if ap.entry.primary:
@@ -346,22 +386,38 @@ class Supervisor:
                 continue
             if ap.ready_at and time.monotonic() - ap.ready_at >= ap.entry.restart.stable_after_s:
                 ap.restarts = 0
-            why = self.describe_failure(ap)
             if ap.dead is not None and ap.dead.end_run:  # restarting would not help
                 raise RunFailed(f"{name} ended the run: {ap.dead.error}")
-            if ap.restarts >= ap.entry.restart.max_restarts:
-                raise RunFailed(f"{name} failed (exit code {ap.exit_code}) after {ap.restarts} "
-                                f"restart(s); restart.max_restarts = "
-                                f"{ap.entry.restart.max_restarts}\n{why}")
+            await self.restart(ap, f"{name} failed (exit code {ap.exit_code})",
+                               self.describe_failure(ap))
+
+    async def restart(self, ap: ActorProcess, what: str, why: str) -> None:
+        """Start `ap` again after `what` happened: each attempt spends one restart of its budget,
+        an attempt that fails before READY is followed by the next while the budget lasts;
+        RunFailed once it is spent, with the last failure's error or log tail (`why`)."""
+        budget = ap.entry.restart.max_restarts
+        while True:
+            if ap.restarts >= budget:
+                raise RunFailed(f"{what} after {ap.restarts} restart(s); restart.max_restarts "
+                                f"= {budget}\n{why}")
             ap.restarts += 1
-            self.say(f"{name} failed (exit code {ap.exit_code}); restart "
-                     f"{ap.restarts}/{ap.entry.restart.max_restarts}\n{why}")
-            ap.context.endpoints = ap.endpoints or ap.context.endpoints  # keep the bound ports
-            spec = json.loads(ap.spec_path.read_text())
-            spec["context"]["endpoints"] = msgspec.to_builtins(ap.context.endpoints)
-            spec["context"]["resume"] = True  # a restarted actor continues from its checkpoint
-            ap.spec_path.write_text(json.dumps(spec, indent=2))
-            await self.start_one(ap)
+            self.say(f"{what}; restart {ap.restarts}/{budget}\n{why}")
+            self.respec(ap)
+            try:
+                await self.start_one(ap)
+                return
+            except StartFailed as e:
+                if ap.dead is not None and ap.dead.end_run:
+                    raise RunFailed(f"{ap.name} ended the run: {ap.dead.error}") from None
+                what, why = e.what.replace(" during start", " during restart"), e.why
+
+    def respec(self, ap: ActorProcess) -> None:
+        """The spec of a restart: the ports it had, and resume (continue from its checkpoint)."""
+        ap.context.endpoints = ap.endpoints or ap.context.endpoints
+        spec = json.loads(ap.spec_path.read_text())
+        spec["context"]["endpoints"] = msgspec.to_builtins(ap.context.endpoints)
+        spec["context"]["resume"] = True
+        write_spec(ap.spec_path, spec)
 
     async def _reap(self, ap: ActorProcess, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
