@@ -33,6 +33,10 @@ Corrections (`correction_weights`), returning per-token loss weights and a per-t
   of the weights that generated it, kept as old-actor weight sets by version (w then corrects
   the engine mismatch alone and r spans the staleness, so the clip bounds the update relative
   to the behaviour weights).
+A token the correction masks (rejection, decoupled's cap) leaves the policy loss's numerator
+only: each sample's denominator stays its policy-token count before rejection (the source's;
+`algos.policy_loss` `sample_tokens`), and the entropy bonus and the KL loss keep every policy
+token, so rejecting part of a sample lowers its weight rather than scaling up what is left.
 Invariant: no function changes its inputs; weights are detached.
 """
 

@@ -5,7 +5,11 @@ Conventions (the same as slime's defaults, see the project's design notes):
   fraction = share of tokens where the clipped term is the larger;
 - reduction is the *sample mean*: each sample's masked token mean, summed, divided by the number
   of samples in the whole optimizer step (`num_samples_in_step`), so gradient accumulation over
-  micro-batches gives the same update as one big batch.
+  micro-batches gives the same update as one big batch;
+- a mismatch correction that rejects tokens (algos/mismatch.py) removes them from the numerator
+  only: the token mean's denominator stays the sample's policy tokens before rejection
+  (`sample_tokens`, the source's), so a sample keeps its weight whatever share of it was
+  rejected instead of its remaining tokens being scaled up.
 Invariant: every function takes and returns tensors; nothing here touches models or sockets.
 """
 
@@ -25,19 +29,24 @@ class LossTerms:
     num_tokens: int
 
 
-def masked_sample_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ over samples of (masked token mean of that sample); values, mask: [B, T]."""
-    per_sample = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_sample.sum()
+def masked_sample_sum(values: torch.Tensor, mask: torch.Tensor,
+                      sample_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over samples of (masked token sum / that sample's token count); values, mask: [B, T];
+    `sample_tokens` [B] the counts (default: the mask's, the masked token mean)."""
+    counts = mask.sum(dim=1) if sample_tokens is None else sample_tokens.to(mask.dtype)
+    return ((values * mask).sum(dim=1) / counts.clamp(min=1)).sum()
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, num_samples_in_step: int, eps_clip: float = 0.2,
                   eps_clip_high: float | None = None, dual_clip_c: float | None = None,
-                  token_weights: torch.Tensor | None = None) -> LossTerms:
-    """logp, old_logp, mask: [B, T] (response positions); advantages: [B] or [B, T].
-    `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c*A (dual clip);
-    `token_weights` [B, T] scales each token's loss (importance-sampling corrections)."""
+                  token_weights: torch.Tensor | None = None,
+                  sample_tokens: torch.Tensor | None = None) -> LossTerms:
+    """logp, old_logp, mask: [B, T] (response positions; mask: the tokens kept); advantages:
+    [B] or [B, T]. `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c*A
+    (dual clip); `token_weights` [B, T] scales each token's loss (importance-sampling
+    corrections); `sample_tokens` [B]: each sample's denominator, its policy tokens before any
+    rejection (default: the mask's count)."""
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     if dual_clip_c is not None and dual_clip_c <= 1:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
@@ -52,10 +61,10 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         per_token = torch.where(adv < 0, torch.minimum(-dual_clip_c * adv, per_token), per_token)
     if token_weights is not None:
         per_token = per_token * token_weights
-    loss = masked_sample_sum(per_token, mask) / num_samples_in_step
+    loss = masked_sample_sum(per_token, mask, sample_tokens) / num_samples_in_step
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         clipfrac = ((clipped > unclipped).float() * mask).sum() / n
         ppo_kl = (-log_ratio * mask).sum() / n
-        pg = masked_sample_sum(per_token, mask) / max(1, logp.shape[0])
+        pg = masked_sample_sum(per_token, mask, sample_tokens) / max(1, logp.shape[0])
     return LossTerms(loss, float(pg), float(clipfrac), float(ppo_kl), int(mask.sum()))

@@ -77,23 +77,24 @@ def test_value_loss_hand_computed():
 
 
 def decoupled_reference(logp, prox, behav, adv, mask, n_step, eps, eps_high, cap):
-    """Plain-float decoupled PPO: (loss, d loss / d logp)."""
+    """Plain-float decoupled PPO: (loss, d loss / d logp); a masked token leaves the sum, not
+    the sample's token count (the source's denominator)."""
     loss, grads = 0.0, []
     for i in range(len(logp)):
-        kept, per_tok, row_grad = 0, [], []
+        per_tok, row_grad = [], []
         for t in range(len(logp[i])):
             w = math.exp(prox[i][t] - behav[i][t])
             if not mask[i][t] or w > cap:
                 per_tok.append(None)
                 continue
-            kept += 1
             r = math.exp(logp[i][t] - prox[i][t])
             clipped_r = min(max(r, 1 - eps), 1 + eps_high)
             unclipped, clipped = -r * adv[i], -clipped_r * adv[i]
             per_tok.append((w * max(unclipped, clipped), w * unclipped if unclipped >= clipped
                             else 0.0))
-        loss += sum(v for v, _ in filter(None, per_tok)) / max(kept, 1) / n_step
-        row_grad = [0.0 if p is None else p[1] / max(kept, 1) / n_step for p in per_tok]
+        n = max(sum(mask[i]), 1)
+        loss += sum(v for v, _ in filter(None, per_tok)) / n / n_step
+        row_grad = [0.0 if p is None else p[1] / n / n_step for p in per_tok]
         grads.append(row_grad)
     return loss, grads
 
@@ -111,7 +112,8 @@ def test_decoupled_ppo_matches_float64_reference():
     lp = t(logp).requires_grad_(True)
     weights, keep = correction_weights(t(prox), t(behav), t(mask), cfg)
     assert 0 < float(keep.sum()) < float(t(mask).sum())  # the cap masks some tokens
-    terms = ppo_clip_loss(lp, t(prox), t(adv), keep, 8, 0.2, 0.28, None, weights)
+    terms = ppo_clip_loss(lp, t(prox), t(adv), keep, 8, 0.2, 0.28, None, weights,
+                          sample_tokens=t(mask).sum(dim=1))
     terms.loss.backward()
     ref_loss, ref_grad = decoupled_reference(logp, prox, behav, adv, mask, 8, 0.2, 0.28, 1.5)
     assert terms.loss.item() == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)

@@ -54,3 +54,55 @@ def test_recompute_bypass_and_rejection_differ_as_they_should():
 def test_entropy_bonus_changes_the_update():
     plain, bonus = step(), step(loss=LossConfig(entropy_coef=0.5))
     assert bonus["train/grad_norm"] != pytest.approx(plain["train/grad_norm"], rel=1e-4)
+
+
+def grpo_scores(rewards: list[float]) -> list[float]:
+    """(r - mean) / (unbiased std + 1e-6) of one group, in plain floats."""
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+def test_rejected_tokens_leave_the_numerator_not_the_denominator():
+    """rejection_token: each sample's loss is its kept tokens' sum over ALL its policy tokens
+    (the source's denominator). Ratios are 1 at the step's start, so the PPO loss is
+    sum_i -A_i * kept_i / n_i / N."""
+    torch.manual_seed(0)
+    model, tok = build_tiny("tiny-qwen2", seed=0)
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    answers = [("1+2=", ["3", "4", "33"]), ("rev ab=", ["ba", "ab", "b"])]
+    rejected = [[1, 0, 2], [2, 1, 1]]  # leading tokens rejected, per sample
+    samples, expected, scores = [], 0.0, []
+    for g, (prompt, group) in enumerate(answers):
+        rewards = [1.0, 0.0, 0.5]
+        scores += grpo_scores(rewards)
+        for i, ans in enumerate(group):
+            ids = tok.encode(ans, add_special_tokens=False) + [tok.eos_token_id]
+            # the tiny model gives log p ~ -4: rollout -9 is w ~ e^5 > 2 (rejected), -3 is
+            # w ~ e^-1 (kept with low = 0)
+            lps = [-9.0] * rejected[g][i] + [-3.0] * (len(ids) - rejected[g][i])
+            samples.append(Sample(group_id=f"g{g}", index=i, domain="d",
+                                  prompt_ids=[tok.bos_token_id]
+                                  + tok.encode(prompt, add_special_tokens=False),
+                                  response_ids=ids, loss_mask=[1] * len(ids),
+                                  rollout_logprobs=lps, reward=rewards[i]))
+    for s, a in zip(samples, scores):
+        n = len(s.response_ids)
+        expected += -a * sum(lp == -3.0 for lp in s.rollout_logprobs) / n / len(samples)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(size=2),
+                        mismatch=MismatchConfig(correction="rejection_token", low=0.0, high=2.0))
+    stats = train_on_batch(state, samples, cfg)
+    kept = sum(len(s.response_ids) for s in samples) - sum(map(sum, rejected))
+    assert stats["train/kept_token_frac"] == pytest.approx(kept / 15)
+    assert stats["train/loss"] == pytest.approx(expected, abs=1e-5)
+    assert expected == pytest.approx(0.8333317 / 6, rel=1e-5)  # kept-token means gave 0.0
+
+
+def test_the_entropy_bonus_keeps_rejected_tokens():
+    """Every token rejected: the PPO term is 0, the entropy bonus still trains (the source
+    reduces it over the loss mask before rejection)."""
+    rejected = step(mismatch=MismatchConfig(correction="rejection_token"),
+                    loss=LossConfig(entropy_coef=0.5))
+    assert rejected["train/kept_token_frac"] == 0.0 and rejected["train/loss"] == 0.0
+    assert rejected["train/grad_norm"] > 0
+

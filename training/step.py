@@ -371,11 +371,13 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
                 train_logp, old, rollout = replayed_logprobs(logp, p.old, mb, inp, logits,
                                                             cfg.loss.temperature)
         weights, keep = correction_weights(old, rollout, mb.mask, cfg.mismatch)
+        # rejected tokens leave the numerator, not the denominator (algos/mismatch.py)
         terms = ppo_clip_loss(train_logp, old, adv, keep, num_samples, cfg.loss.eps_clip,
-                              cfg.loss.eps_clip_high, cfg.loss.dual_clip_c, weights)
-        loss = terms.loss - cfg.loss.entropy_coef * masked_sample_sum(ent, keep) / num_samples
+                              cfg.loss.eps_clip_high, cfg.loss.dual_clip_c, weights,
+                              sample_tokens=mb.mask.sum(dim=1))
+        loss = terms.loss - cfg.loss.entropy_coef * masked_sample_sum(ent, mb.mask) / num_samples
         if cfg.kl.use_kl_loss:
-            kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl.estimator), keep) / num_samples
+            kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl.estimator), mb.mask) / num_samples
             loss = loss + cfg.kl.coef * kl
             totals["kl_loss"] += float(kl.detach())
         if opd_term and inp is not None:
