@@ -25,6 +25,19 @@ def test_kl_estimators_hand_computed():
         approx_kl(logp, ref, "k4")
 
 
+def test_k3_estimate_is_clamped_to_ten():
+    """The source clamps the k3 (low_var_kl) estimate, not the log-ratio, to [-10, 10]."""
+    lr = [-15.0, -2.0, 0.5, 11.0, 15.0]
+    logp = torch.tensor(lr, requires_grad=True)
+    kl = approx_kl(logp, torch.zeros(5), "k3")
+    raw = [math.exp(-x) - 1 + x for x in lr]  # 3.27e6, 4.389, 0.1065, 10.00002, 14.0000003
+    assert kl.tolist() == pytest.approx([min(r, 10.0) for r in raw], rel=1e-6)
+    kl.sum().backward()
+    # d/d lr (exp(-lr) - 1 + lr) = 1 - exp(-lr) inside the clamp, 0 where it binds
+    assert logp.grad.tolist() == pytest.approx([0.0, 1 - math.exp(2.0), 1 - math.exp(-0.5),
+                                                0.0, 0.0], rel=1e-6)
+
+
 def test_token_rewards_put_the_reward_on_the_last_policy_token():
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     kl = torch.full((2, 5), 0.5)
