@@ -335,6 +335,11 @@ class BufferActor(Actor):
         return {RolloutPermit: self.permit, GetBatch: self.get_batch,
                 VersionUpdate: self.version_update, SampleGroup: self.resend}
 
+    def rpc_roles(self):
+        """What the trainer says of itself moves versions and hands out batches: only the
+        trainer's own connection may say it."""
+        return {GetBatch: "trainer", VersionUpdate: "trainer"}
+
     async def on_inbox(self, msg: Msg) -> None:
         if not isinstance(msg, SampleGroup):
             self.counters["inbox.unexpected"] += 1
@@ -360,11 +365,12 @@ class BufferActor(Actor):
     async def permit(self, msg: RolloutPermit) -> Permit | ErrorReply:
         if msg.batch_index < 0:
             return self._invalid(msg, lambda: self.logic.may_start_batch(msg.batch_index, 0))
-        if not self._may_start(msg.batch_index):
+        index = 0 if msg.position_only else msg.batch_index  # once the trainer announced itself
+        if not self._may_start(index):
             fut = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._permit_waiters, (msg.batch_index, next(self._arrivals), fut))
+            heapq.heappush(self._permit_waiters, (index, next(self._arrivals), fut))
             await fut
-        if msg.batch_index not in self._recent_permits:
+        if not msg.position_only and msg.batch_index not in self._recent_permits:
             self._permitted_batches += 1
             self._recent_permits[msg.batch_index] = None
             if len(self._recent_permits) > 4096:  # requests are re-sent for recent batches only
@@ -433,9 +439,9 @@ class BufferActor(Actor):
         trainer) may go back to its checkpoint's version; within an epoch versions advance one
         at a time."""
         restarted = epoch != self.trainer_epoch
-        seen = -1 if restarted else self.trainer_version
         field = "trainer_version" if isinstance(msg, GetBatch) else "version"
-        refused = self._invalid(msg, lambda: check_version(field, seen, version, step))
+        refused = self._invalid(msg, lambda: check_version(
+            field, self.trainer_version, version, step, restarted, self.trainer_step))
         if refused:
             return refused
         if restarted and self.trainer_version >= 0:

@@ -4,7 +4,9 @@ For each batch it first gets a permit from the buffer (so it runs at most `max_s
 versions ahead of the trainer), then plays `group_size` episodes for each of `groups_per_batch`
 tasks with at most `max_concurrency` episodes in flight, and streams each finished group to the
 buffer. `/generate` goes to the router (sticky per episode through `X-SMG-Routing-Key`). An
-episode whose environment raises becomes a `failed` sample, counted and passed on, never dropped.
+episode whose environment raises becomes a `failed` sample, counted and passed on, never dropped;
+so does one whose environment's own code (generation not counted: `GenerationClock`) runs past
+`env_timeout_s`, named with its environment and task.
 Every `eval_every` batches it scores the eval tasks of each domain greedily.
 
 Accounting: `samples_generated` counts the samples of every training group handed to the sink
@@ -83,6 +85,11 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
     resend_batches: int = 4  # batches of groups kept to re-send to a restarted buffer
     request_timeout_s: float = 120.0
+    # an episode's own time (its environment's code: reward(), tools, waits; generation is not
+    # counted) may last this long, seconds; past it the episode is abandoned and counted as
+    # failed, naming the environment and the task (reward() runs in a thread of its own, so a
+    # hung one never stalls the rollout); 0 = no limit
+    env_timeout_s: float = 60.0
     # a wait for the buffer's permit (the trainer's progress) longer than this ends the run with
     # a message (reported every [run] stall_report_s while it lasts), seconds
     permit_timeout_s: float = 3600.0
@@ -94,6 +101,58 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 NO_SIGNAL_NOTICE_S = 600.0  # a domain without learning signal is said at most this often
+
+
+class EpisodeTimeout(Exception):
+    """An episode's environment ran its own code past `env_timeout_s`."""
+
+
+class GenerationClock:
+    """A client of the inference endpoint for one episode that keeps the time spent waiting on
+    generation, so that the rest of the episode's time is the environment's own."""
+
+    def __init__(self, client):
+        self._client = client
+        self._done_s, self._active, self._since = 0.0, 0, 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    async def generate(self, *args, **kwargs):
+        if not self._active:
+            self._since = time.monotonic()
+        self._active += 1
+        try:
+            return await self._client.generate(*args, **kwargs)
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._done_s += time.monotonic() - self._since
+
+    def generating_s(self) -> float:
+        """Seconds spent in generate() calls so far, the one in progress included."""
+        return self._done_s + (time.monotonic() - self._since if self._active else 0.0)
+
+
+async def run_episode(env, task, session, clock: GenerationClock, limit_s: float) -> float:
+    """`env.episode(task, session)`, abandoned (EpisodeTimeout) once the time it spent outside
+    generation passes `limit_s` (0: never)."""
+    run = asyncio.ensure_future(env.episode(task, session))
+    started = time.monotonic()
+    try:
+        while limit_s and not run.done():
+            own_s = time.monotonic() - started - clock.generating_s()
+            if own_s >= limit_s:
+                raise EpisodeTimeout(
+                    f"{type(env).__name__} ran its own code (reward(), tools; generation not "
+                    f"counted) for more than env_timeout_s = {limit_s:g} s; the episode was "
+                    f"dropped as failed: make it return sooner, or raise [rollout] "
+                    f"env_timeout_s")
+            await asyncio.wait({run}, timeout=limit_s - own_s)
+        return await run
+    finally:
+        if not run.done():
+            run.cancel()
 
 
 class RolloutTotals(msgspec.Struct):
@@ -117,6 +176,9 @@ class RolloutActor(Actor):
         check_chat_template(config.chat_template)
         if config.agent_drift not in DRIFT_RULES:
             raise ValueError(f"agent_drift = {config.agent_drift!r}: use one of {DRIFT_RULES}")
+        if not config.env_timeout_s >= 0:
+            raise ValueError(f"env_timeout_s = {config.env_timeout_s}: give seconds >= 0 "
+                             f"(0 = no limit)")
         mix = load_envs([msgspec.to_builtins(e) for e in config.envs])
         return check_at_load(mix, config.eval_tasks)
 
@@ -201,8 +263,9 @@ class RolloutActor(Actor):
         cfg = self.config
         async with self.waiting_for(f"{cfg.buffer}'s first permit", cfg.permit_timeout_s,
                                     "permit_timeout_s"):
-            first = await self.call_retrying(self.buffer, RolloutPermit(batch_index=0),
-                                             cfg.permit_timeout_s)
+            first = await self.call_retrying(
+                self.buffer, RolloutPermit(batch_index=0, position_only=True),
+                cfg.permit_timeout_s)
         self.buffer_epoch = first.buffer_epoch
         batch_index = first.start_batch
         tasks = self.envs.tasks("train", cfg.seed)
@@ -286,7 +349,8 @@ class RolloutActor(Actor):
     async def play(self, task, sampling: dict, group_id: str, index: int):
         env = self.envs.env_for(task)
         domain = task.domain or env.domain
-        session = HttpSession(self.client, self.tokenizer, task.prompt, sampling,
+        clock = GenerationClock(self.client)
+        session = HttpSession(clock, self.tokenizer, task.prompt, sampling,
                               routing_key=f"{group_id}-{index}",
                               max_new_tokens=getattr(env, "max_new_tokens", 0)
                               or self.config.max_new_tokens, retries=self.config.retries,
@@ -294,13 +358,14 @@ class RolloutActor(Actor):
                               nucleus_top_logprobs=self.config.nucleus_top_logprobs)
         async with self.gate:
             try:
-                reward = await env.episode(task, session)
+                reward = await run_episode(env, task, session, clock, self.config.env_timeout_s)
                 self.counters["episodes"] += 1
                 self.counters["turn_retries"] += session.retried
                 return session.to_sample(group_id, index, domain, reward)
             except Exception as e:  # an env or generation failure fails this sample only
                 self.counters["episodes_failed"] += 1
                 self.counters[f"episodes_failed/{domain}"] += 1
+                self.counters["episodes_timed_out"] += isinstance(e, EpisodeTimeout)
                 # the environment's own failure (an agent's error after a failed generation
                 # is the workers', as a SessionFailed is)
                 if not isinstance(e, SessionFailed) and session.generation_error is None:

@@ -154,7 +154,7 @@ class _Counting(RolloutBuffer):
 
     def restore(self, snap) -> None:  # a compacted journal: its remembered batches were emitted
         super().restore(snap)
-        for batch in self.history.values():
+        for _, batch in self.history.items():
             for s in batch:
                 self.emitted_keys.setdefault((s.group_id, s.index), 1)
 

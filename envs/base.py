@@ -5,7 +5,9 @@ a `Session`, the rollout's handle on the policy. The session owns the token sequ
 `generate()` appends policy tokens (trained on: loss mask 1, with their rollout log-probs and the
 weight version that produced them); every `observe()` appends tool/observation tokens (not trained
 on: loss mask 0). The episode returns the reward. Single-turn environments only implement
-`reward()`; `SingleTurnEnv.episode` does the rest.
+`reward()`; `SingleTurnEnv.episode` does the rest, calling `reward()` in a thread of its own
+(`in_thread`), so that a slow or hung verifier never stalls the rollout's event loop (its
+heartbeats, the other episodes) and the rollout's `env_timeout_s` can give up on it.
 
 Invariant: an environment never sees token ids or log-probs unless it asks; it works on text, so
 the same environment runs against the embedded worker and against SGLang.
@@ -14,8 +16,11 @@ the same environment runs against the embedded worker and against SGLang.
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextvars
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,39 @@ class SingleTurnEnv(Environment):
 
     async def episode(self, task: Task, session: Session) -> float:
         response = await session.generate(self.max_new_tokens, self.stop)
-        return float(self.reward(task, response))
+        return float(await in_thread(self.reward, task, response))
 
     @abc.abstractmethod
     def reward(self, task: Task, response: str) -> float:
         """Score the response text (e.g. 1.0 if correct else 0.0)."""
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` run in a new daemon thread, awaited: the event loop goes on meanwhile, and a
+    caller that stops waiting (a timeout) leaves a call that never returns behind without
+    keeping the process from exiting (a pool's threads would be joined at exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    call = contextvars.copy_context().run
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def work() -> None:
+        try:
+            result, error = call(fn, *args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while the call ran: nobody waits for it
+            pass
+
+    threading.Thread(target=work, name=f"env:{getattr(fn, '__qualname__', 'call')}",
+                     daemon=True).start()
+    return await done

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -139,6 +140,7 @@ class Supervisor:
         self.cfg, self.run_dir, self.sock_dir, self.order, self.say = (
             cfg, run_dir, sock_dir, order, say)
         self.resume = resume
+        self.run_token = secrets.token_hex(16)  # proves roles between this run's actors
         self.factory = SocketFactory(security=cfg.security)
         self.actors: dict[str, ActorProcess] = {}
         self.events: asyncio.Queue = asyncio.Queue()
@@ -201,10 +203,12 @@ class Supervisor:
             heartbeat_interval_s=run.heartbeat_interval_s,
             start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
             run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s,
-            request_retry_s=run.request_retry_s)
+            request_retry_s=run.request_retry_s, run_token=self.run_token)
         spec_path = self.run_dir / "specs" / f"{name}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}
+        spec_path.touch(mode=0o600)  # it holds the run token: its owner's only
+        spec_path.chmod(0o600)
         spec_path.write_text(json.dumps(spec, indent=2))
         # one host: logs/<actor>.log; several: logs/<host>/<actor>.log for every actor
         logs = self.run_dir / "logs" / host.name if self.distributed else self.run_dir / "logs"

@@ -197,12 +197,21 @@ def check_group(samples: list[Sample], config: BufferConfig) -> None:
         check_sample(sample, config)
 
 
-def check_version(field: str, seen: int, version: int, step: int) -> None:
+def check_version(field: str, seen: int, version: int, step: int, restarted: bool = False,
+                  seen_step: int = 0) -> None:
     """ValueError unless trainer version `version` (with optimizer `step`) may follow `seen`,
-    the last one announced (-1: none yet): versions never go back and advance one at a time."""
+    the last one announced (-1: none yet): within a trainer process versions never go back and
+    advance one at a time; a restarted one resumes from a checkpoint it saved, so it may go
+    back, but never past one step beyond where it was (`seen`, `seen_step`)."""
     if version < 0 or step < 0:
         raise ValueError(f"{field} and step must be >= 0, got {field} = {version}, step = {step}")
-    if 0 <= seen and not seen <= version <= seen + 1:
+    if seen < 0:
+        return
+    if restarted and (version > seen + 1 or step > seen_step + 1):
+        raise ValueError(f"a restarted trainer at {field} = {version}, step = {step} refused: "
+                         f"the buffer last saw version {seen} at step {seen_step}, and a trainer "
+                         f"resumes from a checkpoint it saved (at most one step further)")
+    if not restarted and not seen <= version <= seen + 1:
         raise ValueError(f"{field} = {version} refused: the buffer last saw version {seen}, and "
                          f"versions only advance one step at a time (send {seen} or {seen + 1})")
 

@@ -86,6 +86,9 @@ class ActorContext(msgspec.Struct, forbid_unknown_fields=True):
     resume: bool = False  # continue from the latest checkpoint in run_dir
     stall_report_s: float = 60.0  # a wait on a peer longer than this is reported on the console
     request_retry_s: float = 30.0  # an idempotent request unanswered this long is sent again
+    # shared by the actors of one run (the launcher draws it): proves an actor's role to its
+    # peers (transport.rpc role_proof); "" (run on its own): roles are taken as claimed
+    run_token: str = ""
 
 
 class EndRun(Exception):
@@ -180,6 +183,10 @@ class Actor:
         """Request types this actor serves on its rpc socket."""
         return {}
 
+    def rpc_roles(self) -> dict[type, str]:
+        """Request types of rpc_handlers that only a peer of one role may send: {type: role}."""
+        return {}
+
     async def on_inbox(self, msg: Msg) -> None:
         """Called for each stream message arriving in this actor's inbox."""
         raise NotImplementedError
@@ -266,7 +273,8 @@ class Actor:
         handlers = self.rpc_handlers()
         if handlers and ep.rpc:
             rpc = RpcServer(self.factory, ep.rpc, self.name, handlers, self.counters,
-                            self.ctx.limits, self.spawn, "rpc", self.ctx.shm)
+                            self.ctx.limits, self.spawn, "rpc", self.ctx.shm,
+                            self.ctx.run_token, self.rpc_roles())
             self._closers.append(rpc.close)
             self.bound.rpc = rpc.sock.last_endpoint.decode()
             self.spawn(rpc.serve(), "rpc")
@@ -423,7 +431,8 @@ class Actor:
     async def connect(self, name: str) -> RpcClient:
         """A handshaken client of peer `name`'s rpc socket, closed when this actor stops."""
         client = RpcClient(self.factory, self.peer(name).rpc, self.name,
-                           self.ctx.call_timeout_s, self.ctx.limits, self.ctx.shm)
+                           self.ctx.call_timeout_s, self.ctx.limits, self.ctx.shm, self.role,
+                           self.ctx.run_token)
         self._closers.append(client.close)
         await client.handshake()
         return client

@@ -297,7 +297,7 @@ async def test_buffer_refuses_bad_samples_and_versions_without_changing_state(ip
     actor = BufferActor(context("buffer", ipc), BufferConfig(group_size=2, groups_per_batch=1))
     async with running(actor):
         sender = StreamSender(factory, actor.bound.inbox)
-        client = RpcClient(factory, actor.bound.rpc, "trainer", timeout_s=3.0)
+        client = RpcClient(factory, actor.bound.rpc, "trainer", timeout_s=3.0, role="trainer")
         try:
             await sender.send(SampleGroup(samples=[sample("bad", 99), sample("bad", 0)]))
             await sender.send(SampleGroup(samples=[sample("g", 0), sample("g", 1)]))
@@ -321,6 +321,58 @@ async def test_buffer_refuses_bad_samples_and_versions_without_changing_state(ip
         finally:
             sender.close()
             await client.close()
+
+
+async def test_only_the_trainer_moves_versions_and_a_restart_never_jumps_ahead(ipc, factory):
+    """A GetBatch claiming a trainer restart at version 1e9 hands out nothing and drops
+    nothing: from a connection that did not prove the trainer's role (no role, or the role
+    without the run's token) it is forbidden; from the trainer itself it is refused, since a
+    resumed trainer goes back to a checkpoint, never past one step beyond where it was."""
+    token = "run-token"
+    actor = BufferActor(context("buffer", ipc, run_token=token),
+                        BufferConfig(group_size=2, groups_per_batch=1))
+    async with running(actor):
+        sender = StreamSender(factory, actor.bound.inbox)
+        trainer = RpcClient(factory, actor.bound.rpc, "trainer", 3.0, role="trainer",
+                            token=token)
+        strangers = [RpcClient(factory, actor.bound.rpc, "t", 3.0),
+                     RpcClient(factory, actor.bound.rpc, "trainer", 3.0, role="trainer"),
+                     RpcClient(factory, actor.bound.rpc, "trainer", 3.0, role="trainer",
+                               token="another run's")]
+        try:
+            for group in ("g0", "g1"):
+                await sender.send(SampleGroup(samples=[sample(group, 0, 3),
+                                                       sample(group, 1, 3)]))
+            while actor.logic.accounting()["pending"] < 4:  # both groups in
+                await asyncio.sleep(0.01)
+            await trainer.handshake()
+            assert isinstance(await trainer.call(VersionUpdate(version=3, step=3,
+                                                               trainer_epoch="t1")), Ack)
+            for client in strangers:
+                await client.handshake()
+                for msg in (GetBatch(step=0, trainer_version=10**9, trainer_epoch="x"),
+                            VersionUpdate(version=10**9, step=10**9, trainer_epoch="x")):
+                    with pytest.raises(RemoteError) as err:
+                        await client.call(msg)
+                    assert err.value.code == ErrorCode.FORBIDDEN, err.value
+                    assert "from its trainer only" in err.value.message
+            # a client with a role handshakes again and tries once more before giving up
+            assert actor.counters["rpc.refused_forbidden"] == 2 + 2 * 2 * 2
+            assert actor.counters["rpc.refused_proof"] == 2 * 3  # 3 handshakes each
+            with pytest.raises(RemoteError) as err:
+                await trainer.call(GetBatch(step=0, trainer_version=10**9, trainer_epoch="t2"))
+            assert err.value.code == ErrorCode.INVALID_VALUE
+            assert "last saw version 3 at step 3" in err.value.message
+            assert (actor.trainer_version, actor.trainer_step, actor.trainer_epoch) == (3, 3, "t1")
+            books = actor.logic.accounting()
+            assert (books["emitted"], books["dropped_stale"], books["ready_groups"]) == (0, 0, 2)
+            # a real restart, one step back from a checkpoint, is taken
+            batch = await trainer.call(GetBatch(step=2, trainer_version=2, trainer_epoch="t2"))
+            assert isinstance(batch, TrainBatch) and len(batch.samples) == 2
+        finally:
+            sender.close()
+            for client in (trainer, *strangers):
+                await client.close()
 
 
 # ------------------------------------------------------------------------------------ fuzz

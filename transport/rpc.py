@@ -7,6 +7,13 @@ every `Limits` limit before decoding and raises only `WireError`, and no excepti
 receive loop. A client call
 either returns the reply, raises `RemoteError` with the server's error code, or raises
 `DeadlineExceeded` when its per-call deadline passes (a dead peer never hangs a caller).
+
+Roles: a request type a server takes from one role only (the buffer's GetBatch and
+VersionUpdate: the trainer's) is answered `forbidden` unless this connection's HELLO proved that
+role: with a run token (the launcher gives every actor of a run the same one), the HELLO carries
+an HMAC of its actor name and role under it; without one (an actor run on its own), the claim
+is taken as said. A client answered `forbidden` handshakes again and sends once more (a server
+that restarted knows none of its old connections).
 Sockets are owned by their server/client object and used from its event loop thread only.
 """
 
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import inspect
 import itertools
 import logging
@@ -29,6 +38,12 @@ from transport.sockets import RateLimitedLog, SocketFactory
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Msg], Awaitable[Msg] | Msg]  # plain functions answer inline, no task
+MAX_KNOWN_CALLERS = 4096  # connections whose proven role a server remembers (oldest forgotten)
+
+
+def role_proof(token: str, actor: str, role: str) -> str:
+    """What a HELLO of `actor` in `role` carries under the run's `token` (hex HMAC-SHA256)."""
+    return hmac.new(token.encode(), f"{actor}\0{role}".encode(), hashlib.sha256).hexdigest()
 
 
 class RemoteError(Exception):
@@ -50,9 +65,12 @@ class RpcServer:
     def __init__(self, factory: SocketFactory, endpoint: str, name: str,
                  handlers: dict[type, Handler], counters: collections.Counter,
                  limits: Limits | None = None, spawn: Callable[..., Any] | None = None,
-                 prefix: str = "rpc", shm: ShmConfig | None = None):
+                 prefix: str = "rpc", shm: ShmConfig | None = None, token: str = "",
+                 roles: dict[type, str] | None = None):
         self.name, self.counters, self.prefix = name, counters, prefix
         self.handlers: dict[type, Handler] = {Hello: self._hello, **handlers}
+        self.token, self.roles = token, roles or {}
+        self._callers: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._is_async = {t: inspect.iscoroutinefunction(h) for t, h in self.handlers.items()}
         self.sock = factory.bind(zmq.ROUTER, endpoint)
         self.sock.router_mandatory = True  # unroutable replies raise, so they are counted
@@ -87,6 +105,8 @@ class RpcServer:
             return
         handler = self.handlers.get(type(msg.body))
         rtype = type(msg.body).__name__
+        if self._forbidden(ident, msg.req_id, type(msg.body)):
+            return
         if handler is None or not self.accepting:
             code = ErrorCode.NO_HANDLER if handler is None else ErrorCode.SHUTTING_DOWN
             self._count(f"refused_{code}")
@@ -94,6 +114,9 @@ class RpcServer:
                 code=code, message=f"{self.name} does not serve {rtype} now", request_type=rtype))
             return
         self._count("requests")
+        if isinstance(msg.body, Hello):  # the one handler that needs the connection
+            self._reply(ident, msg.req_id, self._hello(msg.body, ident))
+            return
         if self._is_async[type(msg.body)]:
             self._spawn(self._handle(ident, msg.req_id, rtype, handler, msg.body))
             return
@@ -134,12 +157,44 @@ class RpcServer:
         except zmq.ZMQError:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN)
             self._count("replies_dropped")
 
-    def _hello(self, msg: Hello) -> Msg:
+    def _hello(self, msg: Hello, ident: bytes = b"") -> Msg:
         if msg.protocol != PROTOCOL_VERSION:
             return ErrorReply(code=ErrorCode.PROTOCOL_MISMATCH, message=(
                 f"{msg.actor or 'peer'} speaks protocol {msg.protocol}, {self.name} speaks "
                 f"{PROTOCOL_VERSION}; run the same version of the project on every host"))
+        if msg.role:
+            self._grant(ident, msg)
         return Welcome(protocol=PROTOCOL_VERSION, actor=self.name)
+
+    def _grant(self, ident: bytes, msg: Hello) -> None:
+        """Remember the role `msg` proved for this connection (none if its proof is wrong)."""
+        self._callers.pop(ident, None)
+        if self.token and not hmac.compare_digest(
+                msg.proof, role_proof(self.token, msg.actor, msg.role)):
+            self._count("refused_proof")
+            self._log.warning(f"{self.prefix}:proof", f"{self.name}: a handshake claimed "
+                              f"{msg.actor!r} as {msg.role!r} without the run's proof; its "
+                              f"connection gets no role")
+            return
+        self._callers[ident] = msg.role
+        if len(self._callers) > MAX_KNOWN_CALLERS:
+            self._callers.popitem(last=False)
+
+    def _forbidden(self, ident: bytes, req_id: int, mtype: type) -> bool:
+        """Answer `forbidden` (and True) when `mtype` needs a role this connection lacks."""
+        needed = self.roles.get(mtype)
+        if needed is None or self._callers.get(ident) == needed:
+            return False
+        self._count("refused_forbidden")
+        rtype = mtype.__name__
+        self._log.warning(f"{self.prefix}:forbidden", f"{self.name}: refused {rtype} from a "
+                          f"connection that is not the {needed}'s")
+        self._send(ident, Kind.ERROR, req_id, ErrorReply(
+            code=ErrorCode.FORBIDDEN, request_type=rtype, message=(
+                f"{self.name} takes {rtype} from its {needed} only, and this connection's "
+                f"handshake proved {self._callers.get(ident) or 'no role'} (an actor of this "
+                f"run connects as its role; a tool may only observe)")))
+        return True
 
     def _count(self, key: str) -> None:
         self.counters[f"{self.prefix}.{key}"] += 1
@@ -160,8 +215,9 @@ class RpcClient:
 
     def __init__(self, factory: SocketFactory, endpoint: str, name: str = "",
                  timeout_s: float = 10.0, limits: Limits | None = None,
-                 shm: ShmConfig | None = None):
+                 shm: ShmConfig | None = None, role: str = "", token: str = ""):
         self.endpoint, self.name, self.timeout_s = endpoint, name, timeout_s
+        self.role, self.token = role, token
         self.sock = factory.connect(zmq.DEALER, endpoint)
         self.codec = Codec(limits, shm=channel_for(endpoint, shm))
         self.counters: collections.Counter = collections.Counter()
@@ -173,13 +229,25 @@ class RpcClient:
 
     async def handshake(self, timeout_s: float | None = None) -> Welcome:
         """HELLO/WELCOME: fails with RemoteError(protocol_mismatch) on a version mismatch."""
-        reply = await self.call(Hello(protocol=PROTOCOL_VERSION, actor=self.name,
-                                      pid=os.getpid()), timeout_s)
+        proof = role_proof(self.token, self.name, self.role) if self.token and self.role else ""
+        reply = await self._call(Hello(protocol=PROTOCOL_VERSION, actor=self.name,
+                                       role=self.role, pid=os.getpid(), proof=proof), timeout_s)
         assert isinstance(reply, Welcome)
         self.peer = reply.actor
         return reply
 
     async def call(self, msg: Msg, timeout_s: float | None = None) -> Msg:
+        """The reply to `msg`; a `forbidden` answer to a client with a role is met by one new
+        handshake and one more try (a restarted server does not know this connection)."""
+        try:
+            return await self._call(msg, timeout_s)
+        except RemoteError as e:
+            if e.code != ErrorCode.FORBIDDEN or not self.role or isinstance(msg, Hello):
+                raise
+        await self.handshake(timeout_s)
+        return await self._call(msg, timeout_s)
+
+    async def _call(self, msg: Msg, timeout_s: float | None = None) -> Msg:
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
         req_id = next(self._ids)

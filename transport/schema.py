@@ -57,6 +57,9 @@ class Hello(Msg):
     actor: str  # sender's actor name ("" for tools such as launch.watch)
     role: str = ""
     pid: int = 0
+    # hex HMAC-SHA256 of "actor\0role" under the run's token (ActorContext.run_token): proves
+    # the role to a server of the same run; requests only a role may send need it
+    proof: str = ""
 
 
 class Welcome(Msg):
@@ -80,6 +83,7 @@ class ErrorCode(enum.StrEnum):
     TRUNCATED = "truncated"  # fewer tensor frames than the header announced
     INVALID_VALUE = "invalid_value"  # well-typed, but a value is out of range (message says which)
     NO_HANDLER = "no_handler"  # a valid message this actor does not serve
+    FORBIDDEN = "forbidden"  # the connection's handshake did not prove the role the request needs
     HANDLER_ERROR = "handler_error"  # the handler raised
     DEADLINE = "deadline"  # the caller's deadline passed
     SHUTTING_DOWN = "shutting_down"
@@ -236,9 +240,12 @@ class SampleGroup(Msg):
 
 
 class RolloutPermit(Msg):
-    """Rollout -> buffer: may generation of batch `batch_index` start? Answered when it may."""
+    """Rollout -> buffer: may generation of batch `batch_index` start? Answered when it may.
+    With `position_only`: only where to start (the trainer's step, once it announced itself);
+    it permits no batch, so the buffer counts nothing as being generated for it."""
 
     batch_index: int
+    position_only: bool = False
 
 
 class Permit(Msg):
