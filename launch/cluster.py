@@ -1,8 +1,10 @@
 """`python -m launch.cluster HOSTS.toml`: run a cluster of actors and supervise it.
 
-Exit codes: 0 when a primary actor completed or on Ctrl-C (after an orderly stop of everything);
-1 when an actor failed past its restart budget or never became READY (its error is printed);
-2 for a bad hosts.toml or command line (nothing was started).
+Exit codes: 0 when a primary actor completed; 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, after
+an orderly stop of everything (the run is unfinished: the launcher prints the `--resume` command
+that continues it); 1 when an actor failed past its restart budget or never became READY (its
+error is printed); 2 for a bad hosts.toml or command line (nothing was started). exit.json holds
+the same code and the reason.
 
 Overrides: `--set PATH=VALUE` (repeatable) sets one value of the hosts.toml document before it
 is checked: PATH is dotted (`actors.trainer.config.optimizer.lr`), VALUE is read as a TOML value
@@ -44,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from rich.console import Console
@@ -62,6 +65,7 @@ from launch.config import (
     start_order,
 )
 from launch.console import Story
+from launch.files import write_json
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
 from transport.metrics import MetricsSubscriber
@@ -150,11 +154,24 @@ def prepare_keys(cfg: ClusterConfig, run_dir: Path) -> Path | None:
     return folder
 
 
-def write_json(path: Path, doc: dict) -> None:
-    """`doc` into `path` atomically (readers never see half a file)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    os.replace(tmp, path)
+def write_endpoints(run_dir: Path, doc: dict) -> None:
+    """endpoints.json, whole or not at all; a failure (a full disk) is said and the run goes on
+    (only `launch.watch` reads it)."""
+    try:
+        write_json(run_dir / "endpoints.json", doc)
+    except OSError as e:
+        say(f"cannot write {run_dir / 'endpoints.json'} ({e}); the run goes on, python -m "
+            f"launch.watch {run_dir} cannot find it: give it the metrics address instead")
+
+
+def write_exit(run_dir: Path, done: dict) -> None:
+    """exit.json, whole or not at all (launch/files.py); a failure to write it (a full disk) is
+    said on stderr, and the launcher still exits with the run's code."""
+    try:
+        write_json(run_dir / "exit.json", done)
+    except OSError as e:
+        print(f"error: cannot write {run_dir / 'exit.json'} ({e}); the run's exit code is "
+              f"{done['exit_code']} ({done['reason']})", file=sys.stderr)
 
 
 async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
@@ -241,35 +258,42 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     sock_dir, temporary = socket_dir(run_dir)
     sup = Supervisor(cfg, run_dir, sock_dir, order, say, resume)
     endpoints = sup.open()
-    write_json(run_dir / "endpoints.json", endpoints)
+    write_endpoints(run_dir, endpoints)
     interrupted = asyncio.Event()
+    received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
         interrupted.set()
         sup.events.put_nowait(("interrupt", ""))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
     progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup,
                                                    cfg.run.progress_interval_s, record))
     say(f"run directory {run_dir}; metrics at {endpoints['metrics']}")
-    code, started = 0, time.monotonic()
+    code, started, reason = 1, time.monotonic(), "the launcher failed (its traceback says why)"
     try:
         starter = asyncio.ensure_future(sup.start_all())
         stop_wait = asyncio.ensure_future(interrupted.wait())
         await asyncio.wait({starter, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         stop_wait.cancel()
+        code = 0
         if not interrupted.is_set():
             starter.result()
-            write_json(run_dir / "endpoints.json", sup.endpoints_document())  # with the actors'
+            write_endpoints(run_dir, sup.endpoints_document())  # with the actors'
             code = await sup.supervise()
         else:
             starter.cancel()
             say("interrupted during start: stopping every actor")
+        if sup.completed is None and received:  # the run stopped unfinished: not a success
+            code, reason = 128 + received[0], f"interrupted by {received[0].name}"
+        else:
+            reason = f"{sup.completed} completed" if sup.completed else "stopped"
     except RunFailed as e:
         console.print(f"RUN FAILED: {e}", style="bold red")
-        code = 1
+        code, reason = 1, f"failed: {str(e).splitlines()[0]}"
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -277,11 +301,11 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         progress.cancel()
         await asyncio.gather(progress, return_exceptions=True)
         summary = sup.summary()
-        done = {"exit_code": code, "completed": sup.completed if code == 0 else None,
-                "actors": summary}
+        done = {"exit_code": code, "reason": reason,
+                "completed": sup.completed if code == 0 else None, "actors": summary}
         if sup.distributed:
             done["hosts"] = sup.hosts_summary()
-        (run_dir / "exit.json").write_text(json.dumps(done, indent=2))
+        write_exit(run_dir, done)
         sup.close()
         if temporary:
             shutil.rmtree(sock_dir, ignore_errors=True)
@@ -294,6 +318,10 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         write_plots(cfg, run_dir)
     if code == 0 and sup.completed:
         say(completion_line(run_dir, sup.completed, started))
+    elif received and code > 128:
+        source = (resolved or {}).get("source", "<hosts.toml>")
+        say(f"run {reason}, unfinished (exit code {code}); continue it with: python -m "
+            f"launch.cluster {source} --resume {run_dir}")
     return code
 
 
@@ -375,16 +403,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print_plan(cfg, order, args.hosts)
         return 0
-    run_dir = make_run_dir(cfg, args.run_dir)
-    keys = prepare_keys(cfg, run_dir)
     resolved = {"source": str(Path(args.hosts).resolve()), "start_order": order,
                 "overrides": list(args.overrides), **msgspec.to_builtins(cfg)}
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    try:
+        run_dir = make_run_dir(cfg, args.run_dir)
+        keys = prepare_keys(cfg, run_dir)
+        write_json(run_dir / "config.json", resolved)
+    except OSError as e:
+        print(f"error: cannot prepare the run directory: {e}; nothing was started",
+              file=sys.stderr)
+        return 1
+    try:
+        return run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved, keys))
+    except OSError as e:  # the run's own files are handled where written: this is the rest
+        print(f"error: {type(e).__name__}: {e}; the run stopped (exit code 1)", file=sys.stderr)
+        return 1
+
+
+def run(main_task: Any) -> int:
+    """`main_task` on uvloop when installed, else on asyncio's loop."""
     try:
         import uvloop
-        return uvloop.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved, keys))
     except ImportError:
-        return asyncio.run(run_cluster(cfg, order, run_dir, bool(args.resume), resolved, keys))
+        return asyncio.run(main_task)
+    return uvloop.run(main_task)
 
 
 if __name__ == "__main__":

@@ -274,7 +274,7 @@ after = ["a"]
 """
 
 
-def test_ctrl_c_stops_everything_with_exit_code_0(tmp_path):
+def test_ctrl_c_stops_everything_with_exit_code_130(tmp_path):
     hosts = write_hosts(tmp_path, IDLE_PAIR, shutdown_s=15.0)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
@@ -289,9 +289,12 @@ def test_ctrl_c_stops_everything_with_exit_code_0(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 0, out
+    assert proc.returncode == 130, out
     assert "interrupted" in out and "run complete" not in out
-    assert exit_info(run_dir)["completed"] is None  # a resume would continue it
+    assert f"--resume {run_dir}" in out
+    info = exit_info(run_dir)
+    assert info["exit_code"] == 130 and info["reason"] == "interrupted by SIGINT"
+    assert info["completed"] is None  # a resume would continue it
     steps = {n: a["shutdown_step"] for n, a in exit_info(run_dir)["actors"].items()}
     assert steps == {"a": "message", "b": "message"}
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
