@@ -20,7 +20,9 @@ steps at the same time and W&B's own step must only grow.
 
 Invariants: `check` runs before anything starts and refuses a sink whose package does not import,
 with the pip command; a sink that fails to write is closed and said once on the console, and the
-other sinks, and the run, go on.
+other sinks, and the run, go on. The jsonl sink is the exception, since plots, `launch.watch`
+and resumed runs read it: it survives a failed write (a full disk), counting what it drops, and
+metrics.jsonl only ever holds whole lines (a resumed run appends after the last one).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import importlib
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, BinaryIO, Callable, Protocol
 
 import msgspec
 
@@ -93,23 +95,85 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """<run_dir>/metrics.jsonl: every record, appended and flushed as it arrives."""
+    """<run_dir>/metrics.jsonl: every record, appended as it arrives, one whole line each.
+
+    The file always ends on a whole record: opening it cuts a partial last line (a launcher that
+    died mid-write), and a write that fails (a full disk) is cut back off and counted, not
+    raised; the sink says the first failure and, once writes succeed again, how many records
+    were lost, and keeps writing the next records."""
 
     name = "jsonl"
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.out = open(path, "ab")
+    def __init__(self, path: Path, say: Callable[[str], None] = lambda text: None):
+        self.path, self.say = path, say
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.size = self._cut_partial_line()  # bytes of whole records in the file
+        self.torn = False  # a failed write left bytes past `size`
+        self.dropped = 0  # records lost to failed writes since the last that succeeded
+        self.dropped_total = 0
+
+    def _cut_partial_line(self) -> int:
+        size = os.fstat(self.fd).st_size
+        if not size:
+            return 0
+        with open(self.path, "rb") as f:
+            keep = _whole_lines_size(f, size)
+        if keep < size:
+            os.ftruncate(self.fd, keep)
+            self.say(f"{self.path}: cut a partial last record ({size - keep} bytes) left by an "
+                     f"earlier launcher; appending after the last whole one")
+        return keep
 
     def where(self) -> str:
         return str(self.path)
 
     def write(self, m: Metrics) -> None:
-        self.out.write(msgspec.json.encode(m) + b"\n")
-        self.out.flush()
+        data = msgspec.json.encode(m) + b"\n"
+        try:
+            if self.torn:
+                os.ftruncate(self.fd, self.size)
+                self.torn = False
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            self._failed(e)
+            return
+        self.size += len(data)
+        if self.dropped:
+            self.say(f"metrics sink jsonl: writing {self.path} again; {self.dropped} record(s) "
+                     f"were lost while it failed")
+            self.dropped = 0
+
+    def _failed(self, e: OSError) -> None:
+        try:
+            os.ftruncate(self.fd, self.size)
+        except OSError:
+            self.torn = True  # the next write cuts it first
+        if not self.dropped:
+            self.say(f"metrics sink jsonl: writing {self.path} failed ({e}); records are "
+                     f"counted and dropped until a write succeeds, the run goes on")
+        self.dropped += 1
+        self.dropped_total += 1
 
     def close(self, exit_code: int = 0) -> None:
-        self.out.close()
+        os.close(self.fd)
+        if self.dropped_total:
+            self.say(f"metrics sink jsonl: {self.dropped_total} record(s) could not be written "
+                     f"to {self.path} (see above); every line there is a whole record")
+
+
+def _whole_lines_size(f: BinaryIO, size: int, chunk: int = 1 << 16) -> int:
+    """The size of `f` (of `size` bytes) up to and including its last newline."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        f.seek(start)
+        cut = f.read(end - start).rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        end = start
+    return 0
 
 
 class TensorBoardSink:
@@ -212,7 +276,7 @@ def open_sinks(run: RunConfig, run_dir: Path, config: dict[str, Any],
     try:
         for name in run.sinks:
             if name == "jsonl":
-                opened.append(JsonlSink(run_dir / "metrics.jsonl"))
+                opened.append(JsonlSink(run_dir / "metrics.jsonl", say))
             elif name == "tensorboard":
                 opened.append(TensorBoardSink(run_dir / "tensorboard"))
             elif name == "wandb":

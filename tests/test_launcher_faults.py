@@ -3,11 +3,20 @@ mistakes found at load. Real launcher processes on tmp hosts.toml files (tests/t
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import pytest
+
+from launch.sinks import JsonlSink, Sinks
 from tests.test_cluster import IDLE_PAIR, ROOT, exit_info, launch, wait_for_line, write_hosts
+from transport.schema import Metrics
 
 
 def restarts_layout(marker_dir, max_restarts: int, failed_starts: int) -> str:
@@ -79,3 +88,130 @@ def test_sigterm_ends_an_unfinished_run_with_143_and_says_how_to_resume_it(tmp_p
                            text=True, timeout=60)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already complete" not in again.stdout and "nothing was started" in again.stdout
+
+
+# ----------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs mounted at tmp_path/disk (CI runs as root), unmounted at the end."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"a full disk is made by mounting a small tmpfs, which needs root "
+                    f"(CAP_SYS_ADMIN): mount said {done.stderr.strip()!r}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)  # a straggler holds a file
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte of `disk` with one file (removed to free the disk again)."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"x" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return filler
+
+
+def record(seq: int) -> Metrics:
+    return Metrics(actor="a", seq=seq, time_s=0.0, values={"value": float(seq)}, step=seq)
+
+
+def whole_records(path: Path) -> list[int]:
+    """The seq of every record of a metrics.jsonl, which must end on a whole line."""
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n"), data[-80:]
+    return [json.loads(line)["seq"] for line in data.decode().splitlines()]
+
+
+def test_jsonl_sink_survives_a_full_disk_with_whole_lines_only(small_disk):
+    said: list[str] = []
+    path = small_disk / "metrics.jsonl"
+    sink = JsonlSink(path, said.append)
+    sinks = Sinks([sink], said.append)
+    for seq in range(1, 4):
+        sinks.write(record(seq))
+    filler = fill(small_disk)
+    for seq in range(4, 200):  # the first may fit in the file's last page, then the disk is full
+        sinks.write(record(seq))
+    assert sinks.active == [sink] and sink.dropped > 0
+    written = whole_records(path)
+    assert written == list(range(1, len(written) + 1)) and len(written) >= 3
+    assert len(written) + sink.dropped == 199
+    assert sum("failed ([Errno 28] No space left on device)" in t for t in said) == 1, said
+    filler.unlink()
+    sinks.write(record(200))
+    assert whole_records(path) == [*written, 200]
+    assert f"{sink.dropped_total} record(s) were lost while it failed" in said[-1]
+    sinks.close()
+
+
+def test_jsonl_sink_cuts_a_partial_last_line_before_appending(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"actor":"a","seq":1}\n{"actor":"a","seq":2}\n{"actor":"a","se')
+    said: list[str] = []
+    sink = JsonlSink(path, said.append)
+    sink.write(record(3))
+    sink.close()
+    assert whole_records(path) == [1, 2, 3]
+    assert said == [f"{path}: cut a partial last record (16 bytes) left by an earlier launcher; "
+                    f"appending after the last whole one"]
+
+
+WAITS_FOR_GO = """
+[actors.main]
+cls = "tests.faulty_actors:WaitsForFile"
+primary = true
+config = {{ path = "{go}" }}
+"""
+
+
+def test_a_full_disk_at_the_end_of_a_run_keeps_its_exit_code_and_whole_files(tmp_path,
+                                                                              small_disk):
+    go = tmp_path / "go"
+    hosts = write_hosts(tmp_path, WAITS_FOR_GO.format(go=go))
+    run_dir = small_disk / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(proc, "main READY")
+        deadline = time.monotonic() + 60
+        while not (run_dir / "metrics.jsonl").stat().st_size:  # records before the disk fills
+            assert time.monotonic() < deadline, "no metrics record reached metrics.jsonl"
+            time.sleep(0.05)
+        filler = fill(small_disk)
+        lines = wait_for_line(proc, "metrics sink jsonl: writing")  # a record met the full disk
+        go.touch()
+        out, err = proc.communicate(timeout=60)
+        out = "".join(lines) + out
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == 0, out + err
+    assert "Traceback" not in out + err
+    assert (f"error: cannot write {run_dir / 'exit.json'} ([Errno 28] No space left on device); "
+            f"the run's exit code is 0 (main completed)") in err
+    assert not (run_dir / "exit.json").exists() and not (run_dir / "exit.json.tmp").exists()
+    assert (f"metrics sink jsonl: writing {run_dir / 'metrics.jsonl'} failed ([Errno 28] No "
+            f"space left on device); records are counted and dropped") in out
+    before = whole_records(run_dir / "metrics.jsonl")
+    assert before
+    # with room again, a resume (it is not complete: no exit.json) appends whole lines
+    filler.unlink()
+    again = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--resume",
+                            str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert exit_info(run_dir)["completed"] == "main"
+    assert whole_records(run_dir / "metrics.jsonl")[:len(before)] == before
