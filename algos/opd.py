@@ -25,9 +25,11 @@ Modes (`OPD_MODES`):
     n with p_(1) + ... + p_(n) >= top_p. The rollout records it per token (`Sample.rollout_
     nucleus_*`: the worker's top log-probs up to that mass, engine/sampling.py `nucleus`), so
     S_t is the set the token really came from, whatever the staleness (`ids_reverse_kl` on the
-    recorded ids). Samples without a recorded nucleus fall back to the set rebuilt from
-    `nucleus_logits` (by default the student's current logits, detached; every token tied with
-    p_(n) is kept too), which is the rollout's only for samples of the current weights;
+    recorded ids). Tokens without a recorded nucleus (a sample without a record, or a token
+    whose nucleus held more tokens than the rollout's top log-probs) fall back to the set
+    rebuilt from `nucleus_logits` (by default the student's current logits, detached; every
+    token tied with p_(n) is kept too), which is the rollout's only for samples of the current
+    weights; each sample's KL mean still divides by all its policy tokens;
   * `top_k`: S_t = k token ids per position, chosen by `top_k_from`:
     - "student" (default, the source's definition): the k most likely tokens of the student's
       sampling distribution at t (its current logits, detached); the teacher is read at those
@@ -45,7 +47,13 @@ Top-p replay (`top_p_replay`, the source's top-p sampling replay): the log-probs
 gradient (training, proximal and rollout) are those of the distribution the token was sampled
 from, renormalised over the recorded nucleus N_t: `log p(x_t) - log sum_{v in N_t} p(v)`
 (`nucleus_logprobs`); the rollout's from the mass of its top log-probs (`Sample.rollout_nucleus_
-logmass`). A sample without a nucleus (rollout top_p = 1) keeps its plain log-probs.
+logmass`). In `sampled` mode the teacher's log-prob of r_t is renormalised over N_t too (a
+colocated teacher: `z_x / T - logsumexp_{v in N_t} z_v / T` from its logits), so that r_t
+compares the two distributions the token could have been sampled from, as the source's teacher
+forward does under replay; a teacher server returns only the sampled token's log-prob, so
+with one r_t stays the whole-vocabulary gap on both sides (the source pairs its sglang
+teachers' whole-vocabulary log-prob with the replayed student's, which adds -log p(N_t) to r_t).
+A token without a nucleus (rollout top_p = 1, or the fallback above) keeps its plain log-probs.
 Arithmetic is float32 (float64 when the student logits are float64).
 Gradient of the set KL (z = student logits):
 `dKL_t / dz_v = p_S(v) * (log p_S(v) - log q_S(v) - KL_t) / T` for v in S_t, 0 outside.
@@ -549,18 +557,21 @@ def distribution_reverse_kl(cfg: OpdConfig, student_logits: torch.Tensor, mask: 
 
 
 def opd_loss(kl: torch.Tensor, mask: torch.Tensor, num_samples_in_step: int,
-             kl_coef: float) -> torch.Tensor:
-    """kl_coef * sum over samples of the masked token mean of KL_t / num_samples_in_step."""
-    return kl_coef * masked_sample_sum(kl, mask.to(kl.dtype)) / num_samples_in_step
+             kl_coef: float, sample_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """kl_coef * sum over samples of the masked token mean of KL_t / num_samples_in_step;
+    `sample_tokens` [B]: each mean's denominator when `mask` is part of the sample's tokens."""
+    return kl_coef * masked_sample_sum(kl, mask.to(kl.dtype), sample_tokens) / num_samples_in_step
 
 
 def opd_weights(mask: torch.Tensor, coef: torch.Tensor, num_samples_in_step: int,
-                kl_coef: float) -> torch.Tensor:
+                kl_coef: float, sample_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] per-position weights w with sum_t w_t KL_t = opd_loss(KL * coef, mask, ...):
-    kl_coef * coef_b * m_bt / (max(n_b, 1) * num_samples_in_step)."""
+    kl_coef * coef_b * m_bt / (max(n_b, 1) * num_samples_in_step), n_b = `sample_tokens`
+    (default: the mask's count)."""
     m = mask.to(torch.promote_types(torch.promote_types(mask.dtype, coef.dtype), torch.float32))
-    n = m.sum(dim=1, keepdim=True).clamp(min=1)
-    return kl_coef * coef.to(m.dtype)[:, None] * m / (n * num_samples_in_step)
+    n = m.sum(dim=1) if sample_tokens is None else sample_tokens.to(m.dtype)
+    return kl_coef * coef.to(m.dtype)[:, None] * m / (n.clamp(min=1)[:, None]
+                                                      * num_samples_in_step)
 
 
 def teacher_kl_sums(kl: torch.Tensor, mask: torch.Tensor, teachers: Sequence[str],

@@ -54,10 +54,6 @@ class SessionFailed(RuntimeError):
     """A turn could not be generated within the retry budget."""
 
 
-class NucleusTooLarge(SessionFailed):
-    """A sampled token's top-p nucleus holds more tokens than `nucleus_top_logprobs` returned."""
-
-
 @dataclass
 class AgentLink:
     """What a session needs to serve an OpenAI-compatible base_url (one per rollout)."""
@@ -127,9 +123,14 @@ class HttpSession:
         # nucleus_top_logprobs = n > 0, turns sampled with top_p < 1 ask for the n top log-probs
         # of every output token and keep, per response token, (the nucleus' ids, log of its
         # mass); None once a policy turn had no nucleus (top_p = 1 or greedy): the sample then
-        # carries none
+        # carries none. A token whose nucleus the n top log-probs do not determine (it holds
+        # more than n tokens, or the token is not among them) keeps an empty nucleus, the
+        # episode goes on (dropping it would bias batches towards low-entropy text), and is
+        # counted in `nucleus_fallback_tokens`; the trainer gives such a token the fallback of a
+        # sample without a nucleus (training/colocated_teachers.py)
         self.nucleus_top_logprobs = nucleus_top_logprobs
         self.nucleus: list[tuple[list[int], float]] | None = [] if nucleus_top_logprobs else None
+        self.nucleus_fallback_tokens = 0
         self._turn_params: dict = {}
 
     async def generate(self, max_new_tokens: int | None = None,
@@ -195,7 +196,7 @@ class HttpSession:
 
     def _record_nucleus(self, ids: list[int], meta: dict) -> None:
         """The nucleus of each of a turn's output tokens from its top log-probs (engine/sampling.py
-        `nucleus`): NucleusTooLarge when the returned ones do not reach top_p."""
+        `nucleus`); an empty one, counted, where they do not determine it."""
         if self.nucleus is None:
             return
         if not self._wants_nucleus():
@@ -206,25 +207,13 @@ class HttpSession:
             raise SessionFailed(f"asked for top_logprobs_num = {self.nucleus_top_logprobs}, got "
                                 f"output_top_logprobs for {len(tops or [])} of {len(ids)} tokens")
         top_p = float(self._turn_params["top_p"])
-        for j, (token, entries) in enumerate(zip(ids, tops)):
+        for token, entries in zip(ids, tops):
             pairs = [(float(e[0]), int(e[1])) for e in entries or []]
-            found = nucleus(pairs, top_p)
+            found = token_nucleus(token, pairs, top_p)
             if found is None:
-                mass = sum(math.exp(lp) for lp, _ in pairs)
-                raise NucleusTooLarge(
-                    f"the top_p = {top_p} nucleus of output token {j} holds more than the "
-                    f"{len(pairs)} top log-probs returned (top_logprobs_num = "
-                    f"{self.nucleus_top_logprobs}, their mass {mass:.4f}); raise the rollout's "
-                    f"nucleus_top_logprobs or lower top_p")
-            members, log_mass = found
-            if token not in members:  # tied or rounded at the boundary: extend to the token
-                ranked = [t for _, t in sorted(pairs, key=lambda pair: -pair[0])]
-                if token not in ranked:
-                    raise SessionFailed(f"output token {j} ({token}) is not among its top "
-                                        f"log-probs, so its nucleus is unknown")
-                members = ranked[:ranked.index(token) + 1]
-                log_mass = math.log(sum(math.exp(lp) for lp, t in pairs if t in members))
-            self.nucleus.append((members, min(log_mass, 0.0)))
+                self.nucleus_fallback_tokens += 1
+                found = ([], 0.0)
+            self.nucleus.append(found)
 
     def nucleus_arrays(self) -> dict[str, np.ndarray]:
         """The Sample fields of the recorded nuclei ({} when there are none)."""
@@ -461,6 +450,24 @@ class HttpSession:
                           completion_tokens=len(ids), content=content, tool_calls=calls,
                           token_texts=[self.tokenizer.decode([t]) for t in ids],
                           token_logprobs=lps)
+
+
+def token_nucleus(token: int, pairs: list[tuple[float, int]], top_p: float
+                  ) -> tuple[list[int], float] | None:
+    """(ids, log mass <= 0) of the nucleus `token` was sampled from, from its top (logprob, id)
+    pairs; None when they do not determine it (the nucleus holds more tokens than the pairs,
+    or the token is not among them)."""
+    found = nucleus(pairs, top_p)
+    if found is None:
+        return None
+    members, log_mass = found
+    if token not in members:  # tied or rounded at the boundary: extend to the token
+        ranked = [t for _, t in sorted(pairs, key=lambda pair: -pair[0])]
+        if token not in ranked:
+            return None
+        members = ranked[:ranked.index(token) + 1]
+        log_mass = math.log(sum(math.exp(lp) for lp, t in pairs if t in members))
+    return members, min(log_mass, 0.0)
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:

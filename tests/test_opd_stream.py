@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from algos.opd import OpdConfig
 from bench.opd_memory import cpu_peak_bytes
 from engine.sampling import filter_probs, nucleus, top_list
-from engine.session import HttpSession, NucleusTooLarge
+from engine.session import HttpSession
 from logic.teachers import TeacherSpec
 from memory.layout import FlatLayout, module_tensors
 from memory.manager import WeightMemory
@@ -25,7 +25,7 @@ from training.batching import make_micro_batch
 from training.colocated_teachers import ColocatedTeachers, OpdSignals, meta_skeleton
 from training.config import LossConfig, MicroBatchConfig, MismatchConfig, TrainConfig
 from training.state import TrainState
-from training.step import replayed_logprobs, train_on_batch
+from training.step import opd_term_loss, replayed_logprobs, train_on_batch
 from transport.codec import Codec
 from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Kind, Sample, TrainBatch
 
@@ -258,11 +258,17 @@ async def test_session_records_the_nucleus_per_token():
     for field in ("rollout_nucleus_ids", "rollout_nucleus_offsets", "rollout_nucleus_logmass"):
         assert np.array_equal(getattr(back, field), getattr(sample, field))
         assert getattr(back, field).dtype == getattr(sample, field).dtype
-    small = HttpSession(TopClient([([9], [top[:2]])]), _CharTok(), "ab",
-                        {"temperature": 1.0, "top_p": 0.9}, "k", 4, nucleus_top_logprobs=2)
-    with pytest.raises(NucleusTooLarge, match=r"top_p = 0.9 nucleus of output token 0 holds "
-                                              r"more than the 2 top log-probs"):
-        await small.generate()
+    # token 9: its 0.9 nucleus holds more than the 2 top log-probs returned; token 3: not
+    # among its top log-probs. Both keep an empty nucleus and the episode goes on
+    small = HttpSession(TopClient([([9, 7, 3], [top[:2], top, top])]), _CharTok(), "ab",
+                        {"temperature": 1.0, "top_p": 0.9}, "k", 4, nucleus_top_logprobs=4)
+    await small.generate()
+    kept = small.to_sample("g", 0, "d", 1.0)
+    assert kept.status == "ok" and small.nucleus_fallback_tokens == 2
+    assert kept.rollout_nucleus_offsets.tolist() == [0, 0, 3, 3]
+    assert kept.rollout_nucleus_ids.tolist() == [7, 9, 4]
+    assert kept.rollout_nucleus_logmass.tolist() == pytest.approx([0.0, math.log(0.95), 0.0],
+                                                                  abs=1e-6)
     plain = HttpSession(TopClient([([9], [top])]), _CharTok(), "ab",
                         {"temperature": 1.0, "top_p": 1.0}, "k", 4, nucleus_top_logprobs=4)
     await plain.generate()  # top_p = 1: nothing to record, nothing asked
@@ -402,6 +408,157 @@ def test_replay_changes_the_update_and_is_neutral_on_the_whole_vocabulary(tmp_pa
     assert updates["plain"].abs().max() > 1e-4
     assert torch.allclose(updates["whole"], updates["plain"], atol=1e-6)
     assert not torch.allclose(updates["replay"], updates["plain"], atol=1e-4)
+
+
+def drop_nucleus(s: Sample, j: int) -> None:
+    """Token j's record emptied, as the session leaves a token whose nucleus its top log-probs
+    do not determine."""
+    o = s.rollout_nucleus_offsets.astype(np.int64)
+    sizes = np.diff(o)
+    sizes[j] = 0
+    s.rollout_nucleus_ids = np.concatenate([s.rollout_nucleus_ids[:o[j]],
+                                            s.rollout_nucleus_ids[o[j + 1]:]])
+    s.rollout_nucleus_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(NUCLEUS_IDS_DTYPE)
+    s.rollout_nucleus_logmass = s.rollout_nucleus_logmass.copy()
+    s.rollout_nucleus_logmass[j] = 0.0
+
+
+def recorded_ids(s: Sample, j: int) -> list[int]:
+    o = s.rollout_nucleus_offsets
+    return s.rollout_nucleus_ids[o[j]:o[j + 1]].tolist()
+
+
+def float64_logprobs(model, s: Sample, temperature: float) -> torch.Tensor:
+    """[n, V] float64 log-probs at the response positions."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        z = copy.deepcopy(model).double()(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1]
+    return torch.log_softmax(z / temperature, -1)
+
+
+def test_tokens_without_a_nucleus_keep_plain_logprobs_and_are_counted():
+    """Replay on a record with an empty range on a policy token: that token keeps its plain
+    log-probs, the others are renormalised; the token is counted."""
+    batch = samples(2, 6, ["a"])
+    with_nucleus(batch, tiny(7), 0.9, 0.8)
+    drop_nucleus(batch[0], 2)
+    drop_nucleus(batch[1], 0)
+    student = tiny(0).double()
+    mb = make_micro_batch(batch)
+    signals = OpdSignals([mb], config(OpdConfig(mode="sampled", top_p_replay=True), ["a"], 2),
+                         None)
+    inp = signals.inputs(0)
+    assert signals.counts["nucleus_fallback_tokens"] == 2
+    with torch.no_grad():
+        z = student(input_ids=mb.input_ids).logits[:, 7:-1]
+    lp = torch.log_softmax(z / 0.9, -1)
+    logp = lp.gather(-1, mb.input_ids[:, 8:, None])[..., 0]
+    train, prox, roll = replayed_logprobs(logp, logp - 0.01, mb, inp, z, 0.9)
+    for b, s in enumerate(batch):
+        for j in range(6):
+            keep = recorded_ids(s, j)
+            log_mass = float(torch.logsumexp(lp[b, j, keep], 0)) if keep else 0.0
+            roll_mass = float(s.rollout_nucleus_logmass[j]) if keep else 0.0
+            assert float(train[b, j]) == pytest.approx(float(logp[b, j]) - log_mass, abs=1e-9)
+            assert float(prox[b, j]) == pytest.approx(float(logp[b, j]) - 0.01 - log_mass,
+                                                      abs=1e-9)
+            assert float(roll[b, j]) == pytest.approx(-8.0 - roll_mass, abs=1e-5)
+
+
+def student_nucleus(lp: torch.Tensor, top_p: float) -> list[int]:
+    """The top-p set of one float64 log-prob row (ties with the last member kept)."""
+    p = lp.exp()
+    ordered = p.sort(descending=True).values
+    n = int((ordered.cumsum(0) < top_p).sum()) + 1
+    return torch.nonzero(p >= ordered[n - 1]).flatten().tolist()
+
+
+def test_top_p_term_over_recorded_and_fallback_tokens(tmp_path):
+    """top_p mode: a token with a recorded nucleus is scored over it, a token without one over
+    the student's own nucleus; each sample's mean divides by all its policy tokens."""
+    T, top_p, N = 0.9, 0.8, 5
+    batch = samples(2, 6, ["a"])
+    with_nucleus(batch, tiny(7), T, top_p)
+    drop_nucleus(batch[0], 2)
+    drop_nucleus(batch[0], 4)
+    teacher, student = tiny(1), tiny(0)
+    mb = make_micro_batch(batch)
+    cfg = config(OpdConfig(mode="top_p", top_p=top_p, kl_coef=0.5), ["a"], 2,
+                 loss=LossConfig(temperature=T))
+    pool = colocated(tmp_path, {"a": teacher})
+    signals = OpdSignals([mb], cfg, pool)
+    try:
+        inp = signals.inputs(0)
+        z = student(input_ids=mb.input_ids).logits[:, 7:-1]
+        loss = opd_term_loss(cfg, mb, inp, z, N, None, signals.counts)
+    finally:
+        signals.close()
+        pool.close()
+    want = 0.0
+    for s in batch:
+        ls, lt = float64_logprobs(student, s, T), float64_logprobs(teacher, s, T)
+        kls = []
+        for j in range(6):
+            keep = torch.tensor(recorded_ids(s, j) or student_nucleus(ls[j], top_p))
+            p, q = torch.log_softmax(ls[j, keep], 0), torch.log_softmax(lt[j, keep], 0)
+            kls.append(float((p.exp() * (p - q)).sum()))
+        want += 0.5 * sum(kls) / 6 / N
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert signals.counts["nucleus_fallback_tokens"] == 2
+    assert signals.counts["student_nucleus_samples"] == 1
+
+
+@pytest.mark.parametrize("fallback", [0, 1])
+def test_replayed_sampled_teacher_is_renormalised_over_the_nucleus(tmp_path, fallback):
+    """sampled mode with top_p_replay and a colocated teacher: r_t compares the student and
+    the teacher both renormalised over the token's recorded nucleus (whole vocabulary for a
+    token without one), against float64."""
+    T = 0.9
+    batch = samples(4, 6, ["a"])
+    with_nucleus(batch, tiny(7), T, 0.7)
+    if fallback:
+        drop_nucleus(batch[1], 3)
+    teacher, student = tiny(1), tiny(0)
+    state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=0.0))
+    state.teachers = colocated(tmp_path, {"a": teacher})
+    try:
+        stats = train_on_batch(state, batch, config(
+            OpdConfig(mode="sampled", top_p_replay=True), ["a"], 2,
+            loss=LossConfig(advantage_estimator="none", temperature=T)))
+    finally:
+        state.teachers.close()
+    replayed, plain = [], []
+    for s in batch:
+        ls, lt = float64_logprobs(tiny(0), s, T), float64_logprobs(teacher, s, T)
+        for j, x in enumerate(s.response_ids):
+            keep = recorded_ids(s, j) or list(range(VOCAB))
+            replayed.append(float(ls[j, x] - torch.logsumexp(ls[j, keep], 0)
+                                  - lt[j, x] + torch.logsumexp(lt[j, keep], 0)))
+            plain.append(float(ls[j, x] - lt[j, x]))
+    want = sum(replayed) / len(replayed)
+    assert stats["opd/a/reverse_kl"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert want != pytest.approx(sum(plain) / len(plain), rel=1e-2)  # the whole vocabulary's
+    assert stats["opd/nucleus_fallback_tokens"] == fallback
+
+
+def test_replayed_sampled_server_teacher_keeps_the_whole_vocabulary_gap():
+    """sampled mode with top_p_replay and a teacher server (its reply: the sampled token's
+    whole-vocabulary log-prob): r_t pairs it with the student's whole-vocabulary log-prob."""
+    T = 0.9
+    batch = samples(4, 6, ["a"])
+    with_nucleus(batch, tiny(7), T, 0.7)
+    teacher, student = tiny(1), tiny(0)
+    plain = []
+    for s in batch:
+        ls, lt = float64_logprobs(student, s, T), float64_logprobs(teacher, s, T)
+        s.teacher_logprobs = [float(lt[j, x]) for j, x in enumerate(s.response_ids)]
+        plain += [float(ls[j, x] - lt[j, x]) for j, x in enumerate(s.response_ids)]
+    state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=0.0))
+    stats = train_on_batch(state, batch, TrainConfig(
+        model="code", opd=OpdConfig(mode="sampled", top_p_replay=True),
+        loss=LossConfig(advantage_estimator="none", temperature=T),
+        micro_batches=MicroBatchConfig(size=2)))
+    assert stats["opd/a/reverse_kl"] == pytest.approx(sum(plain) / len(plain), rel=1e-4)
 
 
 def test_replay_refuses_what_it_cannot_renormalise():

@@ -24,8 +24,14 @@ response positions' hidden states), in its own dtype.
 
 `OpdSignals.inputs(j)` turns teacher outputs (colocated forwards, or the teacher pool's server
 replies in `Sample.teacher_*`) and the rollout's recorded nuclei (`Sample.rollout_nucleus_*`)
-into micro-batch j's `OpdInputs`. Invariant: a sample with no teacher signal (unrouted, or its
-teacher failed) contributes nothing to any OPD term.
+into micro-batch j's `OpdInputs`. With `top_p_replay` a colocated `sampled` teacher's log-prob
+of each token is renormalised over that token's recorded nucleus, as the student's is
+(algos/opd.py, top-p replay); a server's reply is the whole-vocabulary log-prob, so r_t then
+pairs it with the student's whole-vocabulary one. A policy token whose record is empty (its
+nucleus held more tokens than the rollout's top log-probs: engine/session.py) has no nucleus: it
+takes the fallback of a sample without a record, and is counted (`nucleus_fallback_tokens`).
+Invariant: a sample with no teacher signal (unrouted, or its teacher failed) contributes nothing
+to any OPD term.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from algos.logprobs import (
     position_ids_from_mask,
     response_slice,
 )
-from algos.opd import sampled_log_ratio, token_logprobs_chunked
+from algos.opd import nucleus_logprobs, sampled_log_ratio, token_logprobs_chunked
 from logic.teachers import TeacherSpec, opd_configs, teacher_order
 from memory.manager import WeightMemory
 from training.batching import MicroBatch
@@ -69,11 +75,16 @@ class OpdInputs:
     topk_ids: torch.Tensor | None = None  # [B, R, k] (server top_k)
     topk_logp: torch.Tensor | None = None  # [B, R, k]
     # the nucleus the rollout sampled each token from (top_p, top_p_replay): ids [B, R, K] and
-    # which are real [B, R, K]; the samples that have one [B]; log of its rollout mass [B, R]
+    # which are real [B, R, K]; the samples that have a record [B]; the tokens that have a
+    # nucleus [B, R]; log of its rollout mass [B, R]
     nucleus_ids: torch.Tensor | None = None
     nucleus_valid: torch.Tensor | None = None
     nucleus_rows: torch.Tensor | None = None
+    nucleus_tokens: torch.Tensor | None = None
     nucleus_logmass: torch.Tensor | None = None
+    # [B, R] tokens whose teacher_logp is renormalised over their nucleus (top-p replay with a
+    # colocated sampled teacher): r_t pairs them with the student's replayed log-probs
+    teacher_replayed: torch.Tensor | None = None
 
 
 def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
@@ -154,9 +165,10 @@ class TeacherStream:
     declared to the weight memory's planner up front (`ColocatedTeachers.stream`)."""
 
     def __init__(self, owner: ColocatedTeachers, mbs: list[MicroBatch], order: list[int],
-                 temperature: float, logit_teachers: set[str], next_teachers: list[str] = ()):
+                 temperature: float, logit_teachers: set[str], next_teachers: list[str] = (),
+                 replay_teachers: set[str] = frozenset()):
         self.owner, self.mbs, self.temperature = owner, mbs, temperature
-        self.logit_teachers = logit_teachers
+        self.logit_teachers, self.replay_teachers = logit_teachers, set(replay_teachers)
         rank = {t: i for i, t in enumerate(owner.teacher_order(mbs))}
         self.order = list(order)
         self.plan: dict[int, list[str]] = {}  # micro-batch -> its teachers, in compute order
@@ -183,10 +195,13 @@ class TeacherStream:
         self._current: tuple[str, dict[str, torch.Tensor]] | None = None
         self.time_s = 0.0  # teacher forwards and the waits for their weights
 
-    def get(self, j: int) -> dict[str, tuple[list[int], torch.Tensor]]:
+    def get(self, j: int, nucleus: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> dict[str, tuple[list[int], torch.Tensor]]:
         """{teacher: (its rows of micro-batch j, [b, R, V] logits in the teacher's dtype, or
         [b, R] float32 log-probs of the response tokens for teachers not in logit_teachers)};
-        micro-batches must be asked for in `order`."""
+        micro-batches must be asked for in `order`. `nucleus`: micro-batch j's recorded nuclei
+        (ids, valid), both [B, R, K]: the log-probs of teachers in `replay_teachers` are
+        renormalised over them where a token has one."""
         if self._next >= len(self.order) or self.order[self._next] != j:
             expected = self.order[self._next] if self._next < len(self.order) else None
             raise RuntimeError(f"teacher outputs of micro-batch {j} asked for out of the "
@@ -203,12 +218,24 @@ class TeacherStream:
             with torch.no_grad():
                 logits = response_logits(self.owner.skeletons[name], part, params)
                 if name not in self.logit_teachers:
-                    tokens = response_slice(part.input_ids[:, 1:], part.prompt_lens,
-                                            part.num_response_cols)
-                    logits = token_logprobs_chunked(logits, tokens, self.temperature)
+                    nuclei = nucleus if name in self.replay_teachers else None
+                    logits = self._token_logprobs(part, rows, logits, nuclei)
             out[name] = (rows, logits)
         self.time_s += time.perf_counter() - t0
         return out
+
+    def _token_logprobs(self, part: MicroBatch, rows: list[int], logits: torch.Tensor,
+                        nucleus: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """[b, R] log-probs of the response tokens; with `nucleus`, renormalised over each
+        token's recorded nucleus (top-p replay), plain where a token has none."""
+        tokens = response_slice(part.input_ids[:, 1:], part.prompt_lens, part.num_response_cols)
+        plain = token_logprobs_chunked(logits, tokens, self.temperature)
+        if nucleus is None:
+            return plain
+        ids, valid = (t[rows] for t in nucleus)
+        has = valid.any(-1)
+        renorm = nucleus_logprobs(logits, tokens, ids, valid, has, self.temperature)
+        return torch.where(has, renorm.to(plain.dtype), plain)
 
     def _switch_to(self, name: str) -> dict[str, torch.Tensor]:
         if self._current is not None and self._current[0] == name:
@@ -275,10 +302,12 @@ class ColocatedTeachers:
                        if t in self.specs), key=lambda t: f"teacher:{t}" not in on_gpu)
 
     def stream(self, mbs: list[MicroBatch], order: list[int], temperature: float,
-               logit_teachers: set[str], next_teachers: list[str] = ()) -> TeacherStream:
+               logit_teachers: set[str], next_teachers: list[str] = (),
+               replay_teachers: set[str] = frozenset()) -> TeacherStream:
         """Teacher outputs of `mbs`, computed when asked for, micro-batch by micro-batch in
         `order` (`TeacherStream.get`)."""
-        return TeacherStream(self, mbs, order, temperature, logit_teachers, next_teachers)
+        return TeacherStream(self, mbs, order, temperature, logit_teachers, next_teachers,
+                             replay_teachers)
 
     def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool | set[str],
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
@@ -324,8 +353,9 @@ class OpdSignals:
         self._server_s = 0.0
         if teachers is not None:
             logit_teachers = {n for n, c in self.configs.items() if wants_teacher_logits(c)}
+            replay = {n for n, c in self.configs.items() if c.mode == "sampled" and c.top_p_replay}
             self.stream = teachers.stream(mbs, self.order, cfg.loss.temperature, logit_teachers,
-                                          next_teachers)
+                                          next_teachers, replay)
 
     @property
     def time_s(self) -> float:
@@ -344,7 +374,10 @@ class OpdSignals:
         if any(c.mode == "top_p" or c.top_p_replay for c in row_cfgs):
             _fill_nucleus(inp, mb, self.counts)
         if self.stream is not None:
-            _fill_colocated(inp, mb, self.stream.get(j))
+            nucleus = None if inp.nucleus_ids is None else (inp.nucleus_ids, inp.nucleus_valid)
+            _fill_colocated(inp, mb, self.stream.get(j, nucleus))
+            if nucleus is not None:
+                inp.teacher_replayed = _replayed_tokens(inp)
         else:
             _fill_server(inp, mb, self.cfg.opd.mode)
             self._server_s += time.perf_counter() - t0
@@ -423,7 +456,8 @@ def nucleus_arrays(s: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(ids, offsets, logmass) of the nucleus the rollout recorded for a sample, checked
     (engine/session.py writes them; transport/schema.py `Sample.rollout_nucleus_*`), or None.
     ValueError naming the sample for arrays that are not one nucleus per response token
-    holding its policy token."""
+    holding its policy token; an empty range on a policy token is a token without a nucleus
+    (its nucleus held more tokens than the rollout's top log-probs)."""
     ids, offsets, logmass = (s.rollout_nucleus_ids, s.rollout_nucleus_offsets,
                              s.rollout_nucleus_logmass)
     if ids is None and offsets is None and logmass is None:
@@ -442,10 +476,8 @@ def nucleus_arrays(s: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
                          f"{offsets.shape}, {logmass.shape}")
     if not np.isfinite(logmass).all() or (logmass > 1e-4).any() or (ids < 0).any():
         raise ValueError(f"{where}: nucleus log-masses must be finite and <= 0, ids >= 0")
-    policy = np.asarray(s.loss_mask, dtype=bool)
     sizes = np.diff(offsets)
-    if (sizes[policy] == 0).any():
-        raise ValueError(f"{where}: a policy token has an empty nucleus")
+    policy = np.asarray(s.loss_mask, dtype=bool) & (sizes > 0)
     owner = np.repeat(np.arange(n), sizes)
     hit = np.zeros(n, dtype=bool)
     hit[owner[ids == np.asarray(s.response_ids, dtype=np.int64)[owner]]] = True
@@ -457,7 +489,9 @@ def nucleus_arrays(s: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 
 
 def _fill_nucleus(inp: OpdInputs, mb: MicroBatch, counts: collections.Counter) -> None:
-    """[B, R, K] ids / valid of the recorded nuclei, [B] which rows have one, [B, R] log-mass."""
+    """[B, R, K] ids / valid of the recorded nuclei, [B] which rows have a record, [B, R]
+    which tokens have a nucleus and its log-mass; policy tokens of a record without a nucleus
+    are counted in `nucleus_fallback_tokens`."""
     B, R = mb.mask.shape
     arrays = [nucleus_arrays(s) for s in mb.samples]
     rows = [b for b, a in enumerate(arrays) if a is not None]
@@ -483,6 +517,16 @@ def _fill_nucleus(inp: OpdInputs, mb: MicroBatch, counts: collections.Counter) -
     has = torch.zeros(B, dtype=torch.bool)
     has[rows] = True
     inp.nucleus_rows = has.to(dev)
+    inp.nucleus_tokens = inp.nucleus_valid.any(-1)
+    missing = (mb.mask > 0) & inp.nucleus_rows[:, None] & ~inp.nucleus_tokens
+    counts["nucleus_fallback_tokens"] += int(missing.sum())
+
+
+def _replayed_tokens(inp: OpdInputs) -> torch.Tensor:
+    """[B, R] the policy tokens with a nucleus of samples whose config is sampled + replay."""
+    rows = torch.tensor([c.mode == "sampled" and c.top_p_replay for c in inp.configs],
+                        device=inp.mask.device)
+    return rows[:, None] & inp.nucleus_tokens & (inp.mask > 0)
 
 
 def rows_with(inp: OpdInputs, config: Any) -> torch.Tensor:

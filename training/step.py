@@ -322,15 +322,16 @@ def opd_order(state: TrainState, mbs: list[MicroBatch], cfg: TrainConfig,
 
 def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
               dp: Any, counts: dict[str, int] | None = None) -> dict[str, float]:
-    """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency, and
-    the samples whose top-p set came from the rollout's record or from the student's logits."""
+    """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency, the
+    samples whose top-p set came from the rollout's record or from the student's logits, and
+    the policy tokens of records that had no nucleus (`nucleus_fallback_tokens`)."""
     stats = {"opd/teacher_time_s": time_s}
     if state.teachers is not None:
         counters = state.teachers.memory.counters
         stats["opd/teacher_gpu_loads"] = float(counters["gpu_loads"])
         stats["opd/teacher_sync_fallbacks"] = float(counters["sync_fallbacks"])
     if counts is not None:
-        keys = ("rollout_nucleus_samples", "student_nucleus_samples")
+        keys = ("rollout_nucleus_samples", "student_nucleus_samples", "nucleus_fallback_tokens")
         summed = dp.sum_tensor(torch.tensor([float(counts.get(k, 0)) for k in keys],
                                             dtype=torch.float64))
         stats |= {f"opd/{k}": v for k, v in zip(keys, summed.tolist())}
@@ -366,10 +367,13 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
         adv, train_logp, old, rollout = p.adv, logp, p.old, mb.rollout_logp
         inp = signals.inputs(j) if signals is not None else None
         if inp is not None:
-            adv = shaped_opd_advantages(adv, p.old, inp, mb, opd_sums)
             if replay:
                 train_logp, old, rollout = replayed_logprobs(logp, p.old, mb, inp, logits,
                                                             cfg.loss.temperature)
+            # r_t compares like with like: the student replayed where the teacher is
+            student = (p.old if inp.teacher_replayed is None
+                       else torch.where(inp.teacher_replayed, old, p.old))
+            adv = shaped_opd_advantages(adv, student, inp, mb, opd_sums)
         weights, keep = correction_weights(old, rollout, mb.mask, cfg.mismatch)
         # rejected tokens leave the numerator, not the denominator (algos/mismatch.py)
         terms = ppo_clip_loss(train_logp, old, adv, keep, num_samples, cfg.loss.eps_clip,
@@ -411,15 +415,15 @@ def shaped_opd_advantages(adv: torch.Tensor, student_logp: torch.Tensor, inp: Op
 def replayed_logprobs(logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, inp: OpdInputs,
                       logits: torch.Tensor, temperature: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-p replay on the rows whose config sets it and that carry a recorded nucleus: the
-    training, proximal and rollout log-probs of each token renormalised over its nucleus
-    (algos/opd.py `nucleus_logprobs`). The proximal weights are the ones this pass runs
+    """Top-p replay on the tokens whose sample's config sets it and that have a recorded
+    nucleus: the training, proximal and rollout log-probs of each token renormalised over its
+    nucleus (algos/opd.py `nucleus_logprobs`). The proximal weights are the ones this pass runs
     (checked at load: training.config `_check_replay`), so the proximal nucleus mass is the
     training one, detached."""
     rows = torch.tensor([c.top_p_replay for c in inp.configs], device=mb.mask.device)
     if inp.nucleus_rows is None or not (rows & inp.nucleus_rows).any():
         return logp, old, mb.rollout_logp
-    rows = (rows & inp.nucleus_rows)[:, None] & (mb.mask > 0)
+    rows = (rows & inp.nucleus_rows)[:, None] & inp.nucleus_tokens & (mb.mask > 0)
     tokens = response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
     renorm = nucleus_logprobs(logits, tokens, inp.nucleus_ids, inp.nucleus_valid, rows,
                               temperature)
@@ -443,6 +447,7 @@ def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: OpdInputs, logits: torc
         mask = inp.mask * rows_with(inp, config)[:, None]
         if not mask.any():
             continue
+        sample_tokens = mask.sum(dim=1)  # a sample's mean spans all its tokens, whatever the set
         parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if config.mode == "top_k":
             if inp.teacher_logits is not None:  # colocated: the set from either side's logits
@@ -456,7 +461,7 @@ def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: OpdInputs, logits: torc
         else:
             recorded = torch.zeros_like(mask)
             if config.mode == "top_p" and inp.nucleus_rows is not None:
-                recorded = mask * inp.nucleus_rows[:, None].to(mask.dtype)
+                recorded = mask * inp.nucleus_tokens.to(mask.dtype)
             if recorded.any():  # the nucleus each token was sampled from
                 ids = inp.nucleus_ids.masked_fill(~inp.nucleus_valid, 0)
                 kl = ids_reverse_kl(logits, ids, gather_scores(inp.teacher_logits, ids, T),
@@ -467,14 +472,15 @@ def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: OpdInputs, logits: torc
                 top_p = config.top_p if config.mode == "top_p" else 1.0
                 if top_p < 1 and counts is not None:
                     counts["student_nucleus_samples"] += int((rest.sum(1) > 0).sum())
-                w = opd_weights(rest, inp.coef, num_samples, config.kl_coef)
+                w = opd_weights(rest, inp.coef, num_samples, config.kl_coef, sample_tokens)
                 loss, kl = weighted_set_kl(logits, inp.teacher_logits, rest, w, T, top_p)
                 parts.append((kl, loss, rest))
         for kl, loss, m in parts:
             if sums is not None:
                 teacher_kl_sums(kl.detach(), m, [s.teacher for s in mb.samples], sums)
             if loss is None:
-                loss = opd_loss(kl * inp.coef[:, None], m, num_samples, config.kl_coef)
+                loss = opd_loss(kl * inp.coef[:, None], m, num_samples, config.kl_coef,
+                                sample_tokens)
             total = total + loss
     return total
 
