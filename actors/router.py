@@ -84,6 +84,14 @@ class RouterActor(Actor):
         if config.max_body_bytes < 1:
             raise ValueError(f"router: max_body_bytes must be >= 1, got {config.max_body_bytes}")
 
+    @classmethod
+    def bound_ports(cls, config: RouterConfig) -> list[tuple[str, str, str, int]]:
+        """Fixed ports besides `port` that sglang-router binds, as (table under this actor's
+        config, field, address, port), for the launcher's check at load: the Prometheus port."""
+        port = config.router.get("prometheus_port")
+        address = str(config.router.get("prometheus_host", "0.0.0.0"))  # sglang-router's default
+        return [("router", "prometheus_port", address, port)] if isinstance(port, int) else []
+
     async def on_start(self) -> None:
         cfg = self.config
         names = cfg.workers or [n for n, ep in self.ctx.peers.items() if ep.http]

@@ -1,7 +1,9 @@
 """Loading environments by dotted path ("package.module:ClassName") and mixing several.
 
 Invariant: every user mistake (bad path, missing class, not an Environment, rejected options,
-bad mix spec) is a ValueError that names the dotted path and says what to change. `EnvMix` hands
+a constructor that raises, bad mix spec) is a ValueError that names the dotted path and says what
+to change, in one line; a mix's (`load_envs`, `check_at_load`) is an `EnvSpecError` that also
+names the spec's index, which the launcher reports as `[rl] envs[<i>] (cls = "...")`. `EnvMix` hands
 out the tasks of its environments interleaved by weight (smooth weighted round robin: no
 randomness, each environment's share of any prefix is within one task of its weight's share),
 labels each task with its environment's domain when the task has none, and routes a task back to
@@ -14,6 +16,7 @@ import dataclasses
 import importlib
 import inspect
 import itertools
+import json
 import math
 from typing import Any, Iterator
 
@@ -22,6 +25,22 @@ from envs.builtin import BUILTINS
 
 SPEC_KEYS = {"cls", "weight", "options", "domain"}
 _END = object()
+
+
+class EnvSpecError(ValueError):
+    """Environment `index` of a mix (its spec's `cls`) is wrong: `reason`, one line."""
+
+    def __init__(self, index: int, cls: object, reason: str):
+        shown = json.dumps(cls) if isinstance(cls, str) else repr(cls)
+        super().__init__(f"envs[{index}] (cls = {shown}): {reason}")
+        self.index, self.cls, self.reason = index, cls, reason
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def load_env(dotted: str, options: dict[str, Any] | None = None) -> Environment:
@@ -33,11 +52,14 @@ def load_env(dotted: str, options: dict[str, Any] | None = None) -> Environment:
                          f"got {sorted(map(repr, options))}")
     try:
         return cls(**options)
-    except Exception as e:  # constructors raise TypeError/ValueError, and dataset errors
+    except (TypeError, ValueError) as e:  # the options do not fit the constructor
         raise ValueError(f"{dotted}: the constructor rejected options {sorted(options)}: "
-                         f"{type(e).__name__}: {e}; fix the `options` of this env in the rollout's "
+                         f"{one_line(e)}; fix the `options` of this env in the rollout's "
                          f"`envs` (in [rl] or [actors.<rollout>.config]) to match "
                          f"{cls.__name__}'s keyword arguments") from e
+    except Exception as e:  # its own failure: a missing dataset, a service that is down
+        args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        raise ValueError(f"{dotted}: {cls.__name__}({args}) raised {one_line(e)}") from e
 
 
 def load_env_class(dotted: str) -> type[Environment]:
@@ -106,29 +128,32 @@ def load_envs(specs: list[dict[str, Any]]) -> EnvMix:
         raise ValueError(f"env specs must be a non-empty list of dicts, got {specs!r}")
     envs, weights = [], []
     for i, spec in enumerate(specs):
-        env, weight = _load_spec(i, spec)
+        if not isinstance(spec, dict) or "cls" not in spec:
+            raise ValueError(f"env spec #{i} must be a dict with a 'cls' key, got {spec!r}")
+        try:
+            env, weight = _load_spec(spec)
+        except ValueError as e:
+            raise EnvSpecError(i, spec["cls"], str(e).removeprefix(f"{spec['cls']}: ")) \
+                from e.__cause__
         envs.append(env)
         weights.append(weight)
     return EnvMix(envs, weights)
 
 
-def _load_spec(i: int, spec: object) -> tuple[Environment, float]:
-    if not isinstance(spec, dict) or "cls" not in spec:
-        raise ValueError(f"env spec #{i} must be a dict with a 'cls' key, got {spec!r}")
-    where = f"env spec #{i} ({spec['cls']})"
+def _load_spec(spec: dict[str, Any]) -> tuple[Environment, float]:
     unknown = set(spec) - SPEC_KEYS
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; use {sorted(SPEC_KEYS)}")
+        raise ValueError(f"unknown keys {sorted(unknown)}; use {sorted(SPEC_KEYS)}")
     weight = spec.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise ValueError(f"{where}: weight must be a number, got {weight!r}")
+        raise ValueError(f"weight must be a number, got {weight!r}")
     options = spec.get("options", {})
     if not isinstance(options, dict):
-        raise ValueError(f"{where}: options must be a dict, got {options!r}")
+        raise ValueError(f"options must be a dict, got {options!r}")
     env = load_env(spec["cls"], options)
     if "domain" in spec:
         if not isinstance(spec["domain"], str) or not spec["domain"]:
-            raise ValueError(f"{where}: domain must be a non-empty string, got {spec['domain']!r}")
+            raise ValueError(f"domain must be a non-empty string, got {spec['domain']!r}")
         env.domain = spec["domain"]
     return env, float(weight)
 
@@ -214,37 +239,46 @@ LOAD_SAMPLE = 20  # train tasks per environment the launcher looks at before the
 def check_at_load(mix: EnvMix, eval_tasks: int, sample: int = LOAD_SAMPLE) -> list[str]:
     """The environment contract where it is cheap, at load: the first `sample` train tasks
     (seed 0) of each environment and at most `eval_tasks` + 1 of its eval tasks. Raises
-    ValueError for what would waste the run (a task that is not a Task, an empty prompt, a
-    repeated id, a split that raises); returns notes the user should read (tasks without an
-    answer, an eval split smaller than `eval_tasks`). `python -m envs.contract` runs the whole
-    contract, episodes included."""
+    EnvSpecError (naming the environment's index in the mix) for what would waste the run (a
+    task that is not a Task, an empty prompt, a repeated id, a split that raises); returns notes
+    the user should read (tasks without an answer, an eval split smaller than `eval_tasks`).
+    `python -m envs.contract` runs the whole contract, episodes included."""
     notes: list[str] = []
-    for env in mix.envs:
-        name = _name(env)
-        for split, limit in (("train", sample), ("eval", eval_tasks + 1)):
-            try:
-                tasks = list(itertools.islice(env.tasks(split, 0), limit))
-            except Exception as e:  # the environment's own failure, named
-                raise ValueError(f"{name}: tasks({split!r}, 0) raised {type(e).__name__}: {e}"
-                                 ) from None
-            seen: set[str] = set()
-            for i, task in enumerate(tasks):
-                where = f"{name}: {split} task #{i + 1}"
-                if not isinstance(task, Task):
-                    raise ValueError(f"{where} is {_describe(task)}, not envs.base.Task")
-                if not isinstance(task.prompt, str) or not task.prompt.strip():
-                    raise ValueError(f"{where} (id {task.id!r}) has an empty prompt "
-                                     f"({task.prompt!r}); the policy would be asked nothing: "
-                                     f"give every task a prompt")
-                if task.id in seen:
-                    raise ValueError(f"{where}: id {task.id!r} repeats within the first "
-                                     f"{len(tasks)} tasks; task ids must be unique")
-                seen.add(task.id)
-            missing = sum(t.answer is None for t in tasks)
-            if split == "train" and missing:
-                notes.append(f"{name}: {missing} of its first {len(tasks)} train tasks have no "
-                             f"answer (answer = None); fine when its reward needs none")
-            if split == "eval" and eval_tasks and len(tasks) < eval_tasks:
-                notes.append(f"{name}: eval_tasks = {eval_tasks}, but its eval split has "
-                             f"{len(tasks)} tasks; evaluations score those {len(tasks)}")
+    for i, env in enumerate(mix.envs):
+        try:
+            notes += _check_env(env, eval_tasks, sample)
+        except ValueError as e:
+            cls = type(env)
+            raise EnvSpecError(i, f"{cls.__module__}:{cls.__qualname__}", str(e)) from None
+    return notes
+
+
+def _check_env(env: Environment, eval_tasks: int, sample: int) -> list[str]:
+    notes: list[str] = []
+    name = _name(env)
+    for split, limit in (("train", sample), ("eval", eval_tasks + 1)):
+        try:
+            tasks = list(itertools.islice(env.tasks(split, 0), limit))
+        except Exception as e:  # the environment's own failure, named
+            raise ValueError(f"{name}: tasks({split!r}, 0) raised {one_line(e)}") from None
+        seen: set[str] = set()
+        for i, task in enumerate(tasks):
+            where = f"{name}: {split} task #{i + 1}"
+            if not isinstance(task, Task):
+                raise ValueError(f"{where} is {_describe(task)}, not envs.base.Task")
+            if not isinstance(task.prompt, str) or not task.prompt.strip():
+                raise ValueError(f"{where} (id {task.id!r}) has an empty prompt "
+                                 f"({task.prompt!r}); the policy would be asked nothing: "
+                                 f"give every task a prompt")
+            if task.id in seen:
+                raise ValueError(f"{where}: id {task.id!r} repeats within the first "
+                                 f"{len(tasks)} tasks; task ids must be unique")
+            seen.add(task.id)
+        missing = sum(t.answer is None for t in tasks)
+        if split == "train" and missing:
+            notes.append(f"{name}: {missing} of its first {len(tasks)} train tasks have no "
+                         f"answer (answer = None); fine when its reward needs none")
+        if split == "eval" and eval_tasks and len(tasks) < eval_tasks:
+            notes.append(f"{name}: eval_tasks = {eval_tasks}, but its eval split has "
+                         f"{len(tasks)} tasks; evaluations score those {len(tasks)}")
     return notes

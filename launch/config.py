@@ -2,12 +2,15 @@
 
 Invariant: a config that loads is runnable as far as static checks can tell. Every mistake (a
 wrong key, a wrong type, a missing field, an unknown host or actor, a class that does not import,
-an actor `config` table its class rejects) is a `ConfigError` naming the file, the table and the
-field, raised before any process starts.
+an actor `config` table its class rejects, an environment or a config class that raises when
+constructed, a fixed port that is in use on this machine or given to two actors) is a
+`ConfigError` naming the file, the table and the field, in one line, raised before any process
+starts (also under `--dry-run`).
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import re
@@ -22,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from envs.loader import EnvSpecError, one_line
 from launch import rl as rl_table
 from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
@@ -188,7 +192,14 @@ def load(path: str | Path,
         _resolve_model_paths(raw.get("actors"), path.resolve().parent)
         return _load_document(raw, path, passthrough, notes)
     except ConfigError as e:
-        raise ConfigError(_derived_hint(_blame(str(e), overrides, created), derived)) from None
+        message = _blame(str(e), overrides, created)
+        raise ConfigError(message if isinstance(e, PortTaken) else
+                          _derived_hint(message, derived)) from None
+
+
+class PortTaken(ConfigError):
+    """A fixed port an actor would bind is taken: the file's (or a --set's) value, as [rl] sets
+    no port."""
 
 
 def _expand_rl(raw: dict[str, Any], path: Path) -> set[str]:
@@ -400,6 +411,7 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
     if not cfg.actors:
         fail("actors", "cls", "declare at least one [actors.<name>] table")
     views: dict[str, ActorView] = {}
+    taken: dict[tuple[str, int], str] = {}  # fixed (address, port) -> the field that binds it
     for name, entry in cfg.actors.items():
         table = f"actors.{name}"
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", name):
@@ -422,15 +434,69 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
             env = entry.env if hosts[host].exec else {**os.environ, **entry.env}
             views[name] = ActorView(cls, config, host, cls.gpus(config, env, host),
                                     list(entry.after))
+        except EnvSpecError as e:  # the environments it constructed: where they were written
+            raise ConfigError(f"{path}: {_envs_table(cfg, name, e.index)} {e}") from None
         except ValueError as e:
             raise ConfigError(f"{path}: table [{table}.config]: {e}") from None
+        except Exception as e:  # a class its check constructs failed in its own way
+            raise ConfigError(f"{path}: table [{table}.config]: checking it raised "
+                              f"{one_line(e)}") from None
         _check_gpus(views[name].gpus, hosts[host], table, fail)
+        if not hosts[host].exec:  # another machine's ports are its agent's to find
+            _check_ports(name, cls, config, taken, path)
     for name, view in views.items():
         try:
             view.cls.check_peers(name, view.config, views)
         except ValueError as e:
             raise ConfigError(f"{path}: table [actors.{name}.config]: {e}") from None
     start_order(cfg, path)
+
+
+def _envs_table(cfg: ClusterConfig, name: str, index: int) -> str:
+    """Where environment `index` of actor `name` is written: `[rl]` when the actor's `envs` are
+    [rl]'s, else the actor's own table."""
+    envs = cfg.actors[name].config.get("envs")
+    rl_envs = cfg.rl.envs if cfg.rl is not None else None
+    if isinstance(envs, list) and rl_envs is not None and len(envs) == len(rl_envs) and \
+            index < len(envs) and envs[index].get("cls") == rl_envs[index].get("cls"):
+        return "[rl]"
+    return f"[actors.{name}.config]"
+
+
+def _check_ports(name: str, cls: type, config: Any, taken: dict[tuple[str, int], str],
+                 path: Path) -> None:
+    """Every fixed port the actor binds on this machine is free now and no other actor's:
+    `port` of a Config with a `host` (its HTTP server, as `_binds_host`), and what the class's
+    `bound_ports(config)` names (e.g. the router's metrics port); ConfigError naming the table
+    and field."""
+    ports = [(f"actors.{name}.config", "port", config.host, config.port)] \
+        if _binds_host(type(config)) and isinstance(getattr(config, "port", None), int) else []
+    extra = getattr(cls, "bound_ports", None)
+    ports += [(f"actors.{name}.config{'.' + t if t else ''}", f, h, p)
+              for t, f, h, p in (extra(config) if extra is not None else [])]
+    for table, field, address, port in ports:
+        if isinstance(port, bool) or not isinstance(port, int) or port <= 0:
+            continue  # 0: a free port picked at start
+        where = f"{path}: [{table}] {field} = {port}"
+        other = taken.get((address, port))
+        if other is not None:
+            raise PortTaken(f"{where} is also {other} on {address}: pick another or 0")
+        taken[(address, port)] = f"[{table}] {field}"
+        if _in_use(address, port):
+            raise PortTaken(f"{where} is in use on {address}: pick another or 0")
+
+
+def _in_use(address: str, port: int) -> bool:
+    """True when another socket holds `port` on `address` (bound as servers bind, with
+    SO_REUSEADDR); an address that is not this machine's is not for this check to judge."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def _place_ranks(config: dict[str, Any], host: str, hosts: dict[str, HostConfig], table: str,

@@ -33,11 +33,18 @@ def import_actor(dotted: str, where: str = "actor class") -> type:
 
 
 def actor_config(cls: type, raw: dict[str, Any], where: str) -> Any:
+    """`raw` as the class's Config struct; ConfigError at `where`, naming the field when the
+    error has one (a check of the whole struct, its __post_init__, names none)."""
     try:
         return msgspec.convert(raw, cls.Config)
     except msgspec.ValidationError as e:
         problem, _, at = str(e).partition(" - at `")
         keys = re.findall(r"\.([A-Za-z0-9_\-]+)", at)
         named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
-        field = named.group(1) if named else (keys[-1] if keys else "?")
-        raise ConfigError(f"{where}, field `{field}`: {problem}") from None
+        field = named.group(1) if named else (keys[-1] if keys else None)
+        raise ConfigError(f"{where}, field `{field}`: {problem}" if field else
+                          f"{where}: {problem}") from None
+    except Exception as e:  # a __post_init__ that raises something else than ValueError
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{where}: {cls.Config.__name__} raised {type(e).__name__}: "
+                          f"{first}") from None

@@ -1,5 +1,5 @@
-"""Test actors for the launcher's fault handling: restarts that fail, a run that waits for the
-test before it completes."""
+"""Test classes for the launcher's fault handling: restarts that fail, a run that waits for the
+test before it completes, an environment and an actor config that raise when constructed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 
+from envs.builtin.arith import ArithEnv
 from runtime.actor import Actor
 
 
@@ -54,3 +55,24 @@ class WaitsForFile(Actor):
             if self.metrics:
                 self.metrics.publish({"value": float(step)}, step=step)
             await asyncio.sleep(self.config.interval_s)
+
+
+class MissingDataset(ArithEnv):
+    """Its constructor fails as one that reads a dataset file that is not there."""
+
+    def __init__(self, path: str = "/nowhere/tasks.jsonl"):
+        raise FileNotFoundError(f"dataset {path} does not exist\n(a second line)")
+
+
+class StrictConfig(msgspec.Struct, forbid_unknown_fields=True):
+    limit: int = 1  # below 0 fails in __post_init__; -1 with ValueError, less with RuntimeError
+
+    def __post_init__(self) -> None:
+        if self.limit == -1:
+            raise ValueError(f"limit = {self.limit}: use 0 or more")
+        if self.limit < -1:
+            raise RuntimeError("the limit service is down")
+
+
+class Strict(Actor):
+    Config = StrictConfig

@@ -153,7 +153,7 @@ def test_missing_checkpoint_and_bad_env_fail_before_anything_starts(tmp_path):
     assert "table [actors.trainer.config]" in message and "'ckpt/nowhere'" in message
     assert "config.json" in message  # says what a checkpoint directory must hold
     message = error_of(tmp_path, ok.replace("envs.builtin.arith:ArithEnv", "envs.nope:Env"))
-    assert "table [actors.rollout.config]" in message and "envs.nope:Env" in message
+    assert '[actors.rollout.config] envs[0] (cls = "envs.nope:Env"): module' in message
 
 
 README_ENV = '''

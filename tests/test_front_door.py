@@ -65,7 +65,8 @@ def test_an_empty_prompt_fails_at_load_naming_the_env_and_task(tmp_path):
     with pytest.raises(ConfigError) as info:
         load(rl_file(tmp_path, '{ cls = "tests.test_front_door:EmptyPrompt" }'))
     message = str(info.value)
-    assert "[actors.rollout.config]" in message and "EmptyPrompt(domain='empty')" in message
+    assert ('[rl] envs[0] (cls = "tests.test_front_door:EmptyPrompt"): '
+            "EmptyPrompt(domain='empty')") in message
     assert "train task #4 (id 'e3') has an empty prompt" in message
 
 

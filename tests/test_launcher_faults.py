@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.cluster import main
+from launch.config import ConfigError, load
 from launch.sinks import JsonlSink, Sinks
 from tests.test_cluster import IDLE_PAIR, ROOT, exit_info, launch, wait_for_line, write_hosts
 from transport.schema import Metrics
@@ -215,3 +218,80 @@ def test_a_full_disk_at_the_end_of_a_run_keeps_its_exit_code_and_whole_files(tmp
     assert again.returncode == 0, again.stdout + again.stderr
     assert exit_info(run_dir)["completed"] == "main"
     assert whole_records(run_dir / "metrics.jsonl")[:len(before)] == before
+
+
+# ----------------------------------------------------------------------------- found at load
+RL = f"""
+[run]
+name = "t"
+[rl]
+model = "{ROOT / 'examples' / 'base-tiny'}"
+envs = [{{ cls = "envs.builtin.arith:ArithEnv" }}, {{ ENV }}]
+"""
+
+
+def dry_run(path: Path, capsys) -> tuple[int, str]:
+    code = main([str(path), "--dry-run"])
+    return code, capsys.readouterr().err
+
+
+def test_an_env_that_raises_when_constructed_is_named_by_its_rl_entry(tmp_path, capsys):
+    path = tmp_path / "hosts.toml"
+    path.write_text(RL.replace("{ ENV }", '{ cls = "tests.faulty_actors:MissingDataset", '
+                                          'options = { path = "/data/t.jsonl" } }'))
+    assert dry_run(path, capsys) == (2, f'error: {path}: [rl] envs[1] (cls = '
+                                        f'"tests.faulty_actors:MissingDataset"): MissingDataset('
+                                        f"path='/data/t.jsonl') raised FileNotFoundError: dataset "
+                                        f"/data/t.jsonl does not exist\n")
+
+
+def test_an_actor_config_that_raises_when_constructed_names_its_table(tmp_path):
+    path = write_hosts(tmp_path, """
+[actors.a]
+cls = "tests.faulty_actors:Strict"
+config = { limit = -1 }
+""")
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert str(info.value) == f"{path}: table [actors.a.config]: limit = -1: use 0 or more"
+    path.write_text(path.read_text().replace("limit = -1", "limit = -2"))
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert str(info.value) == (f"{path}: table [actors.a.config]: StrictConfig raised "
+                               f"RuntimeError: the limit service is down")
+
+
+@pytest.fixture
+def taken_port():
+    """A port some other process listens on, on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_fixed_port_in_use_is_refused_at_load_naming_table_and_field(tmp_path, capsys,
+                                                                        taken_port):
+    path = tmp_path / "hosts.toml"
+    rl = RL.replace(", { ENV }", "")
+    path.write_text(f"{rl}\n[actors.router.config]\nport = {taken_port}\n")
+    assert dry_run(path, capsys) == (2, f"error: {path}: [actors.router.config] port = "
+                                        f"{taken_port} is in use on 127.0.0.1: pick another or "
+                                        f"0\n")
+    path.write_text(f"{rl}\n[actors.router.config]\nrouter = {{ prometheus_port = "
+                    f"{taken_port} }}\n")
+    assert dry_run(path, capsys) == (2, f"error: {path}: [actors.router.config.router] "
+                                        f"prometheus_port = {taken_port} is in use on 0.0.0.0: "
+                                        f"pick another or 0\n")
+
+
+def test_one_fixed_port_for_two_actors_is_refused_at_load(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free again once closed
+    path = tmp_path / "hosts.toml"
+    path.write_text(RL.replace(", { ENV }", "") + "".join(
+        f"\n[actors.worker{i}.config]\nport = {port}\n" for i in range(2)))
+    assert dry_run(path, capsys) == (2, f"error: {path}: [actors.worker1.config] port = {port} "
+                                        f"is also [actors.worker0.config] port on 127.0.0.1: "
+                                        f"pick another or 0\n")
