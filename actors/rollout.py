@@ -68,7 +68,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float = 1.0  # sampling temperature (the trainer must use the same)
     top_p: float = 1.0
     # with top_p < 1: record the nucleus each token was sampled from (the workers' this many
-    # top log-probs per output token), for opd top_p / top_p_replay; 0 = off (docs/mopd.md)
+    # top log-probs per output token), for opd top_p / top_p_replay; a token whose nucleus
+    # holds more tokens keeps none (the episode goes on, the trainer trains it as a token without
+    # a record; counted in nucleus_fallback_tokens); 0 = off (docs/mopd.md)
     nucleus_top_logprobs: int = 0
     max_new_tokens: int = 32  # per turn, unless the environment sets its own
     seed: int = 0  # task order
@@ -377,6 +379,7 @@ class RolloutActor(Actor):
                                          error="".join(traceback.format_exception_only(e)))
             finally:
                 session.close()
+                self.counters["nucleus_fallback_tokens"] += session.nucleus_fallback_tokens
                 for key, n in session.agent_stats.items():
                     self.counters[f"agent/{key}"] += n
                     if not group_id.startswith("eval"):
@@ -480,7 +483,9 @@ class RolloutActor(Actor):
                                     "rollout/failed": sum(s.status != "ok" for s in samples),
                                     "rollout/trainer_version": trainer_version,
                                     "rollout/samples_generated": self.totals.samples_generated,
-                                    "rollout/samples_resent": self.totals.samples_resent}
+                                    "rollout/samples_resent": self.totals.samples_resent,
+                                    "rollout/nucleus_fallback_tokens":
+                                        self.counters["nucleus_fallback_tokens"]}
         for domain in sorted({s.domain for s in samples}):
             mine = [s for s in samples if s.domain == domain]
             values[f"rollout/reward/{domain}"] = sum(s.reward for s in mine) / len(mine)

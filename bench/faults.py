@@ -8,8 +8,14 @@ meet compacted journals) once per fault:
   the launcher restarts it and the run must finish every step;
 - `kill -9` of the launcher at a random step: every actor process must be gone within 5 s, then
   `--resume` must finish the run;
-- a corrupt checkpoint: the launcher is killed after a checkpoint, the newest checkpoint's
-  weights are truncated, and `--resume` must report it and continue from the one before.
+- a damaged checkpoint: the launcher is killed after a checkpoint, the newest checkpoint's
+  weights (`corrupt_checkpoint`) or trainer state (`corrupt_state`) are truncated, and
+  `--resume` must report it and continue from the one before;
+- a hung worker (`hang_worker`): worker0 is stopped (SIGSTOP) and never continued; the run
+  must go on (`stall_s`: from the stop until two more steps were trained);
+- a full disk (`disk_full`, as root: the run directory is a tmpfs): at a random step a ballast
+  file fills it; the run must end on its own with a non-zero exit code and a readable
+  exit.json (never hang), then, with the ballast removed, `--resume` must finish the run.
 Per run it checks: exit code 0, the trainer's final version = steps, the buffer's books
 (`added = emitted + pending + dropped_*`, else the difference is `lost_samples`), samples emitted
 twice outside a replay for a restarted trainer (`duplicated_samples`, from the buffer's journal
@@ -33,7 +39,9 @@ unreconciled_samples=N
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import random
 import re
 import signal
@@ -51,14 +59,17 @@ from logic.buffer import BufferConfig, RolloutBuffer
 
 ROOT = Path(__file__).resolve().parent.parent
 ACTORS = ("worker0", "worker1", "router", "buffer", "rollout", "trainer")
-FAULTS = ACTORS + ("launcher", "corrupt_checkpoint")
+DAMAGE = {"corrupt_checkpoint": "*.safetensors", "corrupt_state": "trainer_state.pt"}
+FAULTS = ACTORS + ("launcher", *DAMAGE, "hang_worker", "disk_full")
+DISK_BYTES = 256 << 20  # the tmpfs of the disk_full fault
 
 
-def hosts_file(folder: Path, steps: int, save_every: int, compact_bytes: int) -> Path:
+def hosts_file(folder: Path, steps: int, save_every: int, compact_bytes: int,
+               eval_tasks: int = 20) -> Path:
     """examples/local.toml, shortened: its [rl] values rewritten, a buffer table added."""
     text = (ROOT / "examples" / "local.toml").read_text()
     for key, value in (("num_steps", steps), ("save_every", save_every), ("eval_every", 0),
-                       ("eval_tasks", 20)):
+                       ("eval_tasks", eval_tasks)):
         text, found = re.subn(rf"^{key} = \d+", f"{key} = {value}", text, flags=re.M)
         if found != 1:
             raise RuntimeError(f"examples/local.toml: no `{key} = N` line in [rl]; update "
@@ -101,6 +112,20 @@ class Run:
                 return
         raise RuntimeError(f"never saw {pattern!r}: {''.join(self.lines[-20:])}")
 
+    def until_step(self, step: int, timeout_s: float = 600) -> None:
+        """Until the console says the trainer reached `step` (or a later one)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            self.track()
+            if not line and self.proc.poll() is not None:
+                break
+            self.lines.append(line)
+            found = re.search(r"trainer: step (\d+)/", line)
+            if found and int(found.group(1)) >= step:
+                return
+        raise RuntimeError(f"never saw step {step}: {''.join(self.lines[-20:])}")
+
     def actor(self, name: str) -> psutil.Process:
         for child in psutil.Process(self.proc.pid).children():
             if any(part.endswith(f"specs/{name}.json") for part in child.cmdline()):
@@ -108,7 +133,15 @@ class Run:
         raise RuntimeError(f"no process for actor {name}")
 
     def finish(self, timeout_s: float = 600) -> int:
-        out, _ = self.proc.communicate(timeout=timeout_s)
+        """The launcher's exit code; -1 (and the launcher killed) if it did not exit in time."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.track()
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+            self.lines.append(out + f"\n[bench] the launcher did not exit in {timeout_s:g} s\n")
+            return -1
         self.lines.append(out)
         return self.proc.returncode
 
@@ -123,6 +156,46 @@ def _running(p: psutil.Process) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+class Tmpfs:
+    """A small tmpfs mounted on `path` (the run directory), that a ballast file can fill."""
+
+    def __init__(self, path: Path, size_bytes: int = DISK_BYTES):
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                       check=True, capture_output=True)
+        self.path, self.ballast = path, path / "ballast"
+
+    def fill(self) -> int:
+        """Write the ballast until the disk is full; its bytes."""
+        chunk, n = b"\0" * (1 << 20), 0
+        with open(self.ballast, "wb", buffering=0) as f:
+            try:
+                while True:
+                    n += f.write(chunk)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+        return n
+
+    def free(self) -> None:
+        self.ballast.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=False, capture_output=True)
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0
+
+
+def exit_record(run_dir: Path) -> dict:
+    """exit.json as the launcher left it ({"unreadable": ...} when it is not JSON)."""
+    try:
+        return json.loads((run_dir / "exit.json").read_text())
+    except (OSError, ValueError) as e:
+        return {"unreadable": str(e)}
 
 
 def final_version(run_dir: Path) -> int:
@@ -205,38 +278,67 @@ def run_fault(fault: str, folder: Path, steps: int, save_every: int,
               rng: random.Random) -> dict:
     hosts, run_dir = folder / "hosts.toml", folder / "run"
     at = rng.randint(3, steps - 5)
-    if fault == "corrupt_checkpoint":  # two checkpoints exist: the newest is damaged
+    if fault in DAMAGE:  # two checkpoints exist: the newest is damaged
         at = max(at, 2 * save_every + 1)
-    run, orphans = Run(hosts, run_dir), 0
+    disk = Tmpfs(run_dir) if fault == "disk_full" else None
+    try:
+        return _run_fault(fault, hosts, run_dir, steps, at, disk)
+    finally:
+        if disk is not None:
+            disk.close()
+
+
+def _run_fault(fault: str, hosts: Path, run_dir: Path, steps: int, at: int,
+               disk: Tmpfs | None) -> dict:
+    run, orphans, extra = Run(hosts, run_dir), 0, {}
     run.until(rf"trainer: step {at}/")
     if fault in ACTORS:
         run.actor(fault).send_signal(signal.SIGKILL)
         run.until(rf"{fault} failed .*restart 1/")
+    elif fault == "hang_worker":
+        run.actor("worker0").suspend()
+        t0 = time.monotonic()
+        run.until(rf"trainer: step {at + 2}/")
+        extra["stall_s"] = round(time.monotonic() - t0, 1)
+    elif fault == "disk_full":
+        extra["ballast_mib"] = disk.fill() >> 20
+        extra["full_exit"] = run.finish(timeout_s=600)
+        extra["full_exit_json"] = exit_record(run_dir)
+        extra["full_said"] = [line.strip() for line in run.lines
+                              if re.search(r"failed|error|No space", line)][-6:]
+        orphans += run.orphans()
+        disk.free()
+        run = Run(hosts, run_dir, resume=True)
     else:
-        if fault == "corrupt_checkpoint":
+        if fault in DAMAGE:
             newest = max((run_dir / "checkpoints").glob("step_*[0-9]"))
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait()
+        run.proc.stdout.close()
         orphans += run.orphans()
-        if fault == "corrupt_checkpoint":
-            weights = next(newest.glob("*.safetensors"))
-            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        if fault in DAMAGE:
+            damaged = next(newest.glob(DAMAGE[fault]))
+            damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
         run = Run(hosts, run_dir, resume=True)
     code = run.finish()
     orphans += run.orphans()
     text = "".join(run.lines)
     survived = code == 0 and final_version(run_dir) == steps
-    if fault == "corrupt_checkpoint":
+    if fault in DAMAGE:
         survived = survived and "resume skipped a damaged checkpoint" in text
+    if fault == "disk_full":  # it ended on its own, saying so, and the resume finished it
+        full = extra["full_exit_json"]
+        survived = survived and extra["full_exit"] not in (0, -1) \
+            and full.get("exit_code") == extra["full_exit"]
     config = msgspec.convert(json.loads((run_dir / "config.json").read_text())["actors"]
                              ["buffer"]["config"], BufferConfig)  # the run's own
     state, journal = replay_journal(run_dir, config)
     out = {"fault": fault, "at_step": at, "exit": code, "survived": survived,
            "lost": lost_samples(run_dir), "duplicated": duplicated_samples(state),
-           "orphans": orphans, **reconcile(run_dir, state, config),
+           "orphans": orphans, **reconcile(run_dir, state, config), **extra,
            "journal_bytes": journal.size, "journal_compacted": journal.snapshot_size > 0}
     if not survived:
-        out["tail"] = text[-2000:]
+        out["tail"] = text[-3000:]
     return out
 
 
@@ -252,6 +354,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     results = []
     for fault in args.only.split(","):
+        if fault not in FAULTS:
+            ap.error(f"--only: unknown fault {fault!r}; the faults are {', '.join(FAULTS)}")
+        if fault == "disk_full" and not can_mount():
+            print(json.dumps({"fault": fault, "skipped": "needs root to mount a tmpfs"}))
+            continue
         with tempfile.TemporaryDirectory(prefix=f"faults-{fault}-") as tmp:
             folder = Path(tmp)
             hosts_file(folder, args.steps, args.save_every, args.compact_bytes)

@@ -1,0 +1,100 @@
+"""The fault benchmarks' own checkers (bench/faults.py, bench/chaos.py): on hand-made journals
+they find a sample trained twice (also behind a compacted journal's snapshot) and samples the
+books miss; on a short real run (a compacted journal, the launcher killed, the newest
+checkpoint damaged, `--resume`) the run survives with nothing lost or duplicated."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import logic.buffer
+from actors.buffer import BufferState, Journal, JournalEntry
+from bench import chaos, faults
+from logic.buffer import BufferConfig
+from transport.schema import Sample, SampleGroup
+
+CONFIG = BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1)
+
+
+def group(gid: str) -> SampleGroup:
+    return SampleGroup(samples=[Sample(group_id=gid, index=i, domain="math", prompt_ids=[1],
+                                       response_ids=[2], loss_mask=[1], rollout_logprobs=[-0.1])
+                                for i in range(2)])
+
+
+def version(v: int) -> JournalEntry:
+    return JournalEntry("version", version=v, step=v, epoch="t")
+
+
+def write_run(run_dir: Path, entries: list[JournalEntry], compact_after: int = -1,
+              generated: int = 0) -> None:
+    """A run directory with the buffer's journal (a snapshot replacing the first
+    `compact_after` entries) and the rollout's totals."""
+    journal = Journal(run_dir / "buffer" / "buffer.journal")
+    state = BufferState(logic.buffer.RolloutBuffer(CONFIG))
+    for n, entry in enumerate(entries):
+        journal.append(entry)
+        state.apply(entry)
+        if n + 1 == compact_after:
+            journal.compact(state.snapshot())
+    journal.close()
+    (run_dir / "rollout").mkdir()
+    (run_dir / "rollout" / "rollout.totals.json").write_text(json.dumps(
+        {"samples_generated": generated, "samples_resent": 0, "starts": 1}))
+
+
+# g0 is generated twice (a restarted rollout): the second copy must be a dropped duplicate
+ENTRIES = [version(0), JournalEntry("group", group=group("g0")),
+           JournalEntry("batch", step=0, version=0), version(1),
+           JournalEntry("group", group=group("g0")), JournalEntry("group", group=group("g1")),
+           JournalEntry("batch", step=1, version=1)]
+
+
+@pytest.mark.parametrize("compact_after", [-1, 4])
+def test_the_replay_finds_a_sample_trained_twice(tmp_path, monkeypatch, compact_after):
+    write_run(tmp_path, ENTRIES, compact_after, generated=6)
+    state, journal = faults.replay_journal(tmp_path, CONFIG)
+    assert (journal.snapshot_size > 0) == (compact_after > 0)
+    assert faults.duplicated_samples(state) == 0
+    assert state.logic.counters["dropped_duplicate"] == 2
+    books = faults.reconcile(tmp_path, state, CONFIG)
+    assert (books["trained"], books["in_flight"], books["unreconciled"]) == (4, 0, 0)
+    # a buffer that forgets which groups it completed trains g0 twice: the checker says so,
+    # from the full journal and from behind the snapshot (its remembered batches) alike
+    monkeypatch.setattr(logic.buffer.RolloutBuffer, "_close", lambda self, gid, reason: None)
+    (tmp_path / "broken").mkdir()
+    write_run(tmp_path / "broken", ENTRIES, compact_after, generated=6)
+    state, _ = faults.replay_journal(tmp_path / "broken", CONFIG)
+    assert faults.duplicated_samples(state) == 2
+
+
+def test_reconcile_counts_samples_the_books_cannot_explain(tmp_path):
+    write_run(tmp_path, ENTRIES, generated=2)  # the books took 6: 4 came from nowhere
+    state, _ = faults.replay_journal(tmp_path, CONFIG)
+    assert faults.reconcile(tmp_path, state, CONFIG)["unreconciled"] == 4
+
+
+def test_eval_gap_is_the_largest_domain_difference():
+    assert chaos.eval_gap({"math": 0.8, "reverse": 0.2}, {"math": 0.75, "reverse": 0.3}) == \
+        pytest.approx(0.1)
+    assert chaos.eval_gap({"math": 0.8}, {}) == pytest.approx(0.8)  # a domain gone is all lost
+
+
+@pytest.mark.timeout(400)
+def test_a_damaged_checkpoint_behind_a_compacted_journal_loses_nothing(tmp_path):
+    """bench.faults' corrupt_checkpoint fault on a short run: the launcher killed at step 5,
+    the newest checkpoint (step 4) truncated; --resume reports it, falls back to step 2 and
+    finishes (the deadlock of a rollout that counted a phantom permit ended it here before)."""
+    faults.hosts_file(tmp_path, steps=8, save_every=2, compact_bytes=4096)
+    out = faults.run_fault("corrupt_checkpoint", tmp_path, 8, 2, random.Random(0))
+    assert out["survived"], out.get("tail")
+    assert out["at_step"] == 5 and out["journal_compacted"]
+    assert (out["lost"], out["duplicated"], out["orphans"], out["unreconciled"]) == (0, 0, 0, 0)
+    config = msgspec.convert(json.loads((tmp_path / "run" / "config.json").read_text())
+                             ["actors"]["buffer"]["config"], BufferConfig)
+    assert config.journal_compact_bytes == 4096
