@@ -28,6 +28,7 @@ import random
 import signal
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import msgspec
@@ -42,6 +43,7 @@ from bench.faults import (
     reconcile,
     replay_journal,
 )
+from launch import rl as rl_table
 from logic.buffer import BufferConfig
 
 VICTIMS = ("worker0", "worker1", "router", "rollout", "buffer", "trainer", "teachers",
@@ -53,7 +55,7 @@ def chaos_hosts(folder: Path, steps: int, save_every: int, max_restarts: int) ->
     """The main job for `steps` steps, every actor allowed `max_restarts` restarts."""
     path = hosts_file(folder, steps, save_every, compact_bytes=1 << 20, eval_tasks=100)
     text = path.read_text()
-    for name in VICTIMS:
+    for name in sorted(rl_table.expand(tomllib.loads(text))):
         text += f"\n[actors.{name}]\nrestart = {{ max_restarts = {max_restarts} }}\n"
     path.write_text(text)
     return path
@@ -88,11 +90,19 @@ def chaos_run(hosts: Path, run_dir: Path, steps: int, every: tuple[int, int],
             run.actor(name).send_signal(SIGNALS[sig])
         except (RuntimeError, psutil.NoSuchProcess):  # between a crash and its restart
             name = f"{name} (not running)"
-        kills.append({"step": at, "actor": name, "signal": sig,
-                      "t_s": round(time.monotonic() - t0, 1)})
-        print(json.dumps(kills[-1]), flush=True)
+        kills.append({"step": at, "actor": name, "signal": sig, "at": time.monotonic()})
         at += rng.randint(*every)
+    try:
+        run.until_step(steps, timeout_s=3600)  # the step lines after the last kill, timed
+    except RuntimeError:
+        pass  # the run ended short: its exit code says so
     code = run.finish(timeout_s=3600)
+    for kill in kills:  # until the trainer's next step line (read as the run went on)
+        at_s = kill.pop("at")
+        after = [t for t in run.step_times if t > at_s]
+        kill["t_s"] = round(at_s - t0, 1)
+        kill["next_step_s"] = round(after[0] - at_s, 1) if after else None
+        print(json.dumps(kill), flush=True)
     return {"exit": code, "wall_s": time.monotonic() - t0, "kills": kills,
             "orphans": run.orphans(), "tail": "".join(run.lines)[-3000:]}
 

@@ -93,6 +93,7 @@ class Run:
                                      text=True)
         self.lines: list[str] = []
         self.pids: set[int] = set()
+        self.step_times: list[float] = []  # when each trainer step line was read (monotonic)
 
     def track(self) -> None:
         try:
@@ -122,6 +123,8 @@ class Run:
                 break
             self.lines.append(line)
             found = re.search(r"trainer: step (\d+)/", line)
+            if found:
+                self.step_times.append(time.monotonic())
             if found and int(found.group(1)) >= step:
                 return
         raise RuntimeError(f"never saw step {step}: {''.join(self.lines[-20:])}")
