@@ -15,6 +15,16 @@ its nesting limit: malformed or too deep JSON gets 400, wrong types 422), after 
 over `max_body_bytes` with 413 unread. That bound is the embedded workers' own (64 MiB) instead
 of sglang-router's 512 MiB default, which it would buffer per request only for the worker to
 refuse it. A bad request never reaches a worker and never stops the router.
+
+A worker that stops answering (hung, SIGSTOPped, its machine gone) is out of rotation within a
+few seconds: sglang-router checks every worker's /health each second and takes one out after two
+failed checks of a second each (`HEALTH_DEFAULTS`, any of them overridden by the `router`
+table). Requests already sent to it would still wait for that process until it is killed (the
+launcher's heartbeat timeout, 30 s): so the workers listed at start are reached through a TCP
+relay in this actor (`relay = true`), which cuts every connection to a worker as soon as
+sglang-router reports it unhealthy; sglang-router then retries those requests on the other
+workers (its retries, which connection errors trigger). Workers that register themselves
+(`dynamic_workers`) are reached directly.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import logging
 import sys
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -37,6 +48,12 @@ from transport.sockets import free_port
 
 log = logging.getLogger(__name__)
 ALL_WORKERS_WAIT_S = 15.0  # READY waits this long at most for the router to route to every worker
+# sglang-router options this actor sets unless the `router` table does: a worker that does not
+# answer /health within 1 s twice in a row is out of rotation (sglang-router's defaults: 60 s
+# between checks, 5 s each, 3 failures); a circuit opened by failed requests (those of a worker
+# that hung, cut by the relay) is tried again after 5 s, not 60 s, once the worker is healthy
+HEALTH_DEFAULTS = {"health_check_interval_secs": 1, "health_check_timeout_secs": 1,
+                   "health_failure_threshold": 2, "cb_timeout_duration_secs": 5}
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,6 +68,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_body_bytes: int = 64 << 20  # larger request bodies get 413 before they are read (bytes;
     # sglang-router's max_payload_size; as the embedded workers' max_body_bytes)
     router: dict[str, Any] = {}  # sglang-router options, passed through as --key value
+    # reach the workers through relays of this actor that cut a worker's connections once
+    # sglang-router finds it unhealthy, so its in-flight requests are retried on the others
+    relay: bool = True
+    watch_interval_s: float = 0.5  # how often sglang-router's view of the workers is read (s)
 
 
 def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list[str]:
@@ -63,7 +84,7 @@ def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list
     else:
         cmd += ["--then-policy", cfg.policy]
     cmd += ["--max-payload-size", str(cfg.max_body_bytes)]
-    options = dict(cfg.router)
+    options = {**HEALTH_DEFAULTS, **cfg.router}
     if "prometheus_port" not in options:  # its fixed default collides between routers
         cmd += ["--prometheus-port", str(free_port(cfg.host))]
     return cmd + render(options)
@@ -83,6 +104,9 @@ class RouterActor(Actor):
         refuse_owned(config.router, OWNED, "router")
         if config.max_body_bytes < 1:
             raise ValueError(f"router: max_body_bytes must be >= 1, got {config.max_body_bytes}")
+        if not config.watch_interval_s > 0:
+            raise ValueError(f"router: watch_interval_s must be > 0 (seconds), got "
+                             f"{config.watch_interval_s}")
 
     @classmethod
     def bound_ports(cls, config: RouterConfig) -> list[tuple[str, str, str, int]]:
@@ -99,6 +123,12 @@ class RouterActor(Actor):
         if not urls and not cfg.dynamic_workers:
             raise ValueError(f"{self.name}: no inference workers; list them in `after`, or set "
                              f"dynamic_workers = true for workers that register themselves")
+        self.relays: dict[str, Relay] = {}  # the URL sglang-router knows -> its relay
+        if cfg.relay:
+            for name, url in zip(names, urls):
+                relay = Relay(name, url)
+                self.relays[await relay.start(cfg.host)] = relay
+            urls = list(self.relays)
         port = self.stable_port("http", cfg.host, cfg.port)  # kept across restarts
         self.proc = await asyncio.create_subprocess_exec(
             *router_command(cfg, urls, port), start_new_session=True,
@@ -147,10 +177,104 @@ class RouterActor(Actor):
                     expected, ALL_WORKERS_WAIT_S)
 
     async def run(self) -> None:
+        if self.relays:
+            self.spawn(self._watch_workers(), "watch-workers")
         code = await self.proc.wait()
         raise RuntimeError(f"sglang-router exited unexpectedly with code {code}")
+
+    async def _watch_workers(self) -> None:
+        """Cut a relayed worker's connections when sglang-router turns it unhealthy (GET
+        /workers), and say so; say when it is healthy again."""
+        healthy = {url: True for url in self.relays}
+        async with aiohttp.ClientSession() as session:
+            while True:
+                await asyncio.sleep(self.config.watch_interval_s)
+                states = await self._worker_states(session)
+                for url, relay in self.relays.items():
+                    now = states.get(url, healthy[url])
+                    if healthy[url] and not now:
+                        cut = relay.cut()
+                        self.notify(f"{relay.name} ({relay.target}) stopped answering "
+                                    f"sglang-router's health checks: out of rotation, {cut} "
+                                    f"connection(s) to it cut, their requests are retried on "
+                                    f"the other workers")
+                    elif now and not healthy[url]:
+                        self.notify(f"{relay.name} ({relay.target}) is healthy again: back "
+                                    f"in rotation")
+                    healthy[url] = now
+
+    async def _worker_states(self, session: aiohttp.ClientSession) -> dict[str, bool]:
+        """URL -> is_healthy of every worker sglang-router has ({} when it does not answer)."""
+        try:
+            async with session.get(f"{self.bound.http}/workers",
+                                   timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                body = await r.json(content_type=None)
+            return {w["url"]: bool(w["is_healthy"]) for w in body["workers"]}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return {}
 
     async def on_stop(self, reason: str) -> None:
         proc = getattr(self, "proc", None)
         if proc is not None:
             await terminate(proc, 5.0, group=True)
+        for relay in getattr(self, "relays", {}).values():
+            await relay.close()
+
+
+class Relay:
+    """A TCP relay in front of one worker: every connection accepted is piped to the worker on
+    a connection of its own, byte for byte, until either side ends it or `cut` aborts them all
+    (sglang-router sees its requests there fail, and retries them elsewhere)."""
+
+    def __init__(self, name: str, target: str):
+        self.name, self.target = name, target  # the worker's actor name and http://host:port
+        self.links: set[asyncio.StreamWriter] = set()  # both ends of every open connection
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str) -> str:
+        """Listen on a free port of `host`; returns the relay's URL."""
+        self.server = await asyncio.start_server(self._serve, host, 0)
+        return f"http://{host}:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        target = urlsplit(self.target)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
+        except OSError:  # the worker is down: the router sees a failed connection
+            writer.transport.abort()
+            return
+        ends = (writer, up_writer)
+        self.links.update(ends)
+        try:
+            await asyncio.gather(_pipe(reader, up_writer, ends), _pipe(up_reader, writer, ends))
+        finally:
+            for end in ends:
+                self.links.discard(end)
+                end.transport.abort()
+
+    def cut(self) -> int:
+        """Abort every open connection; returns how many there were."""
+        ends = list(self.links)
+        for end in ends:
+            end.transport.abort()
+        return len(ends) // 2
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.cut()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                ends: tuple[asyncio.StreamWriter, ...]) -> None:
+    """Copy `reader` into `writer` until end of stream (passed on as a half close); a failed
+    side aborts both ends of the connection."""
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof() and not writer.is_closing():
+            writer.write_eof()
+    except (OSError, RuntimeError):
+        for end in ends:
+            end.transport.abort()

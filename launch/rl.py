@@ -89,7 +89,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
                              "empty: list the teachers ({ name, model, domains }) or remove them")
 
 
-ROUTER_DEFAULTS = {"health_check_interval_secs": 2, "log_level": "warn"}
+ROUTER_DEFAULTS = {"log_level": "warn"}  # health checks: the router actor's HEALTH_DEFAULTS
 NUCLEUS_TOP_LOGPROBS = 64  # top log-probs per token for the recorded nucleus (opd top_p / replay)
 
 

@@ -56,8 +56,7 @@ def test_overrides_apply_before_validation_and_create_allowed_tables():
     assert trainer["micro_batches"] == {"size": 64}  # the rest of the file is kept
     assert cfg.actors["buffer"].config["group_size"] == 16
     assert cfg.actors["rollout"].config["group_size"] == 16
-    assert cfg.actors["router"].config["router"] == {"health_check_interval_secs": 2,
-                                                     "log_level": "info"}
+    assert cfg.actors["router"].config["router"] == {"log_level": "info"}
 
 
 def test_override_errors_name_the_set_and_the_path():

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 
+import aiohttp
 import msgspec
+import psutil
 import pytest
 
 from actors.inference import InferenceWorker
@@ -17,6 +23,7 @@ from engine.session import HttpSession
 from models.tokenizer import build_char_tokenizer
 from runtime.actor import Status
 from tests.helpers import context, running
+from tests.test_cluster import ROOT, wait_for_line, write_hosts
 
 PROMPT = [1, 5, 6, 7]
 
@@ -182,3 +189,67 @@ async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
     # (and a session re-sends a turn itself when the router cannot)
     assert all(len(s.response_ids) == 48 == len(s.logprobs) for s in sessions)
     assert all(len(s.versions) == 1 for s in sessions)
+
+
+HUNG_LAYOUT = """
+[actors.worker0]
+cls = "actors.inference:InferenceWorker"
+config = { model = "tiny-qwen2", batch_wait_ms = 1.0 }
+[actors.worker1]
+cls = "actors.inference:InferenceWorker"
+config = { model = "tiny-qwen2", batch_wait_ms = 1.0 }
+[actors.router]
+cls = "actors.router:RouterActor"
+after = ["worker0", "worker1"]
+config = { router = { log_level = "warn" } }
+"""
+
+
+async def generate_batch(url: str, keys: list[str], timeout_s: float) -> list[int]:
+    """The status of one /generate per routing key, sent together through the router."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 1.0}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        async def one(key: str) -> int:
+            async with s.post(f"{url}/generate", json=body,
+                              headers={"X-SMG-Routing-Key": key}) as r:
+                await r.read()
+                return r.status
+        return await asyncio.gather(*(one(k) for k in keys))
+
+
+def test_a_hung_worker_is_routed_around_and_its_requests_retried_on_the_other(tmp_path):
+    """SIGSTOP one of two workers (the launcher would kill it only after 300 s): requests sent to
+    it are cut once sglang-router finds it unhealthy and retried on the other; SIGCONT brings it
+    back into rotation."""
+    hosts = write_hosts(tmp_path, HUNG_LAYOUT, extra_run="heartbeat_timeout_s = 300",
+                        shutdown_s=15.0)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    victim = None
+    try:
+        wait_for_line(proc, "router READY", timeout_s=90)
+        while "actors" not in (doc := json.loads((run_dir / "endpoints.json").read_text())):
+            time.sleep(0.05)
+        url, hung = doc["actors"]["router"]["http"], doc["actors"]["worker0"]["http"]
+        victim = next(p for p in psutil.Process(proc.pid).children()
+                      if "worker0.json" in " ".join(p.cmdline()))
+        keys = [f"episode-{i}" for i in range(16)]  # both workers hold some of these keys
+        assert asyncio.run(generate_batch(url, keys, 60)) == [200] * 16
+        victim.suspend()
+        assert asyncio.run(generate_batch(url, keys, 60)) == [200] * 16
+        wait_for_line(proc, f"worker0 ({hung}) stopped answering sglang-router's health checks: "
+                            f"out of rotation")
+        victim.resume()
+        wait_for_line(proc, f"worker0 ({hung}) is healthy again: back in rotation")
+        assert asyncio.run(generate_batch(url, keys, 60)) == [200] * 16
+    finally:
+        if victim is not None and victim.is_running():
+            victim.resume()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
