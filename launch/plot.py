@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,8 +268,15 @@ def draw(panels: list[Panel], path: Path, title: str, xlabel: str) -> None:
     axes[-1, 0].set_xlabel(xlabel)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(path.name + ".tmp")  # whole or not at all (a full disk)
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
 
 
 def _log_scale(ax: Any, values: list[float]) -> None:

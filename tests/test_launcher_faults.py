@@ -11,13 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
-from launch.cluster import main
+from launch.cluster import main, write_plots
 from launch.config import ConfigError, load
+from launch.plot import plot_run
 from launch.sinks import JsonlSink, Sinks
+from tests.test_plot import records, write_run
 from tests.test_cluster import IDLE_PAIR, ROOT, exit_info, launch, wait_for_line, write_hosts
 from transport.schema import Metrics
 
@@ -168,6 +171,24 @@ def test_jsonl_sink_cuts_a_partial_last_line_before_appending(tmp_path):
     assert whole_records(path) == [1, 2, 3]
     assert said == [f"{path}: cut a partial last record (16 bytes) left by an earlier launcher; "
                     f"appending after the last whole one"]
+
+
+@pytest.fixture(scope="module")
+def matplotlib_warm(tmp_path_factory):
+    """matplotlib keeps the font files it used open (a cache): open them before the per-test
+    leak check (conftest.py) takes its snapshot."""
+    plot_run(write_run(tmp_path_factory.mktemp("warm-up"), records()))
+
+
+def test_plots_on_a_full_disk_are_said_and_leave_no_part_of_a_file(matplotlib_warm, small_disk,
+                                                                   capsys):
+    run_dir = write_run(small_disk, records())
+    fill(small_disk)
+    write_plots(types.SimpleNamespace(run=types.SimpleNamespace(sinks=["jsonl"])), run_dir)
+    out = capsys.readouterr().out
+    assert "plots failed (OSError: [Errno 28] No space left on device" in out
+    assert f"retry with python -m launch.plot {run_dir}" in out
+    assert [p.name for p in (run_dir / "plots").iterdir()] == []
 
 
 WAITS_FOR_GO = """
