@@ -307,8 +307,8 @@ def _run_fault(fault: str, hosts: Path, run_dir: Path, steps: int, at: int,
         extra["ballast_mib"] = disk.fill() >> 20
         extra["full_exit"] = run.finish(timeout_s=600)
         extra["full_exit_json"] = exit_record(run_dir)
-        extra["full_said"] = [line.strip() for line in run.lines
-                              if re.search(r"failed|error|No space", line)][-6:]
+        extra["full_said"] = [line.strip() for line in "".join(run.lines).splitlines()
+                              if re.search(r"failed|error|No space|exit", line)][-8:]
         orphans += run.orphans()
         disk.free()
         run = Run(hosts, run_dir, resume=True)
