@@ -52,7 +52,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from launch import plot, sinks
+from launch import files, plot, sinks
 from launch.agent import agent_command
 from launch.config import (
     ClusterConfig,
@@ -164,13 +164,14 @@ def write_endpoints(run_dir: Path, doc: dict) -> None:
             f"launch.watch {run_dir} cannot find it: give it the metrics address instead")
 
 
-def write_exit(run_dir: Path, done: dict) -> None:
-    """exit.json, whole or not at all (launch/files.py); a failure to write it (a full disk) is
-    said on stderr, and the launcher still exits with the run's code."""
+def write_exit(room: files.Reserved, done: dict) -> None:
+    """exit.json, whole or not at all, in the room taken for it when the run started
+    (launch/files.py); a failure to write it is said on stderr, and the launcher still exits
+    with the run's code."""
     try:
-        write_json(run_dir / "exit.json", done)
+        room.write(json.dumps(done, indent=2))
     except OSError as e:
-        print(f"error: cannot write {run_dir / 'exit.json'} ({e}); the run's exit code is "
+        print(f"error: cannot write {room.path} ({e}); the run's exit code is "
               f"{done['exit_code']} ({done['reason']})", file=sys.stderr)
 
 
@@ -255,6 +256,7 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     except sinks.SinkError as e:
         console.print(f"error: {e}; nothing was started", style="bold red")
         return 2
+    exit_room = files.Reserved(run_dir / "exit.json")  # a disk full at the end still gets it
     sock_dir, temporary = socket_dir(run_dir)
     sup = Supervisor(cfg, run_dir, sock_dir, order, say, resume)
     endpoints = sup.open()
@@ -305,7 +307,7 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
                 "completed": sup.completed if code == 0 else None, "actors": summary}
         if sup.distributed:
             done["hosts"] = sup.hosts_summary()
-        write_exit(run_dir, done)
+        write_exit(exit_room, done)
         sup.close()
         if temporary:
             shutil.rmtree(sock_dir, ignore_errors=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.cluster import main, write_plots
+from launch.cluster import main, write_exit, write_plots
+from launch.files import Reserved
 from launch.config import ConfigError, load
 from launch.plot import plot_run
 from launch.sinks import JsonlSink, Sinks
@@ -224,10 +225,11 @@ def test_a_full_disk_at_the_end_of_a_run_keeps_its_exit_code_and_whole_files(tmp
         proc.stdout.close()
         proc.stderr.close()
     assert proc.returncode == 0, out + err
-    assert "Traceback" not in out + err
-    assert (f"error: cannot write {run_dir / 'exit.json'} ([Errno 28] No space left on device); "
-            f"the run's exit code is 0 (main completed)") in err
-    assert not (run_dir / "exit.json").exists() and not (run_dir / "exit.json.tmp").exists()
+    assert "Traceback" not in out + err and not err
+    # exit.json is written into the room taken for it when the run started
+    info = exit_info(run_dir)
+    assert info["exit_code"] == 0 and info["reason"] == "main completed"
+    assert not (run_dir / "exit.json.tmp").exists()
     assert (f"metrics sink jsonl: writing {run_dir / 'metrics.jsonl'} failed ([Errno 28] No "
             f"space left on device); records are counted and dropped") in out
     before = whole_records(run_dir / "metrics.jsonl")
@@ -237,8 +239,30 @@ def test_a_full_disk_at_the_end_of_a_run_keeps_its_exit_code_and_whole_files(tmp
     again = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--resume",
                             str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert exit_info(run_dir)["completed"] == "main"
-    assert whole_records(run_dir / "metrics.jsonl")[:len(before)] == before
+    assert "is already complete (main finished; exit.json)" in again.stdout
+    assert whole_records(run_dir / "metrics.jsonl") == before
+
+
+def test_exit_json_that_cannot_be_written_is_said_on_stderr_with_the_runs_code(tmp_path,
+                                                                              capsys):
+    room = Reserved(tmp_path / "exit.json")
+    (tmp_path / "exit.json.tmp").unlink()  # its room is gone: the rename fails
+    write_exit(room, {"exit_code": 143, "reason": "interrupted by SIGTERM"})
+    assert capsys.readouterr().err == (
+        f"error: cannot write {tmp_path / 'exit.json'} ([Errno 2] No such file or directory: "
+        f"'{tmp_path / 'exit.json.tmp'}' -> '{tmp_path / 'exit.json'}'); the run's exit code is "
+        f"143 (interrupted by SIGTERM)\n")
+    assert not (tmp_path / "exit.json").exists()
+
+
+def test_reserved_room_gets_its_file_whole_on_a_full_disk(small_disk):
+    room = Reserved(small_disk / "exit.json", size=64 << 10)
+    fill(small_disk)
+    text = json.dumps({"exit_code": 0, "actors": {f"a{i}": {"pid": i} for i in range(500)}})
+    assert 10_000 < len(text) < 64 << 10
+    room.write(text)
+    assert (small_disk / "exit.json").read_text() == text
+    assert not (small_disk / "exit.json.tmp").exists()
 
 
 # ----------------------------------------------------------------------------- found at load
