@@ -30,6 +30,7 @@ import concurrent.futures
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -407,9 +408,16 @@ class TrainerActor(Actor):
         """Ask the rollout to score the eval tasks with the final weights; record the result."""
         reply = await self.rollout.call(EvalRequest(step=self.state.step),
                                         self.config.batch_timeout_s)
-        (self.run_dir / "final_eval.json").write_text(json.dumps(
-            {"step": self.state.step, "version": self.state.version, "scores": reply.scores,
-             "num_tasks": reply.num_tasks}, indent=2))
+        path = self.run_dir / "final_eval.json"
+        tmp = path.with_name(path.name + ".tmp")  # whole or not at all (a full disk)
+        try:
+            tmp.write_text(json.dumps({"step": self.state.step, "version": self.state.version,
+                                       "scores": reply.scores, "num_tasks": reply.num_tasks},
+                                      indent=2))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.notify(f"final eval {reply.scores} (not written to {path.name}: {e})")
         log.info("%s: final eval %s", self.name, reply.scores)
         if self.metrics:
             self.metrics.publish({f"final_eval/{d}": v for d, v in reply.scores.items()},

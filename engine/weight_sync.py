@@ -70,6 +70,9 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 log = logging.getLogger(__name__)
 
 
+HEALTH_PROBE_S = 3.0  # a worker that does not answer /health this long is skipped by a push
+
+
 class SyncError(RuntimeError):
     """A worker refused or missed a weight update; the message names the worker and why."""
 
@@ -222,13 +225,19 @@ class DiskSync:
 
     A worker that cannot be reached (down, or restarting) is skipped and named in `unreachable`:
     a restarting worker loads the newest version from disk itself before it serves
-    (actors/inference.py), so the run goes on without it instead of failing. Any other failure
-    (a worker that answers but refuses the update) raises SyncError.
+    (actors/inference.py), so the run goes on without it instead of failing. So is one that does
+    not answer /health within `probe_timeout_s` (hung: stopped, or stuck), and later pushes skip
+    it at once until a probe left waiting on it hears back; every push loads the whole
+    checkpoint, so the next one brings it up to date (its samples meanwhile carry its own, older
+    version). Any other failure (a worker that answers but refuses the update) raises SyncError.
     """
 
-    def __init__(self, clients: list[SglangClient], pause_mode: str = DEFAULT_PAUSE_MODE):
+    def __init__(self, clients: list[SglangClient], pause_mode: str = DEFAULT_PAUSE_MODE,
+                 probe_timeout_s: float = HEALTH_PROBE_S):
         self.clients, self.pause_mode = clients, pause_mode
+        self.probe_timeout_s = probe_timeout_s
         self.unreachable: list[str] = []  # workers skipped by the latest push
+        self._silent: dict[str, asyncio.Task] = {}  # a /health probe still waiting, by worker
 
     async def push(self, path: str, version: str) -> None:
         results = await asyncio.gather(*(self._push_one(c, path, version) for c in self.clients),
@@ -246,10 +255,27 @@ class DiskSync:
                         ", ".join(self.unreachable))
 
     async def _push_one(self, client: SglangClient, path: str, version: str) -> None:
+        await self._answering(client)
         async with paused([client], self.pause_mode):
             await _settle({client.base_url: _succeeded(client.update_weights_from_disk(
                 path, weight_version=version))}, None, f"weight version {version} from disk")
         await check_versions([client], version)
+
+
+    async def _answering(self, client: SglangClient) -> None:
+        """SglangConnectionError (skipped as unreachable) unless `client` answers /health
+        within probe_timeout_s, or, when it did not before, its waiting probe has heard back."""
+        url = client.base_url
+        probe = self._silent.pop(url, None)
+        if probe is None:
+            probe = asyncio.ensure_future(client.health())
+            await asyncio.wait({probe}, timeout=self.probe_timeout_s)
+        if probe.done():
+            probe.result()  # False (an error status, no connection): the push itself says why
+            return
+        self._silent[url] = probe
+        raise SglangConnectionError(f"{url} has not answered /health for at least "
+                                    f"{self.probe_timeout_s:g} s (hung)")
 
 
 MAX_SAFETENSORS_BUCKET_BYTES = 160 << 20  # base64 of it (+ headers) stays under 256 MiB

@@ -68,6 +68,66 @@ async def test_disk_push_skips_an_unreachable_worker_and_updates_the_others(ipc,
             await dead.close()
 
 
+class HungServer:
+    """A TCP server that takes connections and answers none, until `wake()`: then a request
+    for /health gets 200 and the connection is closed (anything else just closed)."""
+
+    def __init__(self):
+        self.connections = 0
+        self.awake = asyncio.Event()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader, writer) -> None:
+        self.connections += 1
+        line = await reader.readline()
+        await self.awake.wait()
+        if b"/health" in line:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    def wake(self) -> None:
+        self.awake.set()
+
+    async def close(self) -> None:
+        self.wake()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_disk_push_skips_a_hung_worker_until_it_answers_again(ipc, tmp_path):
+    """A worker that takes connections but answers nothing (SIGSTOP) is skipped after the
+    probe's timeout, and later pushes skip it without waiting (no new connection) until the
+    probe left on it hears back; then it is pushed to again."""
+    worker = InferenceWorker(context("w1", ipc), InferenceWorker.Config(model="tiny-qwen2"))
+    hung = HungServer()
+    async with running(worker, 30):
+        live = SglangClient(worker.bound.http, timeout_s=10)
+        stuck = SglangClient(await hung.start(), timeout_s=60, retries=0)
+        try:
+            model, tok = trained(5)
+            save_checkpoint(model, tok, str(tmp_path / "v1"))
+            sync = DiskSync([live, stuck], probe_timeout_s=0.3)
+            for version in ("1", "2"):
+                await sync.push(str(tmp_path / "v1"), version)
+                assert sync.unreachable == [stuck.base_url]
+                assert await live.get_weight_version() == version
+            assert hung.connections == 1  # the second push did not wait on it again
+            hung.wake()
+            while not sync._silent[stuck.base_url].done():
+                await asyncio.sleep(0.01)
+            await sync.push(str(tmp_path / "v1"), "3")  # it answers: pushed to (and it fails)
+            assert hung.connections > 1 and sync.unreachable == [stuck.base_url]
+            assert await live.get_weight_version() == "3"
+        finally:
+            await live.close()
+            await stuck.close()
+            await hung.close()
+
+
 def test_router_child_dies_with_a_killed_router_actor(tmp_path):
     """kill -9 of the router actor: its sglang-router process (own session) goes too."""
     hosts = write_hosts(tmp_path, """
