@@ -110,4 +110,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()  # an exception ends the process as any (traceback, exit code 1)
+    # done, and the group destroyed: leave without C++ static destructors, which now and then
+    # meet a gloo thread still being torn down ("terminate called without an active
+    # exception", SIGABRT after a clean stop)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -405,11 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print_plan(cfg, order, args.hosts)
         return 0
-    resolved = {"source": str(Path(args.hosts).resolve()), "start_order": order,
-                "overrides": list(args.overrides), **msgspec.to_builtins(cfg)}
     try:
         run_dir = make_run_dir(cfg, args.run_dir)
-        keys = prepare_keys(cfg, run_dir)
+        keys = prepare_keys(cfg, run_dir)  # before the config is recorded: its keys_dir
+        resolved = {"source": str(Path(args.hosts).resolve()), "start_order": order,
+                    "overrides": list(args.overrides), **msgspec.to_builtins(cfg)}
         write_json(run_dir / "config.json", resolved)
     except OSError as e:
         print(f"error: cannot prepare the run directory: {e}; nothing was started",

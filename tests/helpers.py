@@ -49,8 +49,11 @@ def two_gloo_ranks(module: str, tmp_path: Path, timeout_s: float = 120) -> list[
     root = Path(__file__).resolve().parent.parent
     port = free_port("127.0.0.1")
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    code = (f"import sys; from {module} import worker; "
-            "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
+    # os._exit: no C++ static destructors after the group is gone (a gloo thread met there
+    # aborts a finished process now and then, as actors/trainer_rank.py says)
+    code = (f"import os, sys; from {module} import worker; "
+            "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]); "
+            "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port),
                                str(tmp_path / "out")], cwd=root, env=env,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -1,7 +1,11 @@
-"""The trainer's unpadded per-length forward: bit-identical to one sequence at a time, and the
+"""The trainer's unpadded per-length forward: bit-identical to one sequence at a time when the
+sequence is alone at its length (sequences sharing a length go through one batched matrix
+product, whose sums some CPUs order by batch size: AVX2 kernels differ in the last bit), and the
 same gradients as the padded forward."""
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -18,11 +22,16 @@ def test_by_length_forward_equals_each_sequence_alone_and_keeps_gradients():
     assert len({len(s.prompt_ids) + len(s.response_ids) for s in samples}) > 2  # real padding
     mb = make_micro_batch(samples, tok.pad_token_id)
     grouped, ent = micro_batch_logprobs(model, mb, 0.7, by_length=True)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    assert 1 in collections.Counter(lengths).values()  # some sequence is alone at its length
     for i, s in enumerate(samples):
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         p, n = len(s.prompt_ids), len(s.response_ids)
         alone = token_logprobs(model, ids, temperature=0.7)[0, p - 1:p - 1 + n]
-        assert torch.equal(grouped[i, :n], alone)  # bit for bit
+        if lengths.count(lengths[i]) == 1:
+            assert torch.equal(grouped[i, :n], alone)  # bit for bit
+        else:
+            assert (grouped[i, :n] - alone).abs().max() <= 1e-6
     padded, pent = micro_batch_logprobs(model, mb, 0.7, by_length=False)
     assert torch.allclose(grouped * mb.mask, padded * mb.mask, atol=1e-5)
     assert torch.allclose(ent * mb.mask, pent * mb.mask, atol=1e-5)

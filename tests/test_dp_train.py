@@ -109,10 +109,12 @@ def test_two_process_step_equals_one_process_step(tmp_path: Path):
     initial = build_tiny("tiny-qwen2", seed=0)[0].state_dict()
     moved = max(float((policy1[k] - initial[k]).abs().max()) for k in policy1)
     assert moved > 1e-4  # the step did change the weights
+    # the gradient sum over ranks is ordered otherwise than one process's: 2.5e-7 apart with
+    # AVX-512 kernels, 2.1e-6 with AVX2 (one element of 2,048, after Adam's normalisation)
     for name in policy1:
-        torch.testing.assert_close(policy2[name], policy1[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(policy2[name], policy1[name], atol=5e-6, rtol=0)
     for name in critic1:
-        torch.testing.assert_close(critic2[name], critic1[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(critic2[name], critic1[name], atol=5e-6, rtol=0)
     # Adam is nearly blind to a constant gradient scale: the norms catch a wrong normalisation
     for key in ("train/loss", "train/grad_norm", "train/critic_grad_norm", "train/value_loss",
                 "train/tokens", "train/policy_kl", "mismatch/abs_diff_mean",

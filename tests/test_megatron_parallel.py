@@ -254,7 +254,7 @@ def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(r
     assert set(report["stats"]) == set(want)
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/policy_kl",
                 "mismatch/abs_diff_mean"):
-        assert report["stats"][key] == pytest.approx(want[key], rel=1e-5), key
+        assert report["stats"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert want["train/grad_norm"] > cfg.optimizer.grad_clip  # the clip was active on both
     for key, value in hf.state_dict().items():
         assert (report["weights"][key] - value).abs().max() < 1e-5, key
@@ -281,7 +281,8 @@ def test_pipeline_step_with_a_reference_and_a_critic_equals_one_stage(reports, n
         keys += ["opd/t/reverse_kl", "opd/t/tokens"]
         assert want["opd/t/tokens"] > 0
     for key in keys:
-        assert got["stats"][key] == pytest.approx(want[key], rel=1e-5), key
+        # abs: a loss that cancels to ~0 (fp32 residue) has no relative precision
+        assert got["stats"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     if cfg.kl.use_kl_loss:
         assert want["train/kl_loss"] > 1e-3  # the reference differs from the policy
     for key, value in hf.state_dict().items():

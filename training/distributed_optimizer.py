@@ -45,6 +45,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed reduce_scatter_tensor (the old name warns); the same call either way
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 class DistributedOptimizer:
     """AdamW over this replica's range of the flattened parameters (see the module docstring),
@@ -135,7 +138,7 @@ class DistributedOptimizer:
         if self.world == 1:
             mine.copy_(flat)
         else:
-            dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+            REDUCE_SCATTER(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         del flat
         square = torch.zeros((), dtype=torch.float32, device=self.comm_device)
         for first, end in self._counted:
