@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import psutil
@@ -62,6 +63,7 @@ ACTORS = ("worker0", "worker1", "router", "buffer", "rollout", "trainer")
 DAMAGE = {"corrupt_checkpoint": "*.safetensors", "corrupt_state": "trainer_state.pt"}
 FAULTS = ACTORS + ("launcher", *DAMAGE, "hang_worker", "disk_full")
 DISK_BYTES = 256 << 20  # the tmpfs of the disk_full fault
+STEP_LINE = re.compile(r"trainer: step (\d+)/")
 
 
 def hosts_file(folder: Path, steps: int, save_every: int, compact_bytes: int,
@@ -102,19 +104,20 @@ class Run:
             pass
 
     def until(self, pattern: str, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            self.track()
-            if not line and self.proc.poll() is not None:
-                break
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return
-        raise RuntimeError(f"never saw {pattern!r}: {''.join(self.lines[-20:])}")
+        """Until a console line matches `pattern`."""
+        self._read_until(lambda line: re.search(pattern, line) is not None, repr(pattern),
+                         timeout_s)
 
     def until_step(self, step: int, timeout_s: float = 600) -> None:
         """Until the console says the trainer reached `step` (or a later one)."""
+        def reached(line: str) -> bool:
+            found = STEP_LINE.search(line)
+            return found is not None and int(found.group(1)) >= step
+
+        self._read_until(reached, f"step {step}", timeout_s)
+
+    def _read_until(self, done: Callable[[str], bool], what: str, timeout_s: float) -> None:
+        """Read console lines (timing the trainer's step lines) until `done(line)`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
@@ -122,12 +125,11 @@ class Run:
             if not line and self.proc.poll() is not None:
                 break
             self.lines.append(line)
-            found = re.search(r"trainer: step (\d+)/", line)
-            if found:
+            if STEP_LINE.search(line):
                 self.step_times.append(time.monotonic())
-            if found and int(found.group(1)) >= step:
+            if done(line):
                 return
-        raise RuntimeError(f"never saw step {step}: {''.join(self.lines[-20:])}")
+        raise RuntimeError(f"never saw {what}: {''.join(self.lines[-20:])}")
 
     def actor(self, name: str) -> psutil.Process:
         for child in psutil.Process(self.proc.pid).children():
