@@ -204,12 +204,9 @@ class Supervisor:
             start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
             run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s,
             request_retry_s=run.request_retry_s, run_token=self.run_token)
-        spec_path = self.run_dir / "specs" / f"{name}.json"
-        spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec = {"cls": entry.cls, "config": entry.config, "context": msgspec.to_builtins(ctx)}
-        spec_path.touch(mode=0o600)  # it holds the run token: its owner's only
-        spec_path.chmod(0o600)
-        spec_path.write_text(json.dumps(spec, indent=2))
+        spec_path = self.run_dir / "specs" / f"{name}.json"  # 0600: it holds the run token
+        write_spec(spec_path, {"cls": entry.cls, "config": entry.config,
+                               "context": msgspec.to_builtins(ctx)})
         # one host: logs/<actor>.log; several: logs/<host>/<actor>.log for every actor
         logs = self.run_dir / "logs" / host.name if self.distributed else self.run_dir / "logs"
         ap = ActorProcess(name, entry, ctx, spec_path, logs / f"{name}.log", host.name)
