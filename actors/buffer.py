@@ -51,7 +51,7 @@ import msgspec
 import numpy as np
 
 from logic.buffer import BufferConfig, BufferSnapshot, RolloutBuffer, check_group, check_version
-from runtime.actor import Actor, ActorView
+from runtime.actor import Actor
 from transport import records
 from transport.schema import (
     TOPK_IDS_DTYPE,
@@ -247,22 +247,6 @@ class BufferActor(Actor):
     Config = BufferConfig
     role = "buffer"
 
-    @classmethod
-    def check_peers(cls, name: str, config: BufferConfig, actors: dict[str, ActorView]) -> None:
-        """Every rollout that gets its permits here plays the groups this buffer completes:
-        the same `group_size` and `groups_per_batch`."""
-        for other, view in actors.items():
-            if view.cls.role != "rollout" or getattr(view.config, "buffer", None) != name:
-                continue
-            for field in ("group_size", "groups_per_batch"):
-                mine, theirs = getattr(config, field), getattr(view.config, field)
-                if mine != theirs:
-                    raise ValueError(
-                        f"{field} = {mine} here but {field} = {theirs} in "
-                        f"[actors.{other}.config], the rollout feeding this buffer: set both to "
-                        f"the same value (the buffer completes groups of group_size samples and "
-                        f"batches of groups_per_batch groups, the rollout plays exactly those)")
-
     async def on_start(self) -> None:
         self.logic = RolloutBuffer(self.config)
         self.state = BufferState(self.logic)
@@ -344,7 +328,7 @@ class BufferActor(Actor):
         if not isinstance(msg, SampleGroup):
             self.counters["inbox.unexpected"] += 1
             return
-        if self._invalid(msg, lambda: check_group(msg.samples, self.config)):
+        if self._invalid(msg, lambda: self._check_group(msg)):
             self.counters["inbox.refused_invalid"] += 1
             return
         # a re-sent group that came through a stream (a teacher pool between): as `resend`
@@ -355,7 +339,7 @@ class BufferActor(Actor):
     async def resend(self, msg: SampleGroup) -> Ack | ErrorReply:
         """A group the rollout sends again because this buffer process is new (the one before
         may have died with it in flight): what the books already hold counts as a copy."""
-        refused = self._invalid(msg, lambda: check_group(msg.samples, self.config))
+        refused = self._invalid(msg, lambda: self._check_group(msg))
         if refused:
             return refused
         self._record(JournalEntry("resend", group=msg))
@@ -452,6 +436,15 @@ class BufferActor(Actor):
             self._record(JournalEntry("version", version=version, step=step, epoch=epoch,
                                       checkpointed=checkpointed))
         return None
+
+    def _check_group(self, msg: SampleGroup) -> None:
+        """A whole, valid group, sampled at the run's temperature and top-p (ctx.facts)."""
+        check_group(msg.samples, self.config)
+        wrong = self.ctx.facts.sampled_as(msg.temperature, msg.top_p) if self.ctx.facts else ""
+        if wrong:
+            raise ValueError(f"a group sampled at {wrong}: the trainer computes its log-probs at "
+                             f"the run's sampling settings; sample at those (the rollout's "
+                             f"temperature / top_p, or [rl])")
 
     def _invalid(self, msg: Msg, check: Callable[[], object]) -> ErrorReply | None:
         """None if `check()` passes; else counts and logs the refusal and returns the answer."""

@@ -39,7 +39,7 @@ from engine.session import AGENT_STATS, DRIFT_RULES, AgentLink, HttpSession, Ses
 from envs.loader import check_at_load, load_envs
 from envs.openai_api import AgentEndpoint
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor, ActorView, EndRun, check_named_peers
+from runtime.actor import Actor, EndRun
 from transport.rpc import RemoteError
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
@@ -185,25 +185,8 @@ class RolloutActor(Actor):
         return check_at_load(mix, config.eval_tasks)
 
     @classmethod
-    def check_peers(cls, name: str, config: RolloutConfig, actors: dict[str, ActorView]) -> None:
-        """Its router, buffer and sink are actors it starts after; a teacher-pool sink scores at
-        the rollout's temperature and hands the groups to the rollout's buffer."""
-        check_named_peers(name, actors, {"router": config.router, "buffer": config.buffer,
-                                         "sink": config.sink})
-        sink = actors[config.sink] if config.sink else None
-        if sink is None or sink.cls.role != "teacher_pool":
-            return
-        if sink.config.temperature != config.temperature:
-            raise ValueError(f"temperature = {config.temperature} here but temperature = "
-                             f"{sink.config.temperature} in [actors.{config.sink}.config], the "
-                             f"teacher pool this rollout sends to: set the pool's temperature "
-                             f"to the rollout's sampling temperature (teachers score at it)")
-        if sink.config.buffer != config.buffer:
-            raise ValueError(f"buffer = {config.buffer!r} here but buffer = "
-                             f"{sink.config.buffer!r} in [actors.{config.sink}.config], the "
-                             f"teacher pool this rollout sends to: the groups must reach the "
-                             f"buffer that gives the rollout its permits; name the same buffer "
-                             f"in both")
+    def peers(cls, config: RolloutConfig) -> dict[str, str]:
+        return {"router": config.router, "buffer": config.buffer, "sink": config.sink}
 
     def __init__(self, ctx, config=None):
         super().__init__(ctx, config)
@@ -294,7 +277,8 @@ class RolloutActor(Actor):
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p}
         samples = await asyncio.gather(*(self.play(task, sampling, group_id, i)
                                          for i in range(cfg.group_size)))
-        await self.send_group(SampleGroup(samples=list(samples)))
+        await self.send_group(SampleGroup(samples=list(samples), temperature=cfg.temperature,
+                                          top_p=cfg.top_p))
         return list(samples)
 
     async def send_group(self, group: SampleGroup) -> None:

@@ -42,7 +42,7 @@ from logic.teachers import (
     score_request,
 )
 from models.load import check_model_path, load_tokenizer
-from runtime.actor import Actor, ActorView, check_named_peers
+from runtime.actor import Actor
 from transport.schema import Msg, Sample, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -83,13 +83,11 @@ class TeacherPool(Actor):
                                  "or `url` (a teacher server)")
 
     @classmethod
-    def check_peers(cls, name: str, config: TeacherPoolConfig,
-                    actors: dict[str, ActorView]) -> None:
-        """Its buffer, and in server mode the teachers' `worker`s, are actors it starts after."""
-        peers = {"buffer": config.buffer}
-        if config.mode == "server":
-            peers.update({f"teachers[{t.name!r}].worker": t.worker for t in config.teachers})
-        check_named_peers(name, actors, peers)
+    def peers(cls, config: TeacherPoolConfig) -> dict[str, str]:
+        """Its buffer, and in server mode the teachers' `worker`s."""
+        served = config.teachers if config.mode == "server" else []
+        return {"buffer": config.buffer,
+                **{f"teachers[{t.name!r}].worker": t.worker for t in served}}
 
     async def on_start(self) -> None:
         cfg = self.config

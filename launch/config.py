@@ -27,9 +27,11 @@ import msgspec
 
 from envs.loader import EnvSpecError, one_line
 from launch import rl as rl_table
+from launch.plan import PlanError, check_plan
 from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
 from runtime.actor import ActorView
+from runtime.facts import RunFacts
 from runtime.loading import ConfigError, actor_config, import_actor
 from transport.codec import Limits
 from transport.shm import ShmConfig
@@ -127,6 +129,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     security: Security = Security()
     limits: Limits = Limits()
     shm: ShmConfig = ShmConfig()
+    # what every actor agrees on (runtime/facts.py): derived at load by launch/plan.py from the
+    # actors, never written in hosts.toml
+    facts: RunFacts | None = None
 
 
 # actor config fields (at any depth) that name a model checkpoint: a relative path that is a
@@ -241,6 +246,9 @@ def _load_document(raw: dict[str, Any], path: Path,
             msgspec.convert(entry, ActorEntry)
         except msgspec.ValidationError as e:
             raise ConfigError(f"{path}: {_describe(str(e), ['actors', name])}") from None
+    if "facts" in raw:
+        raise ConfigError(f"{path}: `facts` is derived from the actors at load, not written: "
+                          f"remove the [facts] table (set [rl] or the actors' tables instead)")
     try:
         cfg = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as e:
@@ -444,11 +452,10 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
         _check_gpus(views[name].gpus, hosts[host], table, fail)
         if not hosts[host].exec:  # another machine's ports are its agent's to find
             _check_ports(name, cls, config, taken, path)
-    for name, view in views.items():
-        try:
-            view.cls.check_peers(name, view.config, views)
-        except ValueError as e:
-            raise ConfigError(f"{path}: table [actors.{name}.config]: {e}") from None
+    try:
+        cfg.facts = check_plan(views)
+    except PlanError as e:
+        raise ConfigError(f"{path}: table [actors.{e.actor}.config]: {e}") from None
     start_order(cfg, path)
 
 

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 
 import msgspec
 
+from runtime.facts import RunFacts
 from transport.codec import Limits
 from transport.metrics import MetricsPublisher
 from transport.rpc import DeadlineExceeded, Handler, RpcClient, RpcServer
@@ -89,6 +90,9 @@ class ActorContext(msgspec.Struct, forbid_unknown_fields=True):
     # shared by the actors of one run (the launcher draws it): proves an actor's role to its
     # peers (transport.rpc role_proof); "" (run on its own): roles are taken as claimed
     run_token: str = ""
+    # what every actor of the run agrees on (runtime/facts.py; launch/plan.py derives it);
+    # None when run on its own
+    facts: RunFacts | None = None
 
 
 class EndRun(Exception):
@@ -165,6 +169,12 @@ class Actor:
         """The physical GPUs this actor computes on (runtime/devices.py ids) when started
         with `env` on `host`; [] for CPU-only actors. Used by peers' `check_peers`."""
         return []
+
+    @classmethod
+    def peers(cls, config: Any) -> dict[str, str]:
+        """The peers `config` names, by field (`"workers[0]"` -> `"worker0"`; "" = none): the
+        launcher checks each is an actor this one starts after (launch/plan.py)."""
+        return {}
 
     @classmethod
     def check_peers(cls, name: str, config: Any, actors: dict[str, ActorView]) -> None:

@@ -237,6 +237,10 @@ class SampleGroup(Msg):
     # sent again to a restarted buffer through a stream (e.g. via the teacher pool): the buffer
     # counts the samples it already holds as copies, not as new or duplicated samples
     resent: bool = False
+    # what the group was sampled at (None: not said); the buffer refuses a group whose values
+    # are not the run's (runtime/facts.py): the trainer computes its log-probs at the run's
+    temperature: float | None = None
+    top_p: float | None = None
 
 
 class RolloutPermit(Msg):

@@ -1,0 +1,45 @@
+"""The facts of one run: what every actor must agree on, said once.
+
+The launcher derives them from the whole plan (launch/plan.py: from `[rl]` or from the
+per-actor tables) before anything starts, checks every actor's settings against them, and hands
+them to each actor in its context (`ActorContext.facts`). Facts that travel with data ride on
+the data too (a sample group carries the temperature and top-p it was sampled at), and the
+receiving actor checks them against these at admission.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TeacherFact(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One distillation teacher as every actor must see it."""
+
+    name: str  # the name samples are routed by (Sample.teacher)
+    model: str  # its checkpoint
+    domains: list[str] = []  # the sample domains routed to it
+
+
+class RunFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the actors of one run share (launch/plan.py `run_facts`)."""
+
+    model: str = ""  # the policy's checkpoint (its tokenizer is the run's tokenizer)
+    dtype: str = "float32"  # the trainer's parameter dtype
+    group_size: int = 0  # samples per prompt (0: this run has no rollout)
+    groups_per_batch: int = 0  # prompts per training batch
+    temperature: float = 1.0  # the sampling temperature: the trainer's loss and teachers use it
+    top_p: float = 1.0  # the sampling top-p
+    mode: str = "decoupled"  # "decoupled" or "colocated" (train and generate in turn)
+    max_staleness: int = 0  # weight versions the rollout may run ahead of the trainer
+    true_on_policy: bool = False  # workers and trainer compute with the invariant kernels
+    teachers: list[TeacherFact] = []  # distillation teachers (empty: no distillation)
+    opd_mode: str = ""  # the trainer's opd signal mode ("" = no opd)
+    opd_top_k: int = 0  # the trainer's opd top_k (what teacher servers return)
+
+    def sampled_as(self, temperature: float | None, top_p: float | None) -> str:
+        """"" when data sampled at (temperature, top_p) belongs to this run (None: not said),
+        else what differs, for a message."""
+        wrong = [f"{name} {got} (the run's is {want})" for name, got, want in
+                 (("temperature", temperature, self.temperature), ("top_p", top_p, self.top_p))
+                 if got is not None and got != want]
+        return ", ".join(wrong)

@@ -1,0 +1,112 @@
+"""The run's facts: derived once at load from the whole plan, delivered to every actor, and the
+facts that ride on data checked at admission (runtime/facts.py, launch/plan.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.buffer import BufferActor
+from launch.config import ConfigError, load
+from logic.buffer import BufferConfig
+from runtime.facts import RunFacts, TeacherFact
+from tests.helpers import context, running
+from transport.rpc import RpcClient
+from transport.schema import Ack, GetBatch, Sample, SampleGroup, TrainBatch, VersionUpdate
+from transport.sockets import SocketFactory
+from transport.streams import StreamSender
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RL = """
+[run]
+name = "t"
+
+[rl]
+model = "tiny-qwen2"
+group_size = 4
+groups_per_batch = 2
+temperature = 0.7
+top_p = 0.9
+max_staleness = 2
+num_steps = 3
+envs = [{ cls = "envs.builtin.arith:ArithEnv" }]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(text)
+    return path
+
+
+def test_facts_are_derived_once_from_rl_and_reach_every_actor_spec(tmp_path):
+    cfg = load(write(tmp_path, RL))
+    assert cfg.facts == RunFacts(model="tiny-qwen2", group_size=4, groups_per_batch=2,
+                                 temperature=0.7, top_p=0.9, max_staleness=2)
+
+
+def test_facts_of_a_distillation_run_name_its_teachers_and_opd(tmp_path):
+    text = RL + ('teachers = [{ name = "t", model = "tiny-qwen2", domains = ["math", "a"] }]\n'
+                 'opd = { mode = "sampled" }\n')
+    facts = load(write(tmp_path, text)).facts
+    assert facts.teachers == [TeacherFact("t", "tiny-qwen2", ["a", "math"])]
+    assert (facts.opd_mode, facts.opd_top_k) == ("sampled", 0)
+
+
+def test_facts_of_a_per_actor_layout_come_from_the_deciding_actors(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    facts = load(ROOT / "tests" / "fixtures" / "mopd_layout.toml").facts
+    assert facts.group_size > 0 and facts.groups_per_batch > 0
+    assert facts.opd_mode == "full"
+    assert sorted(t.name for t in facts.teachers) == ["arith", "reverse"]
+    assert facts.model.endswith("base-tiny")
+
+
+def test_facts_are_not_written_in_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="`facts` is derived from the actors at load"):
+        load(write(tmp_path, RL + "\n[facts]\ntemperature = 2.0\n"))
+
+
+def test_the_run_facts_say_what_differs():
+    facts = RunFacts(temperature=0.7, top_p=0.9)
+    assert facts.sampled_as(0.7, 0.9) == ""
+    assert facts.sampled_as(None, None) == ""
+    assert facts.sampled_as(1.0, 0.9) == "temperature 1.0 (the run's is 0.7)"
+    assert "top_p 1.0 (the run's is 0.9)" in facts.sampled_as(0.7, 1.0)
+
+
+@pytest.fixture
+def factory():
+    f = SocketFactory()
+    yield f
+    f.close()
+
+
+def sample(gid: str, index: int) -> Sample:
+    return Sample(group_id=gid, index=index, domain="math", prompt_ids=[1, 2],
+                  response_ids=[3, 4], loss_mask=[1, 1], rollout_logprobs=[-0.1, -0.2])
+
+
+async def test_the_buffer_admits_only_groups_sampled_at_the_runs_settings(ipc, factory):
+    facts = RunFacts(temperature=0.7, top_p=1.0, group_size=2, groups_per_batch=1)
+    actor = BufferActor(context("buffer", ipc, facts=facts),
+                        BufferConfig(group_size=2, groups_per_batch=1))
+    async with running(actor):
+        sender = StreamSender(factory, actor.bound.inbox)
+        client = RpcClient(factory, actor.bound.rpc, "trainer", timeout_s=3.0, role="trainer")
+        try:
+            await sender.send(SampleGroup(samples=[sample("hot", 0), sample("hot", 1)],
+                                          temperature=1.0, top_p=1.0))
+            await sender.send(SampleGroup(samples=[sample("ok", 0), sample("ok", 1)],
+                                          temperature=0.7, top_p=1.0))
+            assert isinstance(await client.call(VersionUpdate(version=0, step=0)), Ack)
+            batch = await client.call(GetBatch(step=0, trainer_version=0))
+            assert isinstance(batch, TrainBatch)
+            assert {s.group_id for s in batch.samples} == {"ok"}
+            assert actor.counters["inbox.refused_invalid"] == 1
+            assert actor.logic.counters["added"] == 2
+        finally:
+            sender.close()
+            await client.close()
