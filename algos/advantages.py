@@ -12,6 +12,10 @@ data-parallel training compute the same advantages. `advantage_estimator` is one
   targets, before whitening), advantages whitened.
 `kl_t` is the reward-shaping KL (`kl_in_reward`); with the KL as a loss term it is absent here.
 
+The estimators are one table, `ESTIMATORS`: an `Estimator` record per name with its scoring
+(`sample_scores`), its token function (`token_advantages`) and what the step does around it
+(`whitened`, `token_rewards`: accepts KL reward shaping, `needs_critic`).
+
 Whitening spans every policy token of the optimizer step, across micro-batches and ranks:
 `whiten_sums` gives (N, sum a, sum a^2) in float64 per micro-batch; the caller adds them up
 (all-reduce over ranks) and `whiten_with` applies `(a - mean) / sqrt(var + 1e-8)` with
@@ -29,15 +33,65 @@ and group ids, so every rank derives the same ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
-ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
-              "none")  # none: A = 0 (pure distillation: only the OPD signal trains)
-WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-TOKEN_REWARDS = WHITENED  # estimators that accept KL reward shaping
+# (per-sample scores [B], policy-token mask [B, T] float, reward-shaping KL [B, T] or None,
+#  kl_coef, critic values [B, T] or None, gamma, lam) -> (advantages [B, T], returns or None)
+TokenFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float,
+                    "torch.Tensor | None", float, float],
+                   "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: how it scores samples, turns scores into token advantages, and
+    what the step does around it."""
+
+    name: str
+    scores: Literal["zero", "raw", "group_normalised", "group_centred"]  # `sample_scores`
+    token_fn: TokenFn  # scores -> token advantages (and returns), before whitening
+    whitened: bool = False  # advantages whitened over the whole step (every rank)
+    token_rewards: bool = False  # accepts KL reward shaping (kl.in_reward)
+    needs_critic: bool = False  # the critic's values (GAE); the config needs `critic`
+
+
+def _broadcast(scores, mask, kl, kl_coef, values, gamma, lam):
+    return scores[:, None].expand_as(mask) * mask, None
+
+
+def _reinforce(scores, mask, kl, kl_coef, values, gamma, lam):
+    return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask, None
+
+
+def _baseline(scores, mask, kl, kl_coef, values, gamma, lam):
+    adv = scores[:, None].expand_as(mask).clone()
+    if kl is not None:
+        adv = adv - kl_coef * kl.float()
+    return adv * mask, None
+
+
+def _gae(scores, mask, kl, kl_coef, values, gamma, lam):
+    if values is None:
+        raise ValueError("advantage_estimator = 'ppo' needs the critic's values")
+    adv, returns = gae(scores, values, mask, kl, kl_coef, gamma, lam)
+    return adv * mask, returns
+
+
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
+    Estimator("grpo", "group_normalised", _broadcast),
+    Estimator("dr_grpo", "group_centred", _broadcast),
+    Estimator("reinforce_plus_plus", "raw", _reinforce, whitened=True, token_rewards=True),
+    Estimator("reinforce_plus_plus_baseline", "group_centred", _baseline, whitened=True,
+              token_rewards=True),
+    Estimator("ppo", "raw", _gae, whitened=True, token_rewards=True, needs_critic=True),
+    Estimator("none", "zero", _broadcast),  # A = 0 (pure distillation: only OPD trains)
+)}
+TOKEN_REWARDS = tuple(n for n, e in ESTIMATORS.items() if e.token_rewards)  # for messages
 
 
 def check_estimator(name: str) -> None:
@@ -45,26 +99,34 @@ def check_estimator(name: str) -> None:
         raise ValueError(f"advantage_estimator = {name!r}; use one of {', '.join(ESTIMATORS)}")
 
 
-def sample_scores(estimator: str, rewards: Sequence[float], group_ids: Sequence) -> torch.Tensor:
+def estimator(name: str) -> Estimator:
+    """The estimator named `name` (ValueError naming the choices otherwise)."""
+    check_estimator(name)
+    return ESTIMATORS[name]
+
+
+def sample_scores(estimator_name: str, rewards: Sequence[float], group_ids: Sequence
+                  ) -> torch.Tensor:
     """[N] per-sample scalar: group-normalised (grpo), group-centred (dr_grpo,
     reinforce_plus_plus_baseline) or the raw reward (reinforce_plus_plus, ppo). Groups are the
     samples sharing a group id (a group may have lost failed samples)."""
-    check_estimator(estimator)
+    kind = estimator(estimator_name).scores
     r = torch.tensor(list(rewards), dtype=torch.float32)
-    if estimator == "none":
+    if kind == "zero":
         return torch.zeros_like(r)
-    if estimator in ("reinforce_plus_plus", "ppo"):
+    if kind == "raw":
         return r
     by_group: dict = defaultdict(list)
     for i, g in enumerate(group_ids):
         by_group[g].append(i)
     out = torch.zeros_like(r)
     for idx in by_group.values():
-        out[idx] = grpo_advantages(r[idx], len(idx), std_normalization=estimator == "grpo")
+        out[idx] = grpo_advantages(r[idx], len(idx),
+                                   std_normalization=kind == "group_normalised")
     return out
 
 
-def token_advantages(estimator: str, scores: torch.Tensor, mask: torch.Tensor,
+def token_advantages(estimator_name: str, scores: torch.Tensor, mask: torch.Tensor,
                      kl: torch.Tensor | None = None, kl_coef: float = 0.0,
                      values: torch.Tensor | None = None, gamma: float = 1.0,
                      lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -72,23 +134,8 @@ def token_advantages(estimator: str, scores: torch.Tensor, mask: torch.Tensor,
 
     scores: [B] from `sample_scores`; mask: [B, T] policy tokens; kl: [B, T] reward-shaping KL.
     """
-    mask = mask.float()
-    if estimator in ("grpo", "dr_grpo", "none"):
-        return scores[:, None].expand_as(mask) * mask, None
-    if estimator == "reinforce_plus_plus":
-        return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask, None
-    if estimator == "reinforce_plus_plus_baseline":
-        adv = scores[:, None].expand_as(mask).clone()
-        if kl is not None:
-            adv = adv - kl_coef * kl.float()
-        return adv * mask, None
-    if estimator == "ppo":
-        if values is None:
-            raise ValueError("advantage_estimator = 'ppo' needs the critic's values")
-        adv, returns = gae(scores, values, mask, kl, kl_coef, gamma, lam)
-        return adv * mask, returns
-    check_estimator(estimator)
-    raise AssertionError("unreachable")
+    return estimator(estimator_name).token_fn(scores, mask.float(), kl, kl_coef, values, gamma,
+                                              lam)
 
 
 def whiten_sums(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

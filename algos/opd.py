@@ -182,16 +182,6 @@ def sampled_log_ratio(student_logp: torch.Tensor, teacher_logp: torch.Tensor,
         return torch.where(mask.bool(), r, torch.zeros_like(r))
 
 
-def shaped_advantages(advantages: torch.Tensor, student_logp: torch.Tensor,
-                      teacher_logp: torch.Tensor, mask: torch.Tensor,
-                      kl_coef: float) -> torch.Tensor:
-    """A_t - kl_coef * r_t, masked, [B, T]; advantages [B] (broadcast) or [B, T] (zeros: pure
-    distillation). No gradient flows through r (it is a reward)."""
-    r = sampled_log_ratio(student_logp, teacher_logp, mask)
-    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(r)
-    return (adv.to(r.dtype) - kl_coef * r) * mask.to(r.dtype)
-
-
 def token_logprobs_chunked(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                            chunk_elements: int | None = None) -> torch.Tensor:
     """log_softmax(logits / T)[targets], [B, T] float32 (float64 for float64 logits), no grad,
@@ -541,7 +531,8 @@ def distribution_reverse_kl(cfg: OpdConfig, student_logits: torch.Tensor, mask: 
         return top_k_reverse_kl(student_logits, teacher_ids, teacher_logprobs, mask, temperature,
                                 teacher_temperature)
     if cfg.mode not in TEACHER_LOGIT_MODES:
-        raise ValueError(f"mode = {cfg.mode!r} is not a loss term; use shaped_advantages")
+        raise ValueError(f"mode = {cfg.mode!r} is not a loss term: its signal is a reward "
+                         f"(sampled_log_ratio), subtracted from the advantages by the step")
     if teacher_logits is None:
         raise ValueError(f"mode = {cfg.mode!r} needs the teacher's logits (a colocated teacher)")
     if cfg.mode == "top_p" and nucleus_ids is not None:

@@ -9,7 +9,15 @@ import random
 import pytest
 import torch
 
-from algos.advantages import sample_scores, token_advantages, whiten, whiten_sums, whiten_with
+from algos.advantages import (
+    ESTIMATORS,
+    check_estimator,
+    sample_scores,
+    token_advantages,
+    whiten,
+    whiten_sums,
+    whiten_with,
+)
 from algos.mismatch import MismatchConfig, correction_weights
 from algos.policy_loss import ppo_clip_loss
 from algos.value import value_loss
@@ -28,6 +36,21 @@ def test_sample_scores_per_estimator_hand_computed():
     assert sample_scores("ppo", R, G).tolist() == R
     with pytest.raises(ValueError, match="advantage_estimator = 'gae'"):
         sample_scores("gae", R, G)
+
+
+def test_estimator_table_says_what_each_needs():
+    """The records the step and the config read: which are whitened, take KL reward shaping,
+    need a critic; an unknown name names every choice."""
+    assert {n for n, e in ESTIMATORS.items() if e.whitened} == {
+        "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}
+    assert {n for n, e in ESTIMATORS.items() if e.token_rewards} == {
+        "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}
+    assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["ppo"]
+    with pytest.raises(ValueError, match="advantage_estimator = 'gae'; use one of grpo, dr_grpo, "
+                       "reinforce_plus_plus, reinforce_plus_plus_baseline, ppo, none"):
+        check_estimator("gae")
+    with pytest.raises(ValueError, match="use one of grpo"):
+        sample_scores("gae", [1.0], [0])
 
 
 def test_token_advantages_hand_computed():

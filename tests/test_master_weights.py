@@ -3,6 +3,8 @@ uses them by default, the invariant (parameters = masters rounded) holds, checkp
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from actors.trainer import TrainerConfig
 from tests.test_dp_train import make_batch
 from training.config import MicroBatchConfig, OptimizerConfig
-from training.master_weights import MasterWeightOptimizer, make_optimizer
+from training.master_weights import MasterWeightOptimizer, PlainOptimizer, make_optimizer
 from training.setup import load_train_state
 from training.step import train_on_batch
 
@@ -34,11 +36,34 @@ def test_updates_below_half_a_bf16_ulp_accumulate_in_the_masters():
     assert torch.equal(mixed, torch.full((4,), 0.99).to(torch.bfloat16))  # 0.98828125
 
 
+def test_step_sums_over_ranks_clips_and_returns_the_norm():
+    """`step(max_norm, dp)`: the gradients summed by `dp`, clipped to max_norm (the norm of the
+    fp32 masters, or of the parameters without), one update; the norm returned."""
+    class Doubling:  # a stand-in for two data-parallel ranks holding the same gradient
+        def sum_grads(self, params):
+            for q in params:
+                q.grad = q.grad * 2
+
+    for master in (True, False):
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16 if master else torch.float32))
+        opt = make_optimizer([p], p.dtype, master, lr=1.0)
+        opt.optimizer = torch.optim.SGD(opt.master if master else [p], lr=1.0)
+        p.grad = torch.full((4,), 1.5, dtype=p.dtype)
+        norm = opt.step(1.0, Doubling())
+        assert norm == pytest.approx(6.0)  # |(3, 3, 3, 3)| before the clip
+        assert torch.allclose(p.float(), torch.full((4,), 0.5), atol=1e-2)  # 1 - 3 * 1/6
+        p.grad = torch.ones(4, dtype=p.dtype)
+        assert math.isnan(opt.step())  # torch's API: the update alone, no norm taken
+        assert torch.allclose(p.float(), torch.full((4,), -0.5), atol=1e-2)
+
+
 def test_optimizer_choice_follows_the_dtype():
     p = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
     assert isinstance(make_optimizer(p, torch.bfloat16, None, 1e-3), MasterWeightOptimizer)
-    assert isinstance(make_optimizer(p, torch.float32, None, 1e-3), torch.optim.AdamW)
-    assert isinstance(make_optimizer(p, torch.bfloat16, False, 1e-3), torch.optim.AdamW)
+    for plain in (make_optimizer(p, torch.float32, None, 1e-3),
+                  make_optimizer(p, torch.bfloat16, False, 1e-3)):
+        assert isinstance(plain, PlainOptimizer) and not plain.has_masters
+        assert isinstance(plain.optimizer, torch.optim.AdamW)
 
 
 def changed_fraction(master: bool | None, tmp_path) -> tuple[float, object]:

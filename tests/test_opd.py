@@ -22,7 +22,6 @@ from algos.opd import (
     opd_loss,
     opd_weights,
     sampled_log_ratio,
-    shaped_advantages,
     teacher_kl_metrics,
     teacher_kl_sums,
     token_logprobs_chunked,
@@ -104,20 +103,6 @@ def test_sampled_ratio_is_the_difference_of_gathered_logprobs():
             assert r[b, i].item() == pytest.approx(expect, abs=1e-5)
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_shaped_advantages_match_the_reference(per_token):
-    g = torch.Generator().manual_seed(2)
-    s_lp, t_lp = -torch.rand(B, T, generator=g) * 4, -torch.rand(B, T, generator=g) * 4
-    mask = case(2)[2]
-    adv = torch.randn(B, T, generator=g) if per_token else torch.randn(B, generator=g)
-    got = shaped_advantages(adv, s_lp, t_lp, mask, kl_coef=0.3)
-    for b in range(B):
-        for i in range(T):
-            a = float(adv[b, i] if per_token else adv[b])
-            expect = a - 0.3 * (float(s_lp[b, i]) - float(t_lp[b, i])) if mask[b, i] else 0.0
-            assert got[b, i].item() == pytest.approx(expect, abs=1e-6)
-
-
 def test_pure_distillation_policy_gradient_is_the_full_kl_gradient():
     """A = 0: weighting every token by its probability (the exact expectation over samples),
     the policy-gradient of -beta * r equals beta * grad of the full-vocabulary reverse KL."""
@@ -126,7 +111,7 @@ def test_pure_distillation_policy_gradient_is_the_full_kl_gradient():
     lp = torch.log_softmax(z, dim=-1)  # float64 (algos.logprobs works in float32)
     lp_t = torch.log_softmax(teacher[0], dim=-1)
     ones = torch.ones(T, V, dtype=torch.float64)
-    adv = shaped_advantages(torch.zeros(T, V, dtype=torch.float64), lp, lp_t, ones, kl_coef=0.7)
+    adv = -0.7 * sampled_log_ratio(lp, lp_t, ones)  # the step's sampled-mode advantages, A = 0
     assert adv.detach().numpy() == pytest.approx((-0.7 * (lp - lp_t)).detach().numpy())
     weights = lp.exp().detach()  # each (position, token) "sample" weighted by its probability
     pg = ppo_clip_loss(lp, lp.detach(), adv, ones, num_samples_in_step=1, token_weights=weights)

@@ -1,13 +1,13 @@
 """The distributed optimizer: AdamW state and fp32 main weights sharded over data-parallel ranks.
 
-Role: `parallel.distributed_optimizer = true` (megatron's `use_distributed_optimizer`, ZeRO
-stage 1): each of the D data-parallel replicas of one tensor/pipeline shard keeps 1/D of that
+Role: `parallel.distributed_optimizer = true` (`use_distributed_optimizer` in the backend's
+option table, ZeRO stage 1): each of the D data-parallel replicas of one tensor/pipeline shard keeps 1/D of that
 shard's optimizer state, AdamW's two moments and the fp32 main weights, instead of all of it.
 The rank's parameters are laid end to end in one flat index space (model order, padded to a
 multiple of D); replica r owns the contiguous range [r * S, (r + 1) * S), S = ceil(N / D), and
 its AdamW steps one fp32 tensor of that range.
 
-Per step (`reduce_and_clip`, then `step`; training/step.py): the gradients are reduce-scattered
+Per step (`step(max_norm)`: `reduce_and_clip`, then `apply`; training/step.py): the gradients are reduce-scattered
 over the data-parallel group in fp32 (each replica receives the sum for its range only), the
 global norm is taken from the ranges (each element once: tensor-parallel duplicates and the tied
 output copy left out, summed over the data- and model-parallel groups) and the range clipped by
@@ -29,7 +29,7 @@ same as training/master_weights.py's. Invariant: between steps every parameter e
 weight rounded (fp32 parameters: equal).
 
 Checkpoints: `full_view()` (collective over the data-parallel group) gathers the ranges into
-the per-parameter layout the megatron checkpoint writes (backends/megatron/checkpoint.py: each
+the per-parameter layout a distributed checkpoint writes (the backend's checkpoint: each
 moment and main weight sharded like its parameter), so a checkpoint written with the distributed
 optimizer resumes with or without it, at any layout; `load_view` takes the ranges back out of
 a loaded view. The gather holds the tensor/pipeline shard's whole optimizer state for the
@@ -45,20 +45,21 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from training.master_weights import TrainOptimizer
+
 # torch 2.13 renamed reduce_scatter_tensor (the old name warns); the same call either way
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(TrainOptimizer):
     """AdamW over this replica's range of the flattened parameters (see the module docstring),
-    with the optimizer API the trainer uses (zero_grad, step, state, param_groups) and the
-    attributes training/sleep.py moves (`optimizer`, `master`)."""
+    a training.master_weights.TrainOptimizer."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any, lr: float,
                  weight_decay: float = 0.0, counted: Callable[[torch.Tensor], bool] | None = None,
                  norm_group: Any = None):
         """`group`: the data-parallel group; `counted(p)`: whether p's elements count in the
-        global gradient norm (megatron: not a tensor-parallel duplicate, not the tied copy);
+        global gradient norm (not a tensor-parallel duplicate, not the tied output copy);
         `norm_group`: where the norm is summed beyond it (the model-parallel group)."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -85,12 +86,8 @@ class DistributedOptimizer:
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
 
     @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def param_groups(self) -> Any:
-        return self.optimizer.param_groups
+    def has_masters(self) -> bool:
+        return self.masters
 
     @property
     def masters(self) -> bool:
@@ -121,8 +118,8 @@ class DistributedOptimizer:
         for p in self.params + self.master:
             p.grad = None
 
-    def reduce_and_clip(self, max_norm: float) -> float:
-        """This replica's range of the gradients summed over the data-parallel group
+    def reduce_and_clip(self, max_norm: float, dp: Any = None) -> float:
+        """(`dp` unused: the reduction is over the optimizer's own group.) This replica's range of the gradients summed over the data-parallel group
         (reduce-scatter, in fp32), clipped to `max_norm` by the global norm taken from the
         ranges (each element once, over the data- and model-parallel groups); returns the norm
         and leaves the range for `step`. The parameters' gradients are dropped."""
@@ -153,7 +150,7 @@ class DistributedOptimizer:
         self.master[0].grad = mine.to(self.master[0].device)
         return float(norm)
 
-    def step(self) -> None:
+    def apply(self) -> None:
         """AdamW on my range (its gradient from `reduce_and_clip`, else my range of the
         parameters' gradients, already summed), the updated ranges gathered into every
         replica's parameters."""
@@ -196,7 +193,7 @@ class DistributedOptimizer:
         return out
 
     def full_view(self) -> types.SimpleNamespace:
-        """The per-parameter optimizer the megatron checkpoint reads (`optimizer.state` keyed
+        """The per-parameter optimizer a distributed checkpoint reads (`optimizer.state` keyed
         by each parameter's fp32 main weight in `master`, or by the parameter itself when they
         are fp32; `params`). Collective over the data-parallel group (every replica gets the
         same view)."""

@@ -3,7 +3,7 @@
 Role: with `backend = "torch"` and `parallel = { dp = N, shard = "fsdp2" }` every rank holds
 1/N of the policy's parameters, gradients and optimizer state (torch.distributed.fsdp's
 `fully_shard`: each decoder layer, then the root), so a model larger than one GPU's memory
-trains without megatron. Each forward gathers one layer at a time and frees it after; backward
+trains with the torch backend. Each forward gathers one layer at a time and frees it after; backward
 reduce-scatters the gradients. Every rank first loads the whole model (a resume loads the
 checkpoint the same way on every rank), the ranks compare weight digests, then `shard_state`
 shards it: per layer, so a device holds at most one whole layer beyond the shards.
@@ -24,7 +24,7 @@ model in `dtype` on the CPU one tensor at a time, as a push sends it and the HF 
 it: never the whole model in host memory at once); the optimizer's
 state is gathered into the one-process format (AdamW's, or the master-weight optimizer's), so a
 checkpoint resumes at any dp, sharded or not.
-Not covered (refused at load, training/config.py): the megatron backend (it shards itself),
+Not covered (refused at load, training/config.py): another backend (it shards itself),
 colocated mode (sleep moves FSDP's own storage), colocated teachers (their micro-batches are
 regrouped per teacher: unequal forward counts), old-actor copies (`proximal =
 "rollout_version"`), a reference that follows the actor, true on-policy.
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from memory.safetensors_io import DEFAULT_SHARD_BYTES, write_safetensors_shards
-from training.master_weights import MasterWeightOptimizer
+from training.master_weights import MasterWeightOptimizer, TrainOptimizer
 
 
 def _fsdp():
@@ -97,44 +97,40 @@ def shard_state(state: Any, dtype: torch.dtype, lr: float, weight_decay: float) 
     optimizer = ShardedOptimizer(sharded, lr, weight_decay, masters, dtype)
     optimizer.load_full(saved)
     state.optimizer = optimizer
-    # what the trainer calls on a sharded policy (training/step.py, training/state.py)
-    model.clip_grad_norm = partial(clip_grad_norm, model)
+    state.backend.sharded_dtype = dtype  # the torch backend streams and saves from the shards
+    # the sharded model's HF interface (training/state.py, weight pushes, the reference copy)
     model.hf_state_dict = partial(full_state_dict, model, dtype)
     model.iter_hf_tensors = partial(iter_full_state, model, dtype)
     model.save_pretrained = partial(save_pretrained, model, dtype)
 
 
-def _full_optimizer_state(optimizer: Any, params: list[torch.nn.Parameter]
+def _full_optimizer_state(optimizer: TrainOptimizer, params: list[torch.nn.Parameter]
                           ) -> list[dict[str, Any]]:
     """Per parameter (model order) the one-process optimizer's AdamW state ({} before the first
     step)."""
-    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
     keys = optimizer.master if isinstance(optimizer, MasterWeightOptimizer) else params
-    return [dict(inner.state.get(k, {})) for k in keys]
+    return [dict(optimizer.optimizer.state.get(k, {})) for k in keys]
 
 
-class ShardedOptimizer:
-    """AdamW over the FSDP shards, with the trainer's optimizer API; `state_dict` (a
+class ShardedOptimizer(TrainOptimizer):
+    """AdamW over the FSDP shards (training.master_weights.TrainOptimizer); `state_dict` (a
     collective) gathers the one-process format: AdamW's, or {"optimizer", "master"} with
     masters."""
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
                  masters: bool, dtype: torch.dtype):
         self.params, self.masters, self.dtype = params, masters, dtype
+        self.has_masters = masters
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
+    def reduce_and_clip(self, max_norm: float, dp: Any = None) -> float:
+        """The backward already summed the shards' gradients over the ranks (`dp` skips
+        DTensors): the global clip."""
+        if dp is not None:
+            dp.sum_grads(self.params)
+        return clip_grad_norm(self.params, max_norm)
 
-    @property
-    def param_groups(self) -> Any:
-        return self.optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
+    def apply(self) -> None:
         self.optimizer.step()
 
     def load_full(self, saved: list[dict[str, Any]]) -> None:
@@ -168,10 +164,10 @@ class ShardedOptimizer:
                            "the one-process checkpoint, then training.fsdp.shard_state)")
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Clip to the global L2 norm of the sharded gradients (each rank's shards squared and
     summed, all-reduced); torch.nn.utils.clip_grad_norm_ semantics, returns the norm."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:

@@ -12,9 +12,9 @@ passes it needs:
 plus `is_last_stage` (this rank computes losses and statistics) and `share(stats)` (the last
 stage's statistics on every rank of the model, so global rank 0 reports them).
 
-`TorchRunner` serves any model with a whole forward (transformers, or a megatron model at
-pipeline size 1): it loops the micro-batches. `backends.megatron.pipeline.PipelineRunner` runs
-megatron's pipeline schedule. Invariant: on the same weights both give the same log-probs,
+`TorchRunner` serves any model with a whole forward (transformers, or a model-parallel backend's
+model at pipeline size 1): it loops the micro-batches. A pipeline-parallel backend gives its own
+runner (training/backends.py `model_runner`) over its schedule. Invariant: on the same weights both give the same log-probs,
 gradients and losses (up to float summation order); a runner never changes what is computed,
 only where.
 """

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from memory.device_usage import HostOffload, give_back_cached, process_device_bytes
+from training.master_weights import as_train_optimizer
 
 
 @dataclasses.dataclass
@@ -56,17 +57,10 @@ class SleepReport:
 
 
 def iter_optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Every tensor an optimizer holds: its parameters and their gradients, its state (Adam's
-    exp_avg, exp_avg_sq, step...) and, for a wrapper over masters (training/master_weights.py
-    `MasterWeightOptimizer`: `.optimizer`, `.master`), the wrapped optimizer's as well."""
-    inner = getattr(optimizer, "optimizer", None)
-    if inner is not None:
-        yield from iter_optimizer_tensors(inner)
-        yield from _with_grads(getattr(optimizer, "master", []))
-    for group in getattr(optimizer, "param_groups", []):
-        yield from _with_grads(group["params"])
-    for state in optimizer.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    """Every tensor an optimizer holds (training.master_weights.TrainOptimizer `tensors()`: the
+    tensors it steps, fp32 masters included, their gradients and its state; a torch optimizer
+    is taken as a plain one)."""
+    yield from as_train_optimizer(optimizer).tensors()
 
 
 def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:

@@ -21,10 +21,11 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from memory.layout import module_tensors
 from memory.safetensors_io import DEFAULT_SHARD_BYTES, load_safetensors
 from models.load import save_checkpoint
+from training.backends import TrainingBackend, get_backend
 from training.checkpoints import write_checkpoint
+from training.master_weights import TrainOptimizer, as_train_optimizer
 from training.sleep import SleepReport, TrainerSleep
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,14 @@ REF_DIR = "ref"  # a following reference's copy in a checkpoint (not a *.safeten
 class TrainState:
     """Model, tokenizer, optimizer and counters: everything a checkpoint holds."""
 
-    def __init__(self, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                 ref: Any = None, critic: Any = None):
-        self.model, self.tokenizer, self.optimizer = model, tokenizer, optimizer
+    def __init__(self, model: Any, tokenizer: Any, optimizer: Any, ref: Any = None,
+                 critic: Any = None, backend: TrainingBackend | None = None):
+        """`optimizer`: a training.master_weights.TrainOptimizer (a torch optimizer is wrapped
+        in PlainOptimizer); `backend`: the training backend of `model` (default torch)."""
+        self.backend = backend if backend is not None else get_backend("torch")
+        self.model, self.tokenizer = model, tokenizer
+        self.optimizer: TrainOptimizer = as_train_optimizer(optimizer,
+                                                            self.backend.grad_clip(model))
         self.ref, self.critic = ref, critic  # training.aux_models.AuxModel / CriticModel or None
         if ref is not None and getattr(ref, "update_interval", 0):
             ref.follow(model, optimizer)  # kl.ref_update_interval: copies of the actor
@@ -60,11 +66,8 @@ class TrainState:
         sharded model streams it from its shards in files of at most `shard_bytes`."""
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if self.streams_weights:  # collective: every rank runs it (or the hf command)
-            self.model.save_pretrained(str(tmp), shard_bytes=shard_bytes)
-            self.tokenizer.save_pretrained(str(tmp))
-        else:
-            save_checkpoint(self.model, self.tokenizer, tmp)
+        # a sharded model: collective, every rank runs it (or the hf command)
+        self.backend.save_hf(self.model, self.tokenizer, str(tmp), shard_bytes)
         shutil.rmtree(path, ignore_errors=True)  # a resumed run rewrites its current version
         tmp.replace(path)
 
@@ -105,25 +108,18 @@ class TrainState:
 
     def iter_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full weights as a push sends them: views of a whole local model, or (a
-        sharded model: megatron, fsdp2) the tensors as each is gathered, on rank 0 (collective
+        sharded model: tp/pp, fsdp2) the tensors as each is gathered, on rank 0 (collective
         there: every rank runs it to its end; nothing on the others)."""
-        stream = getattr(self.model, "iter_hf_tensors", None)  # the sharded backends convert
-        if stream is not None:
-            return stream()
-        return iter([(n, t.detach()) for n, t in module_tensors(self.model).items()])  # tied: once
+        return self.backend.iter_hf_tensors(self.model)
 
     @property
     def streams_weights(self) -> bool:
         """`iter_named_weights` gathers new host copies (a sharded model), not views."""
-        return hasattr(self.model, "iter_hf_tensors")
+        return self.backend.streams_weights
 
     def load(self, path: Path, device: str) -> None:
         weights = load_safetensors(path, device=device)
-        if hasattr(self.model, "load_hf_state_dict"):  # megatron backend: HF names converted
-            self.model.load_hf_state_dict(weights)
-            missing, unexpected = [], []
-        else:
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing, unexpected = self.backend.load_hf(self.model, weights)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, "
                              f"unexpected {unexpected}")
@@ -134,7 +130,7 @@ class TrainState:
             self.critic.restore(torch.load(path / "critic.pt", map_location="cpu",
                                            weights_only=True))
         state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
-        if "master" in state["optimizer"] and not hasattr(self.optimizer, "prepare_grads"):
+        if "master" in state["optimizer"] and not self.optimizer.has_masters:
             raise ValueError(f"checkpoint {path} holds fp32 master weights but this trainer has "
                              "none; resume it with master_weights = true (or unset)")
         self.optimizer.load_state_dict(state["optimizer"])
@@ -162,7 +158,7 @@ class TrainState:
         `keep_weights` keeps the parameters there (a push reads them; a later `sleep()` parks
         them too). The freed memory goes back to the driver."""
         if self._sleeper is None:
-            self._sleeper = TrainerSleep(self.model, self.optimizer)
+            self._sleeper = TrainerSleep(self.backend.sleep_tensors(self.model), self.optimizer)
         return self._sleeper.sleep(keep_weights)
 
     def wake(self) -> SleepReport:
@@ -178,7 +174,8 @@ class TrainState:
     def device_bytes(self) -> int:
         """What the step's tensors hold on their device now: the bytes of every storage of the
         model and optimizer there (0 for each parked one), each storage once."""
-        sleeper = self._sleeper or TrainerSleep(self.model, self.optimizer)
+        sleeper = self._sleeper or TrainerSleep(self.backend.sleep_tensors(self.model),
+                                                self.optimizer)
         seen: dict[int, int] = {}
         for t in sleeper.tensors():
             storage = t.untyped_storage()

@@ -1,6 +1,6 @@
 """One optimizer step on a batch of samples (policy, and the critic for PPO), on one or more ranks,
 for every backend: the model passes go through a `training.runner.ModelRunner` (a whole
-forward per micro-batch, or megatron's pipeline schedule), everything else is here, once.
+forward per micro-batch, or a backend's pipeline schedule), everything else is here, once.
 
 Phases of `train_on_batch`:
 1. plan: this rank's micro-batches from `algos.dp_schedule` (`training.data_parallel`); a sample
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from algos.advantages import WHITENED, sample_scores, token_advantages, whiten_sums, whiten_with
+from algos.advantages import estimator, sample_scores, token_advantages, whiten_sums, whiten_with
 from algos.dp_schedule import pack
 from algos.kl import approx_kl
 from algos.logprobs import response_slice
@@ -125,8 +125,8 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
                    dp: Any = None, runner: ModelRunner | None = None) -> dict[str, float]:
     """One optimizer step; with `dp` (training.data_parallel.DataParallel) this rank's share of
     it; `runner` runs the model over the micro-batches (default: `TorchRunner`, a whole forward;
-    `backends.megatron.pipeline.PipelineRunner` for pipeline stages). Returns the statistics on
-    every rank of the model (computed on the last stage)."""
+    a backend's pipeline runner for pipeline stages, training/backends.py `model_runner`).
+    Returns the statistics on every rank of the model (computed on the last stage)."""
     dp = dp or SingleProcess()
     if cfg.true_on_policy:  # every policy log-prob pass below runs the invariant forward
         enable_invariant(state.model)
@@ -195,24 +195,9 @@ def warn_unequal(totals: dict[str, float], step: int) -> None:
 
 
 def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
-    """Sum the gradients over data-parallel ranks, clip, step; returns the global norm."""
-    max_norm = cfg.optimizer.grad_clip or math.inf
-    reduce_and_clip = getattr(state.optimizer, "reduce_and_clip", None)
-    if reduce_and_clip is not None:  # the distributed optimizer: reduce-scatter, clip a range
-        grad_norm = reduce_and_clip(max_norm)
-        state.optimizer.step()
-        return grad_norm
-    clip = getattr(state.model, "clip_grad_norm", None)  # sharded models: the global norm
-    # fp32 master weights: sum and clip the fp32 gradients (a sharded model clips its own
-    # parameters' gradients; the step then moves them to the masters)
-    to_master = None if clip is not None else getattr(state.optimizer, "prepare_grads", None)
-    params = (to_master() if to_master is not None
-              else [p for p in state.model.parameters() if p.requires_grad])
-    dp.sum_grads(params)
-    grad_norm = (clip(max_norm) if clip is not None
-                 else torch.nn.utils.clip_grad_norm_(params, max_norm))
-    state.optimizer.step()
-    return float(grad_norm)
+    """Sum the gradients over data-parallel ranks, clip, step (the optimizer's variant decides
+    where: fp32 masters, shards, ranges); returns the global norm."""
+    return state.optimizer.step(cfg.optimizer.grad_clip or math.inf, dp)
 
 
 def _by_length(cfg: TrainConfig, device: torch.device) -> bool:
@@ -253,7 +238,7 @@ def prepare(state: TrainState, runner: ModelRunner, samples: list[Sample], plan:
         adv, ret = token_advantages(est, scores[idx].to(device), mb.mask, kl, cfg.kl.coef, v,
                                     cfg.loss.gamma, cfg.loss.gae_lambda)
         out.append(Prepared(o, adv, r, v, ret))
-    if est in WHITENED:
+    if estimator(est).whitened:
         sums = dp.sum_tensor(sum(whiten_sums(p.adv, mb.mask) for p, mb in zip(out, mbs)).cpu())
         for p, mb in zip(out, mbs):
             p.adv = whiten_with(p.adv, mb.mask, sums)

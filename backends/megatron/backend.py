@@ -1,0 +1,141 @@
+"""The megatron-core backend behind the training library's backend protocol (training/backends.py
+`TrainingBackend`, which imports this module when backend = "megatron" is asked for).
+
+Role: each rank holds its TP/PP shard of a GPTModel built on megatron's parallel state, so the
+ranks join the process group and build that state before loading (`joins_group_first`,
+`init_model_parallel`); the policy is loaded from HF weights (`load_policy`), its gradient norm
+is taken over the model-parallel groups (`grad_clip`), pipeline stages run through megatron's
+schedule (`runner`), HF-named tensors are gathered to global rank 0 (`iter_hf_tensors`), and
+checkpoints use megatron's distributed format, resumable at any layout. The option table
+(`TrainConfig.megatron`) is checked here. Invariant: importing this module imports megatron-core
+only through the submodules it names at the top (all of them from `mcore.py`); the config
+checks need only `convert.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from backends.megatron.checkpoint import (
+    is_trainer_checkpoint,
+    load_trainer_checkpoint,
+    save_trainer_checkpoint,
+)
+from backends.megatron.convert import check_parallel_layout
+from backends.megatron.mcore import param_is_not_shared, param_is_not_tensor_parallel_duplicate
+from backends.megatron.model import MegatronCausalLM, initialize_parallel, load_model, parallel_state
+from backends.megatron.pipeline import PipelineRunner
+
+if TYPE_CHECKING:  # annotations only: the training library is a layer above
+    from training.config import TrainConfig
+
+
+def on_cpu_shim() -> bool:
+    """This process runs megatron-core on the CPU through the test-only torch.cuda stand-ins
+    (cpu_shim.py, armed by the tests' sitecustomize); looked up, never imported, so production
+    code does not depend on it."""
+    shim = sys.modules.get("backends.megatron.cpu_shim")
+    return shim is not None and shim.armed()
+
+
+class MegatronBackend:
+    """megatron-core GPTModel shards (tp x pp), data-parallel replicas of them."""
+
+    name = "megatron"
+    joins_group_first = True  # the model is built on the model-parallel groups
+    shards_model = True
+    streams_weights = True
+
+    def __init__(self) -> None:
+        self._parallel = False  # this backend initialised megatron's parallel state
+
+    def check_config(self, cfg: TrainConfig, colocated: bool = False) -> None:
+        if importlib.util.find_spec("megatron.core") is None:
+            raise ValueError("backend = 'megatron' needs megatron-core: pip install "
+                             "'rlx[megatron]' (megatron-core 0.16.1)")
+        check_parallel_layout(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+        if not cfg.device.startswith("cuda") and not on_cpu_shim():
+            raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
+                             "CPU path); use backend = 'torch' with device = 'cpu'")
+
+    def init_model_parallel(self, cfg: TrainConfig) -> Any:
+        """megatron's tp x pp x dp groups over the joined world; the data-parallel group."""
+        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_s)
+        self._parallel = True
+        return parallel_state.get_data_parallel_group()
+
+    def position(self) -> tuple[int, int]:
+        return (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_pipeline_model_parallel_rank())
+
+    def close(self) -> None:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+
+    def load_policy(self, cfg: TrainConfig, dtype: torch.dtype) -> tuple[Any, Any]:
+        """This rank's model shard and the tokenizer; alone, a one-rank group first."""
+        if not dist.is_initialized():
+            assert cfg.parallel.world_size == 1, "the ranks join a multi-rank group first"
+            dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            self.init_model_parallel(cfg)
+        return load_model(cfg.model, cfg.megatron, cfg.device, dtype, cfg.seed)
+
+    def grad_clip(self, model: Any) -> Callable[[float], float] | None:
+        return model.clip_grad_norm  # over the TP/PP groups, each element once
+
+    def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool], Any]:
+        """(data-parallel group, whether a parameter counts in the norm, model-parallel group)."""
+        return (parallel_state.get_data_parallel_group(),
+                lambda p: bool(param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)),
+                parallel_state.get_model_parallel_group())
+
+    def transformers_policy(self, model: Any) -> torch.nn.Module | None:
+        return None  # the reference / critic are transformers models from the checkpoint
+
+    def tensor_shard(self, cfg: TrainConfig) -> tuple[int, int, Any] | None:
+        if cfg.parallel.tp == 1:
+            return None
+        return (parallel_state.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                parallel_state.get_tensor_model_parallel_group())
+
+    def runner(self, cfg: TrainConfig, model: Any) -> PipelineRunner | None:
+        """megatron's pipeline schedule at pp > 1; None (a whole forward per micro-batch, the
+        training library's default runner) at pp = 1."""
+        return PipelineRunner(model) if cfg.parallel.pp > 1 else None
+
+    def step_stats(self, cfg: TrainConfig) -> dict[str, float]:
+        return {"train/tp_size": float(cfg.parallel.tp), "train/pp_size": float(cfg.parallel.pp)}
+
+    def iter_hf_tensors(self, model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+        return model.iter_hf_tensors()
+
+    def save_hf(self, model: MegatronCausalLM, tokenizer: Any, directory: str,
+                shard_bytes: int) -> None:
+        model.save_pretrained(directory, shard_bytes=shard_bytes)  # collective
+        tokenizer.save_pretrained(directory)
+
+    def load_hf(self, model: MegatronCausalLM, weights: dict[str, torch.Tensor]
+                ) -> tuple[list, list]:
+        model.load_hf_state_dict(weights)  # HF names converted; refuses what it does not use
+        return [], []
+
+    def save_checkpoint(self, state: Any, directory: Any) -> bool:
+        save_trainer_checkpoint(state, directory)
+        return True
+
+    def load_checkpoint(self, state: Any, path: Any) -> bool:
+        if not is_trainer_checkpoint(Path(path)):
+            return False
+        load_trainer_checkpoint(state, path)
+        return True
+
+    def sleep_tensors(self, model: Any) -> list[torch.nn.Module]:
+        return [model]
