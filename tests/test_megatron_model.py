@@ -130,6 +130,7 @@ def test_training_step_equals_the_torch_backend(tp1, masters):
     from backends.megatron.pipeline import PipelineRunner
     from models.tiny import build_tiny
     from training.config import MicroBatchConfig, OptimizerConfig
+    from training.backends import get_backend
     from training.master_weights import MasterWeightOptimizer
     from training.step import TrainState, train_on_batch
 
@@ -144,7 +145,7 @@ def test_training_step_equals_the_torch_backend(tp1, masters):
                               ("schedule", scheduled, PipelineRunner(scheduled))):
         opt = (MasterWeightOptimizer(net.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
                if masters else torch.optim.SGD(net.parameters(), lr=1.0))
-        state = TrainState(net, tok, opt)
+        state = TrainState(net, tok, opt, backend=get_backend("torch" if net is hf else "megatron"))
         stats[name] = train_on_batch(state, batch(tok), cfg, runner=runner)
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/policy_kl"):
         for name in ("megatron", "schedule"):

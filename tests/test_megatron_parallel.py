@@ -73,11 +73,13 @@ def _step(name: str, grad_clip: float) -> dict:
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import batch
     from training.config import MicroBatchConfig, OptimizerConfig
+    from training.backends import get_backend
     from training.step import TrainState, train_on_batch
 
     tok = build_char_tokenizer()
     model = from_hf_model(hf_model(name))
-    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0))
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0),
+                       backend=get_backend("megatron"))
     cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
                         optimizer=OptimizerConfig(grad_clip=grad_clip))
     stats = train_on_batch(state, batch(tok), cfg)
@@ -175,6 +177,7 @@ def _case_setup(name: str, model):
 
     from tests.test_megatron_convert import hf_model
     from training.aux_models import AuxModel, CriticModel
+    from training.backends import get_backend
     from training.master_weights import MasterWeightOptimizer
     from training.step import TrainState
 
@@ -196,13 +199,14 @@ def _case_setup(name: str, model):
             s.teacher_topk_logprobs = top.values.numpy().astype("float32")
     # through fp32 master weights (in fp32 they change nothing numerically)
     opt = MasterWeightOptimizer(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
-    return TrainState(model, tok, opt, ref, critic), cfg, samples
+    return TrainState(model, tok, opt, ref, critic, get_backend("megatron")), cfg, samples
 
 
 def pipeline_ranks(rank: int, tmp: Path) -> dict:
     from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
     from backends.megatron.pipeline import PipelineRunner
     from training.batching import make_micro_batch
+    from training.backends import get_backend
     from training.step import TrainState, train_on_batch
 
     initialize_parallel(1, 2)
@@ -211,7 +215,8 @@ def pipeline_ranks(rank: int, tmp: Path) -> dict:
     layers = list(model.layers)
     runner = PipelineRunner(model)
     logprobs = runner.logprobs([make_micro_batch(samples, tok.pad_token_id)], 1.0)
-    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0))
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0),
+                       backend=get_backend("megatron"))
     stats = train_on_batch(state, samples, cfg, runner=runner)
     weights = model.hf_state_dict()
     cases = {}

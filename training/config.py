@@ -13,7 +13,7 @@ at load with a message naming both options and what to change. The trainer actor
     micro_batches = { size = 16 }
     loss = { advantage_estimator = "grpo", eps_clip = 0.2 }
     kl = { coef = 0.1, use_kl_loss = true }
-    parallel = { dp = 2 }  # or, with backend = "megatron": { tp = 2, pp = 1, dp = 2 }
+    parallel = { dp = 2 }  # or, with the model-parallel backend: { tp = 2, pp = 1, dp = 2 }
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from algos.kl import ESTIMATORS as KL_ESTIMATORS
 from algos.mismatch import MismatchConfig
 from algos.opd import OpdConfig, check_placement, is_loss_term
 from logic.teachers import TeacherSpec, route_table
+
+
+MP = "megatron"  # the model-parallel backend (training/backends.py registers it)
+
+
+def options_of(cfg: TrainConfig) -> dict[str, Any]:
+    """The model-parallel backend's option table (the TrainConfig field named MP)."""
+    return cfg.megatron
 
 
 class OptimizerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -207,14 +215,14 @@ class RankHost(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The trainer's ranks (training/ranks.py): the actor is global rank 0 and starts the other
     tp * pp * dp - 1 as processes on its host, joined in one torch.distributed group (NCCL on
-    CUDA, gloo on CPU). tp / pp are megatron-core's tensor / pipeline sizes (backend megatron
+    CUDA, gloo on CPU). tp / pp are the tensor / pipeline sizes (the model-parallel backend
     only); dp replicas each take their share of the step's micro-batches. Rank r runs on
     `devices[r]`, or the r-th CUDA device counted from `device`. Colocated teachers: every rank
-    holds its own (own slots, arena, NVMe dir <dir>-rank<r>); with megatron at tp > 1, its rows
+    holds its own (own slots, arena, NVMe dir <dir>-rank<r>); with tp > 1, its rows
     of each teacher's linear layers (training/teacher_weights.py)."""
 
-    tp: int = 1  # tensor-parallel size (megatron's tensor_model_parallel_size)
-    pp: int = 1  # pipeline-parallel size (megatron's pipeline_model_parallel_size)
+    tp: int = 1  # tensor-parallel size (tensor_model_parallel_size)
+    pp: int = 1  # pipeline-parallel size (pipeline_model_parallel_size)
     # data-parallel size; None = derived: len(devices) / (tp * pp) with `devices`, else 1
     dp: int | None = None
     cp: int = 1  # context-parallel size: only 1 (the trainer has no context-parallel path)
@@ -227,8 +235,8 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # by all-reduce, DDP's math); "fsdp2" = parameters, gradients and optimizer state sharded
     # over the dp ranks (torch's fully_shard, per decoder layer; training/fsdp.py)
     shard: Literal["none", "fsdp2"] = "none"
-    # backend "megatron": AdamW's moments and the fp32 main weights sharded over the dp
-    # replicas, 1/dp each (megatron's use_distributed_optimizer, ZeRO-1;
+    # the model-parallel backend: AdamW's moments and the fp32 main weights sharded over the dp
+    # replicas, 1/dp each (use_distributed_optimizer, ZeRO-1;
     # training/distributed_optimizer.py): gradients reduce-scattered, the replicated update
     distributed_optimizer: bool = False
     # host names of [[hosts]] the ranks run on, `ranks_per_host` consecutive ranks each, in
@@ -346,8 +354,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     device: str = "cpu"  # torch device of the policy (and of the reference/critic while in use)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
     seed: int = 0  # torch seed (and the initialisation of built-in tiny models)
-    backend: Literal["torch", "megatron"] = "torch"  # megatron: megatron-core GPTModel (GPU)
-    # megatron TransformerConfig/GPTModel options, passed through (the launcher's --megatron-*)
+    # how the policy is built, stepped and saved (training/backends.py); the model-parallel one
+    # is MP-core's GPTModel (GPU, backends/)
+    backend: Literal["torch", "megatron"] = "torch"
+    # its TransformerConfig/GPTModel options, passed through (the launcher's --<backend>-*)
     megatron: dict[str, Any] = {}
     optimizer: OptimizerConfig = OptimizerConfig()  # the policy's AdamW
     micro_batches: MicroBatchConfig = MicroBatchConfig()  # forward/backward split of a step
@@ -395,21 +405,21 @@ def check_algorithm(cfg: TrainConfig) -> None:
 
 
 def distributed_optimizer(cfg: TrainConfig) -> bool:
-    """`parallel.distributed_optimizer`, or megatron's own name for it in the megatron table
-    (`--megatron-use-distributed-optimizer`)."""
+    """`parallel.distributed_optimizer`, or the backend's own name for it in its option table
+    (`use_distributed_optimizer`)."""
     return bool(cfg.parallel.distributed_optimizer
-                or cfg.megatron.get("use_distributed_optimizer", False))
+                or options_of(cfg).get("use_distributed_optimizer", False))
 
 
 def _check_parallel(cfg: TrainConfig) -> None:
-    """The parallel layout against the backend, the device and the megatron option table."""
+    """The parallel layout against the backend, the device and the backend's option table."""
     par = cfg.parallel
     if cfg.backend == "torch" and (par.tp > 1 or par.pp > 1):
-        raise ValueError(f"parallel.tp = {par.tp}, pp = {par.pp} need backend = 'megatron' (the "
-                         f"torch backend is data-parallel only); set backend = 'megatron' or "
+        raise ValueError(f"parallel.tp = {par.tp}, pp = {par.pp} need backend = '{MP}' (the "
+                         f"torch backend is data-parallel only); set backend = '{MP}' or "
                          f"tp = pp = 1")
-    if distributed_optimizer(cfg) and cfg.backend != "megatron":
-        raise ValueError("parallel.distributed_optimizer = true needs backend = 'megatron' "
+    if distributed_optimizer(cfg) and cfg.backend != MP:
+        raise ValueError(f"parallel.distributed_optimizer = true needs backend = '{MP}' "
                          "(the torch backend shards its optimizer state with shard = 'fsdp2')")
     if distributed_optimizer(cfg) and cfg.optimizer.master_weights is False \
             and cfg.dtype in ("bfloat16", "float16"):
@@ -420,21 +430,22 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.devices[0] = {par.devices[0]!r} but device = "
                          f"{cfg.device!r}: the actor is rank 0 and runs on `device`; make them "
                          f"the same")
+    options = options_of(cfg)
     for key, size in (("tensor_model_parallel_size", par.tp),
                       ("pipeline_model_parallel_size", par.pp)):
-        if key in cfg.megatron and cfg.megatron[key] != size:
-            raise ValueError(f"megatron option {key} = {cfg.megatron[key]} and parallel = "
+        if key in options and options[key] != size:
+            raise ValueError(f"{MP} option {key} = {options[key]} and parallel = "
                              f"{{ tp = {par.tp}, pp = {par.pp} }} conflict: the layout comes "
-                             f"from `parallel`; remove {key} from the megatron table")
+                             f"from `parallel`; remove {key} from the {MP} table")
     if par.pp > 1 and cfg.mismatch.proximal == "rollout_version":
         raise ValueError(f"parallel.pp = {par.pp} and mismatch proximal = 'rollout_version' "
                          f"conflict: old-weight copies need a whole model on one rank; use "
                          f"proximal = 'current' or pp = 1")
     if par.shard == "fsdp2":
         _check_fsdp(cfg)
-    if par.world_size > 1 and cfg.backend == "megatron" and cfg.kl.ref_update_interval:
+    if par.world_size > 1 and cfg.backend == MP and cfg.kl.ref_update_interval:
         raise ValueError(f"kl.ref_update_interval = {cfg.kl.ref_update_interval} and a "
-                         f"multi-rank megatron trainer conflict: the reference copy of the "
+                         f"multi-rank {MP} trainer conflict: the reference copy of the "
                          f"actor is taken from a whole model; use ref_update_interval = 0 or "
                          f"one rank")
 
@@ -444,9 +455,9 @@ def _check_fsdp(cfg: TrainConfig) -> None:
     (training/fsdp.py says why each is out)."""
     par = cfg.parallel
     if cfg.backend != "torch":
-        raise ValueError("parallel.shard = 'fsdp2' shards the torch backend; megatron shards "
-                         "with tp / pp and replicates over dp: use shard = 'none' with "
-                         "backend = 'megatron'")
+        raise ValueError(f"parallel.shard = 'fsdp2' shards the torch backend; {MP} shards "
+                         f"with tp / pp and replicates over dp: use shard = 'none' with "
+                         f"backend = '{MP}'")
     if par.world_size < 2:
         raise ValueError("parallel.shard = 'fsdp2' shards over the data-parallel ranks but dp "
                          "= 1; set dp >= 2 (or list the devices) or shard = 'none'")
@@ -482,8 +493,8 @@ def _check_replay(cfg: TrainConfig) -> None:
 
 def _check_true_on_policy(cfg: TrainConfig) -> None:
     """The passes true_on_policy does not cover fail at load, naming what to change."""
-    if cfg.backend == "megatron":
-        raise ValueError("true_on_policy = true and backend = 'megatron' conflict: megatron-core's "
+    if cfg.backend == MP:
+        raise ValueError(f"true_on_policy = true and backend = '{MP}' conflict: {MP}-core's "
                          "kernels (Transformer Engine GEMMs and attention, fused norms) are not "
                          "batch-invariant and are not this project's; use backend = 'torch'")
     modes = [c.mode for c in [cfg.opd] + [t.opd for t in cfg.teachers] if c is not None]

@@ -38,11 +38,13 @@ class TrainOptimizer:
     - `tensors()`: every tensor it holds (what sleep parks), `to(device)`;
     - `has_masters`: its state holds fp32 master weights (a checkpoint records them).
     A variant sets `params` (the model's trained parameters) and `optimizer` (the torch optimizer
-    it steps) and overrides `reduce_and_clip` and `apply`."""
+    it steps) and overrides `reduce_and_clip` and `apply`; `clip` is the backend's global norm
+    of a sharded model (training/state.py sets it when the variant was made without)."""
 
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     has_masters = False
+    clip: ClipFn | None = None  # the global norm of a sharded model (None: torch's clip here)
 
     @property
     def state(self) -> Any:

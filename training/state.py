@@ -43,8 +43,9 @@ class TrainState:
         in PlainOptimizer); `backend`: the training backend of `model` (default torch)."""
         self.backend = backend if backend is not None else get_backend("torch")
         self.model, self.tokenizer = model, tokenizer
-        self.optimizer: TrainOptimizer = as_train_optimizer(optimizer,
-                                                            self.backend.grad_clip(model))
+        self.optimizer: TrainOptimizer = as_train_optimizer(optimizer)
+        if self.optimizer is not None and self.optimizer.clip is None:
+            self.optimizer.clip = self.backend.grad_clip(model)
         self.ref, self.critic = ref, critic  # training.aux_models.AuxModel / CriticModel or None
         if ref is not None and getattr(ref, "update_interval", 0):
             ref.follow(model, optimizer)  # kl.ref_update_interval: copies of the actor
