@@ -1,11 +1,10 @@
-"""The prefetcher actor: NVMe and checkpoint reads into the host's shared pinned arena.
+"""The prefetcher actor: NVMe reads into the host's shared pinned arena.
 
 One per trainer host. The trainer's `WeightMemory` owns the arena's region table and sends
-`ReadToHost` (NVMe -> arena region) and `LoadCheckpoint` (checkpoint -> arena region -> NVMe)
-requests; this process maps the same arena by name and does the reads on its own threads, so
-disk I/O never blocks the trainer's event loop or holds its GIL. It publishes what it has read
-(`prefetch/bytes`, `prefetch/gbps`, `prefetch/in_flight`, `residency/<tag>`) on the metrics
-stream and shows a progress bar (log lines when not on a terminal) while loading checkpoints.
+`ReadToHost` requests (NVMe -> arena region); this process maps the same arena by name and does
+the reads on its own threads, so disk I/O never blocks the trainer's event loop or holds its
+GIL. It publishes what it has read (`prefetch/bytes`, `prefetch/gbps`, `prefetch/in_flight`,
+`residency/<tag>`) on the metrics stream.
 
 `RemoteReader` is the trainer's side: it turns `WeightMemory`'s `remote_read(tag, region)` into a
 call to this actor. If the prefetcher dies or misses its deadline, the trainer reads the set
@@ -18,22 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
-import re
-import sys
 import time
 
 import msgspec
 
+from memory.checksum import ChecksumError
 from memory.host import PinnedArena, Region
-from memory.layout import FlatLayout
-from memory.nvme import ChecksumError, NvmeStore
-from memory.sources import read_source
+from memory.nvme import NvmeStore
 from runtime.actor import Actor
 from transport.rpc import RemoteError
-from transport.schema import LoadCheckpoint, LoadCheckpointReply, ReadToHost, ReadToHostReply
-
-log = logging.getLogger(__name__)
+from transport.schema import ReadToHost, ReadToHostReply
 
 
 class PrefetcherConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -56,7 +49,7 @@ class PrefetcherActor(Actor):
         self.in_flight = 0
 
     def rpc_handlers(self):
-        return {ReadToHost: self.read_to_host, LoadCheckpoint: self.load_checkpoint}
+        return {ReadToHost: self.read_to_host}
 
     async def on_stop(self, reason: str) -> None:
         self.pool.shutdown(wait=True)
@@ -81,20 +74,6 @@ class PrefetcherActor(Actor):
         return ReadToHostReply(tag=msg.tag, nbytes=stats.nbytes, seconds=seconds,
                                direct=stats.direct)
 
-    async def load_checkpoint(self, msg: LoadCheckpoint) -> LoadCheckpointReply:
-        layout = FlatLayout.from_json(msg.layout_json)
-        view = self._arena(msg.arena).view(Region(msg.offset, layout.total_bytes))
-        bar = Progress(f"loading {msg.tag} from {msg.path}", layout.total_bytes)
-        t0 = time.perf_counter()
-        await self._io(read_source, msg.path, view, layout, bar.update)
-        if msg.spill and msg.nvme_dir:
-            await self._io(NvmeStore(msg.nvme_dir, self.config.chunk_bytes).write, msg.tag, view,
-                           layout, msg.path)
-        bar.close()
-        seconds = time.perf_counter() - t0
-        self._publish_read(msg.tag, layout.total_bytes, seconds)
-        return LoadCheckpointReply(tag=msg.tag, nbytes=layout.total_bytes, seconds=seconds)
-
     async def _io(self, fn, *args):
         self.in_flight += 1
         try:
@@ -110,33 +89,6 @@ class PrefetcherActor(Actor):
                                   "prefetch/gbps": nbytes / max(seconds, 1e-9) / 1e9,
                                   "prefetch/in_flight": float(self.in_flight),
                                   f"residency/{tag}": 1.0})
-
-
-class Progress:
-    """A rich progress bar on a terminal; a log line every 10% otherwise."""
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.next_pct = label, total, 10
-        self.bar = None
-        if sys.stderr.isatty():
-            from rich.progress import Progress as RichProgress
-
-            self.bar = RichProgress(transient=True)
-            self.task = self.bar.add_task(label, total=total)
-            self.bar.start()
-
-    def update(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done)
-            return
-        pct = 100 * done // max(total, 1)
-        if pct >= self.next_pct:
-            log.info("%s: %d%% (%.1f of %.1f MiB)", self.label, pct, done / 2**20, total / 2**20)
-            self.next_pct = pct // 10 * 10 + 10
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 class RemoteReader:
@@ -161,7 +113,7 @@ class RemoteReader:
         try:
             return await self.client.call(msg, self.timeout_s)
         except RemoteError as e:
-            bad = re.search(r"offset (\d+) \((\d+) bytes\) fails its checksum", e.message)
-            if bad:
-                raise ChecksumError(tag, int(bad[1]), int(bad[2])) from e
+            bad = ChecksumError.parse(e.message)
+            if bad is not None:
+                raise bad from e
             raise

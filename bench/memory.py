@@ -8,7 +8,8 @@ Run on a GPU machine (it also runs on CPU with small sizes, where the GPU tier i
 Measures, in one run:
 1. pinned H2D peak (`cudaMemcpy` of a page-locked buffer, best of several) and the same from the
    shared arena registered with cudaHostRegister;
-2. `restore(tag)` bandwidth of a teacher-sized set (host arena -> GPU slot) vs that peak;
+2. the restore bandwidth of a teacher-sized set (host arena -> GPU slot, `prefetch(tag, "gpu")`)
+   vs that peak;
 3. raw O_DIRECT read bandwidth of a file (several reads in flight, no checksum) vs NVMe -> pinned
    through `NvmeStore.read_into` (same chunking, CRC-32 verified), NVMe -> GPU pipelined by chunks,
    and cuFile (GPUDirect Storage) when present;
@@ -114,7 +115,7 @@ def restore_and_disk(args, dev: torch.device, out: dict, workdir: Path) -> None:
                                                              disk_lay.total_bytes),
                        host_budget_bytes=lay.total_bytes + 2 * disk_lay.total_bytes,
                        nvme_dir=str(workdir / "nvme"), chunk_bytes=args.chunk_mib * MiB,
-                       num_readers=args.readers, gds=True)
+                       num_readers=args.readers, gds="auto")
     try:
         fill_host(mem, "teacher", lay, 0)
         slot = mem.slots[0][:lay.total_bytes]
@@ -124,7 +125,7 @@ def restore_and_disk(args, dev: torch.device, out: dict, workdir: Path) -> None:
             mem.evict("teacher", "gpu")
             sync(dev)
             t0 = time.perf_counter()
-            mem.restore("teacher")
+            mem.prefetch("teacher", "gpu").result()  # host region -> slot
             sync(dev)
             best = min(best, time.perf_counter() - t0)
         out["restore_gbps"] = lay.total_bytes / best / 1e9

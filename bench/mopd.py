@@ -55,11 +55,12 @@ from actors.trainer import TrainerConfig
 from algos.opd import OpdConfig
 from bench.opd_memory import run_mode
 from logic.teachers import TeacherSpec
+from memory.config import TeacherMemoryConfig
 from memory.host import SHM_DIR
 from memory.layout import FlatLayout, bind
 from memory.manager import WeightMemory
 from training.colocated_teachers import ColocatedTeachers
-from training.config import MicroBatchConfig, TeacherMemoryConfig
+from training.config import MicroBatchConfig
 from training.master_weights import make_optimizer
 from training.state import TrainState
 from training.step import train_on_batch

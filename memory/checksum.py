@@ -1,32 +1,56 @@
-"""Checksums of device tensors for the no-copy mode (a single tag kept only on the device).
+"""Checksums of weight sets: a CRC-32 per chunk of a flat buffer, and the one error a failed check
+raises.
 
-Per tensor, two 64-bit sums over its bytes read as int32 words (or bytes, when the size is not a
-multiple of 4): the plain sum and a position-weighted sum, computed on the tensor's own device
-with no host copy of the data. Any single changed word changes the plain sum; swapping words
-changes the weighted one. It guards against accidental writes, not against an adversary.
+Every tier that keeps a copy of a set checks it this way: the NVMe tier (memory/nvme.py) keeps a
+CRC-32 of every chunk in the set's manifest and verifies each chunk it reads; the host tier
+(memory/store.py) computes them when a host copy is written and verifies them at the first
+restore after. A mismatch raises `ChecksumError`, naming the set, which copy (`where`) and the
+byte offset and size of the first bad chunk; another process's error message is turned back into
+one with `ChecksumError.parse` (the prefetcher's replies). It guards against accidental writes
+and bad disks, not against an adversary.
 """
 
 from __future__ import annotations
 
-import torch
+import concurrent.futures
+import os
+import re
+import zlib
+
+import numpy as np
+
+CRC_THREADS = 8  # at most, for a buffer of several chunks (zlib releases the GIL)
+
+_MESSAGE = re.compile(r"weight set '(?P<tag>.*)': (?P<where>.+?) at byte offset (?P<offset>\d+) "
+                      r"\((?P<nbytes>\d+) bytes\) (?P<reason>fails its .*)$")
 
 
-class ChecksumMismatch(RuntimeError):
-    @staticmethod
-    def check(tag: str, expected: dict[str, tuple[int, int]],
-              actual: dict[str, tuple[int, int]]) -> None:
-        changed = sorted(n for n in expected if actual.get(n) != expected[n])
-        if changed:
-            raise ChecksumMismatch(f"weight set {tag!r} was modified since its no-copy backup: "
-                                   f"{changed[:5]}{' ...' if len(changed) > 5 else ''}")
+class ChecksumError(RuntimeError):
+    """A copy of weight set `tag` differs from its checksums at byte `offset` (`nbytes` long)."""
+
+    def __init__(self, tag: str, offset: int, nbytes: int, where: str = "NVMe chunk",
+                 reason: str = "fails its checksum"):
+        super().__init__(f"weight set {tag!r}: {where} at byte offset {offset} ({nbytes} bytes) "
+                         f"{reason}")
+        self.tag, self.offset, self.nbytes, self.where = tag, offset, nbytes, where
+        self.reason = reason
+
+    @classmethod
+    def parse(cls, message: str) -> ChecksumError | None:
+        """The error whose message `message` ends with (e.g. a remote process's), or None."""
+        for line in reversed(message.strip().splitlines()):
+            m = _MESSAGE.search(line.strip())
+            if m:
+                return cls(m["tag"], int(m["offset"]), int(m["nbytes"]), m["where"], m["reason"])
+        return None
 
 
-def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    out = {}
-    for name, t in tensors.items():
-        flat = t.detach().contiguous().view(-1).view(torch.uint8)
-        words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
-        w = words.to(torch.int64)
-        pos = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64) % 65521 + 1
-        out[name] = (int(w.sum()), int((w * pos).sum()))
-    return out
+def chunk_crcs(flat: np.ndarray, chunk_bytes: int) -> list[int]:
+    """CRC-32 of each `chunk_bytes` slice of the 1-D uint8 array `flat` (the last one shorter);
+    several chunks on several threads."""
+    chunks = [flat[o:o + chunk_bytes] for o in range(0, flat.size, chunk_bytes)]
+    threads = min(CRC_THREADS, os.cpu_count() or 1, len(chunks))
+    if threads < 2:
+        return [zlib.crc32(c) for c in chunks]
+    with concurrent.futures.ThreadPoolExecutor(threads, "weight-crc") as pool:
+        return list(pool.map(zlib.crc32, chunks))

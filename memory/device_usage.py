@@ -122,10 +122,6 @@ class HostOffload:
     def parked(self) -> bool:
         return bool(self._parked)
 
-    @property
-    def parked_bytes(self) -> int:
-        return sum(n for _, n, _ in self._parked)
-
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
         """Park the storages of `tensors` (see the class docstring); the bytes moved off the
         device. Refused while something is parked (restore first)."""

@@ -2,9 +2,11 @@
 
 Uses `cuda.bindings.cufile` (cuda-python) when it is importable and the cuFile driver opens;
 without the nvidia-fs kernel module cuFile runs in compatibility mode (it reads through a
-host bounce buffer itself), which still saves our pinned-arena staging. Where cuFile is absent
-(every CPU machine, most containers) `GdsReader.open()` returns None and WeightMemory uses the
-O_DIRECT -> pinned -> H2D path.
+host bounce buffer itself), which still saves our pinned-arena staging. `choose_reader` makes
+the choice of `teacher_memory.gds` (memory/config.py): "auto" opens cuFile only when the target
+device is CUDA, and where it is absent (every CPU machine, most containers) or refuses, the
+weight memory uses the O_DIRECT -> pinned -> H2D path; "off" never tries it. The reason comes
+back with the choice (WeightMemory logs it and keeps it as `nvme_reader_why`).
 
 Reads are split into chunks issued from several threads (cuFile's read releases the GIL).
 Checksums are not verified on this path (the bytes never reach host memory); a set whose
@@ -15,12 +17,10 @@ registered with cuFile for exactly the duration of one read call.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
+from collections.abc import Callable
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class GdsReader:
@@ -28,14 +28,12 @@ class GdsReader:
         self.cufile, self.num_threads = cufile, num_threads
 
     @classmethod
-    def open(cls, num_threads: int = 4) -> GdsReader | None:
-        try:
-            from cuda.bindings import cufile
+    def open(cls, num_threads: int = 4) -> GdsReader:
+        """A reader on an opened cuFile driver; raises (ImportError, a driver error) where
+        cuFile cannot be used."""
+        from cuda.bindings import cufile
 
-            cufile.driver_open()
-        except Exception as e:  # noqa: BLE001 - no cuFile here: the host path is used
-            log.info("cuFile unavailable (%s); NVMe reads go through pinned host memory", e)
-            return None
+        cufile.driver_open()
         return cls(cufile, num_threads)
 
     def read(self, path: str, dst: torch.Tensor, nbytes: int, chunk_bytes: int) -> int:
@@ -70,3 +68,20 @@ class GdsReader:
 
     def close(self) -> None:
         self.cufile.driver_close()
+
+
+def choose_reader(mode: str, device: torch.device, num_threads: int = 4,
+                  open_reader: Callable[[int], GdsReader] = GdsReader.open
+                  ) -> tuple[GdsReader | None, str]:
+    """(a cuFile reader, or None for the host path; why) for NVMe reads into slots on `device`
+    under `mode` ("auto" or "off", see the module docstring)."""
+    if mode not in ("auto", "off"):
+        raise ValueError(f"gds = {mode!r}; use 'auto' or 'off'")
+    if mode == "off":
+        return None, "gds = off"
+    if device.type != "cuda":
+        return None, f"gds = auto, the device is {device.type}, not CUDA"
+    try:
+        return open_reader(num_threads), "gds = auto, cuFile opened"
+    except Exception as e:  # noqa: BLE001 - no cuFile here: the host path is used
+        return None, f"gds = auto, cuFile unavailable: {type(e).__name__}: {e}"

@@ -1,12 +1,14 @@
-"""WeightMemory: tagged weight sets across three tiers (GPU slots, pinned host arena, NVMe).
+"""WeightMemory: tagged weight sets across three tiers (GPU slots, pinned host arena, NVMe), the
+colocated teachers' memory.
 
-Operations, with the meaning of slime's TensorBackuper where the names match:
-- `backup(tag)`: GPU slot -> host region (D2H); `backup(tag, no_copy=True)` keeps only a
-  checksum of the GPU tensors, and the next `restore(tag)` verifies it (raises naming the tensor);
-- `restore(tag)`: host -> GPU slot (H2D); `copy(src, dst)`: host -> host, no GPU traffic;
+The host tier is a `memory.store.WeightStore` over one shared arena whose size is the budget
+(the store the reference, old actors and critic use, without CRCs here: a teacher's host copy
+comes from checksummed NVMe chunks or from its checkpoint); on top of it:
 - `spill(tag)`: host -> NVMe (checksummed); `prefetch(tag, "host" | "gpu")`: returns a Future at
   once; NVMe -> host runs on reader threads or in the prefetcher process (`remote_read`), and
-  NVMe -> GPU is pipelined per chunk (the H2D of chunk i runs while chunk i+1 is read);
+  NVMe -> GPU is pipelined per chunk (the H2D of chunk i runs while chunk i+1 is read), or read
+  by cuFile straight into the slot (`gds = "auto"` on a CUDA device where cuFile opens:
+  memory/gds.py; `nvme_reader` says which, `counters["gds_loads"]` counts them);
 - `acquire(tag)` / `release(tag)`: use a set for compute (the compute stream waits on the set's
   copy event only, never on the whole device); `run(order, fn)` runs a declared switch order with
   the planner's Belady eviction and prefetch one or more switches ahead.
@@ -19,7 +21,7 @@ fails its checksum on a later NVMe read is reloaded from there and the file rewr
 (its source too: later reads are the NVMe tier's O_DIRECT, checksummed ones); without an NVMe
 directory a set with a source is read from the source again.
 
-On CUDA, H2D and D2H run on two dedicated streams ordered by events: a slot is overwritten only
+On CUDA, H2D copies run on a dedicated stream ordered by events: a slot is overwritten only
 after the compute that last read it (its release event), and compute on a set starts only after
 its copy event. On a CPU-only machine the "GPU" tier is the CPU device and copies run on a thread,
 so every path runs in CI. Every copy and compute phase goes on the timeline.
@@ -40,13 +42,14 @@ from typing import Any
 
 import torch
 
-from memory.checksum import ChecksumMismatch, tensor_checksums
-from memory.gds import GdsReader
+from memory.checksum import ChecksumError
+from memory.gds import choose_reader
 from memory.host import PinnedArena, Region
-from memory.layout import FlatLayout, bind, module_tensors, pack
-from memory.nvme import ChecksumError, NvmeStore
+from memory.layout import FlatLayout, bind, pack
+from memory.nvme import NvmeStore
 from memory.planner import Plan, check_sizes, plan_switches
 from memory.sources import read_source, source_pieces
+from memory.store import WeightStore
 from memory.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -64,16 +67,16 @@ class WeightSet:
     copy_future: Future | None = None  # completes when the copy into the slot is issued (CUDA)
                                        # or done (CPU)
     host_ready: Future | None = None  # completes when the host region holds the set
-    checksums: dict[str, tuple[int, int]] | None = None  # no-copy backup
-    module: torch.nn.Module | None = None  # a module whose parameters view the slot
 
 
 class WeightMemory:
     def __init__(self, device: str = "cpu", gpu_slots: int = 2, slot_bytes: int = 1 << 26,
                  host_budget_bytes: int = 1 << 27, nvme_dir: str | None = None,
                  chunk_bytes: int = 16 << 20, num_readers: int = 4, lookahead: int = 1,
-                 timeline: Timeline | None = None, arena: PinnedArena | None = None,
-                 remote_read: Callable[[str, Region], Future] | None = None, gds: bool = False):
+                 timeline: Timeline | None = None,
+                 remote_read: Callable[[str, Region], Future] | None = None, gds: str = "off"):
+        """`gds`: "auto" reads NVMe -> GPU slot through cuFile when the device is CUDA and
+        cuFile opens, "off" never tries it (memory/gds.py `choose_reader`)."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.slot_bytes, self.lookahead = slot_bytes, lookahead
@@ -81,13 +84,13 @@ class WeightMemory:
                       for _ in range(gpu_slots)]
         self.slot_tag: list[str | None] = [None] * gpu_slots
         self.slot_free: list[Any] = [None] * gpu_slots  # event: last compute on the slot done
-        self.arena = arena or PinnedArena.create(host_budget_bytes)
+        self.host = WeightStore(verify=False, arena=PinnedArena.create(host_budget_bytes))
         self.store = NvmeStore(nvme_dir, chunk_bytes, num_readers) if nvme_dir else None
         self.timeline = timeline or Timeline()
         self.remote_read = remote_read
         self.sets: dict[str, WeightSet] = {}
         self.counters = {"sync_fallbacks": 0, "gpu_loads": 0, "host_loads": 0,
-                         "checksum_reloads": 0}
+                         "checksum_reloads": 0, "gds_loads": 0}
         # two pools, so that a copy waiting for its disk read never holds the thread the read needs;
         # disk reads one set at a time, in the order issued (the plan's order of need: a set
         # needed soon never shares the disk with one needed later; each read has `num_readers`
@@ -95,11 +98,25 @@ class WeightMemory:
         self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-disk")
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightmem-h2d")
         self._lock = threading.RLock()
-        self.gds, self.gds_error = None, ""
         if self.cuda:
-            self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-            if gds:
-                self.gds = GdsReader.open(num_readers)
+            self.h2d = torch.cuda.Stream(self.device)
+        self.gds, self.nvme_reader_why = choose_reader(gds, self.device, num_readers)
+        self.gds_error = ""  # why cuFile was given up after it was chosen, if it was
+        if self.store is not None:
+            log.info("weight memory: NVMe -> %s reads %s (%s)", self.device,
+                     "through cuFile" if self.gds else "through pinned host memory",
+                     self.nvme_reader_why)
+
+    @property
+    def arena(self) -> PinnedArena:
+        """The host tier's shared arena (its size is the budget; the prefetcher maps it)."""
+        return self.host.arenas[0]
+
+    @property
+    def nvme_reader(self) -> str:
+        """How a set only on NVMe reaches a device slot: "gds" (cuFile, no host staging) or
+        "host" (O_DIRECT -> pinned host -> H2D)."""
+        return "gds" if self.gds is not None else "host"
 
     # ---- registration --------------------------------------------------------------------
     def register(self, tag: str, layout: FlatLayout, source: str = "") -> WeightSet:
@@ -109,25 +126,12 @@ class WeightMemory:
         self.sets[tag] = WeightSet(tag, layout, source)
         return self.sets[tag]
 
-    def adopt(self, tag: str, module: torch.nn.Module) -> WeightSet:
-        """Move a live module's tensors into a GPU slot and make its parameters view it (the
-        student / actor): later backups and restores are one flat copy."""
-        tensors = module_tensors(module)
-        ws = self.register(tag, FlatLayout.from_state_dict(tensors))
-        slot = self._free_slot()
-        pack(tensors, self.slots[slot], ws.layout)
-        views = bind(self.slots[slot], ws.layout)
-        for name, t in tensors.items():
-            t.data = views[name]
-        self._occupy(ws, slot)
-        ws.module = module
-        return ws
-
     def load_tensors(self, tag: str, tensors: Mapping[str, torch.Tensor], source: str = "",
                      ) -> WeightSet:
         """Register a set from a state dict and place it on the host tier."""
         ws = self.register(tag, FlatLayout.from_state_dict(tensors), source)
         pack(tensors, self.reserve_host(tag), ws.layout)
+        self.host.written(tag)
         return ws
 
     def load_source(self, tag: str, layout: FlatLayout, source: str, to_tier: str = "host",
@@ -145,11 +149,12 @@ class WeightMemory:
         try:
             if to_tier == "host":
                 read_source(source, self.reserve_host(tag), layout, progress)
+                self.host.written(tag)
             else:
                 self.store.write_stream(tag, layout, source_pieces(
                     source, layout, self.store.chunk_bytes), source, progress)
         except BaseException:
-            self.arena.free(tag)
+            self.host.drop(tag)
             del self.sets[tag]
             raise
         self.timeline.add("disk", tag, "disk", t0, nbytes=layout.total_bytes, src="source",
@@ -160,50 +165,17 @@ class WeightMemory:
         """A host region for a registered set, counted as holding it: the caller fills the
         returned buffer (in the set's layout) before anything reads it."""
         ws = self.sets[tag]
-        ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
+        ws.region = self.host.reserve(tag, ws.layout)
         ws.host_ready = _done()
-        return self.arena.view(ws.region)
+        return self.host.view(tag)
 
-    # ---- slime's operations --------------------------------------------------------------
-    def backup(self, tag: str, no_copy: bool = False) -> None:
-        ws = self._need(tag, on_gpu=True)
-        if no_copy:
-            ws.checksums = tensor_checksums(self.gpu_tensors(tag))
-            return
-        if ws.region is None:
-            ws.region = self.arena.alloc(tag, ws.layout.total_bytes)
-        self._copy(self.slots[ws.slot], self.arena.view(ws.region), ws, "d2h")
-        ws.host_ready = _done()
-
-    def restore(self, tag: str) -> None:
-        ws = self.sets[tag]
-        if ws.checksums is not None and ws.slot is not None:
-            ChecksumMismatch.check(tag, ws.checksums, tensor_checksums(self.gpu_tensors(tag)))
-            return
-        if ws.slot is not None and self.slot_tag[ws.slot] == tag:  # overwrite in place
-            self._need(tag, on_host=True)
-            self._copy(self.arena.view(ws.region), self.slots[ws.slot], ws, "h2d", ws.slot)
-        else:
-            self._to_gpu(ws).result()
-        self._wait_ready(ws)
-
-    def copy(self, src: str, dst: str) -> None:
-        s, d = self._need(src, on_host=True), self.sets[dst]
-        if s.layout.fingerprint() != d.layout.fingerprint():
-            raise ValueError(f"cannot copy {src!r} into {dst!r}: different layouts")
-        if d.region is None:
-            d.region = self.arena.alloc(dst, d.layout.total_bytes)
-        t0 = self.timeline.now()
-        self.arena.view(d.region).copy_(self.arena.view(s.region))
-        self.timeline.add("h2h", dst, "host", t0, nbytes=d.layout.total_bytes, src=src)
-        d.host_ready = _done()
-
+    # ---- moves between tiers ----------------------------------------------------------------
     def spill(self, tag: str, free_host: bool = False) -> None:
         ws = self._need(tag, on_host=True)
         if self.store is None:
             raise ValueError("spill needs an NVMe directory (nvme_dir)")
         t0 = self.timeline.now()
-        self.store.write(tag, self.arena.view(ws.region), ws.layout, ws.source)
+        self.store.write(tag, self.host.view(tag), ws.layout, ws.source)
         self.timeline.add("disk", tag, "disk", t0, nbytes=ws.layout.total_bytes, src="host",
                           dst="nvme")
         if free_host:
@@ -237,12 +209,10 @@ class WeightMemory:
             self.slot_free[ws.slot] = ev
 
     def plan(self, order: Sequence[str]) -> Plan:
-        gpu = [t for t in self.slot_tag if t is not None and self.sets[t].module is None]
+        gpu = [t for t in self.slot_tag if t is not None]
         host = [t for t, ws in self.sets.items() if ws.region is not None]
-        free_slots = len(self.slots) - sum(ws.module is not None for ws in self.sets.values())
         return plan_switches(order, {t: self.sets[t].layout.total_bytes for t in self.sets},
-                             free_slots, self.arena.nbytes - self._adopted_host_bytes(),
-                             gpu, host, self.lookahead)
+                             len(self.slots), self.arena.nbytes, gpu, host, self.lookahead)
 
     def run(self, order: Sequence[str], fn: Callable[[str, dict[str, torch.Tensor]], Any],
             next_order: Sequence[str] = ()) -> list[Any]:
@@ -287,8 +257,8 @@ class WeightMemory:
         return bind(self.slots[ws.slot], ws.layout)
 
     def host_tensors(self, tag: str) -> dict[str, torch.Tensor]:
-        ws = self._need(tag, on_host=True)
-        return bind(self.arena.view(ws.region), ws.layout)
+        self._need(tag, on_host=True)
+        return self.host.host_tensors(tag)
 
     def residency(self) -> dict[str, list[str]]:
         return {"gpu": [t for t in self.slot_tag if t is not None],
@@ -301,7 +271,7 @@ class WeightMemory:
         if self.gds is not None:
             self.gds.close()
         self.slots = []
-        self.arena.close()
+        self.host.close()
 
     # ---- moves ---------------------------------------------------------------------------
     def _apply(self, a) -> None:
@@ -319,7 +289,7 @@ class WeightMemory:
         with self._lock:
             if ws.host_ready is not None:
                 return ws.host_ready
-            ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
+            ws.region = self.host.reserve(ws.tag, ws.layout)
             ws.host_ready = self._disk.submit(self._read_host, ws)
             return ws.host_ready
 
@@ -329,7 +299,8 @@ class WeightMemory:
         if self.store is not None and self.store.has(ws.tag):
             self._read_nvme(ws, on_chunk)
         else:
-            read_source(ws.source, self.arena.view(ws.region), ws.layout)
+            read_source(ws.source, self.host.view(ws.tag), ws.layout)
+        self.host.written(ws.tag)
         self.timeline.add("disk", ws.tag, "disk", t0, nbytes=ws.layout.total_bytes,
                           src="nvme", dst="host")
         self.counters["host_loads"] += 1
@@ -345,7 +316,7 @@ class WeightMemory:
                     self.counters["sync_fallbacks"] += 1
                     log.warning("prefetcher failed reading %s (%s); reading synchronously",
                                 ws.tag, e)
-            self.store.read_into(ws.tag, self.arena.view(ws.region), on_chunk=on_chunk)
+            self.store.read_into(ws.tag, self.host.view(ws.tag), on_chunk=on_chunk)
         except ChecksumError as e:
             if not ws.source:
                 raise
@@ -357,11 +328,11 @@ class WeightMemory:
                     ws.tag, ws.source)
         self.counters["checksum_reloads"] += 1
         try:
-            read_source(ws.source, self.arena.view(ws.region), ws.layout)
+            read_source(ws.source, self.host.view(ws.tag), ws.layout)
         except (ValueError, OSError) as e:
             raise ValueError(f"weight set {ws.tag!r}: an NVMe chunk failed its checksum and its "
                              f"source {ws.source} cannot be read: {e}") from error
-        self.store.write(ws.tag, self.arena.view(ws.region), ws.layout, ws.source)
+        self.store.write(ws.tag, self.host.view(ws.tag), ws.layout, ws.source)
 
     def _to_gpu(self, ws: WeightSet) -> Future:
         with self._lock:
@@ -375,7 +346,7 @@ class WeightMemory:
                 ws.copy_future = self._disk.submit(self._gds_to_gpu, ws, slot)
                 return ws.copy_future
             if self.cuda and on_nvme_only and self.remote_read is None:
-                ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
+                ws.region = self.host.reserve(ws.tag, ws.layout)
                 ws.host_ready = ws.copy_future = self._disk.submit(self._pipelined, ws, slot)
                 return ws.copy_future
             host = self._to_host(ws)
@@ -384,7 +355,7 @@ class WeightMemory:
 
     def _h2d_after(self, ws: WeightSet, slot: int, host: Future) -> None:
         host.result()
-        self._copy(self.arena.view(ws.region), self.slots[slot], ws, "h2d", slot)
+        self._copy(self.host.view(ws.tag), self.slots[slot], ws, "h2d", slot)
         self.counters["gpu_loads"] += 1
 
     def _gds_to_gpu(self, ws: WeightSet, slot: int) -> None:
@@ -399,18 +370,20 @@ class WeightMemory:
             log.warning("cuFile read of %s failed (%s); using O_DIRECT -> pinned -> H2D from now "
                         "on", ws.tag, e)
             self.gds_error, self.gds = str(e), None
-            ws.region = self.arena.alloc(ws.tag, ws.layout.total_bytes)
+            self.nvme_reader_why = f"cuFile failed: {e}"
+            ws.region = self.host.reserve(ws.tag, ws.layout)
             ws.host_ready = _done_after(self._pipelined, ws, slot)
             return
         self.timeline.add("disk", ws.tag, "gds", t0, nbytes=ws.layout.total_bytes, src="nvme",
                           dst="gpu")
         ws.ready = None
         self.counters["gpu_loads"] += 1
+        self.counters["gds_loads"] += 1
 
     def _pipelined(self, ws: WeightSet, slot: int) -> None:
         """NVMe -> host -> GPU by chunks: each chunk's H2D is issued as soon as it is read,
         so the read of the next chunks overlaps it."""
-        host, dev = self.arena.view(ws.region), self.slots[slot]
+        host, dev = self.host.view(ws.tag), self.slots[slot]
         if self.slot_free[slot] is not None:
             self.h2d.wait_event(self.slot_free[slot])
 
@@ -431,6 +404,8 @@ class WeightMemory:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, ws: WeightSet, kind: str,
               slot: int | None = None) -> None:
+        """Host region -> slot (`kind` "h2d"): on CUDA on the H2D stream after the slot's last
+        compute, its event the set's `ready`."""
         n = ws.layout.total_bytes
         if not self.cuda:
             t0 = self.timeline.now()
@@ -438,10 +413,8 @@ class WeightMemory:
             self.timeline.add(kind, ws.tag, kind, t0, nbytes=n)
             ws.ready = None
             return
-        stream = self.h2d if kind == "h2d" else self.d2h
-        if kind == "d2h":
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        elif slot is not None and self.slot_free[slot] is not None:
+        stream = self.h2d
+        if slot is not None and self.slot_free[slot] is not None:
             stream.wait_event(self.slot_free[slot])
         span = self.timeline.cuda_span(stream)
         with torch.cuda.stream(stream):
@@ -449,10 +422,7 @@ class WeightMemory:
         span.end(kind, ws.tag, kind, n)
         ev = torch.cuda.Event()
         ev.record(stream)
-        if kind == "h2d":
-            ws.ready = ev
-        else:
-            ev.synchronize()  # the host copy is what callers read next
+        ws.ready = ev
 
     def _wait_ready(self, ws: WeightSet) -> None:
         if self.cuda and ws.ready is not None:
@@ -468,8 +438,6 @@ class WeightMemory:
         self.slot_tag[slot], ws.slot = ws.tag, slot
 
     def _evict_gpu(self, ws: WeightSet) -> None:
-        if ws.module is not None:
-            raise ValueError(f"{ws.tag!r} is adopted by a live module; it stays on the device")
         if ws.copy_future is not None:
             ws.copy_future.result()
         if ws.slot is not None:
@@ -488,22 +456,18 @@ class WeightMemory:
         on_nvme = self.store is not None and self.store.has(ws.tag)
         if not on_nvme and (self.store is not None or not ws.source):
             self.spill(ws.tag)  # once: later reads are NVMe's; a source stays for repairs
-        self.arena.free(ws.tag)
+        self.host.drop(ws.tag)
         ws.region, ws.host_ready = None, None
-
-    def _adopted_host_bytes(self) -> int:
-        return sum(ws.region.nbytes for ws in self.sets.values()
-                   if ws.module is not None and ws.region is not None)
 
     def _need(self, tag: str, on_gpu: bool = False, on_host: bool = False) -> WeightSet:
         if tag not in self.sets:
             raise KeyError(f"unknown weight set {tag!r}; registered: {sorted(self.sets)}")
         ws = self.sets[tag]
         if on_gpu and (ws.slot is None or self.slot_tag[ws.slot] != tag):
-            raise ValueError(f"{tag!r} is not on the device (restore or prefetch it first)")
+            raise ValueError(f"{tag!r} is not on the device (prefetch or acquire it first)")
         if on_host:
             if ws.host_ready is None:
-                raise ValueError(f"{tag!r} is not on the host tier (backup or prefetch it first)")
+                raise ValueError(f"{tag!r} is not on the host tier (load or prefetch it first)")
             ws.host_ready.result()
         return ws
 

@@ -29,16 +29,10 @@ from pathlib import Path
 
 import torch
 
+from memory.checksum import ChecksumError
 from memory.layout import PAGE_BYTES, FlatLayout
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-
-
-class ChecksumError(RuntimeError):
-    def __init__(self, tag: str, offset: int, nbytes: int):
-        super().__init__(f"weight set {tag!r}: NVMe chunk at byte offset {offset} ({nbytes} bytes) "
-                         f"fails its checksum")
-        self.tag, self.offset, self.nbytes = tag, offset, nbytes
 
 
 class DiskFullError(OSError):

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from memory.checksum import ChecksumMismatch
+from memory.checksum import ChecksumError
+from memory.gds import choose_reader
 from memory.host import HostBudgetError, PinnedArena
 from memory.layout import ALIGN_BYTES, PAGE_BYTES, FlatLayout, bind, pack
 from memory.manager import WeightMemory
-from memory.nvme import ChecksumError, NvmeStore
+from memory.nvme import NvmeStore
 from memory.planner import demand_loads, next_use, plan_switches
 from memory.safetensors_io import (
     INDEX_FILE,
@@ -89,52 +90,51 @@ def test_round_trip_every_tier_bit_exact(tmp_path):
         mem.close()
 
 
-def test_backup_restore_copy_semantics():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    mem = WeightMemory(gpu_slots=1, slot_bytes=1 << 14, host_budget_bytes=1 << 16)
-    try:
-        mem.adopt("actor", model)  # parameters now view the slot
-        assert model.weight.data_ptr() == mem.gpu_tensors("actor")["weight"].data_ptr()
-        mem.backup("actor")
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        assert not torch.equal(model.weight, before["weight"])
-        mem.restore("actor")  # host -> slot: the module sees the backed-up values again
-        assert torch.equal(model.weight, before["weight"]) and torch.equal(model.bias,
-                                                                              before["bias"])
-        mem.register("old_actor", mem.sets["actor"].layout)
-        mem.copy("actor", "old_actor")  # host -> host
-        assert same(mem.host_tensors("old_actor"), before)
-        with pytest.raises(ValueError, match="different layouts"):
-            mem.load_tensors("other", {"w": torch.zeros(3)})
-            mem.copy("actor", "other")
-    finally:
-        mem.close()
+def test_one_checksum_error_names_the_copy_and_offset_and_survives_a_message():
+    nvme = ChecksumError("teacher:x", 8192, 4096)
+    host = ChecksumError("ref", 0, 4096, where="host copy",
+                         reason="fails its CRC-32 (modified since it was written)")
+    assert str(nvme) == "weight set 'teacher:x': NVMe chunk at byte offset 8192 (4096 bytes) " \
+                        "fails its checksum"
+    for err in (nvme, host):  # as a remote error's message: the same error again
+        back = ChecksumError.parse(f"RemoteError: ReadToHost failed\n{err}")
+        assert (back.tag, back.offset, back.nbytes, back.where, str(back)) == \
+            (err.tag, err.offset, err.nbytes, err.where, str(err))
+    assert ChecksumError.parse("weight set 'a': no such file") is None
 
 
-def test_no_copy_mode_catches_a_modified_tensor():
-    model = torch.nn.Linear(8, 4)
-    mem = WeightMemory(gpu_slots=1, slot_bytes=1 << 14, host_budget_bytes=1 << 14)
-    try:
-        mem.adopt("actor", model)
-        mem.backup("actor", no_copy=True)
-        assert mem.sets["actor"].region is None  # nothing copied
-        mem.restore("actor")  # unchanged: passes
-        with torch.no_grad():
-            model.bias[2] += 1e-3
-        with pytest.raises(ChecksumMismatch, match="bias"):
-            mem.restore("actor")
-        # a swap of two words keeps the plain sum; the weighted one catches it
-        with torch.no_grad():
-            model.bias[2] -= 1e-3
-            w = model.weight
-            w[0, 0], w[0, 1] = w[0, 1].item(), w[0, 0].item()
-        with pytest.raises(ChecksumMismatch, match="weight"):
-            mem.restore("actor")
-    finally:
-        mem.close()
+def test_nvme_reader_choice_auto_and_off(caplog, tmp_path):
+    opened = []
+
+    def cufile(threads):
+        opened.append(threads)
+        return "reader"
+
+    def refused(threads):
+        opened.append(threads)
+        raise ImportError("No module named 'cuda'")
+
+    cuda = torch.device("cuda", 0)
+    assert choose_reader("auto", cuda, 3, cufile) == ("reader", "gds = auto, cuFile opened")
+    reader, why = choose_reader("auto", cuda, 3, refused)
+    assert reader is None and "cuFile unavailable: ImportError: No module named 'cuda'" in why
+    assert opened == [3, 3]
+    assert choose_reader("off", cuda, 3, cufile) == (None, "gds = off")  # never tried
+    assert choose_reader("auto", torch.device("cpu"), 3, cufile)[0] is None  # not a CUDA target
+    assert opened == [3, 3]
+    with pytest.raises(ValueError, match="gds = 'on'"):
+        choose_reader("on", cuda)
+    caplog.set_level("INFO", logger="memory.manager")
+    for mode in ("auto", "off"):  # on this CPU machine both read through host memory, said so
+        mem = WeightMemory(gpu_slots=1, slot_bytes=PAGE_BYTES, host_budget_bytes=PAGE_BYTES,
+                           nvme_dir=str(tmp_path / mode), gds=mode)
+        try:
+            assert mem.nvme_reader == "host" and mem.gds is None
+            assert mem.nvme_reader_why == ("gds = off" if mode == "off" else
+                                           "gds = auto, the device is cpu, not CUDA")
+            assert f"through pinned host memory ({mem.nvme_reader_why})" in caplog.text
+        finally:
+            mem.close()
 
 
 def test_corrupted_chunk_is_detected_and_reloaded_from_source(tmp_path):

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from actors.prefetcher import RemoteReader
+from memory.checksum import ChecksumError
 from memory.layout import PAGE_BYTES, FlatLayout, pack
 from memory.manager import WeightMemory
-from memory.nvme import ChecksumError, NvmeStore
+from memory.nvme import NvmeStore
 from runtime.child import ChildSpec
 from tests.helpers import context
 from transport.rpc import RpcClient
-from transport.schema import LoadCheckpoint
 from transport.sockets import SocketFactory
 
 
@@ -79,34 +79,27 @@ async def test_prefetcher_fills_shared_memory_then_killed_falls_back(tmp_path, p
         mem.close()
 
 
-async def test_prefetcher_loads_a_checkpoint_and_reports_bad_chunks(tmp_path, prefetcher):
-    from safetensors.torch import save_file
-
+async def test_prefetcher_reports_a_bad_chunk_as_the_checksum_error(tmp_path, prefetcher):
     ctx, _, factory = prefetcher
     sd = weights(3)
-    save_file(sd, str(tmp_path / "t.safetensors"))
-    lay = FlatLayout.from_checkpoint(tmp_path / "t.safetensors")
+    lay = FlatLayout.from_state_dict(sd)
     nvme = tmp_path / "nvme"
+    buf = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    pack(sd, buf, lay)
+    NvmeStore(nvme, PAGE_BYTES).write("teacher:t", buf, lay)
+    with open(NvmeStore(nvme).data_path("teacher:t"), "r+b") as f:
+        f.seek(2 * PAGE_BYTES + 1)
+        f.write(b"\x00\x01\x02")
     client = RpcClient(factory, ctx.endpoints.rpc, "trainer", timeout_s=10)
     mem = WeightMemory(gpu_slots=1, slot_bytes=lay.total_bytes,
                        host_budget_bytes=2 * lay.total_bytes, nvme_dir=str(nvme),
                        chunk_bytes=PAGE_BYTES)
     try:
         await client.handshake(30)
-        ws = mem.register("teacher:t", lay, source=str(tmp_path / "t.safetensors"))
         region = mem.arena.alloc("teacher:t", lay.total_bytes)
-        await client.call(LoadCheckpoint(tag="teacher:t", path=ws.source, arena=mem.arena.name,
-                                         offset=region.offset, layout_json=lay.to_json(),
-                                         nvme_dir=str(nvme)))
-        from memory.layout import bind
-        got = bind(mem.arena.view(region), lay)
-        assert all(torch.equal(got[k], v) for k, v in sd.items())
-        assert NvmeStore(nvme).has("teacher:t")  # spilled by the prefetcher
-        with open(NvmeStore(nvme).data_path("teacher:t"), "r+b") as f:
-            f.seek(2 * PAGE_BYTES + 1)
-            f.write(b"\x00\x01\x02")
         reader = RemoteReader(client, asyncio.get_running_loop(), mem.arena, str(nvme))
-        with pytest.raises(ChecksumError, match=f"offset {2 * PAGE_BYTES} "):
+        with pytest.raises(ChecksumError, match=f"'teacher:t': NVMe chunk at byte offset "
+                                                f"{2 * PAGE_BYTES} \\({PAGE_BYTES} bytes\\)"):
             await asyncio.wrap_future(reader("teacher:t", region))
     finally:
         await client.close()

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from logic.teachers import TeacherSpec
+from memory.config import TeacherMemoryConfig
 from memory.layout import PAGE_BYTES, FlatLayout, bind, pack
 from memory.manager import WeightMemory
 from memory.nvme import NvmeStore
@@ -21,7 +22,6 @@ from models.load import load_model, quiet_progress
 from models.tokenizer import char_vocab
 from training.batching import make_micro_batch
 from training.colocated_teachers import ColocatedTeachers
-from training.config import TeacherMemoryConfig
 from training.teacher_weights import host_placement, load_teachers
 from transport.schema import Sample
 
@@ -189,6 +189,33 @@ def test_a_checkpoint_with_other_names_is_loaded_whole_with_a_warning(checkpoint
             "teacher:z"]
     finally:
         memory.close()
+
+
+def test_the_gds_setting_reaches_the_teachers_nvme_reads(checkpoints, tmp_path, monkeypatch,
+                                                          caplog):
+    """`teacher_memory.gds`: "auto" would open cuFile for a CUDA device; for this CPU device
+    neither setting tries it, and the teachers on NVMe are read through host memory."""
+    from memory.gds import GdsReader
+
+    def never(threads):
+        raise AssertionError("cuFile opened for a CPU device")
+
+    monkeypatch.setattr(GdsReader, "open", never)
+    caplog.set_level(logging.INFO, logger="memory.manager")
+    assert TeacherMemoryConfig().gds == "auto"
+    size = max(FlatLayout.from_checkpoint(p).total_bytes for p in checkpoints.values())
+    for mode, why in (("auto", "gds = auto, the device is cpu, not CUDA"), ("off", "gds = off")):
+        memory, _ = load_teachers(specs(checkpoints), "cpu", torch.float32, TeacherMemoryConfig(
+            host_budget_bytes=size, nvme_dir=str(tmp_path / mode), gds=mode), str(tmp_path),
+            chunk_bytes=CHUNK)
+        try:
+            assert (memory.nvme_reader, memory.nvme_reader_why) == ("host", why)
+            assert f"reads through pinned host memory ({why})" in caplog.text
+            assert memory.residency()["host"] == []  # room for staging only: all on NVMe
+            memory.prefetch("teacher:a", "gpu").result()
+            assert memory.counters["gpu_loads"] == 1 and memory.counters["gds_loads"] == 0
+        finally:
+            memory.close()
 
 
 def test_the_buffer_hint_is_ordered_as_the_next_step_runs(checkpoints, tmp_path):

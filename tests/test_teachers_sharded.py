@@ -23,7 +23,7 @@ def worker(rank: int, port: int, out: str) -> None:
     from tests.test_mopd import TEACHERS, samples
     from training.batching import make_micro_batch
     from training.colocated_teachers import ColocatedTeachers, RowShard
-    from training.config import TeacherMemoryConfig
+    from memory.config import TeacherMemoryConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

@@ -1,6 +1,7 @@
-"""training/weight_sets.py and the trainer's models on it (training/aux_models.py): tagged host
-copies with no-op backups, in-place restores into a resident module, CRC checks, the critic's
-offload, and the reference following the actor (`kl.ref_update_interval`) across a resume."""
+"""The weight store (memory/store.py) and the trainer's models on it (training/aux_models.py):
+tagged host copies with no-op backups, in-place restores into a resident module, CRC checks, the
+critic's offload, and the reference following the actor (`kl.ref_update_interval`) across a
+resume."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from training.config import CriticConfig, KlConfig, LossConfig, MicroBatchConfig
 from training.setup import load_train_state
 from training.state import TrainState
 from training.step import train_on_batch
-from training.weight_sets import ChecksumError, WeightSets, hollow_copy, weight_tensors
+from memory.checksum import ChecksumError
+from memory.host import HostBudgetError, PinnedArena
+from memory.layout import FlatLayout, bind
+from memory.store import WeightStore, weight_tensors
+from training.weight_sets import hollow_copy
 
 
 def tiny(seed: int = 0) -> torch.nn.Module:
@@ -33,7 +38,7 @@ def equal(a: dict, b: dict) -> bool:
 
 
 def test_backup_copies_only_what_changed_and_restore_is_in_place():
-    sets = WeightSets()
+    sets = WeightStore()
     model = tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     assert sets.backup("actor", model) is True
@@ -65,7 +70,7 @@ def test_backup_copies_only_what_changed_and_restore_is_in_place():
 
 
 def test_a_resident_module_switches_sets_and_binds_host_memory_on_the_cpu():
-    sets = WeightSets()
+    sets = WeightStore()
     a, b = tiny(0), tiny(1)
     sets.backup("a", a)
     sets.backup("b", b)
@@ -85,7 +90,7 @@ def test_a_resident_module_switches_sets_and_binds_host_memory_on_the_cpu():
 
 
 def test_a_modified_host_copy_fails_its_checksum_at_restore():
-    sets = WeightSets(crc_chunk_bytes=4096)
+    sets = WeightStore(crc_chunk_bytes=4096)
     model = tiny()
     sets.backup("ref", model)
     host = sets.host_tensors("ref")
@@ -96,8 +101,34 @@ def test_a_modified_host_copy_fails_its_checksum_at_restore():
     sets.close()
 
 
+def test_a_set_filled_in_place_is_checked_and_a_fixed_arena_is_a_budget():
+    model = tiny()
+    want = values(model)
+    layout = FlatLayout.from_state_dict(weight_tensors(model))
+    sets = WeightStore(crc_chunk_bytes=4096, arena=PinnedArena.create(layout.total_bytes))
+    sets.reserve("t", layout)
+    target = hollow_copy(model)
+    with pytest.raises(ValueError, match="reserved but never written"):
+        sets.restore("t", target)
+    for name, view in bind(sets.view("t"), layout).items():  # filled by its reader
+        view.copy_(want[name])
+    sets.written("t")
+    assert sets.restore("t", target) and equal(values(target), want)
+    with pytest.raises(HostBudgetError, match="host tier: 'u' needs"):  # the arena is full
+        sets.reserve("u", layout)
+    sets.drop("t")
+    sets.reserve("u", layout)  # its region is free again
+    sets.view("u")[layout.total_bytes - 1] ^= 1  # filled, then a stray write before `written`
+    sets.written("u")
+    sets.view("u")[4096 + 7] ^= 1  # a stray write after it
+    with pytest.raises(ChecksumError, match="'u': host copy at byte offset 4096 "):
+        sets.restore("u", target)
+    sets.close()
+    assert sets.arenas == []  # the store closed its arena
+
+
 def test_release_refuses_to_lose_weights_and_restore_brings_them_back():
-    sets = WeightSets()
+    sets = WeightStore()
     model = tiny()
     want = values(model)
     with pytest.raises(KeyError):

@@ -1,5 +1,6 @@
 """The models the trainer holds besides the policy: the reference, the old actors and the critic,
-each a tagged weight set (training/weight_sets.py) restored into a module only while it computes.
+each a tagged weight set of the weight store (memory/store.py `WeightStore`, pinned host copies)
+restored into a module only while it computes.
 
 - `ResidentModule`: one module that weight sets are restored into for a forward ("one resident
   model"): on the CPU its tensors view the set's pinned host copy (no copy at all); on a GPU the
@@ -37,17 +38,12 @@ import torch
 
 from algos.logprobs import position_ids_from_mask, response_slice, token_logprobs_and_entropy
 from memory.layout import FlatLayout
+from memory.store import WeightStore, weight_tensors
 from models.invariant import decoder_for, is_enabled
 from training.batching import MicroBatch
 from training.config import CriticConfig
 from training.master_weights import make_optimizer
-from training.weight_sets import (
-    WeightSets,
-    hollow_copy,
-    optimizer_steps,
-    optimizer_tensors,
-    weight_tensors,
-)
+from training.weight_sets import hollow_copy, optimizer_steps, optimizer_tensors
 
 
 def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_length: bool = False,
@@ -86,15 +82,15 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
             response_slice(ent, mb.prompt_lens, cols) if with_entropy else None)
 
 
-def new_store(device: str | torch.device) -> WeightSets:
+def new_store(device: str | torch.device) -> WeightStore:
     """Weight sets for models computing on `device` (pinned host memory when it is a GPU)."""
-    return WeightSets(pin=torch.device(device).type == "cuda")
+    return WeightStore(pin=torch.device(device).type == "cuda")
 
 
 class ResidentModule:
     """A module that weight sets are restored into for a use (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, device: str | torch.device, store: WeightSets,
+    def __init__(self, module: torch.nn.Module, device: str | torch.device, store: WeightStore,
                  offload: bool = True):
         self.module, self.store = module, store
         self.device = torch.device(device)
@@ -130,7 +126,7 @@ class AuxModel:
 
     @classmethod
     def frozen_copy(cls, model: torch.nn.Module, device, offload: bool = True,
-                    store: WeightSets | None = None, tag: str = "ref",
+                    store: WeightStore | None = None, tag: str = "ref",
                     resident: ResidentModule | None = None, update_interval: int = 0
                     ) -> AuxModel:
         """`model`'s current weights as the set `tag` (the reference = the policy's initial
@@ -227,7 +223,7 @@ class OldActors:
     `proximal = "rollout_version"`, tags `old_actor:v<N>` in `store`. At most `keep` sets; the
     oldest set's host region is recycled for the newest."""
 
-    def __init__(self, keep: int, device, offload: bool = True, store: WeightSets | None = None,
+    def __init__(self, keep: int, device, offload: bool = True, store: WeightStore | None = None,
                  resident: ResidentModule | None = None):
         self.keep, self.device, self.offload = keep, torch.device(device), offload
         self.store = store or new_store(device)
@@ -278,7 +274,7 @@ class CriticModel:
     uses through host weight sets (see the module docstring)."""
 
     def __init__(self, causal_lm: torch.nn.Module, device, cfg: CriticConfig,
-                 offload: bool = True, store: WeightSets | None = None, tag: str = "critic"):
+                 offload: bool = True, store: WeightStore | None = None, tag: str = "critic"):
         self.device = torch.device(device)
         self.module = ValueModel(causal_lm).train(False).to(self.device)
         self.offload = offload and self.device.type != "cpu"

@@ -53,9 +53,10 @@ from algos.logprobs import (
 )
 from algos.opd import nucleus_logprobs, sampled_log_ratio, token_logprobs_chunked
 from logic.teachers import TeacherSpec, opd_configs, teacher_order
+from memory.config import TeacherMemoryConfig
 from memory.manager import WeightMemory
 from training.batching import MicroBatch
-from training.config import TeacherMemoryConfig, TrainConfig
+from training.config import TrainConfig
 from training.teacher_weights import (  # noqa: F401 - meta_skeleton re-exported
     RowShard,
     load_teachers,

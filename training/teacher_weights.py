@@ -1,7 +1,9 @@
 """Colocated teachers' weights at start-up: within the host budget, from their checkpoints.
 
-Role: `load_teachers` turns the run's teacher specs into a `memory.WeightMemory` holding one set
-per teacher (`teacher:<name>`) and a meta-device skeleton per architecture. A teacher given as a
+Role: `load_teachers` turns the run's teacher specs into a `memory.manager.WeightMemory` (built by
+`memory.config.TeacherMemoryConfig.build`: its host tier the weight store, memory/store.py; its
+NVMe reads into device slots through cuFile where `gds` allows) holding one set per teacher
+(`teacher:<name>`) and a meta-device skeleton per architecture. A teacher given as a
 safetensors checkpoint directory is never built as a model: its skeleton comes from its config
 on the meta device (non-persistent buffers such as rotary tables computed for real), its flat
 layout from the skeleton's tensors in the checkpoint's data order, and its bytes are read from
@@ -47,12 +49,12 @@ import torch
 import torch.distributed as dist
 
 from logic.teachers import TeacherSpec
+from memory.config import TeacherMemoryConfig
 from memory.layout import FlatLayout, module_tensors
 from memory.manager import WeightMemory
 from memory.safetensors_io import INDEX_FILE, tensor_extents
 from memory.sources import sharded_source
 from models.load import is_checkpoint_dir, load_model
-from training.config import TeacherMemoryConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +92,10 @@ def load_teachers(specs: Sequence[TeacherSpec], device: str, dtype: torch.dtype,
     if shard is not None and shard.world > 1:
         teachers = [_row_sharded(t, shard) for t in teachers]
     sizes = {t.name: t.layout.total_bytes for t in teachers}
-    budget = cfg.host_budget_bytes or sum(sizes.values())
+    budget = cfg.host_budget(sizes)
     on_host = set(host_placement(sizes, budget))
-    nvme_dir = cfg.nvme_dir or str(Path(run_dir) / "teachers-nvme")
-    memory = WeightMemory(device, gpu_slots=cfg.gpu_slots, slot_bytes=max(sizes.values()),
-                          host_budget_bytes=budget, lookahead=cfg.lookahead, nvme_dir=nvme_dir,
-                          chunk_bytes=chunk_bytes)
+    nvme_dir = cfg.nvme_path(run_dir)
+    memory = cfg.build(device, sizes, run_dir, chunk_bytes)
     streamed = [t.name for t in teachers if t.name not in on_host]
     if streamed:
         log.info("teachers: %.2f GiB in all, host budget %.2f GiB: %s on the host, %s streamed "

@@ -170,11 +170,6 @@ class WireArray:
         return torch.frombuffer(self._writable(), dtype=tdtype).reshape(self.shape)
 
 
-def tensor_from_buffer(buf: memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
-    """Zero-copy view of `buf` as a tensor; raises WireError if the sizes disagree."""
-    return WireArray(buf, dtype, list(shape)).torch()
-
-
 class Codec:
     """One per socket owner (not thread-safe: it keeps the frames of the message in progress)."""
 

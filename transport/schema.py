@@ -313,25 +313,6 @@ class ReadToHostReply(Msg):
     direct: bool  # False: O_DIRECT was refused and the read used the page cache
 
 
-class LoadCheckpoint(Msg):
-    """Trainer -> prefetcher: load a checkpoint (safetensors file/dir or torch file) into an arena
-    region in its flat layout (`layout_json`), then store it on the NVMe tier if `spill`."""
-
-    tag: str
-    path: str
-    arena: str
-    offset: int
-    layout_json: str
-    nvme_dir: str = ""
-    spill: bool = True
-
-
-class LoadCheckpointReply(Msg):
-    tag: str
-    nbytes: int
-    seconds: float
-
-
 # ----------------------------------------------------------------------------- demo cluster
 class Scale(Msg):
     """Demo request: multiply a tensor; the reply carries the product and its sum."""
@@ -365,7 +346,7 @@ Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
     Endpoints, Ready, Heartbeat, Dead, Notice, Ack, Stopped, Metrics, Sample, SampleGroup,
     RolloutPermit, Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, ReadToHost,
-    ReadToHostReply, LoadCheckpoint, LoadCheckpointReply, Scale, ScaleReply, WorkItem, Blob,
+    ReadToHostReply, Scale, ScaleReply, WorkItem, Blob,
 ]
 
 
