@@ -42,9 +42,11 @@ Invariants:
   bucket, also when the update fails; the last bucket carries `flush_cache = true` and the
   `weight_version`, so a worker's version changes only once all its tensors arrived.
 - After a push, every worker reports the new version (`/get_weight_version`), else SyncError.
-- Colocated memory: `resume_weights_then(push)` wakes the weights, pushes, then wakes the KV
-  cache and CUDA graphs (tags "weights", then "kv_cache" + "cuda_graph", SGLang's memory tags),
-  so no KV memory is held while weights load.
+- `weight_sync.path` is read in one place, `make_weight_sync` (the path to each worker:
+  `worker_paths`); `check_weight_sync_placement` checks a placement against the same plan before
+  anything starts. What a trainer calls per version (one `push(version)` whatever the path, the
+  disk fallback, the colocated wake order) is engine/weight_push.py, built from
+  engine/weight_sync_config.py.
 """
 
 from __future__ import annotations
@@ -208,15 +210,6 @@ async def check_versions(clients: list[SglangClient], version: str) -> None:
     wrong = [(c.base_url, v) for c, v in zip(clients, got) if v != version]
     if wrong:
         raise SyncError(f"workers did not take weight version {version!r}: {wrong}")
-
-
-async def resume_weights_then(clients: list[SglangClient], push) -> None:
-    """Colocated: resume the weights' memory, run `push()` (an awaitable factory), then resume
-    the rest (KV cache, CUDA graphs)."""
-    await asyncio.gather(*(c.resume_memory_occupation(["weights"]) for c in clients))
-    await push()
-    await asyncio.gather(*(c.resume_memory_occupation(["kv_cache", "cuda_graph"])
-                           for c in clients))
 
 
 class DiskSync:
@@ -650,42 +643,96 @@ class SplitSync:
                 await part.close()
 
 
+PATHS = ("disk", "tensor", "cuda_ipc", "distributed", "auto")  # weight_sync.path's values
+
+
+def worker_paths(path: str, devices: list[list[str]] | None, own_devices: list[str],
+                 device: str, num_workers: int) -> list[str]:
+    """The path each worker gets under weight_sync.path `path`: `path` itself, or for "auto"
+    `plan_paths`'s choice by placement. ValueError for a name that is no path."""
+    if path not in PATHS:
+        raise ValueError(f"unknown weight_sync.path {path!r}: disk, tensor, cuda_ipc, "
+                         f"distributed or auto")
+    if path == "auto":
+        return plan_paths(devices, own_devices, device, num_workers)
+    return [path] * num_workers
+
+
+def check_sync_device(path: str, device: str) -> None:
+    """ValueError when weight_sync.path `path` cannot send from a trainer on `device`: CUDA IPC
+    handles exist only for CUDA memory."""
+    if path == "cuda_ipc" and not device.startswith("cuda"):
+        raise ValueError(f"weight_sync.path = 'cuda_ipc' sends CUDA IPC handles of the "
+                         f"trainer's GPU memory, but device = {device!r}: use "
+                         f"'tensor' (weights in the request body) or 'disk' on the CPU")
+
+
+def check_weight_sync_placement(path: str, workers: list[str], gpus: list[list[str]],
+                                own_gpus: list[str], device: str) -> None:
+    """ValueError, naming the worker and what can serve it, when the placement cannot be served
+    by weight_sync.path `path` (checked before anything starts, with the plan a push uses):
+    cuda_ipc reaches only workers on the trainer's GPU; a distributed part needs groups
+    `plan_groups` can form (no worker on the trainer's GPU, no CPU worker under NCCL). `workers`
+    are actor names, `gpus` their GPU ids (runtime/devices.py; [] on the CPU), `own_gpus` the
+    trainer's, `device` its torch device. disk and tensor serve any placement."""
+    if path not in ("distributed", "cuda_ipc", "auto"):
+        return
+    paths = worker_paths(path, gpus, own_gpus, device, len(workers))
+    for w, p, theirs in zip(workers, paths, gpus):
+        if p == "cuda_ipc" and not set(theirs) & set(own_gpus):
+            raise ValueError(
+                f"weight_sync.path = 'cuda_ipc' hands [actors.{w}] CUDA IPC handles of the "
+                f"trainer's GPU ({', '.join(own_gpus)}), but it runs on "
+                f"{', '.join(theirs) or 'the CPU'}: put it on the trainer's GPU, or set "
+                f"weight_sync.path = 'auto' (CUDA IPC on the shared GPU, NCCL to the "
+                f"others), 'distributed' or 'disk'")
+    nccl = [i for i, p in enumerate(paths) if p == "distributed"]
+    try:
+        plan_groups([gpus[i] for i in nccl], own_gpus,
+                    [f"[actors.{workers[i]}]" for i in nccl], nccl=device.startswith("cuda"))
+    except SyncError as e:
+        raise ValueError(str(e)) from None
+
+
 async def make_weight_sync(kind: str, clients: list[SglangClient], device: str,
                            bucket_bytes: int, *, names: list[str] | None = None,
                            devices: list[list[str]] | None = None,
                            own_devices: list[str] | None = None, timeout_s: float = 120.0,
                            retries: int = 1, master_address: str = "127.0.0.1",
                            pause_mode: str = DEFAULT_PAUSE_MODE):
-    """The weight-sync path named `kind` (disk | tensor | cuda_ipc | distributed | auto),
+    """The transport of weight_sync.path `kind` (disk | tensor | cuda_ipc | distributed | auto),
     pausing the workers in `pause_mode` around every push; a distributed group uses NCCL when
     the trainer's `device` is CUDA, else gloo. Its groups form at the first push; a placement
     no group can serve (`plan_groups`), or cuda_ipc from a CPU trainer, raises SyncError here.
-    "auto": `plan_paths` per worker, one `SplitSync` over the paths it chose."""
+    "auto": `plan_paths` per worker, one `SplitSync` over the paths it chose. The only place
+    where a path's name becomes a transport."""
     names = names or [c.base_url for c in clients]
-    if kind == "disk":
+    own_devices = own_devices or []
+    paths = worker_paths(kind, devices, own_devices, device, len(clients))
+    if kind != "auto":
+        return _one_path(kind, clients, device, bucket_bytes, names, devices, own_devices,
+                         timeout_s, retries, master_address, pause_mode)
+    parts = []
+    for path in dict.fromkeys(paths):
+        mine = [i for i, p in enumerate(paths) if p == path]
+        parts.append(_one_path(path, [clients[i] for i in mine], device, bucket_bytes,
+                               [names[i] for i in mine],
+                               None if devices is None else [devices[i] for i in mine],
+                               own_devices, timeout_s, retries, master_address, pause_mode))
+    return parts[0] if len(parts) == 1 else SplitSync(parts)
+
+
+def _one_path(path: str, clients: list[SglangClient], device: str, bucket_bytes: int,
+              names: list[str], devices: list[list[str]] | None, own_devices: list[str],
+              timeout_s: float, retries: int, master_address: str, pause_mode: str):
+    if path == "disk":
         return DiskSync(clients, pause_mode)
-    if kind in ("tensor", "cuda_ipc"):
-        return TensorSync(clients, "cuda_ipc" if kind == "cuda_ipc" else "safetensors",
+    if path in ("tensor", "cuda_ipc"):
+        return TensorSync(clients, "cuda_ipc" if path == "cuda_ipc" else "safetensors",
                           bucket_bytes=bucket_bytes, pause_mode=pause_mode, device=device)
-    if kind == "auto":
-        paths = plan_paths(devices, own_devices or [], device, len(clients))
-        parts = []
-        for path in dict.fromkeys(paths):
-            mine = [i for i, p in enumerate(paths) if p == path]
-            parts.append(await make_weight_sync(
-                path, [clients[i] for i in mine], device, bucket_bytes,
-                names=[names[i] for i in mine],
-                devices=None if devices is None else [devices[i] for i in mine],
-                own_devices=own_devices, timeout_s=timeout_s, retries=retries,
-                master_address=master_address, pause_mode=pause_mode))
-        return parts[0] if len(parts) == 1 else SplitSync(parts)
-    if kind != "distributed":
-        raise ValueError(f"unknown weight_sync.path {kind!r}: disk, tensor, cuda_ipc, "
-                         f"distributed or auto")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if devices is not None:
-        plan_groups(devices, own_devices or [], names, nccl=backend == "nccl")
+        plan_groups(devices, own_devices, names, nccl=backend == "nccl")
     return DistributedSync(clients, backend, master_address, bucket_bytes=bucket_bytes,
-                           devices=devices,
-                           own_devices=own_devices, names=names, timeout_s=timeout_s,
-                           retries=retries, pause_mode=pause_mode)
+                           devices=devices, own_devices=own_devices, names=names,
+                           timeout_s=timeout_s, retries=retries, pause_mode=pause_mode)

@@ -21,8 +21,8 @@ from safetensors.torch import load as load_safetensors
 from actors.sglang_worker import SglangWorker, SglangWorkerConfig
 from algos.logprobs import token_logprobs
 from engine.client import SglangClient, SglangHTTPError
-from engine.weight_sync import (DiskSync, TensorSync, WeightStream, buckets,
-                                resume_weights_then)
+from engine.weight_push import release_to_train, wake_to_generate
+from engine.weight_sync import DiskSync, TensorSync, WeightStream, buckets
 from memory.device_usage import storage_bytes
 from memory.safetensors_io import INDEX_FILE, load_safetensors as read_checkpoint, \
     write_safetensors_shards
@@ -209,12 +209,38 @@ async def test_distributed_update_without_group_is_refused(ipc):
 
 
 async def test_colocated_tensor_sync_with_memory_release(ipc):
+    """The colocated order on a real worker: to train, the worker releases everything before
+    the trainer wakes; to generate, the trainer parks its state, the worker takes its weights
+    back, the push fills them, the trainer parks its weights, and only then the worker takes
+    its KV cache and CUDA graphs back."""
     async with serve(ipc) as (worker, client):
         model, _ = trained(11)
-        await client.release_memory_occupation()  # trainer's turn on the device
-        assert storage_bytes(worker.scheduler.model.parameters()) == 0
         sync = TensorSync([client], bucket_bytes=32 << 10)
-        await resume_weights_then([client], lambda: sync.push(named(model), "3"))
+        events: list[tuple[str, list[str], int, str]] = []
+
+        def seen(what: str):
+            async def record():
+                events.append((what, sorted(worker.scheduler.released),
+                               storage_bytes(worker.scheduler.model.parameters()),
+                               worker.scheduler.weight_version))
+                return what
+            return record
+
+        async def push():
+            await seen("push")()
+            await sync.push(named(model), "3")
+            return "pushed"
+
+        assert await release_to_train([client], seen("wake")) == "wake"  # trainer's turn
+        assert events == [("wake", ["cuda_graph", "kv_cache", "weights"], 0, "0")]
+        events.clear()
+        assert await wake_to_generate([client], push, seen("park_state"),
+                                      seen("park_weights")) == "pushed"
+        assert [(e[0], e[1], e[3]) for e in events] == [
+            ("park_state", ["cuda_graph", "kv_cache", "weights"], "0"),
+            ("push", ["cuda_graph", "kv_cache"], "0"),
+            ("park_weights", ["cuda_graph", "kv_cache"], "3")]  # pushed before it parks
+        assert events[0][2] == 0 < events[1][2]  # the weights' memory came back for the push
         assert worker.scheduler.released == set()
         assert_same_weights(dict(worker.scheduler.model.named_parameters()), model)
         await assert_generates_with(client, model, "3")

@@ -1,0 +1,183 @@
+"""One weight version to every inference worker, whatever the path: the call a trainer makes.
+
+Role: `await sync.push(version) -> PushReport` for every weight_sync.path; the object is made by
+engine/weight_sync_config.py `WeightSyncConfig.build` (the one place the configured path is
+read, through engine/weight_sync.py `make_weight_sync`). Three implementations:
+- `DiskPush`: the version written once under `<run_dir>/weights/v<N>` (the trainer's `write`:
+  one version's HF safetensors into a directory), every worker loads it (`DiskSync`), only the
+  newest `keep_versions` directories are kept.
+- `StreamPush`: an in-memory transport (`TensorSync`, `DistributedSync`, `SplitSync`) sending a
+  fresh `WeightStream` (the trainer's `stream()`) per version.
+- `FallbackPush`: any push, then disk for a version it fails with SyncError
+  (weight_sync.fallback = "disk"); the next version tries the configured path again.
+
+Colocated memory (the trainer and the workers on one GPU take turns): `wake_to_generate` and
+`release_to_train` are the only order of the two sides' memory moves around a push.
+
+Invariants:
+- A PushReport is returned only once every reachable worker serves the version; `path` is the
+  path that carried it ("disk" after a fallback, which also sets `fell_back` and `error`).
+- A version's disk directory is complete before any worker is asked to load it (`write` returns
+  after the files are in place), and old ones are pruned only after a successful push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
+
+from engine.client import SglangClient
+from engine.weight_sync import DiskSync, SyncError, WeightStream, as_stream
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PushReport:
+    """What one push did."""
+
+    version: int
+    path: str  # the path that carried the version: the configured one, "disk" after a fallback
+    bytes: int  # one version's bytes: the disk path's safetensors files, else the stream's
+    seconds: float  # the whole push (the disk write, a failed attempt before a fallback)
+    peak_held_bytes: int = 0  # a gathered stream: the most of its copies alive at once
+    fell_back: bool = False  # the configured path failed; disk carried the version
+    error: str = ""  # why the configured path failed (when fell_back)
+    configured: str = ""  # weight_sync.path ("" = `path`)
+
+    @property
+    def notice(self) -> str:
+        """The console line for a fallback ("" when none happened)."""
+        if not self.fell_back:
+            return ""
+        return (f"weight version {self.version} over {self.configured} failed ({self.error}); "
+                f"sent through {self.path} instead (the next version tries {self.configured} "
+                f"again)")
+
+    def metrics(self) -> dict[str, float]:
+        """The push's time per GB of one version (the disk path counts the write and every
+        worker's load, the others every bucket to every worker), per path too."""
+        per_gb = self.seconds / (max(self.bytes, 1) / 1e9)
+        out = {"weight_sync/push_s": self.seconds, "weight_sync/push_s_per_gb": per_gb,
+               f"weight_sync/{self.path}/push_s_per_gb": per_gb,
+               "weight_sync/weight_bytes": float(self.bytes)}
+        if self.peak_held_bytes:  # a gathered (sharded) push: the most of it held at once
+            out["weight_sync/push_held_bytes"] = float(self.peak_held_bytes)
+        return out
+
+
+class DiskPush:
+    """Write the version once under `<run_dir>/weights/v<N>` with `write(directory,
+    shard_bytes)` (awaitable; files of at most `shard_bytes`), every worker loads it, then keep
+    only the newest `keep_versions` version directories."""
+
+    path = "disk"
+
+    def __init__(self, disk: DiskSync, run_dir: str | Path,
+                 write: Callable[[Path, int], Awaitable[Any]], keep_versions: int,
+                 shard_bytes: int):
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.disk, self.write = disk, write
+        self.root = Path(run_dir) / "weights"
+        self.keep_versions, self.shard_bytes = keep_versions, shard_bytes
+
+    async def push(self, version: int) -> PushReport:
+        t0 = time.monotonic()
+        path = self.root / f"v{version}"
+        await self.write(path, self.shard_bytes)
+        nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        await self.disk.push(str(path), str(version))
+        self._prune()
+        return PushReport(version, self.path, nbytes, time.monotonic() - t0)
+
+    def _prune(self) -> None:
+        versions = [p for p in self.root.glob("v*") if p.name[1:].isdigit()]
+        for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-self.keep_versions]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        """Nothing to leave (disk holds no connection)."""
+
+
+class StreamPush:
+    """An in-memory transport (anything with `push(stream, version)`: TensorSync,
+    DistributedSync, SplitSync) sending the version `stream()` makes, a fresh WeightStream (or
+    list of (name, tensor)) each push; `path` names it in reports."""
+
+    def __init__(self, transport: Any, stream: Callable[[], Any], path: str):
+        self.transport, self.stream, self.path = transport, stream, path
+        self._bytes = 0  # one version's bytes, as the latest complete read counted them
+
+    async def push(self, version: int) -> PushReport:
+        t0 = time.monotonic()
+        stream: WeightStream = as_stream(self.stream())
+        await self.transport.push(stream, str(version))
+        self._bytes = stream.bytes_read or self._bytes
+        return PushReport(version, self.path, self._bytes, time.monotonic() - t0,
+                          stream.peak_held_bytes)
+
+    async def close(self) -> None:
+        """The transport's groups left (DistributedSync), if it has any."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            await close()
+
+
+class FallbackPush:
+    """`primary`'s push, or, when it fails with SyncError, `fallback`'s (disk) for that version:
+    the report says so (`fell_back`, `error`, `notice`); the next version tries `primary`
+    again. Any other error, or the fallback's own failure, is raised."""
+
+    def __init__(self, primary: Any, fallback: DiskPush):
+        self.primary, self.fallback = primary, fallback
+        self.path = primary.path
+
+    async def push(self, version: int) -> PushReport:
+        t0 = time.monotonic()
+        try:
+            return await self.primary.push(version)
+        except SyncError as e:
+            error = str(e)
+        log.warning("weight version %s over %s failed (%s); sending it through %s", version,
+                    self.path, error, self.fallback.path)
+        report = await self.fallback.push(version)
+        return dataclasses.replace(report, seconds=time.monotonic() - t0, fell_back=True,
+                                   error=error, configured=self.path)
+
+    async def close(self) -> None:
+        await self.primary.close()
+        await self.fallback.close()
+
+
+async def wake_to_generate(clients: list[SglangClient], push: Callable[[], Awaitable[T]],
+                           park_state: Callable[[], Awaitable[Any]],
+                           park_weights: Callable[[], Awaitable[Any]]) -> T:
+    """Colocated, from training to generation: the trainer parks all but its weights
+    (`park_state`: gradients, optimizer state), the workers take their weights' memory back,
+    `push()` fills them (CUDA IPC reads the trainer's parameters where they are), the trainer
+    parks its weights (`park_weights`), then the workers take their KV cache and CUDA graphs
+    back (SGLang's memory tags): at no time do both sides' weights and the KV cache hold the
+    device at once. `push()`'s result is returned; the caller announces the version after this
+    (a worker still holding a released tag refuses requests)."""
+    await park_state()
+    await asyncio.gather(*(c.resume_memory_occupation(["weights"]) for c in clients))
+    result = await push()
+    await park_weights()
+    await asyncio.gather(*(c.resume_memory_occupation(["kv_cache", "cuda_graph"])
+                           for c in clients))
+    return result
+
+
+async def release_to_train(clients: list[SglangClient], wake: Callable[[], Awaitable[T]]) -> T:
+    """Colocated, from generation to training: every worker releases its memory (weights, KV
+    cache, CUDA graphs), then the trainer wakes (`wake()`, whose result is returned)."""
+    await asyncio.gather(*(c.release_memory_occupation() for c in clients))
+    return await wake()
