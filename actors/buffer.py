@@ -246,6 +246,7 @@ class BufferState:
 class BufferActor(Actor):
     Config = BufferConfig
     role = "buffer"
+    fact_fields = {"group_size": "group_size", "groups_per_batch": "groups_per_batch"}
 
     async def on_start(self) -> None:
         self.logic = RolloutBuffer(self.config)

@@ -169,6 +169,7 @@ class RolloutTotals(msgspec.Struct):
 class RolloutActor(Actor):
     Config = RolloutConfig
     role = "rollout"
+    fact_fields = {"model": "model"}
 
     @classmethod
     def check_config(cls, config: RolloutConfig) -> list[str]:

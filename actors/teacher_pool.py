@@ -66,6 +66,7 @@ class TeacherPoolConfig(msgspec.Struct, forbid_unknown_fields=True):
 class TeacherPool(Actor):
     Config = TeacherPoolConfig
     role = "teacher_pool"
+    fact_fields = {"student": "model", "temperature": "temperature"}
 
     @classmethod
     def check_config(cls, config: TeacherPoolConfig) -> None:

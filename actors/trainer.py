@@ -84,6 +84,7 @@ def _megatron_on_cpu() -> bool:
 class TrainerActor(Actor):
     Config = TrainerConfig
     role = "trainer"
+    fact_fields = {"loss.temperature": "temperature"}
 
     @classmethod
     def check_config(cls, config: TrainerConfig) -> None:
@@ -123,6 +124,22 @@ class TrainerActor(Actor):
     @classmethod
     def gpus(cls, config: TrainerConfig, env: dict[str, str], host: str) -> list[str]:
         return gpu_ids([config.device], env, host)  # the GPU weights are sent from (rank 0)
+
+    # ranks 1..N-1 of `parallel` (N = tp * pp * dp > 1): processes of this class, started by
+    # the launcher with this actor and restarted with it (launch/config.py rank_entries)
+    rank_cls = "actors.trainer_rank:TrainerRank"
+
+    @classmethod
+    def ranks(cls, config: TrainerConfig) -> list[str]:
+        """The [[hosts]] name of each of ranks 1..N-1 ("" = this actor's host)."""
+        hosts = [config.parallel.rank_host(r) for r in range(1, config.parallel.world_size)]
+        return [h.name if h is not None else "" for h in hosts]
+
+    @classmethod
+    def peers(cls, config: TrainerConfig) -> dict[str, str]:
+        return {**{f"workers[{i}]": w for i, w in enumerate(config.workers)},
+                "buffer": config.buffer, "rollout": config.rollout,
+                "prefetcher": config.prefetcher}
 
     @classmethod
     def check_peers(cls, name: str, config: TrainerConfig, actors: dict[str, ActorView]) -> None:

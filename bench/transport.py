@@ -23,12 +23,24 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from transport.rpc import RpcClient, RpcServer
-from transport.schema import Blob
+from transport.schema import Msg, Tensor, register_messages
 from transport.shm import ShmConfig
 from transport.sockets import SocketFactory
+
+
+class Blob(Msg):
+    """A named bag of tensors and bytes: what this benchmark sends (tests use it too)."""
+
+    tensors: dict[str, Tensor] = {}
+    arrays: dict[str, np.ndarray] = {}
+    payload: bytes = b""
+
+
+register_messages(Blob)
 
 SIZES = {"4m": 4 << 20, "256m": 256 << 20}
 

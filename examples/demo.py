@@ -11,10 +11,34 @@ import asyncio
 import time
 
 import msgspec
+import numpy as np
 import torch
 
 from runtime.actor import Actor
-from transport.schema import Msg, Scale, ScaleReply, WorkItem
+from transport.schema import Msg, Tensor, register_messages
+
+
+class Scale(Msg):
+    """Request: multiply a tensor; the reply carries the product and its sum."""
+
+    tensor: Tensor
+    factor: float
+
+
+class ScaleReply(Msg):
+    tensor: Tensor
+    total: float
+
+
+class WorkItem(Msg):
+    """Stream item (producer -> consumer)."""
+
+    index: int
+    data: np.ndarray
+    produced_at_s: float
+
+
+register_messages(Scale, ScaleReply, WorkItem)  # the demo's own messages on the wire
 
 
 class ScalerConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -27,7 +27,7 @@ import msgspec
 
 from envs.loader import EnvSpecError, one_line
 from launch import rl as rl_table
-from launch.plan import PlanError, check_plan
+from launch.plan import PlanError, check_plan, fill_facts
 from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
 from runtime.actor import ActorView
@@ -133,6 +133,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # actors, never written in hosts.toml
     facts: RunFacts | None = None
 
+
+DERIVED = frozenset({"facts"})  # ClusterConfig fields made at load, never written in the file
 
 # actor config fields (at any depth) that name a model checkpoint: a relative path that is a
 # checkpoint directory next to hosts.toml is made absolute (models.load.is_checkpoint_dir)
@@ -246,9 +248,9 @@ def _load_document(raw: dict[str, Any], path: Path,
             msgspec.convert(entry, ActorEntry)
         except msgspec.ValidationError as e:
             raise ConfigError(f"{path}: {_describe(str(e), ['actors', name])}") from None
-    if "facts" in raw:
-        raise ConfigError(f"{path}: `facts` is derived from the actors at load, not written: "
-                          f"remove the [facts] table (set [rl] or the actors' tables instead)")
+    for key in DERIVED & set(raw):
+        raise ConfigError(f"{path}: `{key}` is derived from the actors at load, not written: "
+                          f"remove the [{key}] table (set [rl] or the actors' tables instead)")
     try:
         cfg = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as e:
@@ -287,7 +289,8 @@ def _child(schema: Any, key: str, node: dict[str, Any], where: str, table: str) 
     """The schema type of `node[key]` (Any where anything goes); ConfigError when the schema
     of `table` has no field `key`."""
     if isinstance(schema, type) and issubclass(schema, msgspec.Struct):
-        fields = {f.name: f.type for f in msgspec.structs.fields(schema)}
+        fields = {f.name: f.type for f in msgspec.structs.fields(schema)
+                  if not (schema is ClusterConfig and f.name in DERIVED)}
         if key not in fields:
             what = "the top level of hosts.toml" if table == "top level" else f"table [{table}]"
             raise ConfigError(f"{where}: {what} has no field `{key}`; its fields are "
@@ -420,6 +423,8 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
         fail("actors", "cls", "declare at least one [actors.<name>] table")
     views: dict[str, ActorView] = {}
     taken: dict[tuple[str, int], str] = {}  # fixed (address, port) -> the field that binds it
+    fill_facts({name: (import_actor(entry.cls, f"{path}: table [actors.{name}], field `cls`"),
+                       entry.config) for name, entry in cfg.actors.items()})
     for name, entry in cfg.actors.items():
         table = f"actors.{name}"
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", name):

@@ -13,10 +13,65 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from actors.inference import InferenceWorkerConfig
-from engine.weight_sync import SyncError, plan_groups, plan_paths
+from engine.weight_sync import check_weight_sync_placement
 from runtime.actor import ActorView
 from runtime.facts import RunFacts, TeacherFact
+
+
+# each fact and the field that decides it: (the role of the actor, the path in its config)
+DECIDED_BY = {"model": ("trainer", "model"), "dtype": ("trainer", "dtype"),
+              "mode": ("trainer", "mode"), "true_on_policy": ("trainer", "true_on_policy"),
+              "group_size": ("rollout", "group_size"),
+              "groups_per_batch": ("rollout", "groups_per_batch"),
+              "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
+              "max_staleness": ("buffer", "max_staleness")}
+
+
+def fill_facts(actors: dict[str, tuple[type, dict[str, Any]]]) -> None:
+    """In place, before the tables are decoded: each fact an actor takes from the run
+    (`Actor.fact_fields`) and its table leaves out is copied from the table of the one actor
+    that decides it (DECIDED_BY; its default when that table leaves it out too). A table that
+    states it keeps its value, which check_plan then compares with the fact."""
+    said: dict[str, Any] = {}
+    for fact, (role, path) in DECIDED_BY.items():
+        deciders = [(cls, raw) for cls, raw in actors.values() if cls.role == role]
+        if len(deciders) == 1:
+            value = _at(deciders[0][1], path, _default(deciders[0][0].Config, path))
+            if value is not msgspec.NODEFAULT:
+                said[fact] = value
+    for cls, raw in actors.values():
+        for path, fact in cls.fact_fields.items():
+            if fact in said and _at(raw, path, msgspec.NODEFAULT) is msgspec.NODEFAULT:
+                *tables, key = path.split(".")
+                node = raw
+                for t in tables:
+                    node = node.setdefault(t, {})
+                node[key] = said[fact]
+
+
+def _at(raw: Any, path: str, missing: Any) -> Any:
+    for key in path.split("."):
+        if not isinstance(raw, dict) or key not in raw:
+            return missing
+        raw = raw[key]
+    return raw
+
+
+def _default(struct: type, path: str) -> Any:
+    """The builtin default of a dotted config path (NODEFAULT: a required field)."""
+    head, _, rest = path.partition(".")
+    field = next(f for f in msgspec.structs.fields(struct) if f.name == head)
+    if field.default is not msgspec.NODEFAULT:
+        value = field.default
+    elif field.default_factory is not msgspec.NODEFAULT:
+        value = field.default_factory()
+    else:
+        return msgspec.NODEFAULT
+    return _at(msgspec.to_builtins(value), rest, msgspec.NODEFAULT) if rest else \
+        msgspec.to_builtins(value)
 
 
 class PlanError(ValueError):
@@ -212,24 +267,3 @@ def run_facts(views: dict[str, ActorView], trainer: str) -> RunFacts:
             facts.update(opd_mode=cfg.opd.mode, opd_top_k=cfg.opd.top_k)
     return RunFacts(**facts)
 
-
-def check_weight_sync_placement(path: str, workers: list[str], gpus: list[list[str]],
-                                mine: list[str], device: str) -> None:  # TEMPORARY
-    if path not in ("distributed", "cuda_ipc", "auto"):
-        return
-    paths = (plan_paths(gpus, mine, device, len(workers)) if path == "auto"
-             else [path] * len(workers))
-    for w, p, theirs in zip(workers, paths, gpus):
-        if p == "cuda_ipc" and not set(theirs) & set(mine):
-            raise ValueError(
-                f"weight_sync.path = 'cuda_ipc' hands [actors.{w}] CUDA IPC handles of the "
-                f"trainer's GPU ({', '.join(mine)}), but it runs on "
-                f"{', '.join(theirs) or 'the CPU'}: put it on the trainer's GPU, or set "
-                f"weight_sync.path = 'auto' (CUDA IPC on the shared GPU, NCCL to the "
-                f"others), 'distributed' or 'disk'")
-    nccl = [i for i, p in enumerate(paths) if p == "distributed"]
-    try:
-        plan_groups([gpus[i] for i in nccl], mine, [f"[actors.{workers[i]}]" for i in nccl],
-                    nccl=device.startswith("cuda"))
-    except SyncError as e:
-        raise ValueError(str(e)) from None

@@ -10,14 +10,17 @@
 
 becomes `[actors.worker0]` .. `[actors.worker<N-1>]`, `[actors.router]`, `[actors.buffer]`,
 `[actors.rollout]`, `[actors.trainer]` (primary) and, with `teachers`, `[actors.teachers]` (the
-teacher pool, the rollout's sink) and, for colocated teachers, `[actors.prefetcher]`. Each value
-is written once here and copied to every actor that needs it: the model to the workers, the
-rollout and the trainer (and the pool's `student`); group_size / groups_per_batch to the buffer
-and the rollout; the temperature to the rollout, the trainer's loss and the pool; embedded
-workers on CUDA get the trainer's `weight_sync.path = "auto"` (CUDA IPC on its GPU, NCCL to
-the others; disk stays the default elsewhere); the teachers and
-`opd` to the pool and the trainer (with opd mode "top_p" or `top_p_replay`, the rollout records
-each token's nucleus: `nucleus_top_logprobs`); the worker names to the trainer.
+teacher pool, the rollout's sink) and, for colocated teachers, `[actors.prefetcher]`. Each fact of
+the run (runtime/facts.py) is written once, into the table of the actor that decides it: the
+model, dtype, mode and true_on_policy to the trainer (the model to the workers too), group_size,
+groups_per_batch, temperature and top_p to the rollout, max_staleness to the buffer; at load
+launch/plan.py fills the copies other actors hold (`Actor.fact_fields`: the buffer's group sizes,
+the pool's student and temperature, the trainer's loss.temperature, the rollout's model) and
+checks every copy a table states. Embedded workers on CUDA get the trainer's
+`weight_sync.path = "auto"` (CUDA IPC on its GPU, NCCL to the others; disk stays the default
+elsewhere); the teachers and `opd` go to the pool and the trainer (with opd mode "top_p" or
+`top_p_replay`, the rollout records each token's nucleus: `nucleus_top_logprobs`); the worker
+names to the trainer.
 
 Per-actor tables stay the way to change anything else or to lay out a custom cluster: a table
 `[actors.<name>]` the file also has is merged over the derived one (tables key by key, any other
@@ -117,23 +120,19 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     staleness = rl.max_staleness if rl.max_staleness is not None else (
         0 if rl.mode == "colocated" else 1)
     actors["buffer"] = {"cls": "actors.buffer:BufferActor",
-                        "config": {"group_size": rl.group_size,
-                                   "groups_per_batch": rl.groups_per_batch,
-                                   "max_staleness": staleness}}
+                        "config": {"max_staleness": staleness}}
     rollout_after = ["router", "buffer"]
     if teachers:
-        pool: dict[str, Any] = {"student": rl.model, "mode": rl.teacher_mode,
-                                "teachers": copy.deepcopy(teachers)}
+        pool: dict[str, Any] = {"mode": rl.teacher_mode, "teachers": copy.deepcopy(teachers)}
         if rl.opd:
             pool["opd"] = dict(rl.opd)
-        pool.update(_unless_default(temperature=(rl.temperature, 1.0)))
         served = [t["worker"] for t in teachers if t.get("worker")]
         actors["teachers"] = {"cls": "actors.teacher_pool:TeacherPool",
                               "after": ["buffer", *served], "config": pool}
         if rl.teacher_mode == "colocated":
             actors["prefetcher"] = {"cls": "actors.prefetcher:PrefetcherActor"}
         rollout_after.append("teachers")
-    rollout: dict[str, Any] = {"model": rl.model}
+    rollout: dict[str, Any] = {}
     if teachers:
         rollout["sink"] = "teachers"
     rollout.update({"group_size": rl.group_size, "groups_per_batch": rl.groups_per_batch})
@@ -155,8 +154,7 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     trainer["micro_batches"] = {"size": rl.micro_batch_size}
     if rl.save_every:
         trainer["checkpoint"] = {"save_every": rl.save_every}
-    loss = _unless_default(advantage_estimator=(rl.algorithm, "grpo"),
-                           temperature=(rl.temperature, 1.0))
+    loss = _unless_default(advantage_estimator=(rl.algorithm, "grpo"))
     if loss:
         trainer["loss"] = loss
     if rl.kl_coef:

@@ -133,6 +133,9 @@ def check_named_peers(name: str, actors: dict[str, ActorView], peers: dict[str, 
 class Actor:
     Config: type[msgspec.Struct] = EmptyConfig
     role = "actor"
+    # config fields (dotted paths) that hold a fact of the run (runtime/facts.py), by fact name:
+    # left out of this actor's table, the launcher fills them from the actor deciding the fact
+    fact_fields: dict[str, str] = {}
 
     def __init__(self, ctx: ActorContext, config: Any = None):
         self.ctx = ctx

@@ -14,6 +14,8 @@ import pytest
 import torch
 import zmq
 
+from bench.transport import Blob
+from examples.demo import Scale, WorkItem
 from transport.codec import (
     EXT_SHM,
     EXT_TENSOR,
@@ -25,15 +27,12 @@ from transport.codec import (
 )
 from transport.schema import (
     PROTOCOL_VERSION,
-    Blob,
     ErrorCode,
     Kind,
     Ping,
     Sample,
     SampleGroup,
-    Scale,
     TrainBatch,
-    WorkItem,
 )
 from transport.shm import PREFIX, SHM_DIR, ShmChannel, ShmConfig
 
@@ -955,3 +954,33 @@ def test_deeply_nested_tensor_reference_is_typed():
     head = msgspec.msgpack.encode([PROTOCOL_VERSION, 1, 3, {"type": "Blob", "tensors": {"x": ext}}])
     err = wire_error(Codec(), [head, bytes(8)])
     assert err.code == ErrorCode.UNDECODABLE and err.req_id == 3
+
+
+def test_user_messages_are_registered_on_the_wire_and_tags_cannot_collide():
+    from transport.schema import Msg, register_messages
+
+    class Tally(Msg):
+        count: int
+
+    before = Codec()  # made before the type was registered: it cannot decode it
+    frames = before.encode(Kind.EVENT, 0, Tally(count=3))
+    with pytest.raises(WireError):
+        before.decode(frames)
+    register_messages(Tally)
+    register_messages(Tally)  # the same type again is fine
+    got = Codec().decode(as_zmq_would(Codec().encode(Kind.EVENT, 0, Tally(count=3))))
+    assert got.body == Tally(count=3)
+
+    class Ping(Msg):  # the tag of a project message
+        x: int = 0
+
+    with pytest.raises(ValueError, match="message tag 'Ping' is taken"):
+        register_messages(Ping)
+
+    class Other(Msg, tag="Tally"):
+        pass
+
+    with pytest.raises(ValueError, match="'Tally' is taken"):
+        register_messages(Other)
+    with pytest.raises(TypeError, match="not a subclass of transport.schema.Msg"):
+        register_messages(int)

@@ -258,6 +258,7 @@ SERVER = [('mode = "colocated"', 'mode = "server"\nopd = { mode = "sampled" }'),
 
 @pytest.mark.parametrize("edits, words", [
     ([('[actors.rollout.config]\n', '[actors.rollout.config]\ntemperature = 0.8\n'),
+      ('student = "examples/base-tiny"', 'student = "examples/base-tiny"\ntemperature = 1.0'),
       ("loss = {", "loss = { temperature = 0.8, ")],
      ["table [actors.rollout.config]: temperature = 0.8 here but temperature = 1.0 in "
       "[actors.teachers.config]", "set the pool's temperature to the rollout's"]),

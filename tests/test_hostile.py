@@ -24,6 +24,7 @@ import pytest
 import torch
 import zmq
 
+from examples.demo import Scale
 from actors.buffer import BufferActor
 from examples.demo import Scaler
 from logic.buffer import BufferConfig
@@ -44,7 +45,6 @@ from transport.schema import (
     Pong,
     Sample,
     SampleGroup,
-    Scale,
     StatsRequest,
     TrainBatch,
     VersionUpdate,

@@ -241,7 +241,7 @@ CLIENT = """
 import asyncio, json, sys
 from transport.metrics import MetricsPublisher
 from transport.rpc import DeadlineExceeded, RpcClient
-from transport.schema import Scale
+from examples.demo import Scale
 from transport.sockets import Security, SocketFactory
 import torch
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 import zmq
 
+from bench.transport import Blob
+from examples.demo import Scale, ScaleReply, WorkItem
 from examples.demo import Scaler, ScalerConfig
 from runtime.actor import Status
 from tests.helpers import context, running
@@ -22,21 +24,17 @@ from transport.codec import Codec, Decoded, Limits
 from transport.rpc import DeadlineExceeded, RemoteError, RpcClient, RpcServer
 from transport.schema import (
     PROTOCOL_VERSION,
-    Blob,
     ErrorCode,
     ErrorReply,
     Hello,
     Kind,
     Ping,
     Pong,
-    Scale,
-    ScaleReply,
     Shutdown,
     ShutdownReply,
     StatsReply,
     StatsRequest,
     Welcome,
-    WorkItem,
 )
 from transport.sockets import Security, SocketFactory, bound_endpoint, make_curve_keys
 

@@ -110,3 +110,37 @@ async def test_the_buffer_admits_only_groups_sampled_at_the_runs_settings(ipc, f
         finally:
             sender.close()
             await client.close()
+
+
+def test_each_fact_is_written_once_and_the_copies_are_filled_at_load(tmp_path):
+    from launch.rl import RLConfig, derive
+
+    text = RL + 'teachers = [{ name = "t", model = "tiny-qwen2", domains = ["math"] }]\n'
+    derived = derive(RLConfig(model="tiny-qwen2", envs=[], group_size=4, temperature=0.7,
+                              teachers=[{"name": "t", "model": "tiny-qwen2"}]))
+    assert "group_size" not in derived["buffer"]["config"]  # said once: to the rollout
+    assert "temperature" not in derived["teachers"]["config"]
+    assert "student" not in derived["teachers"]["config"]
+    assert "loss" not in derived["trainer"]["config"]
+    actors = load(write(tmp_path, text)).actors
+    assert actors["buffer"].config["group_size"] == 4
+    assert actors["buffer"].config["groups_per_batch"] == 2
+    assert actors["teachers"].config["temperature"] == 0.7
+    assert actors["teachers"].config["student"] == "tiny-qwen2"
+    assert actors["trainer"].config["loss"]["temperature"] == 0.7
+    assert actors["rollout"].config["model"] == "tiny-qwen2"
+
+
+def test_a_per_actor_layout_states_a_fact_once_and_a_stated_copy_is_checked(monkeypatch,
+                                                                             tmp_path):
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "tests" / "fixtures" / "mopd_layout.toml").read_text()
+    old = "config = { group_size = 4, groups_per_batch = 32, max_staleness = 1 }"
+    assert old in text
+    once = text.replace(old, "config = { max_staleness = 1 }")
+    actors = load(write(tmp_path, once)).actors
+    assert (actors["buffer"].config["group_size"], actors["buffer"].config["groups_per_batch"]) \
+        == (4, 32)
+    with pytest.raises(ConfigError, match="group_size = 8 here but group_size = 4 in "
+                                          r"\[actors.rollout.config\]"):
+        load(write(tmp_path, text.replace(old, "config = { group_size = 8, max_staleness = 1 }")))

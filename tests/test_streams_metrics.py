@@ -13,10 +13,12 @@ import pytest
 import torch
 import zmq
 
+from bench.transport import Blob
+from examples.demo import WorkItem
 from transport.codec import Codec
 from transport.metrics import TOPIC, MetricsProxy, MetricsPublisher, MetricsSubscriber
 from transport.rpc import DeadlineExceeded
-from transport.schema import Blob, Kind, Metrics, WorkItem
+from transport.schema import Kind, Metrics
 from transport.sockets import SocketFactory
 from transport.streams import StreamReceiver, StreamSender
 

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from transport.dtypes import NUMPY_DTYPES, torch_dtype, wire_itemsize
-from transport.schema import PROTOCOL_VERSION, ErrorCode, Header, Kind, Msg, Tensor
+from transport.schema import PROTOCOL_VERSION, ErrorCode, Header, Kind, Msg, Tensor, header_type
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +180,7 @@ class Codec:
         self._in: Sequence[Any] = ()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._ext_encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Header, ext_hook=self._ext_hook,
+        self._decoder = msgspec.msgpack.Decoder(header_type(), ext_hook=self._ext_hook,
                                                 dec_hook=self._dec_hook)
 
     # -------------------------------------------------------------------------------- encode

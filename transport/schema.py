@@ -11,7 +11,9 @@ the HELLO/WELCOME handshake and stamped on every header.
 from __future__ import annotations
 
 import enum
+import functools
 import sys
+import typing
 from typing import TYPE_CHECKING, Union
 
 import msgspec
@@ -313,40 +315,11 @@ class ReadToHostReply(Msg):
     direct: bool  # False: O_DIRECT was refused and the read used the page cache
 
 
-# ----------------------------------------------------------------------------- demo cluster
-class Scale(Msg):
-    """Demo request: multiply a tensor; the reply carries the product and its sum."""
-
-    tensor: Tensor
-    factor: float
-
-
-class ScaleReply(Msg):
-    tensor: Tensor
-    total: float
-
-
-class WorkItem(Msg):
-    """Demo stream item (producer -> consumer)."""
-
-    index: int
-    data: np.ndarray
-    produced_at_s: float
-
-
-class Blob(Msg):
-    """A named bag of tensors; used by the transport benchmark and tests."""
-
-    tensors: dict[str, Tensor] = {}
-    arrays: dict[str, np.ndarray] = {}
-    payload: bytes = b""
-
-
 Message = Union[
     Hello, Welcome, ErrorReply, Ping, Pong, StatsRequest, StatsReply, Shutdown, ShutdownReply,
     Endpoints, Ready, Heartbeat, Dead, Notice, Ack, Stopped, Metrics, Sample, SampleGroup,
     RolloutPermit, Permit, GetBatch, TrainBatch, VersionUpdate, EvalRequest, EvalReply, ReadToHost,
-    ReadToHostReply, Scale, ScaleReply, WorkItem, Blob,
+    ReadToHostReply,
 ]
 
 
@@ -357,3 +330,35 @@ class Header(msgspec.Struct, array_like=True):
     kind: Kind
     id: int  # request id, echoed by the reply; 0 for events
     body: Message
+
+
+# user message types by tag (register_messages): the extension point of the closed union above
+_USER: dict[str, type[Msg]] = {}
+
+
+def register_messages(*types: type[Msg]) -> None:
+    """Message types of user actors (examples/demo.py): every Codec made after this call decodes
+    them too. A type's tag (its class name unless given) must be no project message's and no
+    other registered type's."""
+    project = {t.__struct_config__.tag for t in typing.get_args(Message)}
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, Msg)):
+            raise TypeError(f"{t!r} is not a subclass of transport.schema.Msg")
+        tag = t.__struct_config__.tag
+        if tag in project or _USER.get(tag, t) is not t:
+            raise ValueError(f"message tag {tag!r} is taken (a project message or another "
+                             f"registered type): rename the class")
+        _USER[tag] = t
+
+
+def header_type() -> type:
+    """The header struct a Codec decodes: its body is any project or registered message."""
+    return _header_for(tuple(_USER.values()))
+
+
+@functools.lru_cache(maxsize=16)
+def _header_for(extra: tuple[type[Msg], ...]) -> type:
+    if not extra:
+        return Header
+    return msgspec.defstruct("Header", [("v", int), ("kind", Kind), ("id", int),
+                                        ("body", Union[(Message, *extra)])], array_like=True)
