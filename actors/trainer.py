@@ -40,6 +40,7 @@ from typing import Literal
 
 from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
+from engine.weight_sync_config import WeightSyncConfig
 from engine.weight_sync import (DiskSync, SyncError, WeightStream, make_weight_sync,
                                 plan_groups, plan_paths)
 from logic.teachers import check_vocab
@@ -47,7 +48,7 @@ from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView, check_named_peers
 from runtime.devices import gpu_ids
-from training.config import CheckpointConfig, TrainConfig, WeightSyncConfig
+from training.config import CheckpointConfig, TrainConfig
 from training.ranks import load_trainer, save_checkpoint, save_weights, stream_weights
 from training.sleep import SleepReport
 from training.step import train_on_batch

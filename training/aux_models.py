@@ -43,7 +43,7 @@ from models.invariant import decoder_for, is_enabled
 from training.batching import MicroBatch
 from training.config import CriticConfig
 from training.master_weights import make_optimizer
-from training.weight_sets import hollow_copy, optimizer_steps, optimizer_tensors
+from training.weight_sets import hollow_copy, optimizer_tensors
 
 
 def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_length: bool = False,
@@ -169,13 +169,13 @@ class AuxModel:
         optimizer itself, so a resumed run and every data-parallel rank agree)."""
         self._policy, self._optimizer = policy, optimizer
         if self.update_interval:
-            self.synced_updates = optimizer_steps(optimizer) // self.update_interval
+            self.synced_updates = optimizer.steps_taken() // self.update_interval
 
     def catch_up(self) -> bool:
         """The copy of the actor due since the last one, if any (True when taken)."""
         if not self.update_interval or self._policy is None:
             return False
-        due = optimizer_steps(self._optimizer) // self.update_interval
+        due = self._optimizer.steps_taken() // self.update_interval
         if due <= self.synced_updates:
             return False
         hf = getattr(self._policy, "hf_state_dict", None)  # megatron: HF names, converted
@@ -295,15 +295,11 @@ class CriticModel:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def step(self, all_reduce_grads: Any = None) -> float:
-        """Clip (after summing gradients over ranks, when given) and apply; returns the norm."""
+    def step(self, dp: Any = None) -> float:
+        """Sum the gradients over the data-parallel ranks (`dp`, None: one rank), clip and
+        apply; returns the norm."""
         self._wake_optimizer()
-        to_master = getattr(self.optimizer, "prepare_grads", None)
-        params = to_master() if to_master is not None else self.parameters()
-        if all_reduce_grads is not None:
-            all_reduce_grads(params)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip or float("inf"))
-        self.optimizer.step()
+        norm = self.optimizer.step(self.cfg.grad_clip or float("inf"), dp)
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 

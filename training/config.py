@@ -27,6 +27,7 @@ from algos.kl import ESTIMATORS as KL_ESTIMATORS
 from algos.mismatch import MismatchConfig
 from algos.opd import OpdConfig, check_placement, is_loss_term
 from logic.teachers import TeacherSpec, route_table
+from memory.config import TeacherMemoryConfig
 
 
 MP = "megatron"  # the model-parallel backend (training/backends.py registers it)
@@ -151,53 +152,6 @@ class CheckpointConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if self.save_every < 0:
             raise ValueError(f"save_every must be >= 0 (0 = only at the end), got "
                              f"{self.save_every}")
-
-
-class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """How each new version reaches the inference workers (engine/weight_sync.py)."""
-
-    # disk (safetensors + /update_weights_from_disk), distributed (torch.distributed groups
-    # with the workers: NCCL on GPU, gloo on CPU; workers sharing a GPU go to different
-    # groups), tensor (weights in the request body; colocated workers on the same host),
-    # cuda_ipc (CUDA IPC handles of the trainer's GPU memory in SGLang's
-    # update_weights_from_tensor format: workers on the trainer's own GPU), auto (cuda_ipc to
-    # the workers on the trainer's GPU, distributed to the others)
-    path: Literal["disk", "distributed", "tensor", "cuda_ipc", "auto"] = "disk"
-    # bucket size of the in-memory paths (distributed, tensor, cuda_ipc), MiB (fractions allowed):
-    # a push holds one bucket of the gathered weights at a time, and a sharded trainer's ranks
-    # send each piece as it is wanted
-    bucket_mib: float = 512
-    keep_versions: int = 2  # disk path: pushed weight versions kept on disk
-    # distributed: the trainer's address as the workers reach it (its TCP store and rank 0)
-    master_address: str = "127.0.0.1"
-    # distributed: group rendezvous and each bucket's transfer must finish within this, s
-    timeout_s: float = 120.0
-    retries: int = 1  # distributed: a failed push forms its groups again and resends this often
-    # when a distributed/tensor push still fails: "disk" sends that version through disk (the
-    # console says which worker failed and why; the next push tries `path` again), "none"
-    # fails the trainer (its restart policy applies)
-    fallback: Literal["disk", "none"] = "disk"
-    # how every push pauses the workers' generation (/pause_generation's mode): "in_place"
-    # holds running requests at a step boundary with their KV cache and lets them finish with
-    # the new weights after the update; "retract" holds them but drops their KV cache (prefilled
-    # again with the new weights); "abort" ends them at once (finish_reason abort, the rollout
-    # regenerates the turn). With in_place / retract nothing in flight is discarded; a response
-    # then spans two versions and its sample records the older (engine/session.py)
-    pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
-
-    def __post_init__(self) -> None:
-        if self.bucket_mib * 2**20 < 1024 or self.keep_versions < 1:
-            raise ValueError(f"weight_sync needs bucket_mib >= 1/1024 (1 KiB) and keep_versions "
-                             f">= 1, got "
-                             f"bucket_mib = {self.bucket_mib}, keep_versions = "
-                             f"{self.keep_versions}")
-        if self.timeout_s <= 0 or self.retries < 0:
-            raise ValueError(f"weight_sync needs timeout_s > 0 and retries >= 0, got "
-                             f"timeout_s = {self.timeout_s}, retries = {self.retries}")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return int(self.bucket_mib * 2**20)
 
 
 class RankHost(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -335,15 +289,6 @@ class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"critic needs lr > 0, value_clip >= 0, grad_clip >= 0; got "
                              f"lr = {self.lr}, value_clip = {self.value_clip}, "
                              f"grad_clip = {self.grad_clip}")
-
-
-class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Where colocated teachers live between uses."""
-
-    gpu_slots: int = 1  # device slots for teachers (the student stays resident apart)
-    host_budget_bytes: int = 0  # pinned host budget for teachers, bytes (0 = all of them)
-    nvme_dir: str = ""  # teachers beyond the host budget ("" = <run_dir>/teachers-nvme)
-    lookahead: int = 1  # switches prefetched ahead
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

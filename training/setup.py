@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from memory.layout import FlatLayout
+from memory.store import WeightStore, weight_tensors
 from models.load import load_model
 from training.aux_models import AuxModel, CriticModel, OldActors, new_store
 from training.backends import TrainingBackend, backend_for
@@ -28,7 +29,6 @@ from training.config import TrainConfig, distributed_optimizer
 from training.distributed_optimizer import DistributedOptimizer
 from training.master_weights import TrainOptimizer, make_optimizer
 from training.state import TrainState
-from training.weight_sets import WeightSets, weight_tensors
 from transport.dtypes import model_dtype
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
     """(reference, critic) weight sets the configured algorithm needs, or None each; both in one
-    `WeightSets` (pinned host copies; training/weight_sets.py)."""
+    `WeightStore` (pinned host copies; memory/store.py)."""
     def source(path: str) -> torch.nn.Module:
         if not path and policy is not None:
             return policy
@@ -62,7 +62,7 @@ def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
 
 
 def build_old_actors(cfg: TrainConfig, policy: torch.nn.Module, ref: AuxModel | None,
-                     store: WeightSets) -> OldActors:
+                     store: WeightStore) -> OldActors:
     """The proximal policies' sets (decoupled PPO, proximal = "rollout_version"), restored into
     the reference's resident module when the layouts match (one module for all of them)."""
     resident = None

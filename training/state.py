@@ -1,8 +1,8 @@
 """The trainer's state: the policy, its optimizer and counters, plus the auxiliary weight sets.
 
 Role: everything a checkpoint holds. `ref` (the reference policy), `critic` (the value model
-with its optimizer) and `old_actors` are `training.aux_models` weight sets (host copies in
-training/weight_sets.py), present only when the configured algorithm needs them. Invariant: a
+with its optimizer) and `old_actors` are `training.aux_models` weight sets (host copies in the
+weight store, memory/store.py), present only when the configured algorithm needs them. Invariant: a
 checkpoint directory is complete or absent (written under a temporary name with a manifest of
 checksums, then renamed: training/checkpoints.py); the critic's weights and optimizer go in
 `critic.pt`. A frozen reference is never saved: it is rebuilt from its source (`ref_model`, or

@@ -314,6 +314,7 @@ def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
     if state.teachers is not None:
         counters = state.teachers.memory.counters
         stats["opd/teacher_gpu_loads"] = float(counters["gpu_loads"])
+        stats["opd/teacher_gds_loads"] = float(counters["gds_loads"])
         stats["opd/teacher_sync_fallbacks"] = float(counters["sync_fallbacks"])
     if counts is not None:
         keys = ("rollout_nucleus_samples", "student_nucleus_samples", "nucleus_fallback_tokens")
@@ -501,7 +502,7 @@ def critic_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared],
             loss.backward()
             totals["value_loss"] += float(loss.detach())
             totals["value_clipfrac"] += frac * float(mb.mask.sum())
-        return critic.step(dp.sum_grads)
+        return critic.step(dp)
 
 
 def _stack(parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:

@@ -6,8 +6,6 @@ restore, copy and CRC check): what a trainer's module and optimizer look like to
   weights of its own.
 - `optimizer_tensors(optimizer)`: the optimizer's tensors that live with the parameters, by
   stable names (fp32 masters, Adam moments): the critic's optimizer state as a weight set.
-- `optimizer_steps(optimizer)`: the steps taken, as the optimizer itself counts them (the
-  reference following the actor every N steps agrees across a resume and across ranks).
 """
 
 from __future__ import annotations
@@ -17,9 +15,7 @@ from typing import Any
 
 import torch
 
-from memory.store import WeightStore, weight_tensors  # noqa: F401 - imported by training/setup.py
-
-WeightSets = WeightStore  # training/setup.py's name for the store, until it imports memory.store
+from training.master_weights import MasterWeightOptimizer, TrainOptimizer
 
 
 def hollow_copy(module: torch.nn.Module, device: str | torch.device | None = None
@@ -36,15 +32,14 @@ def hollow_copy(module: torch.nn.Module, device: str | torch.device | None = Non
     return copy.deepcopy(module, memo)
 
 
-def optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
+def optimizer_tensors(optimizer: TrainOptimizer) -> dict[str, torch.Tensor]:
     """An optimizer's tensors that live with the parameters, by stable names: fp32 masters
     (training/master_weights.py) and per-parameter state (Adam moments); CPU scalars such as
     Adam's step count stay where they are."""
     out: dict[str, torch.Tensor] = {}
-    inner = optimizer
-    if hasattr(optimizer, "master"):
+    if isinstance(optimizer, MasterWeightOptimizer):
         out.update({f"master.{i}": m for i, m in enumerate(optimizer.master)})
-        inner = optimizer.optimizer
+    inner = optimizer.optimizer
     params = [p for g in inner.param_groups for p in g["params"]]
     for i, p in enumerate(params):
         for key, v in sorted(inner.state.get(p, {}).items()):
@@ -52,10 +47,3 @@ def optimizer_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
                 out[f"state.{i}.{key}"] = v
     return out
 
-
-def optimizer_steps(optimizer: Any) -> int:
-    """Optimizer steps taken (Adam's per-parameter step count, restored with its state on
-    resume): the same on every data-parallel rank."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # a MasterWeightOptimizer wraps one
-    steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
-    return int(max(steps, default=0.0))
