@@ -214,8 +214,8 @@ OK_LOOP = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.built
       "[actors.buffer.config] (it is 1)", "set max_staleness = 0 there, or mode = 'decoupled'"]),
     (('workers = ["w"] }', 'workers = ["w"], loss = { temperature = 0.7 } }'),
      ["table [actors.trainer.config]: loss.temperature = 0.7 here but temperature = 1.0 in "
-      "[actors.rollout.config]", "set loss = { temperature = 1.0 } here or change the "
-      "rollout's temperature"]),
+      "[actors.rollout.config], the rollout deciding the run's temperature",
+      "set both to the same value (or leave loss.temperature out here"]),
     (('after = ["router", "buffer"]', 'after = ["buffer"]'),
      ["table [actors.rollout.config]: `router` = 'router', but 'router' is missing from the "
       "`after` list of [actors.rollout]", "add it there"]),
@@ -260,8 +260,8 @@ SERVER = [('mode = "colocated"', 'mode = "server"\nopd = { mode = "sampled" }'),
     ([('[actors.rollout.config]\n', '[actors.rollout.config]\ntemperature = 0.8\n'),
       ('student = "examples/base-tiny"', 'student = "examples/base-tiny"\ntemperature = 1.0'),
       ("loss = {", "loss = { temperature = 0.8, ")],
-     ["table [actors.rollout.config]: temperature = 0.8 here but temperature = 1.0 in "
-      "[actors.teachers.config]", "set the pool's temperature to the rollout's"]),
+     ["table [actors.teachers.config]: temperature = 1.0 here but temperature = 0.8 in "
+      "[actors.rollout.config]", "set both to the same value"]),
     ([("opd = { mode = \"full\", kl_coef = 1.0 }\nteachers = [", "teachers_x = ["),
       ('loss = { advantage_estimator = "none" }', "")],
      ["table [actors.trainer.config]: [actors.teachers] (a teacher pool) routes samples into "
