@@ -57,6 +57,10 @@ class InferenceWorker(Actor):
     role = "inference"
 
     @classmethod
+    def bound_ports(cls, config: InferenceWorkerConfig) -> list[tuple[str, str, str, int]]:
+        return [("", "port", config.host, config.port)]  # its HTTP server
+
+    @classmethod
     def gpus(cls, config: InferenceWorkerConfig, env: dict[str, str], host: str) -> list[str]:
         return gpu_ids([config.device], env, host)
 

@@ -110,11 +110,11 @@ class RouterActor(Actor):
 
     @classmethod
     def bound_ports(cls, config: RouterConfig) -> list[tuple[str, str, str, int]]:
-        """Fixed ports besides `port` that sglang-router binds, as (table under this actor's
-        config, field, address, port), for the launcher's check at load: the Prometheus port."""
+        """Its HTTP port and sglang-router's Prometheus port."""
         port = config.router.get("prometheus_port")
         address = str(config.router.get("prometheus_host", "0.0.0.0"))  # sglang-router's default
-        return [("router", "prometheus_port", address, port)] if isinstance(port, int) else []
+        return [("", "port", config.host, config.port)] + (
+            [("router", "prometheus_port", address, port)] if isinstance(port, int) else [])
 
     async def on_start(self) -> None:
         cfg = self.config

@@ -116,6 +116,10 @@ class SglangWorker(Actor):
     role = "inference"
 
     @classmethod
+    def bound_ports(cls, config: SglangWorkerConfig) -> list[tuple[str, str, str, int]]:
+        return [("", "port", config.host, config.port)]  # the SGLang server (--port)
+
+    @classmethod
     def check_config(cls, config: SglangWorkerConfig) -> None:
         refuse_owned(config.sglang, OWNED, "sglang")
         if config.tp_size < 1 or config.dp_size < 1:

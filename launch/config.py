@@ -477,15 +477,11 @@ def _envs_table(cfg: ClusterConfig, name: str, index: int) -> str:
 
 def _check_ports(name: str, cls: type, config: Any, taken: dict[tuple[str, int], str],
                  path: Path) -> None:
-    """Every fixed port the actor binds on this machine is free now and no other actor's:
-    `port` of a Config with a `host` (its HTTP server, as `_binds_host`), and what the class's
-    `bound_ports(config)` names (e.g. the router's metrics port); ConfigError naming the table
-    and field."""
-    ports = [(f"actors.{name}.config", "port", config.host, config.port)] \
-        if _binds_host(type(config)) and isinstance(getattr(config, "port", None), int) else []
-    extra = getattr(cls, "bound_ports", None)
-    ports += [(f"actors.{name}.config{'.' + t if t else ''}", f, h, p)
-              for t, f, h, p in (extra(config) if extra is not None else [])]
+    """Every fixed port the actor binds on this machine (`Actor.bound_ports`: an HTTP server's
+    `port`, the router's metrics port) is free now and no other actor's; ConfigError naming the
+    table and field."""
+    ports = [(f"actors.{name}.config{'.' + t if t else ''}", f, h, p)
+             for t, f, h, p in cls.bound_ports(config)]
     for table, field, address, port in ports:
         if isinstance(port, bool) or not isinstance(port, int) or port <= 0:
             continue  # 0: a free port picked at start

@@ -110,10 +110,13 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
     journal_compact_bytes: int = 1 << 20
 
     def __post_init__(self):
-        for name in ("group_size", "groups_per_batch", "max_pending_groups", "min_ok_per_group",
-                     "max_sample_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"buffer config: {name} must be >= 1, got {getattr(self, name)}")
+        for name, value in (("group_size", self.group_size),
+                            ("groups_per_batch", self.groups_per_batch),
+                            ("max_pending_groups", self.max_pending_groups),
+                            ("min_ok_per_group", self.min_ok_per_group),
+                            ("max_sample_tokens", self.max_sample_tokens)):
+            if value < 1:
+                raise ValueError(f"buffer config: {name} must be >= 1, got {value}")
         if self.journal_compact_bytes < 0:
             raise ValueError(f"buffer config: journal_compact_bytes must be >= 0 (0 = never "
                              f"compact), got {self.journal_compact_bytes}")

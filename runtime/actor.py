@@ -174,6 +174,13 @@ class Actor:
         return []
 
     @classmethod
+    def bound_ports(cls, config: Any) -> list[tuple[str, str, str, int]]:
+        """Fixed ports this actor binds, as (table under its config, "" = the config itself;
+        field; address; port): the launcher checks at load that each is free and no other
+        actor's (port 0: picked at start)."""
+        return []
+
+    @classmethod
     def peers(cls, config: Any) -> dict[str, str]:
         """The peers `config` names, by field (`"workers[0]"` -> `"worker0"`; "" = none): the
         launcher checks each is an actor this one starts after (launch/plan.py)."""

@@ -135,9 +135,12 @@ def layout_from_hf(hf_config) -> Layout:
 
 def check_tensor_parallel(layout: Layout, tp: int) -> None:
     """ValueError unless heads, groups, MLP width and vocabulary divide evenly over tp ranks."""
-    for name in ("num_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
-        if getattr(layout, name) % tp:
-            raise ValueError(f"{name}={getattr(layout, name)} is not divisible by the tensor "
+    for name, value in (("num_heads", layout.num_heads),
+                        ("num_query_groups", layout.num_query_groups),
+                        ("ffn_hidden_size", layout.ffn_hidden_size),
+                        ("vocab_size", layout.vocab_size)):
+        if value % tp:
+            raise ValueError(f"{name}={value} is not divisible by the tensor "
                              f"parallel size {tp}; choose a tensor_model_parallel_size dividing it")
 
 
