@@ -9,9 +9,8 @@ time, converted to HF names there, and sent from later stages to global rank 0; 
 each piece out as it comes, so a push (or the HF export) streams the model. Memory bound: on a
 device, one tensor's gathered shards beyond the model; in host memory, one piece on every rank
 (plus what the consumer keeps: one bucket of a push, one shard file of an export).
-`hf_tensors_on_rank0` collects the stream into one dict and `gather_hf_state_dict` gives every
-rank the whole model (tests, small models). gives every rank the whole model (tests, small models).
-Invariant: at any TP/PP layout both results equal those of the same model at TP=PP=1 (up to
+`hf_tensors_on_rank0` collects the stream into one dict (tests, small models).
+Invariant: at any TP/PP layout the stream equals that of the same model at TP=PP=1 (up to
 float summation order); the gradient norm is the same on every rank of the model-parallel group.
 """
 
@@ -32,35 +31,6 @@ from backends.megatron.mcore import (
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
-
-
-def _tensor_shards(local: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Every tensor rank's copy of `local` (CPU), in rank order."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return [{k: v.detach().cpu() for k, v in local.items()}]
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for key, tensor in local.items():
-        parts = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-        for rank, part in enumerate(parts):
-            shards[rank][key] = part.cpu()
-    return shards
-
-
-def gather_hf_state_dict(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
-    """The whole model's HF-named tensors on CPU, the same on every rank."""
-    core = model.core
-    local = {k: v for k, v in core.state_dict().items() if isinstance(v, torch.Tensor)}
-    hf = megatron_to_hf(_tensor_shards(local), model.layout, model.layers, core.pre_process,
-                        core.post_process)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, hf,
-                               group=parallel_state.get_pipeline_model_parallel_group())
-        hf = {k: v for stage in stages for k, v in stage.items()}
-    return hf
 
 
 def _pieces(model: MegatronCausalLM) -> list[tuple[str, int]]:
