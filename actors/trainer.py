@@ -49,9 +49,8 @@ from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, ActorView, check_named_peers
 from runtime.devices import gpu_ids
 from training.config import CheckpointConfig, TrainConfig
-from training.ranks import load_trainer, save_checkpoint, save_weights, stream_weights
+from training.ranks import STORE_ENV, load_trainer
 from training.sleep import SleepReport
-from training.step import train_on_batch
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 
 log = logging.getLogger(__name__)
@@ -278,11 +277,12 @@ class TrainerActor(Actor):
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self._closers.append(lambda: self.pool.shutdown(wait=True))
         run_dir = self.ctx.run_dir or "."
-        # rank 0 here; with parallel.tp * pp * dp > 1 the other ranks as processes (training.ranks)
-        self.state, self.ranks = await self._in_thread(load_trainer, cfg, run_dir,
-                                                       self.ctx.resume, Path(run_dir) / "logs")
-        if self.ranks is not None:
-            self._closers.append(self._stop_ranks)
+        # rank 0 here; with parallel.tp * pp * dp > 1 the launcher starts the other ranks
+        # (actors/trainer_rank.py) with this actor and gives it their store (training.ranks)
+        self.ranks = await self._in_thread(load_trainer, cfg, run_dir, self.ctx.resume,
+                                           os.environ.get(STORE_ENV, ""))
+        self.state = self.ranks.state
+        self._closers.append(self._stop_ranks)
         for skipped in self.state.skipped_checkpoints:
             self.notify(f"resume skipped a damaged checkpoint: {skipped}")
         if self.ctx.resume:
@@ -399,28 +399,24 @@ class TrainerActor(Actor):
                         int(stats["train/staleness_max"]), cfg.mismatch.correction)
 
     async def _stop_ranks(self) -> None:
-        """After the step in progress (commands go out from the compute thread only); ranks
-        that do not stop in time are killed."""
+        """After the step in progress (commands go out from the compute thread only): the
+        other ranks are told to leave; past 60 s this process leaves them (the launcher stops
+        them with it)."""
         try:
             await asyncio.wait_for(self._in_thread(self.ranks.stop), 60)
         except TimeoutError:
-            log.warning("%s: data-parallel ranks did not stop in 60 s; killing them", self.name)
+            log.warning("%s: the trainer's ranks did not stop in 60 s; leaving them", self.name)
             self.ranks.kill()
 
     def train_step(self, samples: list) -> dict[str, float]:
-        if self.ranks is not None:  # every rank takes its share of the same optimizer step
-            return self.ranks.train(self.state, samples, self.config, self.state.next_teachers)
-        return train_on_batch(self.state, samples, self.config)
+        """Every rank takes its share of the same optimizer step (one rank: this process)."""
+        return self.ranks.train(self.state, samples, self.config, self.state.next_teachers)
 
     def sleep(self, keep_weights: bool = False) -> SleepReport:
-        if self.ranks is not None:
-            return self.ranks.sleep(self.state, keep_weights)
-        return self.state.sleep(keep_weights)
+        return self.ranks.sleep(self.state, keep_weights)
 
     def wake(self) -> SleepReport:
-        if self.ranks is not None:
-            return self.ranks.wake(self.state)
-        return self.state.wake()
+        return self.ranks.wake(self.state)
 
     async def final_eval(self) -> None:
         """Ask the rollout to score the eval tasks with the final weights; record the result."""
@@ -473,7 +469,7 @@ class TrainerActor(Actor):
         in the compute thread (a sharded trainer gathers each piece from its ranks as it is
         sent, never the whole model at once)."""
         gathered = self.state.streams_weights
-        return WeightStream(lambda: stream_weights(self.state, self.ranks), self.pool,
+        return WeightStream(lambda: self.ranks.stream_weights(self.state), self.pool,
                             copies=gathered, shared=not gathered)
 
     async def _announce(self) -> None:
@@ -494,7 +490,7 @@ class TrainerActor(Actor):
     async def _push_disk(self, version: int) -> None:
         """Write the version once under <run_dir>/weights/v<N>; every worker loads it."""
         path = self.run_dir / "weights" / f"v{version}"
-        await self._in_thread(save_weights, self.state, path, self.ranks,
+        await self._in_thread(self.ranks.save_weights, self.state, path,
                               self.config.weight_sync.bucket_bytes)
         self._weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         self._held_bytes = 0
@@ -561,7 +557,7 @@ class TrainerActor(Actor):
     def save_checkpoint(self) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"
         self._saved_step = self.state.step
-        save_checkpoint(self.state, path, self.ranks)
+        self.ranks.save_checkpoint(self.state, path)
         return path
 
     async def _in_thread(self, fn, *args):

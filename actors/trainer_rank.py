@@ -1,120 +1,143 @@
-"""A rank process of the trainer actor: `python -m actors.trainer_rank ...`, started by the
-trainer (training/ranks.py `RankGroup`), never by hand.
+"""A rank 1..N-1 of the trainer actor: a process of the run like any actor, started by the
+launcher (launch/supervisor.py) with the trainer, in one restart group with it.
 
-Role: reaches rank 0's TCP store at the address it was given, loads its state as rank 0 does
-(training/setup.py) and joins rank 0's group (megatron: joins first, its model is built on the
-groups), then runs rank 0's commands (step, sleep, wake, digest, hf, save, stop) until told to stop,
-recording its progress in the store. Dies with its parent.
-The heavy imports are inside the functions: multiprocessing's spawn (megatron's checkpoint
-writer starts a helper that way) imports this main module again, and that should cost nothing.
+Role: `python -m runtime.child SPEC.json` with this class. Its config carries the trainer's
+own table, its rank, the group's size, its host's address and rank 0's TCP store (host:port,
+chosen by the launcher at each start of the group). On start it reaches the store, loads its
+state as rank 0 does (training/setup.py) and joins rank 0's group (training/ranks.py
+`join_group`; megatron: joins first, its model is built on the groups); READY then means it is
+in the group. Its run is rank 0's commands (step, sleep, wake, digest, hf, save, stop) in a
+thread of its own, while the actor's loop keeps sending heartbeats; rank 0's stop command
+completes it. Its process leaves with os._exit (`exit_hard`): a gloo thread still being torn
+down by C++ static destructors aborts a clean exit now and then, and a collective a stop
+interrupted cannot be joined.
+The launcher names these processes `<trainer>.rank<r>` (logs/<trainer>.rank<r>.log).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
+import asyncio
+import concurrent.futures
 import logging
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import msgspec
 
-def run_command(cmd: Any, state: Any, cfg: Any, ranks: Any) -> None:
-    """This rank's part of one of rank 0's commands (training.ranks.RankCommand)."""
-    from training.ranks import drain
+from actors.trainer import TrainerConfig
+from runtime.actor import Actor, ActorContext
+from runtime.child import ChildSpec
+from training.ranks import join_group, rank_config, serve_commands, use_interface_of
+from transport.schema import Endpoints
 
-    if cmd.op == "step":
-        state.next_teachers = cmd.next_teachers
-        ranks.step(state, cmd.samples, cfg)
-    elif cmd.op == "sleep":
-        state.sleep(cmd.keep_weights)
-    elif cmd.op == "wake":
-        state.wake()
-    elif cmd.op == "digest":
-        ranks.digests(state.model)
-    elif cmd.op == "hf":  # one gather of the HF tensors to rank 0, streamed there
-        drain(state.iter_named_weights())
-    elif cmd.op == "save":
-        ranks.save_shards(state, Path(cmd.path))
-    else:
-        raise ValueError(f"unknown command {cmd.op!r} from trainer rank 0")
+log = logging.getLogger(__name__)
 
 
-def serve(state: Any, cfg: Any, ranks: Any) -> None:
-    """Ranks 1..N-1: run rank 0's commands until it says stop."""
-    while True:
-        cmd = ranks.broadcast(None)
-        if cmd.op == "stop":
-            return
-        ranks.record(f"{cmd.op} started")
-        run_command(cmd, state, cfg, ranks)
-        ranks.record("done")
+class TrainerRankConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Written by the launcher from the trainer's table (launch/config.py `rank_entries`)."""
+
+    trainer: str  # the trainer actor's name (rank 0)
+    rank: int  # this process's global rank, 1..world_size-1
+    world_size: int  # tp * pp * dp of the trainer's `parallel`
+    config: dict[str, Any]  # the trainer's config table (as its own spec has it)
+    store: str = ""  # rank 0's TCP store, host:port (filled by the launcher at each start)
+    address: str = ""  # this host's address in [[hosts]] ("" = the trainer's host)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import msgspec
-    import torch.distributed as dist
+def _rank_trainer_config(cfg: TrainerRankConfig, run_dir: str) -> TrainerConfig:
+    """Rank r's trainer config: the trainer's, on rank r's device and NVMe directory, without
+    the prefetcher (it serves rank 0)."""
+    trainer = msgspec.convert(cfg.config, TrainerConfig)
+    return msgspec.structs.replace(rank_config(trainer, cfg.rank, run_dir), prefetcher="")
 
-    from actors.trainer import TrainerConfig
-    from runtime.child import die_with_parent
-    from training.ranks import CONFIG_KEY, Ranks, rank_config, use_interface_of
-    from training.setup import load_train_state
 
-    die_with_parent()
-    ap = argparse.ArgumentParser(description="a rank of the trainer actor (started by it, not "
-                                             "by hand)")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--store", required=True, help="rank 0's TCP store, host:port")
-    ap.add_argument("--store-timeout", type=float, default=600.0,
-                    help="seconds to reach the store (the trainer's parallel.timeout_s)")
-    ap.add_argument("--address", default="",
-                    help="this host's address in [[hosts]] (ranks on several hosts)")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--resume", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(message)s")
-    host, port = args.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), args.world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=args.store_timeout))
-    cfg = msgspec.json.decode(store.get(CONFIG_KEY), type=TrainerConfig)  # rank 0's config
-    cfg = msgspec.structs.replace(rank_config(cfg, args.rank, args.run_dir), prefetcher="")
-    store.set_timeout(datetime.timedelta(seconds=cfg.parallel.timeout_s))
-    if args.address:
-        use_interface_of(cfg, args.address)
-    interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    logging.info("trainer rank %d of %d on %s (store %s)%s", args.rank, args.world_size,
-                 args.address or "the trainer's host", args.store,
+class TrainerRank(Actor):
+    Config = TrainerRankConfig
+    role = "trainer_rank"
+    exit_hard = True  # runtime.child leaves with os._exit (see the module's text)
+
+    @classmethod
+    def check_config(cls, config: TrainerRankConfig) -> None:
+        if not 0 < config.rank < config.world_size:
+            raise ValueError(f"rank {config.rank} of {config.world_size}: ranks 1..N-1 run here "
+                             f"(rank 0 is the trainer actor)")
+        msgspec.convert(config.config, TrainerConfig)
+
+    async def on_start(self) -> None:
+        cfg = self.config
+        if not cfg.store:
+            raise ValueError(f"{self.name}: no store address (the launcher gives one at start)")
+        run_dir = self.ctx.run_dir or "."
+        self.trainer_cfg = _rank_trainer_config(cfg, run_dir)
+        if cfg.address:  # gloo / NCCL over this host's interface (before the group forms)
+            use_interface_of(self.trainer_cfg, cfg.address)
+        interface = os.environ.get("GLOO_SOCKET_IFNAME")
+        log.info("trainer rank %d of %d on %s (store %s)%s", cfg.rank, cfg.world_size,
+                 cfg.address or "the trainer's host", cfg.store,
                  f" over interface {interface}" if interface else "")
-    ranks = None
-    if cfg.backend == "megatron":  # the model is built on megatron's groups: join first
-        import backends.megatron.model  # noqa: F401 - the slow import, before rank 0 waits on us
+        self.ranks, self.state = await self._in_thread(
+            join_group, self.trainer_cfg, cfg.rank, cfg.world_size, cfg.store, run_dir,
+            self.ctx.resume, cfg.address)
+        self._closers.append(self._close_group)
 
-        store.set(f"started{args.rank}", "1")
-        ranks = Ranks(cfg, args.rank, args.world_size, store)
-    state = load_train_state(cfg, args.run_dir, args.resume)
-    store.set(f"loaded{args.rank}", "1")
-    ranks = ranks or Ranks(cfg, args.rank, args.world_size, store)
-    try:
-        ranks.check_and_shard(state, cfg)
-        ranks.record("ready")
-        serve(state, cfg, ranks)
-        logging.info("trainer rank %d: told to stop; leaving the group", args.rank)
-    finally:
-        ranks.close()
-        if state.teachers is not None:
-            state.teachers.close()
-    logging.info("trainer rank %d: stopped", args.rank)
-    return 0
+    async def run(self) -> None:
+        await self._in_thread(serve_commands, self.state, self.trainer_cfg, self.ranks)
+        log.info("trainer rank %d: told to stop; leaving the group", self.config.rank)
+
+    def _close_group(self) -> None:
+        if self._busy:  # stopped inside a collective: the process leaves without closing
+            return
+        self.ranks.close()
+        if self.state.teachers is not None:
+            self.state.teachers.close()
+
+    _busy = False
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in a daemon thread (a collective blocked on a dead rank 0 must not keep
+        the process from exiting); the actor's loop keeps beating meanwhile."""
+        loop = asyncio.get_running_loop()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the loop
+                done.set_exception(e)
+
+        self._busy = True
+        threading.Thread(target=work, name=f"{self.name}-compute", daemon=True).start()
+        result = await asyncio.wrap_future(done, loop=loop)
+        self._busy = False
+        return result
 
 
-if __name__ == "__main__":
-    code = main()  # an exception ends the process as any (traceback, exit code 1)
-    # done, and the group destroyed: leave without C++ static destructors, which now and then
-    # meet a gloo thread still being torn down ("terminate called without an active
-    # exception", SIGABRT after a clean stop)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def start_standalone(cfg: TrainerConfig, run_dir: str, resume: bool, log_dir: Path,
+                     store: str, name: str = "trainer") -> list[subprocess.Popen]:
+    """Ranks 1..N-1 for a caller that plays rank 0 itself without the launcher (benches,
+    tests): the launcher's recipe (`python -m runtime.child SPEC.json` with this class, no
+    supervisor), one process each, output in `<log_dir>/<name>.rank<r>.log`. The caller
+    watches and stops them; rank 0 opens `store` (training.ranks.load_trainer)."""
+    size = cfg.parallel.world_size
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for r in range(1, size):
+        host = cfg.parallel.rank_host(r)
+        config = TrainerRankConfig(trainer=name, rank=r, world_size=size,
+                                   config=msgspec.to_builtins(cfg), store=store,
+                                   address=host.address if host is not None else "")
+        ctx = ActorContext(name=f"{name}.rank{r}",
+                           endpoints=Endpoints(control="tcp://127.0.0.1:0"), run_dir=run_dir,
+                           resume=resume, start_timeout_s=cfg.parallel.start_timeout_s)
+        spec = log_dir / f"{name}.rank{r}.spec.json"
+        spec.write_bytes(msgspec.json.encode(ChildSpec(
+            cls=f"{__name__}:TrainerRank", context=ctx, config=msgspec.to_builtins(config))))
+        with open(log_dir / f"{name}.rank{r}.log", "ab") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "runtime.child", str(spec)], stdout=f, stderr=f,
+                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+    return procs

@@ -19,6 +19,8 @@ the agent's own log (the launcher writes it to `logs/<host>/agent.log`). The exc
     agent    -> Log(actor, data)           the actor's stdout and stderr, as they come
     agent    -> Exited(actor, seq, code)   after the last Log of that process
     launcher -> Signal(actor, seq, sig)    SIGTERM / SIGKILL escalation, heartbeat kills
+    launcher -> PickPort(seq, address)     agent -> PortPicked(port) | a free port there, for a
+                                           server an actor binds (a trainer's TCP store)
     both     -> Beat()                     every heartbeat_interval_s
     launcher -> Bye(reason)                the run ended: stop what is left, remove the keys, exit
 
@@ -205,6 +207,17 @@ class Signal(ChannelMsg):
     signal: int
 
 
+class PickPort(ChannelMsg):
+    seq: int
+    address: str  # the address the port is bound on there
+
+
+class PortPicked(ChannelMsg):
+    seq: int
+    port: int = 0  # 0: none, `error` says why
+    error: str = ""
+
+
 class Exited(ChannelMsg):
     actor: str
     seq: int
@@ -224,7 +237,8 @@ class Bye(ChannelMsg):
     reason: str = ""
 
 
-AnyMsg = Union[AgentHello, Init, Start, Started, StartFailed, Signal, Exited, Log, Beat, Bye]
+AnyMsg = Union[AgentHello, Init, Start, Started, StartFailed, Signal, PickPort, PortPicked,
+               Exited, Log, Beat, Bye]
 
 
 class ChannelClosed(Exception):
@@ -334,6 +348,16 @@ def write_keys(folder: Path, keys: dict[str, bytes]) -> None:
         os.chmod(path, mode)
 
 
+def pick_port(msg: PickPort) -> PortPicked:
+    """A TCP port free right now on `msg.address` of this host (the kernel's pick)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in msg.address else socket.AF_INET) as s:
+            s.bind((msg.address, 0))
+            return PortPicked(seq=msg.seq, port=s.getsockname()[1])
+    except OSError as e:
+        return PortPicked(seq=msg.seq, error=f"cannot bind {msg.address}: {e}")
+
+
 def _leftovers(spec_path: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
@@ -406,9 +430,17 @@ class Agent:
                         os.kill(child.proc.pid, msg.signal)
                     except ProcessLookupError:
                         pass
+            elif isinstance(msg, PickPort):
+                self._spawn(self._answer(pick_port(msg)))
             elif isinstance(msg, Bye):
                 self.say(f"launcher says bye ({msg.reason})")
                 return "bye"
+
+    async def _answer(self, msg: ChannelMsg) -> None:
+        try:
+            await self.chan.send(msg)
+        except ChannelClosed:
+            pass  # the reader notices the lost launcher
 
     async def _beat(self) -> None:
         assert self.init is not None
@@ -688,6 +720,24 @@ class AgentLink:
         proc = self._procs[actor] = RemoteProcess(self, actor, seq, pid)
         return proc
 
+    async def pick_port(self, address: str, timeout_s: float = 30.0) -> int:
+        """A port free now on `address` of this host (its agent asks the kernel there)."""
+        if not self.alive or self.chan is None:
+            raise AgentError(f"host {self.host}: its agent is gone ({self.lost or 'exited'})")
+        self._seq += 1
+        key = ("", self._seq)  # no actor: a port's answer
+        fut = self._starting[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self.chan.send(PickPort(seq=self._seq, address=address))
+            return await asyncio.wait_for(fut, timeout_s)
+        except ChannelClosed as e:
+            raise AgentError(f"host {self.host}: cannot reach its agent ({e})") from None
+        except TimeoutError:
+            raise AgentError(f"host {self.host}: its agent picked no port within "
+                             f"{timeout_s:g} s") from None
+        finally:
+            self._starting.pop(key, None)
+
     def signal(self, actor: str, seq: int, sig: int) -> None:
         if self.alive and self.chan is not None:
             self._tasks.append(asyncio.ensure_future(self._send_quietly(
@@ -730,6 +780,13 @@ class AgentLink:
                 proc = self._procs.get(msg.actor)
                 if proc is not None and proc.seq == msg.seq:
                     proc.exited(msg.code)
+            elif isinstance(msg, PortPicked):
+                fut = self._starting.get(("", msg.seq))
+                if fut is not None and not fut.done():
+                    if msg.port:
+                        fut.set_result(msg.port)
+                    else:
+                        fut.set_exception(AgentError(f"host {self.host}: {msg.error}"))
             elif isinstance(msg, (Started, StartFailed)):
                 fut = self._starting.get((msg.actor, msg.seq))
                 if fut is not None and not fut.done():

@@ -62,6 +62,7 @@ from launch.config import (
     load,
     parse_overrides,
     placement,
+    processes,
     start_order,
 )
 from launch.console import Story
@@ -104,8 +105,9 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
     table = Table(title=f"plan for {path} (run {cfg.run.name!r}, transport {cfg.run.transport})")
     for col in ("#", "actor", "host", "class", "after", "primary", "max restarts", "command"):
         table.add_column(col)
+    entries = processes(cfg)  # the actors and trainers' ranks
     for i, name in enumerate(order, 1):
-        e = cfg.actors[name]
+        e = entries[name]
         table.add_row(str(i), name, e.host or cfg.hosts[0].name, e.cls, ", ".join(e.after),
                       "yes" if e.primary else "", str(e.restart.max_restarts),
                       f"python -m runtime.child <run_dir>/specs/{name}.json")
@@ -115,6 +117,8 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
     if cfg.rl is not None:  # what [rl] wrote, merged with the file's own actor tables
         print("actor configs (derived from [rl], merged with the file's [actors.*] tables):")
         for name in order:
+            if name not in cfg.actors:
+                continue  # a trainer's rank: its config is the trainer's
             e = cfg.actors[name]
             env = f" env={json.dumps(e.env)}" if e.env else ""
             print(f"  {name}:{env} {json.dumps(e.config)}")

@@ -511,8 +511,8 @@ def _place_ranks(config: dict[str, Any], host: str, hosts: dict[str, HostConfig]
                  fail: Any) -> None:
     """A trainer's `parallel.hosts`: each a [[hosts]] name, the first the actor's own host (rank
     0 is the actor), addresses the ranks reach across machines; the launcher copies each host's
-    address and command prefix into `parallel.placement` (training/config.py RankHost), which
-    the trainer starts its ranks through."""
+    address into `parallel.placement` (training/config.py RankHost), from which the ranks'
+    hosts are read (`rank_entries`: the launcher starts ranks 1..N-1 there)."""
     parallel = config.get("parallel")
     if not isinstance(parallel, dict) or not parallel.get("hosts"):
         return
@@ -551,7 +551,7 @@ def used_hosts(cfg: ClusterConfig) -> list[str]:
 
 
 def rank_hosts(cfg: ClusterConfig) -> set[str]:
-    """Hosts named in a trainer's `parallel.hosts` (its ranks run there, started by it)."""
+    """Hosts named in a trainer's `parallel.hosts` (its ranks run there, started with it)."""
     out: set[str] = set()
     for entry in cfg.actors.values():
         parallel = entry.config.get("parallel") if isinstance(entry.config, dict) else None
@@ -561,10 +561,52 @@ def rank_hosts(cfg: ClusterConfig) -> set[str]:
 
 
 def is_distributed(cfg: ClusterConfig) -> bool:
-    """True when the run spans machines: actors on more than one host, or on a remote one."""
-    used = used_hosts(cfg)
+    """True when the run spans machines: actors (or a trainer's ranks) on more than one host,
+    or on a remote one."""
+    used = set(used_hosts(cfg)) | rank_hosts(cfg)
     remote = {h.name for h in cfg.hosts if h.exec}
     return len(used) > 1 or any(h in remote for h in used)
+
+
+def rank_entries(cfg: ClusterConfig) -> dict[str, ActorEntry]:
+    """The processes of trainers' ranks 1..N-1, by name `<actor>.rank<r>`: for an actor whose
+    class names a `rank_cls` and whose `ranks(config)` lists the host of each of them ("" = the
+    actor's own), one entry each of that class on that host, with the actor's environment,
+    restart policy and timeouts; its config carries the actor's own table, the rank, the group's
+    size and the host's address (ranks on several hosts). The supervisor starts, restarts and
+    stops them with the actor, as one group (`rank_groups`)."""
+    out: dict[str, ActorEntry] = {}
+    for name, entry in cfg.actors.items():
+        cls = import_actor(entry.cls, f"table [actors.{name}], field `cls`")
+        rank_cls = getattr(cls, "rank_cls", "")
+        if not rank_cls:
+            continue
+        hosts = cls.ranks(actor_config(cls, entry.config, f"table [actors.{name}.config]"))
+        by_name = {h.name: h for h in cfg.hosts}
+        for r, host in enumerate(hosts, start=1):
+            out[f"{name}.rank{r}"] = ActorEntry(
+                cls=rank_cls, host=host or entry.host, env=dict(entry.env),
+                config={"trainer": name, "rank": r, "world_size": len(hosts) + 1,
+                        "config": entry.config,
+                        "address": by_name[host].address if host else ""},
+                restart=entry.restart, start_timeout_s=entry.start_timeout_s,
+                stop_timeout_s=entry.stop_timeout_s)
+    return out
+
+
+def processes(cfg: ClusterConfig) -> dict[str, ActorEntry]:
+    """Every process the launcher starts: the actors, then the trainers' ranks."""
+    return {**cfg.actors, **rank_entries(cfg)}
+
+
+def rank_groups(cfg: ClusterConfig) -> dict[str, list[str]]:
+    """Restart groups: an actor with ranks -> [the actor, its rank processes]; started, and
+    restarted after any member fails, together."""
+    groups: dict[str, list[str]] = {}
+    for name in rank_entries(cfg):
+        leader = name.rpartition(".rank")[0]
+        groups.setdefault(leader, [leader]).append(name)
+    return groups
 
 
 def launcher_address(cfg: ClusterConfig) -> str:
@@ -575,9 +617,10 @@ def launcher_address(cfg: ClusterConfig) -> str:
 
 
 def placement(cfg: ClusterConfig) -> dict[str, list[str]]:
-    """Host name -> the actors on it (every host, in [[hosts]] order)."""
+    """Host name -> the processes on it, actors and trainers' ranks (every host, in [[hosts]]
+    order)."""
     out: dict[str, list[str]] = {h.name: [] for h in cfg.hosts}
-    for name, entry in cfg.actors.items():
+    for name, entry in processes(cfg).items():
         out[entry.host or cfg.hosts[0].name].append(name)
     return out
 
@@ -713,7 +756,8 @@ def _expand_hosts(raw: dict[str, Any], path: Path, notes: list[str]) -> None:
 
 
 def start_order(cfg: ClusterConfig, path: Path | str = "hosts.toml") -> list[str]:
-    """Actors in an order where each comes after everything in its `after` list."""
+    """Actors in an order where each comes after everything in its `after` list; a trainer's
+    rank processes right after it (the supervisor starts the group together)."""
     order: list[str] = []
     state: dict[str, int] = {}  # 1 visiting, 2 done
 
@@ -731,4 +775,5 @@ def start_order(cfg: ClusterConfig, path: Path | str = "hosts.toml") -> list[str
 
     for name in cfg.actors:
         visit(name, [])
-    return order
+    groups = rank_groups(cfg)
+    return [member for name in order for member in groups.get(name, [name])]

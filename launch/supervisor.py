@@ -17,6 +17,12 @@ Invariants:
   name; each of its actors then counts as failed (restart policy: a restart starts a new agent
   there, or the run fails naming the host). Every remote host's agent is started, and its code
   and environment compared with the launcher's (launch/agent.py `compare`), before any actor.
+- A trainer with ranks (launch/config.py `rank_entries`: `<trainer>.rank<r>`, processes like
+  any actor, on the hosts its `parallel` places them) is one restart group with them: the group
+  starts together (every member spawned, then every READY awaited; rank 0's TCP store on a port
+  picked for that start on the trainer's host); when any member fails, the others are stopped
+  and the whole group is started again on the trainer's restart budget (the trainer resumes
+  from its checkpoint). A rank that completed (rank 0 told it to stop) is no failure.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from launch.config import (
     is_distributed,
     launcher_address,
     placement,
+    processes,
+    rank_groups,
     rank_hosts,
 )
 from launch.files import write_json
@@ -70,7 +78,8 @@ from transport.schema import (
     Shutdown,
     Stopped,
 )
-from transport.sockets import SocketFactory
+from training.ranks import STORE_ENV
+from transport.sockets import SocketFactory, free_port
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +103,7 @@ class ActorProcess:
     stopped: Stopped | None = None
     exit_code: int | None = None
     shutdown_step: str = ""  # "", "message", "sigterm", "sigkill", "exited"
+    env: dict[str, str] = field(default_factory=dict)  # set per start (a group's store)
 
     @property
     def alive(self) -> bool:
@@ -150,6 +160,9 @@ class Supervisor:
         self.server: RpcServer | None = None
         self._tasks: list[asyncio.Task] = []
         self.hosts: dict[str, HostConfig] = {h.name: h for h in cfg.hosts}
+        self.entries: dict[str, ActorEntry] = processes(cfg)  # actors and trainers' ranks
+        self.groups: dict[str, list[str]] = rank_groups(cfg)  # leader -> members (itself first)
+        self.group_of = {m: leader for leader, ms in self.groups.items() for m in ms}
         self.distributed = is_distributed(cfg)
         self.links: dict[str, AgentLink] = {}  # remote host -> its agent
         self.lost_hosts: dict[str, list[str]] = {}  # host -> why, each time it was lost
@@ -169,7 +182,7 @@ class Supervisor:
         return f"tcp://{address}:0"
 
     def host_of(self, name: str) -> HostConfig:
-        return self.hosts[self.cfg.actors[name].host or self.cfg.hosts[0].name]
+        return self.hosts[self.entries[name].host or self.cfg.hosts[0].name]
 
     def open(self) -> dict:
         """Bind the supervisor socket and metrics proxy; returns the endpoints document."""
@@ -189,7 +202,7 @@ class Supervisor:
         return self.server.sock.last_endpoint.decode()
 
     def prepare(self, name: str) -> ActorProcess:
-        entry, run = self.cfg.actors[name], self.cfg.run
+        entry, run = self.entries[name], self.cfg.run
         host = self.host_of(name)
         assert self.proxy is not None
         ctx = ActorContext(
@@ -223,7 +236,7 @@ class Supervisor:
         if host.exec:
             await self._spawn_remote(ap, host)
             return
-        env = {**os.environ, **ap.entry.env, "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, **ap.entry.env, **ap.env, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                            os.environ.get("PYTHONPATH")]))}
         with open_log(ap) as logf:
@@ -243,8 +256,9 @@ class Supervisor:
             logf.write(f"=== start {ap.restarts} at {time.ctime()} on host {host.name}\n"
                        .encode())
         try:
-            ap.proc = await link.start(ap.name, ap.spec_path.read_bytes(), dict(ap.entry.env),
-                                       ap.log_path, self.cfg.run.ready_timeout_s)
+            ap.proc = await link.start(ap.name, ap.spec_path.read_bytes(),
+                                       {**ap.entry.env, **ap.env}, ap.log_path,
+                                       self.cfg.run.ready_timeout_s)
         except AgentError as e:
             raise RunFailed(f"{ap.name}: {e}") from None
         ap.pid, ap.ready_at, ap.exit_code, ap.dead, ap.stopped = ap.proc.pid, 0.0, None, None, None
@@ -254,9 +268,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ remote hosts
     def remote_hosts(self) -> list[HostConfig]:
-        """The hosts with `exec` that at least one actor runs on, or a trainer's ranks (their
-        agent checks the host's code and versions before anything starts; the trainer starts
-        its ranks there itself)."""
+        """The hosts with `exec` that at least one actor or a trainer's rank runs on (their
+        agent checks the host's code and versions before anything starts)."""
         used = {ap_host for ap_host, names in placement(self.cfg).items() if names}
         used |= rank_hosts(self.cfg)
         return [h for h in self.cfg.hosts if h.exec and h.name in used]
@@ -360,13 +373,113 @@ class Supervisor:
     async def start_all(self) -> None:
         await self.open_hosts()
         for name in self.order:
+            if self.group_of.get(name, name) != name:
+                continue  # a rank: started with its trainer
+            members = self.groups.get(name, [name])
             try:
-                ap = self.prepare(name)
+                aps = [self.prepare(m) for m in members]
             except OSError as e:  # a full disk
                 raise RunFailed(f"{name}: cannot write its spec under {self.run_dir}: {e}") \
                     from None
-            await self.start_one(ap)
+            if len(aps) == 1:
+                await self.start_one(aps[0])
+            else:
+                await self.start_group(aps)
         self._tasks.append(asyncio.ensure_future(self._watch_heartbeats()))
+
+    # ------------------------------------------------------------------ restart groups
+    async def pick_store(self, leader: str) -> str:
+        """host:port of rank 0's TCP store for one start of `leader`'s group: the trainer
+        host's address when its ranks span hosts (else loopback), a port free there now."""
+        host = self.host_of(leader)
+        spread = any(self.entries[m].config.get("address") for m in self.groups[leader][1:])
+        address = host.address if spread else "127.0.0.1"
+        try:
+            if host.exec:
+                port = await (await self.link_for(host)).pick_port(address)
+            else:
+                port = free_port(address)
+        except (AgentError, OSError) as e:
+            raise RunFailed(f"{leader}: no port for its ranks' store on {address}: {e}") \
+                from None
+        return f"{address}:{port}"
+
+    def give_store(self, ap: ActorProcess, store: str) -> None:
+        """The group's store to a member: the trainer in its environment, a rank in its spec."""
+        if self.group_of[ap.name] == ap.name:
+            ap.env = {STORE_ENV: store}
+            return
+        spec = json.loads(ap.spec_path.read_text())
+        spec["config"]["store"] = store
+        write_spec(ap.spec_path, spec)
+
+    async def start_group(self, aps: list[ActorProcess]) -> None:
+        """Spawn every member of a restart group, then wait for every READY; StartFailed naming
+        the first member that exits or stays silent (the others are stopped first)."""
+        store = await self.pick_store(aps[0].name)
+        for ap in aps:
+            self.give_store(ap, store)
+        try:
+            for ap in aps:
+                await self.spawn(ap)
+        except RunFailed:
+            await self.stop_members(aps)
+            raise
+        deadline = time.monotonic() + self.cfg.run.ready_timeout_s
+        failed: ActorProcess | None = None
+        while failed is None and not all(ap.ready.is_set() for ap in aps):
+            waits = {asyncio.ensure_future(ap.ready.wait()) for ap in aps
+                     if not ap.ready.is_set()}
+            waits |= {asyncio.ensure_future(ap.proc.wait()) for ap in aps}
+            done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            failed = next((ap for ap in aps if not ap.alive), None)
+            if failed is None and not done:
+                silent = [ap for ap in aps if not ap.ready.is_set()]
+                await self.stop_members(aps)
+                raise StartFailed(f"{', '.join(ap.name for ap in silent)} did not report READY "
+                                  f"within ready_timeout_s = {self.cfg.run.ready_timeout_s:g}",
+                                  self.describe_failure(silent[0]))
+        if failed is not None:
+            await failed.proc.wait()
+            await self.stop_members(aps)
+            raise StartFailed(f"{failed.name} exited with code {failed.proc.returncode} during "
+                              f"start", self.describe_failure(failed))
+        for ap in aps:
+            self.say(f"{ap.name} READY (pid {ap.pid})")
+
+    async def stop_members(self, aps: list[ActorProcess], reason: str = "its group restarts"
+                           ) -> None:
+        await asyncio.gather(*(self.stop_one(ap, reason) for ap in aps if ap.alive))
+
+    async def restart_group(self, leader: ActorProcess, what: str, why: str) -> None:
+        """`restart` for a restart group: the members still running are stopped, then the whole
+        group starts again; each attempt spends one restart of the trainer's budget."""
+        aps = [self.actors[m] for m in self.groups[leader.name]]
+        budget = leader.entry.restart.max_restarts
+        while True:
+            await self.stop_members(aps)
+            if leader.restarts >= budget:
+                raise RunFailed(f"{what} after {leader.restarts} restart(s); restart.max_restarts "
+                                f"= {budget}\n{why}")
+            leader.restarts += 1
+            for ap in aps[1:]:
+                ap.restarts = leader.restarts
+            self.say(f"{what}; restart {leader.restarts}/{budget} of "
+                     f"{', '.join(ap.name for ap in aps)} together\n{why}")
+            for ap in aps:
+                self.respec(ap)
+            try:
+                await self.start_group(aps)
+                return
+            except StartFailed as e:
+                dead = next((ap.dead for ap in aps if ap.dead is not None and ap.dead.end_run),
+                            None)
+                if dead is not None:
+                    raise RunFailed(f"{dead.actor} ended the run: {dead.error}") from None
+                what, why = e.what.replace(" during start", " during restart"), e.why
 
     # ------------------------------------------------------------------ supervising
     async def supervise(self) -> int:
@@ -379,18 +492,25 @@ class Supervisor:
             ap = self.actors[name]
             if ap.alive:  # the exit of an earlier process (one whose restart failed, since retried)
                 continue
+            leader = self.actors[self.group_of.get(name, name)]
             if ap.stopped is not None and ap.stopped.completed and ap.exit_code == 0:
+                if ap is not leader:  # a rank its trainer told to stop
+                    continue
                 self.say(f"{name} completed ({ap.stopped.reason})")
                 if ap.entry.primary:
                     self.completed = name
                     return 0
                 continue
-            if ap.ready_at and time.monotonic() - ap.ready_at >= ap.entry.restart.stable_after_s:
-                ap.restarts = 0
+            if leader.ready_at and (time.monotonic() - leader.ready_at
+                                    >= leader.entry.restart.stable_after_s):
+                leader.restarts = 0
             if ap.dead is not None and ap.dead.end_run:  # restarting would not help
                 raise RunFailed(f"{name} ended the run: {ap.dead.error}")
-            await self.restart(ap, f"{name} failed (exit code {ap.exit_code})",
-                               self.describe_failure(ap))
+            what, why = f"{name} failed (exit code {ap.exit_code})", self.describe_failure(ap)
+            if name in self.group_of:
+                await self.restart_group(leader, what, why)
+            else:
+                await self.restart(ap, what, why)
 
     async def restart(self, ap: ActorProcess, what: str, why: str) -> None:
         """Start `ap` again after `what` happened: each attempt spends one restart of its budget,
@@ -515,7 +635,11 @@ class Supervisor:
         self.stopping = True
         names = [n for n in reversed(self.order) if n in self.actors]
         stopped = {n: asyncio.Event() for n in names}
-        dependents = {n: [m for m in names if n in self.cfg.actors[m].after] for n in names}
+        dependents = {n: [m for m in names if n in self.entries[m].after] for n in names}
+        for n in names:  # a trainer's ranks after it: its stop tells them to leave
+            leader = self.group_of.get(n, n)
+            if leader != n and leader in stopped:
+                dependents[n].append(leader)
 
         async def stop(name: str) -> None:
             try:

@@ -2,7 +2,9 @@
 
 Invariant: a child never outlives its launcher. It asks the kernel for SIGTERM when its parent
 dies (PR_SET_PDEATHSIG) and also watches its parent pid, hard-exiting if an orderly stop does not
-finish in time. SIGTERM/SIGINT become an orderly `stop()`; the exit code is the actor's.
+finish in time. SIGTERM/SIGINT become an orderly `stop()`; the exit code is the actor's. An actor
+class with `exit_hard = True` (the trainer's ranks: C++ teardown of torch.distributed, threads
+blocked in a collective) leaves with os._exit after its stop, logs flushed.
 """
 
 from __future__ import annotations
@@ -74,9 +76,16 @@ def run(argv: list[str]) -> int:
                         format=f"%(asctime)s {spec.context.name} %(levelname)s %(message)s")
     try:
         import uvloop
-        return uvloop.run(main(spec))
     except ImportError:
-        return asyncio.run(main(spec))
+        code = asyncio.run(main(spec))
+    else:
+        code = uvloop.run(main(spec))
+    if getattr(import_actor(spec.cls), "exit_hard", False):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import torch
 
 from actors.trainer import TrainerConfig
 from tests.test_dp_train import config, make_batch
+from tests.test_trainer_ranks import group, stop
 from training.config import ParallelConfig
-from training.ranks import RankGroup
 from training.setup import load_train_state
 from training.step import train_on_batch
 
@@ -65,7 +65,7 @@ def one_step_and_resume(tmp_path: Path) -> None:
     base = config()
     cfg = padded(base, dp=2, shard="fsdp2")
     one = load_train_state(padded(base), str(tmp_path / "one"), False)
-    ranks = RankGroup(cfg, str(tmp_path / "fsdp"), False, tmp_path / "fsdp" / "logs")
+    ranks, procs = group(cfg, tmp_path / "fsdp")
     state = ranks.state
     first = make_batch(state.tokenizer)
     second = list(reversed(first))
@@ -91,8 +91,9 @@ def one_step_and_resume(tmp_path: Path) -> None:
         ranks.train(state, second, cfg)
         after = whole(ranks.named_weights(state))
     finally:
-        ranks.stop()
-    assert [p.returncode for p in ranks.procs] == [0], ranks.dead_rank()
+        stop(ranks, procs)
+    assert [p.returncode for p in procs] == [0], (tmp_path / "fsdp" / "logs" /
+                                                  "trainer.rank1.log").read_text()[-3000:]
     back = load_train_state(padded(base), str(tmp_path / "fsdp"), True)
     assert back.step == 1
     for name, t in whole(back.named_weights()).items():
@@ -114,7 +115,7 @@ def bf16_with_masters(tmp_path: Path) -> None:
     base = msgspec.structs.replace(config(), dtype="bfloat16")
     cfg = padded(base, dp=2, shard="fsdp2")
     one = load_train_state(padded(base), str(tmp_path / "one"), False)
-    ranks = RankGroup(cfg, str(tmp_path / "fsdp"), False, tmp_path / "fsdp" / "logs")
+    ranks, procs = group(cfg, tmp_path / "fsdp")
     state = ranks.state
     try:
         assert {p.dtype for p in state.model.parameters()} == {torch.float32}
@@ -124,7 +125,7 @@ def bf16_with_masters(tmp_path: Path) -> None:
         assert stats["train/grad_norm"] == pytest.approx(stats1["train/grad_norm"], rel=1e-2)
         named = ranks.named_weights(state)
     finally:
-        ranks.stop()
+        stop(ranks, procs)
     assert {t.dtype for _, t in named} == {torch.bfloat16}
     want = whole(one.named_weights())
     close = total = 0

@@ -32,7 +32,6 @@ RANK = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
 # ("*", X) lets any module import X or a module under it; (M, "*") lets M import anything
 OPTIONAL_INSIDE_FUNCTIONS = {
     ("*", "backends.megatron"),  # megatron-core is optional: only for backend = "megatron"
-    ("actors.trainer_rank", "*"),  # re-imported by every spawn child of a rank: kept light
     ("bench.transport", "bench.ray_baseline"),  # ray, only for the baseline
 }
 

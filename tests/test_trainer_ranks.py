@@ -1,6 +1,7 @@
-"""The trainer actor's data-parallel ranks: rank 0 (here, in the test process) starts rank 1 as a
-process, both take the step, the update equals one process's and the ranks stay identical, with
-and without colocated teachers."""
+"""The trainer actor's data-parallel ranks: rank 0 (here, in the test process) with rank 1 as a
+process (actors/trainer_rank.py, started by the launcher's recipe), both take the step, the
+update equals one process's and the ranks stay identical, with and without colocated teachers;
+and the launcher's restart group (a trainer and its ranks start, fail and restart together)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from tests.test_dp_train import config, make_batch
 from tests.test_mopd import TEACHERS, attach_topk, samples
 from training.colocated_teachers import TeacherMemoryConfig
 from training.config import LossConfig, MicroBatchConfig, OptimizerConfig, ParallelConfig
-from training.ranks import RankGroup, rank_device
+from actors.trainer_rank import start_standalone
+from training.ranks import RankGroup, SingleRank, load_trainer, rank_device
 from training.setup import load_train_state
 from training.step import train_on_batch
 
@@ -40,12 +42,39 @@ def test_rank_devices_count_from_the_trainers():
     assert rank_device("cuda:2", 1) == "cuda:3"
 
 
+def group(cfg, tmp_path, resume=False):
+    """Rank 0 here and ranks 1..N-1 as processes: (the group, the rank processes)."""
+    from transport.sockets import free_port
+
+    store = f"127.0.0.1:{free_port('127.0.0.1')}"
+    procs = start_standalone(cfg, str(tmp_path), resume, tmp_path / "logs", store)
+    try:
+        ranks = load_trainer(cfg, str(tmp_path), resume, store)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    assert isinstance(ranks, RankGroup)
+    return ranks, procs
+
+
+def stop(ranks, procs):
+    ranks.stop()
+    for p in procs:
+        try:
+            p.wait(60)
+        except Exception:  # noqa: BLE001 - killed, and the test fails on its code
+            p.kill()
+            p.wait()
+
+
 def dp_versus_one_process(cfg, samples_of, tmp_path):
     """One step on two ranks (rank 0 here) and on one process from the same initial state:
     (two-rank state, its stats, one-process state, its stats)."""
     one = load_train_state(msgspec.structs.replace(cfg, parallel=ParallelConfig(dp=1)),
                            str(tmp_path / "one"), False)
-    ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")  # compared the weights
+    ranks, procs = group(cfg, tmp_path)  # compared the weights
     state = ranks.state
     samples = samples_of(state.tokenizer)
     try:
@@ -54,11 +83,12 @@ def dp_versus_one_process(cfg, samples_of, tmp_path):
         after = ranks.all_digests(state.model)
         stats1 = train_on_batch(one, samples, cfg)
     finally:
-        ranks.stop()
+        stop(ranks, procs)
         for s in (state, one):
             if s.teachers is not None:
                 s.teachers.close()
-    assert [p.returncode for p in ranks.procs] == [0]
+    assert [p.returncode for p in procs] == [0], (tmp_path / "logs" / "trainer.rank1.log"
+                                                  ).read_text()[-3000:]
     assert before[0] == before[1] and after[0] == after[1] and after[0] != before[0]
     for (name, p2), p1 in zip(state.model.named_parameters(), one.model.parameters()):
         torch.testing.assert_close(p2, p1, atol=1e-6, rtol=0, msg=name)
@@ -116,16 +146,16 @@ def test_server_topk_on_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_stuck_then_a_dead_rank_are_reported_with_their_logs(tmp_path):
+def test_a_stuck_then_a_dead_rank_are_named(tmp_path):
     """A rank that stops answering (SIGSTOP) fails the step after parallel.timeout_s, naming it
-    and where it was; once it is dead the next command says so at once, with its exit code."""
+    and where it was; once it is dead the next command fails naming it too (its exit code and
+    log tail are the launcher's to say: test_a_rank_that_dies_restarts_its_whole_group)."""
     import signal
     import time
 
     cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(dp=2, timeout_s=3))
-    ranks = RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
+    ranks, (rank1,) = group(cfg, tmp_path)
     state = ranks.state
-    rank1 = ranks.procs[0]
     try:
         while not ranks.store.check(["at1"]):  # rank 1 has said it is ready for commands
             time.sleep(0.05)
@@ -133,17 +163,22 @@ def test_a_stuck_then_a_dead_rank_are_reported_with_their_logs(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"step command to the trainer's ranks failed: .*"
                                                r"not done with command 1: trainer rank 1 \(at: "
-                                               r"command 0 ready, log .*trainer\.rank1\.log\)"):
+                                               r"command 0 ready\)"):
             ranks.train(state, make_batch(state.tokenizer), cfg)
         assert time.monotonic() - t0 < 30  # parallel.timeout_s, not the default 600 s
         rank1.kill()
         rank1.send_signal(signal.SIGCONT)
         rank1.wait()
-        with pytest.raises(RuntimeError, match=r"trainer rank 1 exited with code -9, log .*"
-                                               r"trainer\.rank1\.log"):
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"step command to the trainer's ranks failed: .*"
+                                               r"trainer rank 1 \(at: command 0 ready\)"):
             ranks.train(state, make_batch(state.tokenizer), cfg)
+        assert time.monotonic() - t0 < 30
     finally:
-        ranks.stop()
+        rank1.kill()
+        rank1.send_signal(signal.SIGCONT)
+        rank1.wait()
+        ranks.stop()  # the stop command fails (said in the log), the group is left
 
 
 @pytest.mark.parametrize("change, words", [
@@ -168,49 +203,128 @@ def test_bad_parallel_options_are_refused(change, words):
         msgspec.convert({"model": "tiny-qwen2", "workers": ["w"], **change}, TrainerConfig)
 
 
+GROUP = """
+[run]
+name = "group"
+heartbeat_interval_s = 0.3
+plots = false
+[actors.leader]
+cls = "tests.rank_group_actors:Leader"
+primary = true
+config = {{ ranks = 3, fail = "{fail}" }}
+restart = {{ max_restarts = {restarts} }}
+"""
+
+
 @pytest.mark.timeout(120)
-def test_a_rank_that_dies_while_loading_fails_the_start_at_once(tmp_path, monkeypatch):
-    import subprocess
-    import sys
+def test_a_rank_that_dies_while_starting_fails_the_start_at_once(tmp_path):
+    """The launcher starts a trainer's ranks as processes of the run, with it; a rank that
+    exits before READY ends the start at once, with its exit code and log tail."""
     import time
 
-    import training.ranks as trainer_ranks
+    from tests.test_cluster import exit_info, launch
 
-    real = subprocess.Popen
-
-    def popen(cmd, **kw):  # the rank process fails before it ever joins
-        return real([sys.executable, "-c", "import sys; print('no such checkpoint'); sys.exit(3)"],
-                    **kw)
-
-    monkeypatch.setattr(trainer_ranks.subprocess, "Popen", popen)
-    cfg = msgspec.structs.replace(config(), parallel=ParallelConfig(dp=2, start_timeout_s=300))
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(GROUP.format(fail="start", restarts=0))
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)trainer rank 1 exited with code 3, log .*"
-                                           r"no such checkpoint"):
-        RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
-    assert time.monotonic() - t0 < 60  # not the 300 s rendezvous timeout
+    result = launch(hosts, tmp_path / "run", timeout_s=100)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "leader.rank1 exited with code 3 during start" in out, out
+    assert "rank 1: no such checkpoint" in out, out  # its log tail
+    assert time.monotonic() - t0 < 60
+    info = exit_info(tmp_path / "run")
+    assert set(info["actors"]) == {"leader", "leader.rank1", "leader.rank2"}
+    assert all(a["exit_code"] is not None for a in info["actors"].values())
+    assert "rank 1: no such checkpoint" in (tmp_path / "run" / "logs" / "leader.rank1.log"
+                                            ).read_text()
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_host_that_cannot_be_reached_fails_the_start_with_its_words(tmp_path):
-    """parallel.hosts: rank 1 starts through its host's exec prefix; a prefix that fails (an
-    ssh that cannot connect, here a stand-in saying so) ends the start at once, naming the rank,
-    its exit code and what the prefix said."""
-    import time
+def test_a_rank_that_dies_restarts_its_whole_group(tmp_path):
+    """Rank 1 dies after the group is READY: the launcher says so with its log tail, stops the
+    trainer and rank 2, and starts all three again (the trainer's restart budget), each start
+    with one store address given to every member; the run then completes."""
+    from tests.test_cluster import exit_info, launch
 
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(GROUP.format(fail="once", restarts=2))
+    result = launch(hosts, tmp_path / "run", timeout_s=100)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "leader.rank1 failed (exit code 5)" in out, out
+    assert "restart 1/2 of leader, leader.rank1, leader.rank2 together" in out, out
+    assert "rank 1: lost" in out, out
+    lines = (tmp_path / "run" / "starts.txt").read_text().splitlines()
+    leaders = [line.split()[1] for line in lines if line.startswith("leader")]
+    members = [(line.split()[1], line.split()[-1]) for line in lines if line.startswith("member")]
+    assert len(leaders) == 2 and len(members) == 4, lines
+    # every member of a start got that start's store
+    assert sorted(members) == sorted([("1/3", leaders[0]), ("2/3", leaders[0]),
+                                      ("1/3", leaders[1]), ("2/3", leaders[1])]), lines
+    info = exit_info(tmp_path / "run")
+    assert {n: a["restarts"] for n, a in info["actors"].items()} == {
+        "leader": 1, "leader.rank1": 1, "leader.rank2": 1}
+    assert info["completed"] == "leader"
+
+
+def test_rank_processes_are_placed_on_the_hosts_of_parallel_hosts(tmp_path):
+    """parallel.hosts: the launcher places rank r on its host (ranks_per_host consecutive ranks
+    each), with that host's address, and counts the hosts as the run's."""
+    import textwrap
+
+    from launch.config import is_distributed, load, placement, rank_entries, start_order
     from training.config import RankHost
 
-    ssh = ["sh", "-c", "echo 'ssh: connect to host gpu1 port 22: Connection refused' >&2; "
-                       "exit 255"]
-    parallel = ParallelConfig(dp=2, hosts=["head", "gpu1"], start_timeout_s=300, placement=[
-        RankHost(name="head"), RankHost(name="gpu1", exec=ssh, shell=False)])
-    cfg = msgspec.structs.replace(config(), parallel=parallel)
-    assert parallel.ranks_per_host == 1 and parallel.rank_host(1).name == "gpu1"
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)trainer rank 1 exited with code 255, log .*"
-                                           r"connect to host gpu1 port 22"):
-        RankGroup(cfg, str(tmp_path), False, tmp_path / "logs")
-    assert time.monotonic() - t0 < 60
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(textwrap.dedent(f"""
+        [run]
+        name = "placed"
+        [[hosts]]
+        name = "head"
+        address = "10.0.0.1"
+        [[hosts]]
+        name = "gpu1"
+        address = "10.0.0.2"
+        exec = ["ssh", "gpu1"]
+        [rl]
+        model = "examples/base-tiny"
+        workers = 1
+        envs = [{{ cls = "envs.builtin.arith:ArithEnv" }}]
+        [actors.trainer.config]
+        parallel = {{ dp = 4, hosts = ["head", "gpu1"] }}
+        """))
+    cfg = load(hosts)
+    ranks = rank_entries(cfg)
+    assert {n: (e.host, e.config["rank"], e.config["world_size"], e.config["address"])
+            for n, e in ranks.items()} == {"trainer.rank1": ("head", 1, 4, "10.0.0.1"),
+                                           "trainer.rank2": ("gpu1", 2, 4, "10.0.0.2"),
+                                           "trainer.rank3": ("gpu1", 3, 4, "10.0.0.2")}
+    assert all(e.cls == "actors.trainer_rank:TrainerRank" for e in ranks.values())
+    assert ranks["trainer.rank2"].config["config"] == cfg.actors["trainer"].config
+    assert placement(cfg)["gpu1"] == ["trainer.rank2", "trainer.rank3"]
+    assert is_distributed(cfg)
+    order = start_order(cfg)
+    i = order.index("trainer")
+    assert order[i:i + 4] == ["trainer", "trainer.rank1", "trainer.rank2", "trainer.rank3"]
     with pytest.raises(ValueError, match="leave placement out"):
         ParallelConfig(dp=2, hosts=["head", "gpu1"], placement=[RankHost(name="gpu1"),
                                                                 RankHost(name="head")])
+
+
+def test_one_rank_is_a_single_rank_group(tmp_path):
+    """parallel.world_size = 1: load_trainer's group acts locally with the same methods."""
+    cfg = config()
+    one = load_trainer(cfg, str(tmp_path), False)
+    assert isinstance(one, SingleRank)
+    before = one.all_digests(one.state.model)
+    stats = one.train(one.state, make_batch(one.state.tokenizer), cfg)
+    assert "train/loss" in stats and one.all_digests(one.state.model) != before
+    one.save_weights(one.state, tmp_path / "w")
+    assert list((tmp_path / "w").glob("*.safetensors"))
+    one.save_checkpoint(one.state, tmp_path / "ckpt")
+    assert load_train_state(cfg, str(tmp_path), False) is not None
+    assert [n for n, _ in one.stream_weights(one.state)] == [
+        n for n, _ in one.state.iter_named_weights()]
+    with pytest.raises(RuntimeError, match="the launcher starts ranks 1..N-1"):
+        load_trainer(msgspec.structs.replace(cfg, parallel=TWO), str(tmp_path), False)

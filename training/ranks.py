@@ -1,30 +1,39 @@
-"""The trainer's ranks: global rank 0 is the trainer actor, ranks 1..N-1 processes it starts.
+"""The trainer's ranks: global rank 0 is the trainer actor, ranks 1..N-1 rank processes.
 
-Role: with `parallel` asking for N = tp * pp * dp > 1 ranks, the trainer actor starts N-1 rank
-processes (`python -m actors.trainer_rank`). All N join one torch.distributed group through
-rank 0's TCP store (an address and a port, never a path, so a rank need not share rank 0's
-filesystem): NCCL when the trainer's device is CUDA (rank r on `parallel.devices[r]`, or the
-r-th device counted from the trainer's), gloo on CPU, plus a gloo group that carries rank 0's
-commands. With the megatron backend every rank then builds megatron-core's parallel state
-(tp x pp x dp groups, megatron's rank order) and loads its own TP/PP shard; the torch backend
-is data-parallel only, each rank holding the whole model. Every step rank 0 broadcasts the batch
-and every rank runs `training.step.train_on_batch` with `training.data_parallel.DataParallel`
-over the data-parallel group: the DP schedule gives each replica its micro-batches, gradients
-are summed over that group only, megatron's pipeline schedule runs the passes when pp > 1
-(`backends.megatron.pipeline.PipelineRunner`), every replica takes the same optimizer step.
-Only global rank 0 pushes weights and writes the HF export; with megatron the tensors come to it
-piece by piece from the other shards (`hf` commands, backends/megatron/parallel.py) and every
-rank writes its shards of a checkpoint (`save`; it reloads at another layout).
+Role: with `parallel` asking for N = tp * pp * dp > 1 ranks, the launcher starts ranks 1..N-1
+as processes of the run (actors/trainer_rank.py, on the hosts of `parallel.placement`), in one
+restart group with the trainer actor. All N join one torch.distributed group through rank 0's
+TCP store, at the address and port the launcher chose (never a path, so a rank need not share
+rank 0's filesystem): NCCL when the trainer's device is CUDA (rank r on `parallel.devices[r]`,
+or the r-th device counted from the trainer's), gloo on CPU, plus a gloo group that carries
+rank 0's commands. With the megatron backend every rank then builds megatron-core's parallel
+state (tp x pp x dp groups, megatron's rank order) and loads its own TP/PP shard; the torch
+backend is data-parallel only, each rank holding the whole model. Every step rank 0 broadcasts
+the batch and every rank runs `training.step.train_on_batch` with
+`training.data_parallel.DataParallel` over the data-parallel group: the DP schedule gives each
+replica its micro-batches, gradients are summed over that group only, megatron's pipeline
+schedule runs the passes when pp > 1 (`backends.megatron.pipeline.PipelineRunner`), every
+replica takes the same optimizer step. Only global rank 0 pushes weights and writes the HF
+export; with megatron the tensors come to it piece by piece from the other shards (`hf`
+commands, backends/megatron/parallel.py) and every rank writes its shards of a checkpoint
+(`save`; it reloads at another layout). One rank (N = 1) is `SingleRank`: the same methods,
+acting on the local state.
+
+This module holds the collective protocol only: rank 0's side (`RankGroup`), the other ranks'
+side (`join_group`, `serve_commands`), the commands and their digests. It starts no process:
+the launcher's supervisor starts, watches, restarts and stops every rank
+(launch/supervisor.py).
 
 Invariants: every rank loads its state as rank 0 does (training/setup.py); right after loading,
 ranks holding the same shard (all of them with the torch backend, the data-parallel replicas of
 one TP/PP position with megatron) compare a float64 digest of their weights and refuse to start
 if they differ; commands reach every rank in one order, and each command is a collective every
 rank takes part in.
-Faults: a rank process that exits (while loading or later) is reported by rank 0 at once or at
-its next command, with the exit code and the rank's log tail; a collective stuck on a rank that
-no longer answers fails after `parallel.timeout_s`, naming every rank that had not finished the
-command (each rank records its progress in the store); a rank whose parent dies gets SIGTERM.
+Faults: a rank process that exits is reported by the launcher with its exit code and log tail,
+and the trainer and its ranks restart together; a collective stuck on a rank that no longer
+answers fails after `parallel.timeout_s`, naming every rank that had not finished the command
+(each rank records its progress in the store); ranks that do not reach the store, load or join
+within `parallel.start_timeout_s` are named the same way.
 """
 
 from __future__ import annotations
@@ -32,9 +41,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import shlex
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,8 +51,6 @@ import torch
 import torch.distributed as dist
 
 from memory.safetensors_io import DEFAULT_SHARD_BYTES
-from runtime.child import die_with_parent
-from runtime.procs import log_tail, terminate_sync
 from training.checkpoints import write_checkpoint
 from training.config import TrainConfig
 from training.data_parallel import DataParallel
@@ -61,7 +65,9 @@ from transport.schema import Sample
 log = logging.getLogger(__name__)
 
 STORE_HOST = "127.0.0.1"  # rank 0's TCP store when every rank runs on the trainer's host
-CONFIG_KEY = "trainer_config"  # the trainer's config in the store (msgspec JSON)
+# the trainer's store, "host:port", in the environment of the trainer actor the launcher starts
+# with ranks (chosen by the launcher at each start of the group)
+STORE_ENV = "RLX_TRAINER_STORE"
 
 
 class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
@@ -220,73 +226,67 @@ class Ranks:
         self.store = None  # rank 0's store server ends with its last reference
 
 
-class RankGroup(Ranks):
-    """Rank 0's side, inside the trainer actor: starts the other ranks, loads its own state
-    (`self.state`) and drives them."""
+def store_address(cfg: TrainConfig) -> str:
+    """The host rank 0's TCP store listens on, as the other ranks reach it: the trainer host's
+    address with `parallel.placement`, else loopback."""
+    here = cfg.parallel.rank_host(0)
+    return here.address if here is not None else STORE_HOST
 
-    def __init__(self, cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path):
-        self.procs: list[subprocess.Popen] = []
+
+def split_store(store: str) -> tuple[str, int]:
+    """"host:port" -> (host, port); ValueError for anything else."""
+    host, sep, port = store.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"the trainer's store must be host:port, got {store!r}")
+    return host, int(port)
+
+
+class RankGroup(Ranks):
+    """Rank 0's side, inside the trainer actor: opens the store at `store` (host:port, chosen by
+    whoever started the other ranks: the launcher), loads its own state (`self.state`), waits
+    for the other ranks to join, and drives them."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str, resume: bool, store: str):
         size = cfg.parallel.world_size
-        self.logs = [log_dir / f"trainer.rank{r}.log" for r in range(1, size)]
-        log_dir.mkdir(parents=True, exist_ok=True)
         timeout_s = cfg.parallel.start_timeout_s
-        here = cfg.parallel.rank_host(0)
-        store_host = here.address if here is not None else STORE_HOST
-        use_interface_of(cfg, store_host)
+        host, port = split_store(store)
+        use_interface_of(cfg, host)
         # the store listens on every interface; the ranks reach it at this host's address
-        store = dist.TCPStore(store_host, 0, size, is_master=True,
-                              timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
-                              wait_for_workers=False)
-        store.set(CONFIG_KEY, msgspec.json.encode(cfg))  # no shared path needed
-        for r, path in zip(range(1, size), self.logs):
-            cmd = rank_command(cfg, r, size, f"{store_host}:{store.port}", run_dir, resume)
-            with open(path, "ab") as f:
-                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, env=rank_env(cfg, r),
-                                                   stdin=subprocess.DEVNULL,
-                                                   preexec_fn=die_with_parent))
-        log.info("trainer: started ranks 1..%d of tp %d x pp %d x dp %d (logs %s)", size - 1,
-                 cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, log_dir)
+        tcp = dist.TCPStore(host, port, size, is_master=True,
+                            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+                            wait_for_workers=False)
+        self.store = tcp
+        log.info("trainer: rank 0 of tp %d x pp %d x dp %d, store %s:%d", cfg.parallel.tp,
+                 cfg.parallel.pp, cfg.parallel.dp, host, tcp.port)
         try:
             if cfg.backend == "megatron":  # megatron builds its model on the groups: join first
-                self._wait_for(store, "started", timeout_s)
-                super().__init__(cfg, 0, size, store)
+                self._wait_for(tcp, size, "started", timeout_s)
+                super().__init__(cfg, 0, size, tcp)
                 self.state = load_train_state(cfg, run_dir, resume)
-                self._wait_for(store, "loaded", timeout_s)
+                self._wait_for(tcp, size, "loaded", timeout_s)
             else:  # each rank loads alone (all at once), then they join
                 self.state = load_train_state(cfg, run_dir, resume)
-                self._wait_for(store, "loaded", timeout_s)
-                super().__init__(cfg, 0, size, store)
+                self._wait_for(tcp, size, "loaded", timeout_s)
+                super().__init__(cfg, 0, size, tcp)
             self.check_and_shard(self.state, cfg)
         except Exception as e:
-            dead = self.dead_rank()  # before the kill: the rank that failed on its own
-            self.kill()
             if dist.is_initialized():
                 self.close()
-            message = str(e) if not dead or dead in str(e) else f"{e}; {dead}"
-            raise RuntimeError(f"the trainer's ranks did not form a group: {message}") from e
+            raise RuntimeError(f"the trainer's ranks did not form a group: {e}") from e
 
-    def _wait_for(self, store: Any, what: str, timeout_s: float) -> None:
-        """Until every rank has set `<what><rank>` (while they live, up to the start timeout): a
-        rank that exits first is reported at once, not after a rendezvous timeout."""
+    @staticmethod
+    def _wait_for(store: Any, size: int, what: str, timeout_s: float) -> None:
+        """Until every rank has set `<what><rank>`, up to the start timeout (a rank process
+        that exits first is the launcher's to report: it stops the whole group)."""
         deadline = time.monotonic() + timeout_s
-        for r in range(1, len(self.procs) + 1):
+        for r in range(1, size):
             while not store.check([f"{what}{r}"]):
-                dead = self.dead_rank()
-                if dead:
-                    raise RuntimeError(dead)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"trainer rank {r} was not {what} within "
-                                       f"parallel.start_timeout_s = {timeout_s:g}; "
-                                       f"log {self.logs[r - 1]}")
+                    missing = [q for q in range(r, size) if not store.check([f"{what}{q}"])]
+                    raise TimeoutError(f"trainer rank(s) {', '.join(map(str, missing))} not "
+                                       f"{what} within parallel.start_timeout_s = "
+                                       f"{timeout_s:g}; see their logs (trainer.rank<r>.log)")
                 time.sleep(0.05)
-
-    def dead_rank(self) -> str:
-        """What a rank process that has exited left behind ("" while all live)."""
-        for r, (p, path) in enumerate(zip(self.procs, self.logs), start=1):
-            if p.poll() is not None:
-                return (f"trainer rank {r} exited with code {p.returncode}, log {path}, last "
-                        f"lines:\n{log_tail(path, 20)}")
-        return ""
 
     def lagging(self) -> str:
         """The ranks that had not finished the latest command, with where each was."""
@@ -295,20 +295,23 @@ class RankGroup(Ranks):
             at = (self.store.get(f"at{r}").decode() if self.store.check([f"at{r}"])
                   else "nothing yet")
             if at != f"command {self.seq} done":
-                behind.append(f"trainer rank {r} (at: {at}, log {self.logs[r - 1]})")
+                behind.append(f"trainer rank {r} (at: {at})")
         return ("ranks not done with command " + str(self.seq) + ": " + "; ".join(behind)
                 if behind else "")
 
+    broken = False  # a command's collective failed: the group carries no more commands
+
     def _failed(self, op: str, e: Exception) -> RuntimeError:
-        why = self.dead_rank() or self.lagging()
+        self.broken = True
+        try:
+            why = self.lagging()
+        except Exception as s:  # noqa: BLE001 - the store itself failed: say the command's error
+            why = f"(the store did not answer: {s})"
         return RuntimeError(f"{op} command to the trainer's ranks failed: {e}"
                             f"{'; ' + why if why else ''}")
 
     def run(self, cmd: RankCommand, fn: Any = None, *args: Any) -> Any:
         """Send `cmd`, then take rank 0's part (`fn(*args)`); a failure names the ranks."""
-        dead = self.dead_rank()
-        if dead:
-            raise RuntimeError(dead)
         try:
             self.broadcast(cmd)
             return fn(*args) if fn is not None else None
@@ -381,61 +384,143 @@ class RankGroup(Ranks):
         write_checkpoint(path, lambda tmp: self.run(RankCommand("save", path=str(tmp)),
                                                     self.save_shards, state, tmp))
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Tell the ranks to exit and wait for them (killed past the timeout)."""
+    def stop(self) -> None:
+        """Tell the ranks to leave (each then ends its process) and leave the group."""
         try:
-            if not self.dead_rank():
+            if not self.broken:
                 self.broadcast(RankCommand("stop"))
-        except Exception as e:  # noqa: BLE001 - they are killed below
+        except Exception as e:  # noqa: BLE001 - the launcher stops them with the group
             log.warning("trainer ranks did not take the stop command: %s", e)
-        for p in self.procs:
-            try:
-                p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                terminate_sync(p, 0)
         self.close()
 
     def kill(self) -> None:
-        for p in self.procs:
-            terminate_sync(p, 0)
+        """Leave without the stop command (a compute thread is stuck in a collective): the
+        store goes with this process, the launcher stops the ranks with the group."""
+        self.store = None
 
 
-_DERIVED_ENV: set[str] = set()  # interface variables use_interface_of set for this host only
+class SingleRank:
+    """One rank (parallel.world_size = 1): `RankGroup`'s methods, acting on the local state."""
+
+    world_size = 1
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def train(self, state: TrainState, samples: list[Sample], cfg: TrainConfig,
+              next_teachers: list[str] = ()) -> dict[str, float]:
+        return train_on_batch(state, samples, cfg)
+
+    def all_digests(self, model: torch.nn.Module) -> list[float]:
+        return [weight_digest(model)]
+
+    def sleep(self, state: TrainState, keep_weights: bool = False) -> Any:
+        return state.sleep(keep_weights)
+
+    def wake(self, state: TrainState) -> Any:
+        return state.wake()
+
+    def named_weights(self, state: TrainState) -> list[tuple[str, torch.Tensor]]:
+        return list(self.stream_weights(state))
+
+    def stream_weights(self, state: TrainState) -> Iterator[tuple[str, torch.Tensor]]:
+        """Views of the local model's tensors as a push reads them."""
+        return state.iter_named_weights()
+
+    def save_weights(self, state: TrainState, path: Path,
+                     shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        state.save_weights(path, shard_bytes)
+
+    def save_checkpoint(self, state: TrainState, path: Path) -> None:
+        """The trainer's checkpoint at `path` (megatron: its distributed format, at any rank
+        count, so it resumes at another layout)."""
+        if is_megatron(state.model):
+            from backends.megatron.checkpoint import save_trainer_checkpoint
+
+            write_checkpoint(path, lambda tmp: save_trainer_checkpoint(state, tmp))
+        else:
+            state.save(path)
+
+    def stop(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
 
 
-def rank_env(cfg: TrainConfig, rank: int) -> dict[str, str]:
-    """Rank r's environment: this process's, less the interface this host's ranks use when r
-    runs elsewhere (its own is found there from its address)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    host, here = cfg.parallel.rank_host(rank), cfg.parallel.rank_host(0)
-    if host is not None and here is not None and host.address != here.address:
-        for key in _DERIVED_ENV:
-            env.pop(key, None)
-    return env
+def load_trainer(cfg: TrainConfig, run_dir: str, resume: bool, store: str = ""
+                 ) -> SingleRank | RankGroup:
+    """The trainer's rank 0 with its state (`.state`): one process, or the group of N =
+    parallel.world_size ranks whose store rank 0 opens at `store` (host:port; the other ranks
+    are started by the launcher, or by `actors.trainer_rank.start_standalone`)."""
+    if cfg.parallel.world_size == 1:
+        return SingleRank(load_train_state(cfg, run_dir, resume))
+    if not store:
+        raise RuntimeError(f"parallel asks for {cfg.parallel.world_size} ranks, but no store "
+                           f"address was given for them: the launcher starts ranks 1..N-1 with "
+                           f"the trainer (python -m launch.cluster HOSTS.toml)")
+    return RankGroup(cfg, run_dir, resume, store)
 
 
-def rank_command(cfg: TrainConfig, rank: int, world_size: int, store: str, run_dir: str,
-                 resume: bool) -> list[str]:
-    """The command that starts rank r: on this machine, or through its host's `exec` prefix
-    (parallel.placement: ssh, srun, ip netns exec), in the host's workdir with its python and
-    this process's PYTHONPATH. It reaches rank 0's store at `store` (host:port)."""
-    host = cfg.parallel.rank_host(rank)
-    args = ["-m", "actors.trainer_rank", "--rank", str(rank), "--world-size", str(world_size),
-            "--store", store, "--store-timeout", f"{cfg.parallel.timeout_s:g}",
-            "--run-dir", run_dir] + (["--resume"] if resume else [])
-    if host is not None:
-        args += ["--address", host.address]
-    if host is None or not host.exec:
-        return [sys.executable, *args]
-    env = [f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-                                              "NCCL_SOCKET_IFNAME")
-           if os.environ.get(k) and k not in _DERIVED_ENV]
-    words = ["sh", "-c", 'cd "$0" && exec env "$@"', host.workdir or os.getcwd(),
-             "PYTHONUNBUFFERED=1", *env, host.python or sys.executable, *args]
-    shell = host.shell
-    if shell is None:
-        shell = os.path.basename(host.exec[0]) == "ssh"
-    return [*host.exec, shlex.join(words)] if shell else [*host.exec, *words]
+# ----------------------------------------------------------------------------- ranks 1..N-1
+def join_group(cfg: TrainConfig, rank: int, world_size: int, store: str, run_dir: str,
+               resume: bool, address: str = "") -> tuple[Ranks, TrainState]:
+    """Rank r's start: reach rank 0's store at `store` (host:port; retried until
+    parallel.start_timeout_s), load the state as rank 0 does and join its group (megatron:
+    join first, its model is built on the groups), then the weight check. `cfg` is rank r's
+    (`rank_config`); `address` is its host's address in [[hosts]] (ranks on several hosts)."""
+    host, port = split_store(store)
+    tcp = dist.TCPStore(host, port, world_size, is_master=False,
+                        timeout=datetime.timedelta(seconds=cfg.parallel.start_timeout_s))
+    tcp.set_timeout(datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    if address:
+        use_interface_of(cfg, address)
+    ranks = None
+    if cfg.backend == "megatron":  # the model is built on megatron's groups: join first
+        import backends.megatron.model  # noqa: F401 - the slow import, before rank 0 waits on us
+
+        tcp.set(f"started{rank}", "1")
+        ranks = Ranks(cfg, rank, world_size, tcp)
+    state = load_train_state(cfg, run_dir, resume)
+    tcp.set(f"loaded{rank}", "1")
+    ranks = ranks or Ranks(cfg, rank, world_size, tcp)
+    try:
+        ranks.check_and_shard(state, cfg)
+    except BaseException:
+        ranks.close()
+        raise
+    ranks.record("ready")
+    return ranks, state
+
+
+def run_command(cmd: RankCommand, state: TrainState, cfg: TrainConfig, ranks: Ranks) -> None:
+    """This rank's part of one of rank 0's commands."""
+    if cmd.op == "step":
+        state.next_teachers = cmd.next_teachers
+        ranks.step(state, cmd.samples, cfg)
+    elif cmd.op == "sleep":
+        state.sleep(cmd.keep_weights)
+    elif cmd.op == "wake":
+        state.wake()
+    elif cmd.op == "digest":
+        ranks.digests(state.model)
+    elif cmd.op == "hf":  # one gather of the HF tensors to rank 0, streamed there
+        drain(state.iter_named_weights())
+    elif cmd.op == "save":
+        ranks.save_shards(state, Path(cmd.path))
+    else:
+        raise ValueError(f"unknown command {cmd.op!r} from trainer rank 0")
+
+
+def serve_commands(state: TrainState, cfg: TrainConfig, ranks: Ranks) -> None:
+    """Ranks 1..N-1: run rank 0's commands until it says stop (blocking: a thread's work)."""
+    while True:
+        cmd = ranks.broadcast(None)
+        if cmd.op == "stop":
+            return
+        ranks.record(f"{cmd.op} started")
+        run_command(cmd, state, cfg, ranks)
+        ranks.record("done")
 
 
 def interface_of(address: str) -> str | None:
@@ -458,9 +543,7 @@ def use_interface_of(cfg: TrainConfig, address: str) -> None:
                            f"in [[hosts]], where the trainer's other ranks reach it): fix the "
                            f"address or set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME")
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if key not in os.environ:
-            os.environ[key] = name
-            _DERIVED_ENV.add(key)
+        os.environ.setdefault(key, name)
 
 
 def drain(gather: Iterator[Any]) -> None:
@@ -476,42 +559,3 @@ def rank_config(cfg: TrainConfig, rank: int, run_dir: str) -> TrainConfig:
     memory = msgspec.structs.replace(cfg.teacher_memory, nvme_dir=f"{nvme}-rank{rank}")
     return msgspec.structs.replace(cfg, device=cfg.parallel.device(cfg.device, rank),
                                    teacher_memory=memory)
-
-
-def load_trainer(cfg: TrainConfig, run_dir: str, resume: bool, log_dir: Path
-                 ) -> tuple[TrainState, RankGroup | None]:
-    """The trainer's state on rank 0, and the group of the other ranks when there are any."""
-    if cfg.parallel.world_size == 1:
-        return load_train_state(cfg, run_dir, resume), None
-    ranks = RankGroup(cfg, run_dir, resume, log_dir)
-    return ranks.state, ranks
-
-
-def stream_weights(state: TrainState, ranks: RankGroup | None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """What a push sends, tensor by tensor, on rank 0: views of a local model, or a sharded
-    model's tensors as they are gathered (run in the trainer's compute thread)."""
-    return ranks.stream_weights(state) if ranks is not None else state.iter_named_weights()
-
-
-def save_weights(state: TrainState, path: Path, ranks: RankGroup | None,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-    """The HF export a disk push writes (rank 0; a sharded model in files of at most
-    `shard_bytes`, streamed from its shards)."""
-    if ranks is not None:
-        ranks.save_weights(state, path, shard_bytes)
-    else:
-        state.save_weights(path, shard_bytes)
-
-
-def save_checkpoint(state: TrainState, path: Path, ranks: RankGroup | None) -> None:
-    """The trainer's checkpoint at `path` (megatron: its distributed format, at any rank
-    count, so it resumes at another layout)."""
-    if ranks is not None:
-        ranks.save_checkpoint(state, path)
-    elif is_megatron(state.model):
-        from backends.megatron.checkpoint import save_trainer_checkpoint
-
-        write_checkpoint(path, lambda tmp: save_trainer_checkpoint(state, tmp))
-    else:
-        state.save(path)

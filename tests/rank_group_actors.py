@@ -1,0 +1,76 @@
+"""Stand-ins for a trainer and its ranks (a restart group of the launcher, launch/supervisor.py)
+without torch: every start is appended to <run_dir>/starts.txt with the store it was given, and
+members fail on cue (the `config` table the launcher copies from the leader to its ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runtime.actor import Actor
+from training.ranks import STORE_ENV
+
+
+class LeaderConfig(msgspec.Struct, forbid_unknown_fields=True):
+    ranks: int = 2  # the group's size (this actor and ranks - 1 members)
+    # "start": rank 1 exits (code 3) before READY on every start; "once": rank 1 exits (code 5)
+    # after READY on the first start only
+    fail: str = ""
+
+
+def record(run_dir: str, line: str) -> None:
+    with open(Path(run_dir) / "starts.txt", "a") as f:
+        f.write(line + "\n")
+
+
+class Leader(Actor):
+    Config = LeaderConfig
+    rank_cls = "tests.rank_group_actors:Member"
+
+    @classmethod
+    def ranks(cls, config: LeaderConfig) -> list[str]:
+        return [""] * (config.ranks - 1)
+
+    async def on_start(self) -> None:
+        record(self.ctx.run_dir, f"leader {os.environ[STORE_ENV]}")
+
+    async def run(self) -> None:
+        starts = (Path(self.ctx.run_dir) / "starts.txt").read_text().splitlines()
+        if self.config.fail == "once" and sum(s.startswith("leader") for s in starts) == 1:
+            await asyncio.Event().wait()  # its rank 1 fails: the launcher restarts both
+        await asyncio.sleep(0.5)
+
+
+class MemberConfig(msgspec.Struct, forbid_unknown_fields=True):
+    trainer: str
+    rank: int
+    world_size: int
+    config: dict[str, Any]
+    store: str = ""
+    address: str = ""
+
+
+class Member(Actor):
+    Config = MemberConfig
+
+    async def on_start(self) -> None:
+        cfg = self.config
+        record(self.ctx.run_dir, f"member {cfg.rank}/{cfg.world_size} of {cfg.trainer} "
+                                 f"{cfg.store}")
+        if cfg.config.get("fail") == "start" and cfg.rank == 1:
+            print("rank 1: no such checkpoint", flush=True)
+            os._exit(3)
+
+    async def run(self) -> None:
+        cfg = self.config
+        died = Path(self.ctx.run_dir) / "died"
+        if cfg.config.get("fail") == "once" and cfg.rank == 1 and not died.exists():
+            died.write_text("")
+            await asyncio.sleep(0.3)
+            print("rank 1: lost", flush=True)
+            os._exit(5)
+        await asyncio.Event().wait()
