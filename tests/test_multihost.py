@@ -190,8 +190,9 @@ def test_main_job_split_over_two_hosts_runs_to_completion_with_metrics(netns, tm
 
 
 def test_trainer_ranks_on_two_hosts_from_parallel_hosts(netns, tmp_path):
-    """`parallel.hosts` places the trainer's rank 1 on the namespace host: the trainer starts it
-    through the host's `exec` prefix, it reaches rank 0's store at the launcher host's address,
+    """`parallel.hosts` places the trainer's rank 1 on the namespace host: the launcher starts it
+    there through that host's agent, as any process of the run (its log in
+    logs/nsb/trainer.rank1.log), it reaches rank 0's store at the launcher host's address,
     gloo runs over each host's own interface, and two data-parallel GRPO steps complete."""
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(hosts_toml(netns) + tiny_rl(groups_per_batch=2, num_steps=2,
@@ -202,14 +203,16 @@ def test_trainer_ranks_on_two_hosts_from_parallel_hosts(netns, tmp_path):
     run_dir = tmp_path / "run"
     result = run_launcher(hosts, run_dir, timeout_s=110)
     out = result.stdout + result.stderr
-    assert result.returncode == 0, out + (run_dir / "logs" / "trainer.rank1.log").read_text()
-    # the host runs no actor, but its agent checked its code and versions first
+    rank1_log = run_dir / "logs" / "nsb" / "trainer.rank1.log"
+    assert result.returncode == 0, out + rank1_log.read_text()
+    # the host runs no actor but the trainer's rank 1, through its agent
     assert re.search(r"host nsb: agent pid \d+ ready", out), out
+    assert re.search(r"trainer\.rank1 READY \(pid \d+\)", out), out
     config = json.loads((run_dir / "config.json").read_text())
     placement = config["actors"]["trainer"]["config"]["parallel"]["placement"]
     assert [(p["name"], p["address"], p["exec"]) for p in placement] == [
         ("main", netns.root_address, []), ("nsb", netns.address, netns.exec)]
-    rank1 = (run_dir / "logs" / "trainer.rank1.log").read_text()
+    rank1 = rank1_log.read_text()
     # the interface holding the namespace's address exists only inside the namespace
     assert f"trainer rank 1 of 2 on {netns.address} (store {netns.root_address}:" in rank1
     assert "over interface rlx" in rank1, rank1[-2000:]
