@@ -40,6 +40,7 @@ from envs.loader import check_at_load, load_envs
 from envs.openai_api import AgentEndpoint
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, EndRun
+from transport.errors import RlxError
 from transport.rpc import RemoteError
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
@@ -105,7 +106,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
 NO_SIGNAL_NOTICE_S = 600.0  # a domain without learning signal is said at most this often
 
 
-class EpisodeTimeout(Exception):
+class EpisodeTimeout(RlxError):
     """An episode's environment ran its own code past `env_timeout_s`."""
 
 

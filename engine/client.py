@@ -6,12 +6,12 @@ so it works unchanged against SGLang; where SGLang versions differ it falls back
 version: `/get_weight_version`, then `/model_info`; server info: `/server_info`, then
 `/get_server_info`).
 
-Errors: a non-2xx answer raises `SglangHTTPError` (status, path, and the server's message taken
-from `{"error": {"message"}}`, `{"message"}`, `{"detail"}` or the raw text). Connection failures
-are retried with exponential backoff: refused/unreachable connections on every call (nothing was
-sent), dropped connections only on GET calls (a POST such as /generate may already have run);
-when retries run out, `SglangConnectionError`. A call that exceeds `timeout_s` raises
-`TimeoutError` and is not retried.
+Errors (engine/errors.py): a non-2xx answer raises `EngineHTTPError` (status, path, and the
+server's message taken from `{"error": {"message"}}`, `{"message"}`, `{"detail"}` or the raw
+text). Connection failures are retried with exponential backoff: refused/unreachable connections
+on every call (nothing was sent), dropped connections only on GET calls (a POST such as
+/generate may already have run); when retries run out, `EngineUnavailable`. A call that exceeds
+`timeout_s` raises `TimeoutError` and is not retried.
 """
 
 from __future__ import annotations
@@ -22,24 +22,10 @@ from typing import Any
 
 import aiohttp
 
+from engine.errors import EngineError, EngineHTTPError, EngineUnavailable
+
 ROUTING_HEADER = "X-SMG-Routing-Key"
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
-
-
-class SglangError(Exception):
-    """Base of this client's errors."""
-
-
-class SglangHTTPError(SglangError):
-    """The server answered with an HTTP error status."""
-
-    def __init__(self, status: int, path: str, message: str):
-        super().__init__(f"HTTP {status} from {path}: {message}")
-        self.status, self.path, self.message = status, path, message
-
-
-class SglangConnectionError(SglangError):
-    """The server could not be reached (after retries)."""
 
 
 def error_message(raw: bytes) -> str:
@@ -154,13 +140,13 @@ class SglangClient:
         await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def flush_cache(self) -> None:
-        """Flush the prefix cache; SglangHTTPError(400) when requests are running or queued."""
+        """Flush the prefix cache; EngineHTTPError(400) when requests are running or queued."""
         await self._call("POST", "/flush_cache", None)
 
     async def get_weight_version(self) -> str:
         try:
             body = await self._call("GET", "/get_weight_version")
-        except SglangHTTPError as e:
+        except EngineHTTPError as e:
             if e.status != 404:
                 raise
             body = await self._call("GET", "/model_info")
@@ -170,7 +156,7 @@ class SglangClient:
         """True when GET /health answers 200; False on an error status or no connection."""
         try:
             await self._call("GET", "/health")
-        except SglangError:
+        except EngineError:  # an error status, or no connection
             return False
         return True
 
@@ -183,7 +169,7 @@ class SglangClient:
     async def server_info(self) -> dict[str, Any]:
         try:
             return await self._call("GET", "/server_info")
-        except SglangHTTPError as e:
+        except EngineHTTPError as e:
             if e.status != 404:
                 raise
             return await self._call("GET", "/get_server_info")
@@ -191,7 +177,7 @@ class SglangClient:
     async def model_info(self) -> dict[str, Any]:
         try:
             return await self._call("GET", "/model_info")
-        except SglangHTTPError as e:
+        except EngineHTTPError as e:
             if e.status != 404:
                 raise
             return await self._call("GET", "/get_model_info")
@@ -224,10 +210,10 @@ class SglangClient:
                 raise
             except aiohttp.ClientError as e:
                 if isinstance(e, aiohttp.ClientResponseError) or not _retryable(e, method):
-                    raise SglangConnectionError(f"{method} {url} failed: {e}") from e
+                    raise EngineUnavailable(f"{method} {url} failed: {e}") from e
                 if attempt == self.retries:
-                    raise SglangConnectionError(f"{method} {url} failed after "
-                                                f"{self.retries + 1} attempts: {e}") from e
+                    raise EngineUnavailable(f"{method} {url} failed after "
+                                            f"{self.retries + 1} attempts: {e}") from e
                 await asyncio.sleep(self.backoff_s * (2 ** attempt))
         raise AssertionError("unreachable")
 
@@ -239,7 +225,7 @@ class SglangClient:
         async with self._get_session().request(method, url, **kwargs) as resp:
             raw = await resp.read()
             if resp.status >= 400:
-                raise SglangHTTPError(resp.status, path, error_message(raw))
+                raise EngineHTTPError(resp.status, path, error_message(raw))
         if not raw.strip():
             return None
         try:

@@ -28,8 +28,9 @@ Invariants:
   no sglang install. Nothing global is patched (no torch reduction is replaced).
 - `decode` never unpickles arbitrary objects: its unpickler resolves only the names in
   `_ALLOWED` (the rebuild functions, mapped to `rebuild_checked`; torch's tensor, storage and
-  Size classes and dtypes; the metadata class, mapped to `FlatMeta`); any other global is an
-  `IpcFormatError`, and so is every argument or field of the wrong type or out of range.
+  Size classes and dtypes; the metadata class, mapped to `FlatMeta`); any other global is a
+  `BadRequest` (engine/errors.py; a payload that is not SGLang's CUDA IPC format, or names
+  something not allowed), and so is every argument or field of the wrong type or out of range.
 - CUDA only: a CPU tensor cannot be sent (`encode_bucket` raises ValueError) and a CPU worker
   refuses IPC payloads before unpickling anything (engine/weight_endpoints.py). CPU tensors over
   torch's reductions need a file-descriptor or /dev/shm handover between related processes,
@@ -50,6 +51,8 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from engine.errors import BadRequest
+
 SGLANG_REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")
 SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format of one flat tensor + metadata
@@ -58,10 +61,6 @@ NUM_REBUILD_ARGS = 15
 MAX_TENSORS = 1 << 16  # weights in one payload
 PICKLE_PROTOCOL = 4
 _TORCH_REBUILD = reductions.rebuild_cuda_tensor  # torch's own, bound before anyone patches it
-
-
-class IpcFormatError(ValueError):
-    """A payload that is not SGLang's CUDA IPC format, or names something not allowed."""
 
 
 @dataclasses.dataclass
@@ -132,12 +131,12 @@ def device_index(device: int | str) -> int:
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     if not isinstance(device, str):
-        raise IpcFormatError(f"a tensor's device must be a GPU UUID or index, got {device!r}")
+        raise BadRequest(f"a tensor's device must be a GPU UUID or index, got {device!r}")
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == device:
             return i
-    raise IpcFormatError(f"GPU {device} is not visible to this worker (CUDA IPC needs the "
-                         f"trainer's GPU among this process's devices)")
+    raise BadRequest(f"GPU {device} is not visible to this worker (CUDA IPC needs the "
+                     f"trainer's GPU among this process's devices)")
 
 
 def reduce_cuda(t: torch.Tensor) -> tuple:
@@ -185,7 +184,7 @@ def rebuild_checked(*args: Any, rebuild: Callable[..., torch.Tensor] = _TORCH_RE
     """torch's `rebuild_cuda_tensor` after checking every argument's type (the device may be a
     UUID, as SGLang sends it); `rebuild` is torch's (a stand-in in CPU tests)."""
     if len(args) != NUM_REBUILD_ARGS:
-        raise IpcFormatError(f"a CUDA tensor takes {NUM_REBUILD_ARGS} arguments, got {len(args)}")
+        raise BadRequest(f"a CUDA tensor takes {NUM_REBUILD_ARGS} arguments, got {len(args)}")
     (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
      storage_offset, requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args
     _check(tensor_cls in (torch.Tensor, torch.nn.Parameter), "tensor class", tensor_cls)
@@ -213,7 +212,7 @@ def _is_index(v: Any) -> bool:
 
 def _check(ok: bool, what: str, value: Any) -> None:
     if not ok:
-        raise IpcFormatError(f"bad {what} in a CUDA tensor: {str(value)[:80]}")
+        raise BadRequest(f"bad {what} in a CUDA tensor: {str(value)[:80]}")
 
 
 _DTYPES = {name: getattr(torch, name) for name in dir(torch)
@@ -232,8 +231,8 @@ class _Unpickler(pickle.Unpickler):
             return _DTYPES[name]
         found = _ALLOWED.get((module, name))
         if found is None:
-            raise IpcFormatError(f"{module}.{name} is not allowed in a weight payload (only "
-                                 f"CUDA tensors, their metadata and torch dtypes are)")
+            raise BadRequest(f"{module}.{name} is not allowed in a weight payload (only "
+                             f"CUDA tensors, their metadata and torch dtypes are)")
         return found
 
 
@@ -255,46 +254,46 @@ def is_pickle(raw: bytes) -> bool:
 
 def b64decode(payload: Any) -> bytes:
     if not isinstance(payload, str):
-        raise IpcFormatError("serialized_named_tensors entries must be base64 text")
+        raise BadRequest("serialized_named_tensors entries must be base64 text")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise IpcFormatError("serialized_named_tensors[0] is not valid base64") from None
+        raise BadRequest("serialized_named_tensors[0] is not valid base64") from None
 
 
 def decode(raw: bytes, load_format: str | None,
            rebuild: Callable[..., torch.Tensor] = rebuild_checked
            ) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of one entry (pickle bytes), tensors viewing the sender's
-    device memory; IpcFormatError for anything else."""
+    device memory; BadRequest for anything else."""
     try:
         obj = _Unpickler(io.BytesIO(raw), rebuild).load()
-    except IpcFormatError:
+    except BadRequest:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or malformed streams, bad handles
-        raise IpcFormatError(f"cannot read the CUDA IPC payload: {e}") from None
+        raise BadRequest(f"cannot read the CUDA IPC payload: {e}") from None
     if load_format == FLATTENED_BUCKET:
         return _unflatten(obj)
     if load_format is not None:
-        raise IpcFormatError(f"load_format {load_format!r} is not supported here (null or "
-                             f"{FLATTENED_BUCKET!r})")
+        raise BadRequest(f"load_format {load_format!r} is not supported here (null or "
+                         f"{FLATTENED_BUCKET!r})")
     if not isinstance(obj, list) or len(obj) > MAX_TENSORS or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
             and isinstance(p[1], torch.Tensor) for p in obj):
-        raise IpcFormatError("a load_format null payload is a list of (name, tensor) pairs")
+        raise BadRequest("a load_format null payload is a list of (name, tensor) pairs")
     return obj
 
 
 def _unflatten(obj: Any) -> list[tuple[str, torch.Tensor]]:
     if not (isinstance(obj, dict) and set(obj) == {"flattened_tensor", "metadata"}):
-        raise IpcFormatError("a flattened_bucket payload is {flattened_tensor, metadata}")
+        raise BadRequest("a flattened_bucket payload is {flattened_tensor, metadata}")
     flat, metadata = obj["flattened_tensor"], obj["metadata"]
     if not (isinstance(flat, torch.Tensor) and flat.dim() == 1):
-        raise IpcFormatError("flattened_tensor must be a 1-D tensor")
+        raise BadRequest("flattened_tensor must be a 1-D tensor")
     if not (isinstance(metadata, list) and len(metadata) <= MAX_TENSORS
             and all(isinstance(m, FlatMeta) for m in metadata)):
-        raise IpcFormatError(f"metadata must be a list of at most {MAX_TENSORS} "
-                             f"FlattenedTensorMetadata")
+        raise BadRequest(f"metadata must be a list of at most {MAX_TENSORS} "
+                         f"FlattenedTensorMetadata")
     out = []
     for m in metadata:
         _check_meta(m, flat.numel())
@@ -306,11 +305,11 @@ def _unflatten(obj: Any) -> list[tuple[str, torch.Tensor]]:
 def _check_meta(m: FlatMeta, total: int) -> None:
     fields = [f.name for f in dataclasses.fields(FlatMeta)]
     if not all(hasattr(m, f) for f in fields):
-        raise IpcFormatError(f"metadata needs the fields {fields}")
+        raise BadRequest(f"metadata needs the fields {fields}")
     shape_ok = isinstance(m.shape, tuple) and all(_is_index(d) for d in m.shape)
     if not (isinstance(m.name, str) and shape_ok and isinstance(m.dtype, torch.dtype)
             and all(_is_index(v) for v in (m.start_idx, m.end_idx, m.numel))
             and m.start_idx <= m.end_idx <= total and m.end_idx - m.start_idx == m.numel
             and math.prod(m.shape) == m.numel):
-        raise IpcFormatError(f"inconsistent metadata for {str(m.name)[:80]}: shape "
-                             f"{str(m.shape)[:80]}, [{m.start_idx}, {m.end_idx}) of {total}")
+        raise BadRequest(f"inconsistent metadata for {str(m.name)[:80]}: shape "
+                         f"{str(m.shape)[:80]}, [{m.start_idx}, {m.end_idx}) of {total}")

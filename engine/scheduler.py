@@ -75,6 +75,7 @@ import torch
 from transformers import DynamicCache
 
 from algos.logprobs import effective_temperature, logits_to_logprobs, position_ids_from_mask
+from engine.errors import EngineUnavailable
 from engine.sampling import (
     DEFAULT_MAX_NEW_TOKENS,
     GenRequest,
@@ -96,23 +97,11 @@ from models.invariant import log_softmax as invariant_log_softmax
 from models.load import load_model
 from models.tiny import TINY
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineClosed", "EngineError", "EngineUnavailable",
-           "GenRequest", "GenResult", "SamplingParams", "Scheduler", "cache_kwarg"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "SamplingParams", "Scheduler",
+           "cache_kwarg"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class EngineError(RuntimeError):
-    """The engine cannot serve the request right now (the message says why)."""
-
-
-class EngineUnavailable(EngineError):
-    """Memory is released (see `release`): generation is refused until `resume`."""
-
-
-class EngineClosed(EngineError):
-    """The engine stopped; requests still queued or running were failed with this."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -259,7 +248,7 @@ class Scheduler:
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Queue the requests, wait for all of them; cancelling aborts those still running."""
         if self._closed:
-            raise EngineClosed("the engine is stopped")
+            raise EngineUnavailable("the engine is stopped")
         if self.released:
             raise EngineUnavailable(f"memory is released ({', '.join(sorted(self.released))}); "
                                     f"call /resume_memory_occupation before generating")
@@ -372,7 +361,7 @@ class Scheduler:
     async def close(self) -> None:
         """Fail what is left and stop the worker thread (run() must be cancelled first)."""
         self._closed = True
-        self._fail_all(EngineClosed("the engine stopped"))
+        self._fail_all(EngineUnavailable("the engine stopped"))
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ the loop
@@ -393,7 +382,7 @@ class Scheduler:
                 if seqs:
                     await self._run_wave(_Wave(seqs))
         finally:
-            self._fail_all(EngineClosed("the engine stopped"))
+            self._fail_all(EngineUnavailable("the engine stopped"))
 
     async def _wait(self) -> None:
         await self._wake.wait()
@@ -430,10 +419,10 @@ class Scheduler:
                     if asyncio.iscoroutine(result):
                         await result
         except BaseException as e:  # stopped or broken mid-wave: its requests must not hang
-            error = e if isinstance(e, Exception) else EngineClosed("the engine stopped")
+            error = e if isinstance(e, Exception) else EngineUnavailable("the engine stopped")
             for s in wave.seqs:
                 if not s.future.done():
-                    s.future.set_exception(EngineError(f"generation failed: {error!r}")
+                    s.future.set_exception(EngineUnavailable(f"generation failed: {error!r}")
                                            if error is e else error)
             raise
         finally:
@@ -678,7 +667,7 @@ class Scheduler:
 
     async def _submit_op(self, fn: Callable[[], Awaitable[Any]], needs_idle: bool) -> Any:
         if self._closed:
-            raise EngineClosed("the engine is stopped")
+            raise EngineUnavailable("the engine is stopped")
         fut = asyncio.get_running_loop().create_future()
         self._ops.append((fn, needs_idle, fut))
         self._wake.set()

@@ -66,9 +66,9 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.errors import BadRequest, EngineUnavailable
 from engine.scheduler import (
     DEFAULT_MAX_NEW_TOKENS,
-    EngineError,
     GenRequest,
     GenResult,
     SamplingParams,
@@ -77,7 +77,6 @@ from engine.scheduler import (
 from engine.weight_endpoints import (
     MAX_BODY_BYTES,
     MAX_TENSOR_BODY_BYTES,
-    BodyError,
     WeightEndpoints,
     parse_json,
     read_body,
@@ -110,15 +109,6 @@ SAMPLING_DEFAULT_ONLY = {"n": 1, "min_new_tokens": 0, "frequency_penalty": 0.0,
 SAMPLING_IGNORED = {"spaces_between_special_tokens", "stream_interval"}
 
 
-class RequestError(ValueError):
-    """A malformed request; the message tells the caller what to change. HTTP `status`: 400,
-    or 413 for a body over a size limit."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
 # ----------------------------------------------------------------------------- pure parsing
 def _is_int(x: Any) -> bool:
     """A JSON integer that fits in int64 (bigger ones are refused like wrong types)."""
@@ -132,13 +122,13 @@ def _is_num(x: Any) -> bool:
 
 def _token_list(x: Any, vocab_size: int, what: str, context_len: int) -> list[int]:
     if isinstance(x, list) and len(x) >= context_len:  # checked first: cheap for huge lists
-        raise RequestError(f"The input ({len(x)} tokens) is longer than the model's context "
-                           f"length ({context_len} tokens).")
+        raise BadRequest(f"The input ({len(x)} tokens) is longer than the model's context "
+                         f"length ({context_len} tokens).")
     if not isinstance(x, list) or not x or not all(_is_int(t) for t in x):
-        raise RequestError(f"{what} must be a non-empty list of integer token ids")
+        raise BadRequest(f"{what} must be a non-empty list of integer token ids")
     bad = [t for t in x if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        raise BadRequest(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
     return x
 
 
@@ -149,7 +139,7 @@ def parse_prompts(body: dict, tokenizer, vocab_size: int,
     longer than context_len * MAX_CHARS_PER_TOKEN characters: before it is tokenized)."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
-        raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+        raise BadRequest("Either text or input_ids should be provided (exactly one of them).")
     if ids is not None:
         if isinstance(ids, list) and ids and all(isinstance(r, list) for r in ids):
             return [_token_list(r, vocab_size, f"input_ids[{i}]", context_len)
@@ -160,14 +150,14 @@ def parse_prompts(body: dict, tokenizer, vocab_size: int,
     elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
         prompts, batch = text, True
     else:
-        raise RequestError("text must be a string or a non-empty list of strings")
+        raise BadRequest("text must be a string or a non-empty list of strings")
     max_chars = context_len * MAX_CHARS_PER_TOKEN
     if max(map(len, prompts)) > max_chars:
-        raise RequestError(f"text of {max(map(len, prompts))} characters is surely longer than "
-                           f"the model's context length; send at most {max_chars}")
+        raise BadRequest(f"text of {max(map(len, prompts))} characters is surely longer than "
+                         f"the model's context length; send at most {max_chars}")
     encoded = [tokenizer.encode(t) for t in prompts]  # as SGLang: the tokenizer's defaults
     if any(not e for e in encoded):
-        raise RequestError("text must not be empty")
+        raise BadRequest("text must not be empty")
     return encoded, batch
 
 
@@ -177,14 +167,14 @@ def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
         return [default] * n
     if isinstance(value, list):
         if len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for {n} prompts")
+            raise BadRequest(f"{name} has {len(value)} entries for {n} prompts")
         return value
     return [value] * n
 
 
 def _check_range(ok: bool, message: str) -> None:
     if not ok:
-        raise RequestError(message)
+        raise BadRequest(message)
 
 
 def parse_sampling_params(sp: Any, prompt_len: int, context_len: int) -> SamplingParams:
@@ -192,15 +182,15 @@ def parse_sampling_params(sp: Any, prompt_len: int, context_len: int) -> Samplin
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
-        raise RequestError("sampling_params must be a JSON object (or a list of them)")
+        raise BadRequest("sampling_params must be a JSON object (or a list of them)")
     known = set(dataclass_fields(SamplingParams)) | set(SAMPLING_DEFAULT_ONLY) | SAMPLING_IGNORED
     unknown = sorted(set(sp) - known)
     if unknown:
-        raise RequestError(f"unknown sampling_params {unknown}")
+        raise BadRequest(f"unknown sampling_params {unknown}")
     for key, default in SAMPLING_DEFAULT_ONLY.items():
         if key in sp and sp[key] is not None and sp[key] != default:
-            raise RequestError(f"sampling_params.{key}={reprlib.repr(sp[key])} is not supported "
-                               f"by this engine (only {default!r})")
+            raise BadRequest(f"sampling_params.{key}={reprlib.repr(sp[key])} is not supported "
+                             f"by this engine (only {default!r})")
     p = _checked_numbers(sp)
     _check_range(prompt_len < context_len, f"The input ({prompt_len} tokens) is longer than the "
                  f"model's context length ({context_len} tokens).")
@@ -211,7 +201,7 @@ def parse_sampling_params(sp: Any, prompt_len: int, context_len: int) -> Samplin
         setattr(p, key, _boolean(sp, key, getattr(p, key)))
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
-        raise RequestError("sampling_params.sampling_seed must be an integer in [-2**63, 2**63)")
+        raise BadRequest("sampling_params.sampling_seed must be an integer in [-2**63, 2**63)")
     p.sampling_seed = seed
     return p
 
@@ -243,7 +233,7 @@ def _number(sp: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if not _is_num(value):
-        raise RequestError(f"sampling_params.{key} must be a number, got {reprlib.repr(value)}")
+        raise BadRequest(f"sampling_params.{key} must be a number, got {reprlib.repr(value)}")
     return float(value)
 
 
@@ -252,8 +242,8 @@ def _integer(sp: dict, key: str, default: int) -> int:
     if value is None:
         return default
     if not _is_int(value):
-        raise RequestError(f"sampling_params.{key} must be an integer in [-2**63, 2**63), "
-                           f"got {str(value)[:40]}")
+        raise BadRequest(f"sampling_params.{key} must be an integer in [-2**63, 2**63), "
+                         f"got {str(value)[:40]}")
     return value
 
 
@@ -262,8 +252,8 @@ def _boolean(sp: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"sampling_params.{key} must be true or false, got "
-                           f"{reprlib.repr(value)}")
+        raise BadRequest(f"sampling_params.{key} must be true or false, got "
+                         f"{reprlib.repr(value)}")
     return value
 
 
@@ -274,7 +264,7 @@ def _stop_strings(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
-    raise RequestError("sampling_params.stop must be a string or a list of strings")
+    raise BadRequest("sampling_params.stop must be a string or a list of strings")
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -282,7 +272,7 @@ def _int_list(value: Any, name: str) -> list[int]:
         return []
     if isinstance(value, list) and all(_is_int(v) for v in value):
         return value
-    raise RequestError(f"sampling_params.{name} must be a list of integers")
+    raise BadRequest(f"sampling_params.{name} must be a list of integers")
 
 
 def _rids(value: Any, n: int, batch: bool) -> list[str]:
@@ -292,30 +282,30 @@ def _rids(value: Any, n: int, batch: bool) -> list[str]:
         return [value] if not batch else [f"{value}_{i}" for i in range(n)]
     if isinstance(value, list) and len(value) == n and all(isinstance(r, str) for r in value):
         if len(set(value)) != n:
-            raise RequestError(f"Duplicate request IDs detected within the request: "
-                               f"{reprlib.repr(value)}")
+            raise BadRequest(f"Duplicate request IDs detected within the request: "
+                             f"{reprlib.repr(value)}")
         return value
-    raise RequestError("rid must be a string or a list of strings, one per prompt")
+    raise BadRequest("rid must be a string or a list of strings, one per prompt")
 
 
 def _check_fields(body: dict) -> None:
     unknown = sorted(set(body) - GENERATE_FIELDS - IGNORED_FIELDS - set(DEFAULT_ONLY_FIELDS))
     if unknown:
-        raise RequestError(f"unknown field(s) {unknown} in the /generate request")
+        raise BadRequest(f"unknown field(s) {unknown} in the /generate request")
     for key, default in DEFAULT_ONLY_FIELDS.items():
         if body.get(key, default) not in (default, [], {}):
-            raise RequestError(f"{key} is not supported by this engine")
+            raise BadRequest(f"{key} is not supported by this engine")
     if body.get("stream", False) not in (False, None):
-        raise RequestError("stream=true is not supported by this engine")
+        raise BadRequest("stream=true is not supported by this engine")
     if not isinstance(body.get("return_text_in_logprobs", False), bool):
-        raise RequestError("return_text_in_logprobs must be true or false")
+        raise BadRequest("return_text_in_logprobs must be true or false")
 
 
 def parse_generate(body: Any, tokenizer, vocab_size: int,
                    context_len: int) -> tuple[list[GenRequest], bool]:
-    """A /generate JSON body -> (engine requests, is_batch); RequestError if malformed."""
+    """A /generate JSON body -> (engine requests, is_batch); BadRequest if malformed."""
     if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
+        raise BadRequest("the request body must be a JSON object")
     _check_fields(body)
     prompts, batch = parse_prompts(body, tokenizer, vocab_size, context_len)
     n = len(prompts)
@@ -349,13 +339,13 @@ def logprob_window_start(want: bool, start: int, prompt_len: int, max_new_tokens
 
 def _check_logprob_args(want: Any, start: Any, top: Any, prompt_len: int) -> None:
     if not isinstance(want, bool):
-        raise RequestError("return_logprob must be true or false")
+        raise BadRequest("return_logprob must be true or false")
     if not _is_int(start) or not -1 <= start < prompt_len:
-        raise RequestError(f"logprob_start_len must be -1 or in [0, {prompt_len}) for a prompt of "
-                           f"{prompt_len} tokens, got {reprlib.repr(start)}")
+        raise BadRequest(f"logprob_start_len must be -1 or in [0, {prompt_len}) for a prompt of "
+                         f"{prompt_len} tokens, got {reprlib.repr(start)}")
     if not _is_int(top) or top < 0:
-        raise RequestError(f"top_logprobs_num must be a non-negative integer, got "
-                           f"{reprlib.repr(top)}")
+        raise BadRequest(f"top_logprobs_num must be a non-negative integer, got "
+                         f"{reprlib.repr(top)}")
 
 
 # ----------------------------------------------------------------------------- pure formatting
@@ -412,16 +402,14 @@ def error_response(message: str, status: int = 400) -> web.Response:
 
 async def _json_body(request: web.Request, required: bool,
                      max_bytes: int = MAX_BODY_BYTES) -> Any:
-    """The JSON body, read and parsed within bounds (engine.weight_endpoints.parse_json)."""
-    try:
-        raw = await read_body(request, max_bytes)
-        if not raw.strip():
-            if required:
-                raise RequestError("the request body is empty; send a JSON object")
-            return {}
-        return parse_json(raw)
-    except BodyError as e:
-        raise RequestError(str(e), e.status) from None
+    """The JSON body, read and parsed within bounds (engine.weight_endpoints.parse_json);
+    BadRequest (400, or 413 over a bound) otherwise."""
+    raw = await read_body(request, max_bytes)
+    if not raw.strip():
+        if required:
+            raise BadRequest("the request body is empty; send a JSON object")
+        return {}
+    return parse_json(raw)
 
 
 class EngineServer:
@@ -463,11 +451,11 @@ class EngineServer:
         try:
             body = await _json_body(request, True, self.max_body_bytes)
             reqs, batch = parse_generate(body, s.tokenizer, s.vocab_size, s.context_len)
-        except RequestError as e:
+        except BadRequest as e:
             return error_response(str(e), e.status)
         try:
             results = await s.generate(reqs)
-        except EngineError as e:  # memory released, or the engine stopped / failed
+        except EngineUnavailable as e:  # memory released, or the engine stopped / failed
             return error_response(str(e), status=503)
         with_text = bool(body.get("return_text_in_logprobs", False))
         out = [format_result(r, q, s.tokenizer, with_text) for r, q in zip(results, reqs)]
@@ -488,7 +476,7 @@ class EngineServer:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 await s.generate([probe])
-        except (EngineError, TimeoutError):
+        except (EngineUnavailable, TimeoutError):
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -531,11 +519,11 @@ class EngineServer:
         try:
             body = await _json_body(request, True, self.max_body_bytes)
             if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
+                raise BadRequest("the request body must be a JSON object")
             rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
             if not isinstance(rid, str) or not isinstance(abort_all, bool):
-                raise RequestError("abort_request takes {\"rid\": str, \"abort_all\": bool}")
-        except RequestError as e:
+                raise BadRequest("abort_request takes {\"rid\": str, \"abort_all\": bool}")
+        except BadRequest as e:
             return error_response(str(e), e.status)
         self.scheduler.abort(rid=rid, abort_all=abort_all)
         return web.Response(status=200)
@@ -552,9 +540,9 @@ class EngineServer:
             tags = body.get("tags") if isinstance(body, dict) else None
             if tags is not None and not (isinstance(tags, list)
                                          and all(isinstance(t, str) for t in tags)):
-                raise RequestError("tags must be a list of strings")
+                raise BadRequest("tags must be a list of strings")
             await action(tags)
-        except (RequestError, ValueError) as e:
+        except ValueError as e:  # a BadRequest, or the scheduler's refusal
             return error_response(str(e), getattr(e, "status", 400))
         return web.json_response(None)
 
@@ -563,7 +551,7 @@ class EngineServer:
             body = await _json_body(request, False, self.max_body_bytes)
             mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
             await self.scheduler.pause(mode)
-        except (RequestError, ValueError) as e:
+        except ValueError as e:  # a BadRequest, or the scheduler's refusal
             return error_response(str(e), getattr(e, "status", 400))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from engine.chat_template import ChatFormat
+from engine.errors import SessionFailed
 from engine.sampling import nucleus
 from envs.openai_api import (
     AgentEndpoint,
@@ -48,10 +49,6 @@ DRIFT_RULES = ("split", "fail")
 # what `HttpSession.agent_stats` counts (the rollout publishes them as rollout/agent/<name>)
 AGENT_STATS = ("episodes", "requests", "tool_calls", "drift_splits", "dropped_tokens", "refused",
                "sampling_overrides")
-
-
-class SessionFailed(RuntimeError):
-    """A turn could not be generated within the retry budget."""
 
 
 @dataclass

@@ -44,6 +44,7 @@ import torch
 from aiohttp import web
 
 from engine import cuda_ipc, dist_group
+from engine.errors import BadRequest
 from engine.scheduler import Scheduler
 from transport.dtypes import torch_dtype
 
@@ -53,53 +54,41 @@ MAX_JSON_CONTAINERS = 1 << 18  # '[' and '{' bytes in a JSON body (count; 413 ab
 MAX_JSON_VALUES = 1 << 22  # ',' bytes in a JSON body (count; 413 above it)
 
 
-class WeightRequestError(ValueError):
-    """A malformed weight-update request; the message says what to change."""
-
-
-class BodyError(WeightRequestError):
-    """A request body refused before use: HTTP `status` 400 (malformed) or 413 (too large)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
 async def read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The request body; BodyError(413) as soon as its Content-Length or the bytes received
+    """The request body; BadRequest(413) as soon as its Content-Length or the bytes received
     pass `max_bytes` (what is left is never read)."""
     size = request.content_length
     if size is not None and size > max_bytes:
-        raise BodyError(f"request body of {size} bytes, limit is {max_bytes}", 413)
+        raise BadRequest(f"request body of {size} bytes, limit is {max_bytes}", 413)
     chunks, size = [], 0
     async for chunk in request.content.iter_chunked(1 << 16):
         size += len(chunk)
         if size > max_bytes:
-            raise BodyError(f"request body over {max_bytes} bytes", 413)
+            raise BadRequest(f"request body over {max_bytes} bytes", 413)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 def parse_json(raw: bytes) -> Any:
-    """JSON of a body, its parse time and memory bounded first: BodyError(413) for more than
+    """JSON of a body, its parse time and memory bounded first: BadRequest(413) for more than
     MAX_JSON_CONTAINERS arrays/objects or MAX_JSON_VALUES values (counted as bracket and comma
-    bytes, inside strings too: an over-count), BodyError(400) if malformed or too deeply
+    bytes, inside strings too: an over-count), BadRequest(400) if malformed or too deeply
     nested (deeper than the interpreter's recursion limit, ~1000 levels)."""
     containers, commas = raw.count(b"[") + raw.count(b"{"), raw.count(b",")
     if containers > MAX_JSON_CONTAINERS or commas > MAX_JSON_VALUES:
-        raise BodyError(f"JSON body with {containers} arrays/objects and {commas} commas; "
-                        f"limits are {MAX_JSON_CONTAINERS} and {MAX_JSON_VALUES}", 413)
+        raise BadRequest(f"JSON body with {containers} arrays/objects and {commas} commas; "
+                         f"limits are {MAX_JSON_CONTAINERS} and {MAX_JSON_VALUES}", 413)
     try:
         return json.loads(raw)
     except RecursionError:
-        raise BodyError("Invalid JSON in the request body: nested too deeply") from None
+        raise BadRequest("Invalid JSON in the request body: nested too deeply") from None
     except ValueError as e:  # UnicodeDecodeError included
-        raise BodyError(f"Invalid JSON in the request body: {e}") from None
+        raise BadRequest(f"Invalid JSON in the request body: {e}") from None
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise WeightRequestError(message)
+        raise BadRequest(message)
 
 
 def _common(body: dict) -> tuple[str | None, bool]:
@@ -115,7 +104,7 @@ def parse_dtype(name: Any) -> torch.dtype:
     try:
         return torch_dtype(name)
     except ValueError as e:
-        raise WeightRequestError(str(e)) from None
+        raise BadRequest(str(e)) from None
 
 
 def parse_init_group(body: Any) -> dict[str, Any]:
@@ -159,10 +148,7 @@ def decode_tensors(payload: Any, device: str = "cpu", load_format: str | None = 
     CUDA only) SGLang's CUDA IPC pickle through engine/cuda_ipc.py; anything else is refused."""
     from safetensors.torch import load
 
-    try:
-        raw = cuda_ipc.b64decode(payload)
-    except cuda_ipc.IpcFormatError as e:
-        raise WeightRequestError(str(e)) from None
+    raw = cuda_ipc.b64decode(payload)
     if cuda_ipc.is_pickle(raw):
         _require(str(device).startswith("cuda"),
                  f"serialized_named_tensors[0] is a pickle (SGLang's CUDA IPC format); this "
@@ -171,8 +157,8 @@ def decode_tensors(payload: Any, device: str = "cpu", load_format: str | None = 
                  f"named_tensors)) (weight_sync.path = 'tensor')")
         try:
             return dict(cuda_ipc.decode(raw, load_format))
-        except cuda_ipc.IpcFormatError as e:
-            raise WeightRequestError(f"serialized_named_tensors[0]: {e}") from None
+        except BadRequest as e:
+            raise BadRequest(f"serialized_named_tensors[0]: {e}") from None
     _require(load_format is None, f"load_format {load_format!r} goes with SGLang's CUDA IPC "
                                   f"payloads; a safetensors entry takes load_format null")
     header_len = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else -1
@@ -182,7 +168,7 @@ def decode_tensors(payload: Any, device: str = "cpu", load_format: str | None = 
     try:
         return load(raw)
     except Exception as e:  # noqa: BLE001 - a corrupt blob is the caller's mistake
-        raise WeightRequestError(f"serialized_named_tensors[0]: bad safetensors blob: {e}") \
+        raise BadRequest(f"serialized_named_tensors[0]: bad safetensors blob: {e}") \
             from None
 
 
@@ -238,9 +224,8 @@ async def _json(request: web.Request, max_bytes: int) -> Any:
     return parse_json(raw) if raw.strip() else {}
 
 
-def _refused(e: WeightRequestError, **extra: Any) -> web.Response:
-    return web.json_response({"success": False, "message": str(e), **extra},
-                             status=getattr(e, "status", 400))
+def _refused(e: BadRequest, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": str(e), **extra}, status=e.status)
 
 
 class WeightEndpoints:
@@ -271,7 +256,7 @@ class WeightEndpoints:
     async def update_from_disk(self, request: web.Request) -> web.Response:
         try:
             path, version, abort_all = _disk_args(await _json(request, self.max_body_bytes))
-        except WeightRequestError as e:
+        except BadRequest as e:
             return _refused(e, num_paused_requests=0)
         ok, message, held = await self.scheduler.update_weights_from_disk(path, version, abort_all)
         return _answer(ok, message, num_paused_requests=held)
@@ -279,7 +264,7 @@ class WeightEndpoints:
     async def init_group(self, request: web.Request) -> web.Response:
         try:
             args = parse_init_group(await _json(request, self.max_body_bytes))
-        except WeightRequestError as e:
+        except BadRequest as e:
             return _refused(e)
         name, backend = args["group_name"], args["backend"]
         if name in self.groups:
@@ -304,7 +289,7 @@ class WeightEndpoints:
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         try:
             args = parse_update_distributed(await _json(request, self.max_body_bytes))
-        except WeightRequestError as e:
+        except BadRequest as e:
             return _refused(e)
         if args["group_name"] not in self.groups:
             return _answer(False, f"no weight update group {args['group_name']!r}; call "
@@ -328,7 +313,7 @@ class WeightEndpoints:
             body = await _json(request, self.max_tensor_body_bytes)
             args = await asyncio.get_running_loop().run_in_executor(
                 self._decode_pool, parse_update_tensor, body, str(self.scheduler.device))
-        except WeightRequestError as e:
+        except BadRequest as e:
             return _refused(e)
         ok, message, _ = await self.scheduler.update_weights(
             lambda: load_and_let_go(self.scheduler.model, args["tensors"]), None,
@@ -339,7 +324,7 @@ class WeightEndpoints:
     async def destroy_group(self, request: web.Request) -> web.Response:
         try:
             body = await _json(request, self.max_body_bytes)
-        except WeightRequestError as e:
+        except BadRequest as e:
             return _refused(e)
         name = body.get("group_name", dist_group.DEFAULT_GROUP_NAME) \
             if isinstance(body, dict) else None

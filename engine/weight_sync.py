@@ -62,7 +62,8 @@ from typing import Any, AsyncIterator, Awaitable, Iterable, Iterator, Literal
 import torch
 
 from engine import cuda_ipc, dist_group
-from engine.client import SglangClient, SglangConnectionError
+from engine.client import SglangClient
+from engine.errors import EngineUnavailable, SyncError
 from memory.device_usage import give_back_cached
 from transport.dtypes import dtype_name
 from transport.sockets import free_port
@@ -73,10 +74,6 @@ log = logging.getLogger(__name__)
 
 
 HEALTH_PROBE_S = 3.0  # a worker that does not answer /health this long is skipped by a push
-
-
-class SyncError(RuntimeError):
-    """A worker refused or missed a weight update; the message names the worker and why."""
 
 
 def _bucketed(named: NamedTensors, bucket_bytes: int, by_dtype: bool = False
@@ -236,9 +233,9 @@ class DiskSync:
         results = await asyncio.gather(*(self._push_one(c, path, version) for c in self.clients),
                                        return_exceptions=True)
         self.unreachable = [c.base_url for c, r in zip(self.clients, results)
-                            if isinstance(r, SglangConnectionError)]
+                            if isinstance(r, EngineUnavailable)]
         failed = [(c.base_url, r) for c, r in zip(self.clients, results)
-                  if isinstance(r, BaseException) and not isinstance(r, SglangConnectionError)]
+                  if isinstance(r, BaseException) and not isinstance(r, EngineUnavailable)]
         if failed:
             raise SyncError("weight update failed on " + "; ".join(f"{u}: {r}"
                                                                     for u, r in failed))
@@ -256,7 +253,7 @@ class DiskSync:
 
 
     async def _answering(self, client: SglangClient) -> None:
-        """SglangConnectionError (skipped as unreachable) unless `client` answers /health
+        """EngineUnavailable (skipped as unreachable) unless `client` answers /health
         within probe_timeout_s, or, when it did not before, its waiting probe has heard back."""
         url = client.base_url
         probe = self._silent.pop(url, None)
@@ -267,8 +264,8 @@ class DiskSync:
             probe.result()  # False (an error status, no connection): the push itself says why
             return
         self._silent[url] = probe
-        raise SglangConnectionError(f"{url} has not answered /health for at least "
-                                    f"{self.probe_timeout_s:g} s (hung)")
+        raise EngineUnavailable(f"{url} has not answered /health for at least "
+                                f"{self.probe_timeout_s:g} s (hung)")
 
 
 MAX_SAFETENSORS_BUCKET_BYTES = 160 << 20  # base64 of it (+ headers) stays under 256 MiB

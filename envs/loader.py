@@ -22,12 +22,13 @@ from typing import Any, Iterator
 
 from envs.base import Environment, Session, Task
 from envs.builtin import BUILTINS
+from transport.errors import RlxError
 
 SPEC_KEYS = {"cls", "weight", "options", "domain"}
 _END = object()
 
 
-class EnvSpecError(ValueError):
+class EnvSpecError(RlxError, ValueError):
     """Environment `index` of a mix (its spec's `cls`) is wrong: `reason`, one line."""
 
     def __init__(self, index: int, cls: object, reason: str):

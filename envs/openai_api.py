@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from transport.errors import RlxError
+
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused with 413
@@ -55,7 +57,7 @@ DEFAULT_ONLY = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
                 "suffix": ("",), "best_of": (1,)}
 
 
-class OpenAIError(Exception):
+class OpenAIError(RlxError):
     """An answer in OpenAI's error format; `param` names the offending request field."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 
 from algos.opd import OpdConfig
+from transport.errors import RlxError
 from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
 
 TOPK_ID_LIMIT = 1 << 31  # token ids of a top-k reply must fit TOPK_IDS_DTYPE (int32)
@@ -93,7 +94,7 @@ def check_vocab(student: Any, teacher: Any, name: str) -> None:
             raise ValueError(f"teacher {name!r}: {attr} differs from the student's")
 
 
-class ScoreError(ValueError):
+class ScoreError(RlxError, ValueError):
     """A teacher server's reply that cannot be read as scores of the sample it was asked about."""
 
 

@@ -19,13 +19,15 @@ import zlib
 
 import numpy as np
 
+from transport.errors import RlxError
+
 CRC_THREADS = 8  # at most, for a buffer of several chunks (zlib releases the GIL)
 
 _MESSAGE = re.compile(r"weight set '(?P<tag>.*)': (?P<where>.+?) at byte offset (?P<offset>\d+) "
                       r"\((?P<nbytes>\d+) bytes\) (?P<reason>fails its .*)$")
 
 
-class ChecksumError(RuntimeError):
+class ChecksumError(RlxError, RuntimeError):
     """A copy of weight set `tag` differs from its checksums at byte `offset` (`nbytes` long)."""
 
     def __init__(self, tag: str, offset: int, nbytes: int, where: str = "NVMe chunk",

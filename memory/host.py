@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from memory.layout import PAGE_BYTES, _round_up
+from transport.errors import RlxError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rlx-arena-"
@@ -37,7 +38,7 @@ class Region:
         return self.offset + self.nbytes
 
 
-class HostBudgetError(ValueError):
+class HostBudgetError(RlxError, ValueError):
     """The host tier cannot hold what was asked: the message has the numbers."""
 
 

@@ -31,11 +31,12 @@ import torch
 
 from memory.checksum import ChecksumError
 from memory.layout import PAGE_BYTES, FlatLayout
+from transport.errors import RlxError
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
-class DiskFullError(OSError):
+class DiskFullError(RlxError, OSError):
     pass
 
 

@@ -31,6 +31,7 @@ import msgspec
 
 from runtime.facts import RunFacts
 from transport.codec import Limits
+from transport.errors import Unrecoverable, ends_run
 from transport.metrics import MetricsPublisher
 from transport.rpc import DeadlineExceeded, Handler, RpcClient, RpcServer
 from transport.schema import (
@@ -95,7 +96,7 @@ class ActorContext(msgspec.Struct, forbid_unknown_fields=True):
     facts: RunFacts | None = None
 
 
-class EndRun(Exception):
+class EndRun(Unrecoverable):
     """Raised by an actor when the run cannot go on and a restart would not help (the launcher
     ends the run with this message, exit code 1, instead of restarting the actor)."""
 
@@ -416,7 +417,7 @@ class Actor:
             tb = "".join(traceback.format_exception(error))
             log.error("%s: fatal error\n%s", self.name, tb)
             await self._report(Dead(actor=self.name, error=self._stop_reason, traceback=tb,
-                                    end_run=isinstance(error, EndRun)))
+                                    end_run=ends_run(error)))
         else:
             await self._report(Stopped(actor=self.name, reason=self._stop_reason,
                                        completed=self._completed))

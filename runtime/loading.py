@@ -13,9 +13,10 @@ from typing import Any
 import msgspec
 
 from runtime.actor import Actor
+from transport.errors import RlxError
 
 
-class ConfigError(ValueError):
+class ConfigError(RlxError, ValueError):
     """A mistake in hosts.toml; the message names the file, table and field to change."""
 
 

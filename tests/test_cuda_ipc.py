@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from engine import cuda_ipc
-from engine.cuda_ipc import FLATTENED_BUCKET, FlatMeta, IpcFormatError
+from engine.cuda_ipc import FLATTENED_BUCKET, FlatMeta
+from engine.errors import BadRequest
 from engine.weight_endpoints import load_named_tensors
 from engine.weight_sync import SyncError, TensorSync, make_weight_sync, plan_paths
 from models.tiny import build_tiny
@@ -131,15 +132,15 @@ def test_decoder_reads_sglang_written_metadata_and_refuses_everything_else(handl
     assert name == "w" and torch.equal(w, flat.view(2, 3))
 
     evil = base64.b64encode(pickle.dumps(os.system)).decode()  # any other name: refused
-    with pytest.raises(IpcFormatError, match="posix.system is not allowed"):
+    with pytest.raises(BadRequest, match="posix.system is not allowed"):
         decode(handles, evil)
     cpu = base64.b64encode(pickle.dumps([("w", torch.ones(2))])).decode()  # CPU tensors too
-    with pytest.raises(IpcFormatError, match="not allowed"):
+    with pytest.raises(BadRequest, match="not allowed"):
         decode(handles, cpu, None)
     bad = FlatMeta("w", torch.Size([4, 4]), torch.float32, 0, 16, 16)  # past the flat tensor
-    with pytest.raises(IpcFormatError, match="inconsistent metadata for w"):
+    with pytest.raises(BadRequest, match="inconsistent metadata for w"):
         decode(handles, dump({"flattened_tensor": flat, "metadata": [bad]}))
-    with pytest.raises(IpcFormatError, match="load_format 'direct'"):
+    with pytest.raises(BadRequest, match="load_format 'direct'"):
         decode(handles, dump([("w", flat)]), "direct")
 
 

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from actors.inference import InferenceWorker
 from algos.logprobs import token_logprobs
-from engine.client import ROUTING_HEADER, SglangClient, SglangConnectionError, SglangHTTPError
+from engine.client import ROUTING_HEADER, SglangClient
+from engine.errors import EngineHTTPError, EngineUnavailable
 from engine.session import HttpSession
 from engine.weight_sync import make_weight_sync
 from models.load import save_checkpoint
@@ -219,7 +220,7 @@ async def test_update_weights_from_disk(ipc, tmp_path):
         ref = reference_logprobs(model, PROMPT, after["output_ids"], 1.0)
         assert torch.allclose(torch.tensor(out_logprobs(after)), ref, atol=1e-5, rtol=0)
 
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await client.update_weights_from_disk(str(tmp_path / "missing"), weight_version="8")
         assert err.value.status == 400 and "missing" in err.value.message
         assert await client.get_weight_version() == "7"
@@ -230,7 +231,7 @@ async def test_update_weights_from_disk(ipc, tmp_path):
                                  ({"model.norm.weight": bad["model.norm.weight"]}, "missing [")):
             (tmp_path / "bad").mkdir(exist_ok=True)
             save_file(change, str(tmp_path / "bad" / "model.safetensors"))
-            with pytest.raises(SglangHTTPError) as err:
+            with pytest.raises(EngineHTTPError) as err:
                 await client.update_weights_from_disk(str(tmp_path / "bad"), weight_version="9")
             assert err.value.status == 400 and expected in err.value.message
         assert await client.get_weight_version() == "7"
@@ -244,7 +245,7 @@ async def test_release_and_resume_memory(ipc, tmp_path):
         before = await client.generate(PROMPT, greedy)
         await client.release_memory_occupation()
         assert all(p.untyped_storage().nbytes() == 0 for p in worker.scheduler.model.parameters())
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await client.generate(PROMPT, greedy)
         assert err.value.status == 503 and "released" in err.value.message
         await client.resume_memory_occupation()
@@ -252,7 +253,7 @@ async def test_release_and_resume_memory(ipc, tmp_path):
         assert again["output_ids"] == before["output_ids"]
         assert out_logprobs(again) == pytest.approx(out_logprobs(before), abs=1e-6)
         await client.release_memory_occupation(tags=["kv_cache"])
-        with pytest.raises(SglangHTTPError):
+        with pytest.raises(EngineHTTPError):
             await client.generate(PROMPT, greedy)
         await client.resume_memory_occupation(tags=["kv_cache"])
         assert (await client.generate(PROMPT, greedy))["output_ids"] == before["output_ids"]
@@ -379,7 +380,7 @@ async def test_client_disconnect_aborts_and_stop_fails_in_flight_requests(ipc):
 
         task, gate = await _held_request(worker, client, sp)
         worker.stop("test stops the worker mid-request")
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await asyncio.wait_for(task, 10)
         assert err.value.status == 503 and "stopped" in err.value.message
 
@@ -412,7 +413,7 @@ async def test_malformed_requests_get_400_and_server_keeps_serving(ipc):
         assert "max_new_tokens must be at least 0" in reply["error"]["message"]
         status, reply = await post(client, "/pause_generation", {"mode": "sideways"})
         assert status == 400 and "sideways" in reply["error"]["message"]
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await client.generate([5], {"max_new_tokens": "many"})
         assert err.value.status == 400 and "max_new_tokens" in err.value.message
         good = await client.generate(PROMPT, {"max_new_tokens": 2})
@@ -457,7 +458,7 @@ async def test_client_errors_and_routing_header():
     port = runner.addresses[0][1]
     client = SglangClient(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01)
     try:
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await client.generate([1, 2], {"max_new_tokens": 1}, routing_key="session-9")
         assert err.value.status == 400 and err.value.message == "engine says no"
         assert seen == ["session-9"]
@@ -466,7 +467,7 @@ async def test_client_errors_and_routing_header():
         await runner.cleanup()
     dead = SglangClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01)
     try:
-        with pytest.raises(SglangConnectionError, match="3 attempts"):
+        with pytest.raises(EngineUnavailable, match="3 attempts"):
             await dead.generate([1], {"max_new_tokens": 1})
         assert not await dead.health()
     finally:

@@ -20,7 +20,8 @@ from safetensors.torch import load as load_safetensors
 
 from actors.sglang_worker import SglangWorker, SglangWorkerConfig
 from algos.logprobs import token_logprobs
-from engine.client import SglangClient, SglangHTTPError
+from engine.client import SglangClient
+from engine.errors import EngineHTTPError
 from engine.weight_push import release_to_train, wake_to_generate
 from engine.weight_sync import DiskSync, TensorSync, WeightStream, buckets
 from memory.device_usage import storage_bytes
@@ -198,11 +199,11 @@ async def fetch_weights(url: str) -> dict[str, torch.Tensor]:
 
 async def test_distributed_update_without_group_is_refused(ipc):
     async with serve(ipc) as (worker, client):
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await client.update_weights_from_distributed(["lm_head.weight"], ["float32"],
                                                          [[1]], weight_version="9")
         assert err.value.status == 400 and "/init_weights_update_group" in err.value.message
-        with pytest.raises(SglangHTTPError) as err:  # nccl needs CUDA
+        with pytest.raises(EngineHTTPError) as err:  # nccl needs CUDA
             await client.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="nccl")
         assert "use backend gloo" in err.value.message
         assert await client.get_weight_version() == "0"
@@ -265,11 +266,11 @@ async def test_cpu_worker_never_unpickles_a_tensor_payload(ipc):
     async with serve(ipc) as (worker, client):
         before = {n: p.clone() for n, p in worker.scheduler.model.named_parameters()}
         evil = base64.b64encode(pickle.dumps([("lm_head.weight", torch.zeros(1))])).decode()
-        with pytest.raises(SglangHTTPError) as err:
+        with pytest.raises(EngineHTTPError) as err:
             await client.update_weights_from_tensor([evil], weight_version="1")
         assert err.value.status == 400 and "never unpickles" in err.value.message
         wrong = TensorSync([client]).serialize([("model.norm.weight", torch.ones(3))])
-        with pytest.raises(SglangHTTPError) as err:  # checked before anything changes
+        with pytest.raises(EngineHTTPError) as err:  # checked before anything changes
             await client.update_weights_from_tensor([wrong], weight_version="1")
         assert "shape of model.norm.weight" in err.value.message
         after = dict(worker.scheduler.model.named_parameters())

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from actors.sglang_worker import SglangWorker, SglangWorkerConfig
-from engine.client import SglangClient, SglangHTTPError
+from engine.client import SglangClient
+from engine.errors import EngineHTTPError
 from engine.weight_sync import SyncError, make_weight_sync, plan_groups
 from launch.config import load
 from runtime.devices import gpu_ids
@@ -267,6 +268,6 @@ async def test_a_worker_stuck_in_a_receive_still_joins_its_next_group(ipc, tmp_p
         assert_same_weights(await fetch_weights(sg.bound.http), trained(8)[0])
         await go_on(trainer)
         assert await asyncio.wait_for(trainer.wait(), 60) == 0
-        with pytest.raises(SglangHTTPError, match="no weight update group 'stuck'"):
+        with pytest.raises(EngineHTTPError, match="no weight update group 'stuck'"):
             await client.update_weights_from_distributed(["lm_head.weight"], ["float32"],
                                                          [[2, 2]], "stuck")

@@ -55,6 +55,7 @@ from memory.manager import WeightMemory
 from memory.safetensors_io import INDEX_FILE, tensor_extents
 from memory.sources import sharded_source
 from models.load import is_checkpoint_dir, load_model
+from transport.errors import RlxError
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ def _gather_outputs(skeleton: torch.nn.Module, linear: set[str], shard: RowShard
             mod.register_forward_hook(gather)
 
 
-class _NamesDiffer(ValueError):
+class _NamesDiffer(RlxError, ValueError):
     """The checkpoint's tensor names are not the model's (e.g. experts fused on load)."""
 
 

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from transport.dtypes import NUMPY_DTYPES, torch_dtype, wire_itemsize
+from transport.errors import RlxError
 from transport.schema import PROTOCOL_VERSION, ErrorCode, Header, Kind, Msg, Tensor, header_type
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 raise ValueError(f"limits: {name} must be >= {low}, got {getattr(self, name)}")
 
 
-class WireError(Exception):
+class WireError(RlxError):
     """A message that cannot be accepted; `code` is an ErrorCode, `req_id` 0 if unknown."""
 
     def __init__(self, code: ErrorCode, message: str, req_id: int = 0, kind: int = 0):

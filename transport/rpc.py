@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 import zmq
 
 from transport.codec import Codec, Limits, WireError
+from transport.errors import RlxError
 from transport.schema import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Kind, Msg, Welcome
 from transport.shm import ShmConfig, channel_for
 from transport.sockets import RateLimitedLog, SocketFactory
@@ -46,7 +47,7 @@ def role_proof(token: str, actor: str, role: str) -> str:
     return hmac.new(token.encode(), f"{actor}\0{role}".encode(), hashlib.sha256).hexdigest()
 
 
-class RemoteError(Exception):
+class RemoteError(RlxError):
     """The peer answered with an ErrorReply."""
 
     def __init__(self, code: str, message: str):
