@@ -23,6 +23,7 @@ from actors.inference import InferenceWorkerConfig
 from engine.weight_sync import check_weight_sync_placement
 from runtime.actor import ActorView
 from runtime.facts import RunFacts, TeacherFact
+from transport.errors import RlxError
 
 MISSING = msgspec.NODEFAULT
 # each fact and the field that decides it: (the role of the actor, the path in its config)
@@ -90,7 +91,7 @@ def _default(struct: type, path: str) -> Any:
     return _at(value, rest) if rest else value
 
 
-class PlanError(ValueError):
+class PlanError(RlxError, ValueError):
     """A check across actors failed; `actor` is the table the message is about."""
 
     def __init__(self, actor: str, text: str):

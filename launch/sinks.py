@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, Callable, Protocol
 import msgspec
 
 from launch.config import ConfigError, RunConfig, WandbConfig
+from transport.errors import RlxError
 from transport.schema import Metrics
 
 # sink -> (module it imports, what to pip install); the extras of pyproject.toml say the same
@@ -43,7 +44,7 @@ PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX>=2.6"),
             "wandb": ("wandb", "wandb>=0.19")}
 
 
-class SinkError(Exception):
+class SinkError(RlxError):
     """A sink could not be opened (before any actor started)."""
 
 

@@ -39,8 +39,6 @@ ROOT_CLASS = "transport.errors.RlxError"
 PENDING = {
     "launch.agent.AgentError",
     "launch.agent.ChannelClosed",
-    "launch.plan.PlanError",
-    "launch.sinks.SinkError",
     "launch.supervisor.RunFailed",
     "launch.supervisor.StartFailed",
 }
