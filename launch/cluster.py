@@ -13,9 +13,9 @@ missing on the way is created only where the schema has one; an unknown field is
 the `--set`. The overrides are recorded in the run directory's config.json; `--resume RUN_DIR`
 applies the recorded ones again and refuses a different set (start a new run to change them).
 
-Engine options pass through natively (runtime/passthrough.py): `--sglang-<option> [value]`,
-`--router-<option> [value]` and `--megatron-<option> [value]` land in the `sglang`, `router` and
-`megatron` tables of every actor that has one, over the hosts.toml values (e.g.
+Engine options pass through natively (runtime/passthrough.py, `--help` lists the prefixes):
+`--<prefix>-<option> [value]` lands in the table of that name (`sglang`, `router`, ...) of every
+actor that has one, over the hosts.toml values (e.g.
 `--sglang-mem-fraction-static 0.8` -> sglang = { mem_fraction_static = 0.8 }; a flag without a
 value is true; a repeated option collects a list). Give the hosts file first (or write
 `--sglang-flag=true`), since a flag takes the next non-option token as its value.
@@ -331,15 +331,6 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
     return code
 
 
-PASSTHROUGH_HELP = """engine pass-through (not listed above: any option, by prefix):
-  --sglang-<option> [VALUE]    into the `sglang` table of every actor that has one
-                               (SGLang launch_server options, e.g. --sglang-mem-fraction-static 0.8)
-  --router-<option> [VALUE]    into the `router` table (sglang-router options)
-  --megatron-<option> [VALUE]  into the `megatron` table (megatron-core options of the trainer)
-  VALUE is read as TOML like --set's; no VALUE means true; a repeated option makes a list.
-"""
-
-
 def resume_overrides(run_dir: Path, given: list[str]) -> list[str]:
     """The `--set` options of a resumed run: the ones recorded in its config.json, when none
     or the same are given; ConfigError for a different set."""
@@ -362,7 +353,7 @@ def resume_overrides(run_dir: Path, given: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__,
-                                     epilog=PASSTHROUGH_HELP,
+                                     epilog=passthrough.HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hosts", help="path of the cluster's hosts.toml")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")

@@ -27,6 +27,13 @@ import typing
 from typing import Any
 
 PREFIXES = ("sglang", "router", "megatron")  # command-line prefix == config field name
+HELP = """engine pass-through (not listed above: any option, by prefix):
+  --sglang-<option> [VALUE]    into the `sglang` table of every actor that has one
+                               (SGLang launch_server options, e.g. --sglang-mem-fraction-static 0.8)
+  --router-<option> [VALUE]    into the `router` table (sglang-router options)
+  --megatron-<option> [VALUE]  into the `megatron` table (megatron-core options of the trainer)
+  VALUE is read as TOML like --set's; no VALUE means true; a repeated option makes a list.
+"""  # the launcher's --help epilog
 
 
 def parse_value(text: str) -> Any:

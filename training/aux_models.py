@@ -178,7 +178,7 @@ class AuxModel:
         due = self._optimizer.steps_taken() // self.update_interval
         if due <= self.synced_updates:
             return False
-        hf = getattr(self._policy, "hf_state_dict", None)  # megatron: HF names, converted
+        hf = getattr(self._policy, "hf_state_dict", None)  # a sharded backend: HF names, converted
         if hf is None:
             self.store.backup(self.tag, self._policy)
         else:

@@ -17,7 +17,7 @@ read again from there. Built-in tiny models, checkpoints without safetensors and
 whose tensor names transformers converts on load (fused experts, say) are built in memory as
 before, without a source (the last with a warning).
 
-Sharded over tensor-parallel ranks (`shard`, the megatron trainer at tp > 1: every tensor rank
+Sharded over tensor-parallel ranks (`shard`, a tensor-parallel trainer at tp > 1: every tensor rank
 of a replica runs the same micro-batches): each rank keeps 1/tp of every linear layer of the
 teacher (its block of output rows: the q/k/v/o and MLP projections, an untied output head),
 read straight from the checkpoint (one contiguous byte range per tensor: the set's source is
