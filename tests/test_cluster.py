@@ -407,7 +407,8 @@ async def test_stop_all_stops_dependents_first_and_independent_actors_together()
     sup = Supervisor.__new__(Supervisor)
     sup.order = list(after)
     sup.actors = {n: n for n in after}
-    sup.cfg = SimpleNamespace(actors={n: SimpleNamespace(after=a) for n, a in after.items()})
+    sup.entries = {n: SimpleNamespace(after=a) for n, a in after.items()}
+    sup.group_of = {}  # no trainer ranks here
     events: list[tuple[str, str]] = []
     running: set[str] = set()
     most = 0
