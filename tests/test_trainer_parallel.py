@@ -60,7 +60,6 @@ def _drive(tmp: Path) -> dict:
 
     from bench.train_parallel import Trainer, at_layout, base_config, make_batch
     from models.load import load_tokenizer
-    from training.ranks import save_checkpoint, save_weights
 
     model = "examples/base-tiny"
     vocab = len(load_tokenizer(model))
@@ -76,8 +75,8 @@ def _drive(tmp: Path) -> dict:
             out = {"stats": stats, "weights": many.weights(),
                    "digests": many.ranks.all_digests(many.state.model)}
             if name != "dp2":  # the checkpoints every rank writes, resumed at one rank below
-                save_checkpoint(many.state, tmp / name / "checkpoints" / "step_000001",
-                                many.ranks)
+                many.ranks.save_checkpoint(many.state,
+                                           tmp / name / "checkpoints" / "step_000001")
             if name in ("tp2", "pp2"):  # a streamed push's read, whole and left early
                 out["stream"] = _read_streamed(many)
             if name == "dp2do":  # this replica's range of the optimizer state
@@ -86,13 +85,13 @@ def _drive(tmp: Path) -> dict:
                                     "moments": [v.numel() for v in opt.state[opt.master[0]]
                                                 .values() if v.dim()]}
             if name == "tp2":  # the HF export a disk push writes, gathered from both shards
-                save_weights(many.state, tmp / "push", many.ranks)
+                many.ranks.save_weights(many.state, tmp / "push")
                 out["pushed"] = load_file(tmp / "push" / "model.safetensors")
                 # an export that cannot be written (its directory is a file): the error, and
                 # the ranks finish the gather, so the next command still works
                 (tmp / "bad.tmp").write_text("not a directory")
                 try:
-                    save_weights(many.state, tmp / "bad", many.ranks)
+                    many.ranks.save_weights(many.state, tmp / "bad")
                     out["bad_export"] = ""
                 except OSError as e:
                     out["bad_export"] = type(e).__name__
