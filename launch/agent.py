@@ -59,6 +59,8 @@ from typing import Any, Callable, Union
 import msgspec
 import psutil
 
+from transport.errors import RlxError
+
 ROOT = Path(__file__).resolve().parent.parent  # the project's folder
 PACKAGE = "rlx"
 # the project's top-level packages (pyproject.toml), and its tests (actors of the test suite)
@@ -241,7 +243,7 @@ AnyMsg = Union[AgentHello, Init, Start, Started, StartFailed, Signal, PickPort, 
                Exited, Log, Beat, Bye]
 
 
-class ChannelClosed(Exception):
+class ChannelClosed(RlxError):
     """The other end of the channel is gone (end of stream) or sent a broken frame."""
 
 
@@ -552,7 +554,7 @@ class Agent:
 LOST_CODE = 255  # the exit code recorded for an actor whose host was lost
 
 
-class AgentError(Exception):
+class AgentError(RlxError):
     """An agent could not be started, or its host's environment differs from the launcher's."""
 
 

@@ -534,9 +534,7 @@ def _place_ranks(config: dict[str, Any], host: str, hosts: dict[str, HostConfig]
                 fail(where, "hosts", f"host {n!r} has the loopback address "
                      f"{hosts[n].address!r}, but ranks on {', '.join(names)} reach each other "
                      f"at their hosts' addresses: give it an address the others reach")
-    parallel["placement"] = [{"name": n, "address": hosts[n].address, "exec": hosts[n].exec,
-                              "python": hosts[n].python, "workdir": hosts[n].workdir,
-                              "shell": hosts[n].shell} for n in names]
+    parallel["placement"] = [{"name": n, "address": hosts[n].address} for n in names]
 
 
 # ----------------------------------------------------------------------------- hosts
@@ -578,14 +576,13 @@ def rank_entries(cfg: ClusterConfig) -> dict[str, ActorEntry]:
     out: dict[str, ActorEntry] = {}
     for name, entry in cfg.actors.items():
         cls = import_actor(entry.cls, f"table [actors.{name}], field `cls`")
-        rank_cls = getattr(cls, "rank_cls", "")
-        if not rank_cls:
+        if not cls.rank_cls:
             continue
         hosts = cls.ranks(actor_config(cls, entry.config, f"table [actors.{name}.config]"))
         by_name = {h.name: h for h in cfg.hosts}
         for r, host in enumerate(hosts, start=1):
             out[f"{name}.rank{r}"] = ActorEntry(
-                cls=rank_cls, host=host or entry.host, env=dict(entry.env),
+                cls=cls.rank_cls, host=host or entry.host, env=dict(entry.env),
                 config={"trainer": name, "rank": r, "world_size": len(hosts) + 1,
                         "config": entry.config,
                         "address": by_name[host].address if host else ""},

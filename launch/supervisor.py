@@ -65,7 +65,9 @@ from launch.config import (
 )
 from launch.files import write_json
 from runtime.actor import ActorContext
+from runtime.loading import import_actor
 from runtime.procs import log_tail, terminate, wait_exit
+from transport.errors import RlxError
 from transport.metrics import MetricsProxy
 from transport.rpc import DeadlineExceeded, RemoteError, RpcClient, RpcServer
 from transport.schema import (
@@ -78,7 +80,6 @@ from transport.schema import (
     Shutdown,
     Stopped,
 )
-from training.ranks import STORE_ENV
 from transport.sockets import SocketFactory, free_port
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class ActorProcess:
         return self.proc is not None and self.proc.returncode is None
 
 
-class RunFailed(Exception):
+class RunFailed(RlxError):
     """The run cannot continue; the message names the actor and its error."""
 
 
@@ -216,7 +217,7 @@ class Supervisor:
             heartbeat_interval_s=run.heartbeat_interval_s,
             start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
             run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s,
-            request_retry_s=run.request_retry_s, run_token=self.run_token)
+            request_retry_s=run.request_retry_s, run_token=self.run_token, facts=self.cfg.facts)
         spec_path = self.run_dir / "specs" / f"{name}.json"  # 0600: it holds the run token
         write_spec(spec_path, {"cls": entry.cls, "config": entry.config,
                                "context": msgspec.to_builtins(ctx)})
@@ -405,12 +406,16 @@ class Supervisor:
         return f"{address}:{port}"
 
     def give_store(self, ap: ActorProcess, store: str) -> None:
-        """The group's store to a member: the trainer in its environment, a rank in its spec."""
-        if self.group_of[ap.name] == ap.name:
-            ap.env = {STORE_ENV: store}
-            return
+        """The group's store in a member's spec: the leader's at its class's `store_path`, a
+        rank's at `store`."""
+        leader = self.group_of[ap.name] == ap.name
+        path = import_actor(ap.entry.cls).store_path if leader else "store"
         spec = json.loads(ap.spec_path.read_text())
-        spec["config"]["store"] = store
+        *tables, key = path.split(".")
+        node = spec["config"]
+        for t in tables:
+            node = node.setdefault(t, {})
+        node[key] = store
         write_spec(ap.spec_path, spec)
 
     async def start_group(self, aps: list[ActorProcess]) -> None:

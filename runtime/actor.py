@@ -106,7 +106,7 @@ class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ActorView(msgspec.Struct, frozen=True):
-    """One actor of a run as the launcher sees it before anything starts (for check_peers)."""
+    """One actor of a run as the launcher sees it before anything starts (launch/plan.py)."""
 
     cls: type  # the Actor subclass
     config: Any  # its decoded Config
@@ -115,28 +115,17 @@ class ActorView(msgspec.Struct, frozen=True):
     after: list[str] = []  # actors it starts after: its peers
 
 
-def check_named_peers(name: str, actors: dict[str, ActorView], peers: dict[str, str]) -> None:
-    """For `check_peers`: ValueError for a peer named in `name`'s config (field -> actor name,
-    "" = none) that is not an actor of the run, or is missing from its `after` list."""
-    for field, peer in peers.items():
-        if not peer:
-            continue
-        if peer not in actors:
-            raise ValueError(f"`{field}` = {peer!r} is not an actor of this run (actors are "
-                             f"{sorted(actors)}): name one of them, or add an [actors.{peer}] "
-                             f"table")
-        if peer not in actors[name].after:
-            raise ValueError(f"`{field}` = {peer!r}, but {peer!r} is missing from the `after` "
-                             f"list of [actors.{name}]: add it there (after = [..., {peer!r}]), "
-                             f"so that {name} starts after it and can reach it")
-
-
 class Actor:
     Config: type[msgspec.Struct] = EmptyConfig
     role = "actor"
     # config fields (dotted paths) that hold a fact of the run (runtime/facts.py), by fact name:
     # left out of this actor's table, the launcher fills them from the actor deciding the fact
     fact_fields: dict[str, str] = {}
+    # an actor with ranks (the trainer): the class of its rank processes ("" = none), which the
+    # launcher starts with it as one restart group, and the dotted config path that gets the
+    # group's store address (host:port) at each start
+    rank_cls = ""
+    store_path = ""
 
     def __init__(self, ctx: ActorContext, config: Any = None):
         self.ctx = ctx
@@ -171,7 +160,7 @@ class Actor:
     @classmethod
     def gpus(cls, config: Any, env: dict[str, str], host: str) -> list[str]:
         """The physical GPUs this actor computes on (runtime/devices.py ids) when started
-        with `env` on `host`; [] for CPU-only actors. Used by peers' `check_peers`."""
+        with `env` on `host`; [] for CPU-only actors (launch/plan.py checks placements)."""
         return []
 
     @classmethod
@@ -182,16 +171,15 @@ class Actor:
         return []
 
     @classmethod
+    def ranks(cls, config: Any) -> list[str]:
+        """With `rank_cls`: the [[hosts]] name of each of its ranks 1..N-1 ("" = its own)."""
+        return []
+
+    @classmethod
     def peers(cls, config: Any) -> dict[str, str]:
         """The peers `config` names, by field (`"workers[0]"` -> `"worker0"`; "" = none): the
         launcher checks each is an actor this one starts after (launch/plan.py)."""
         return {}
-
-    @classmethod
-    def check_peers(cls, name: str, config: Any, actors: dict[str, ActorView]) -> None:
-        """Checks across actors (placement, matching settings); raise ValueError naming both
-        places and what to change. Called at load after every actor's `check_config`, with
-        every actor of the run (this one included) by name."""
 
     async def on_start(self) -> None:
         """Open resources and connect to peers; raising fails the start."""

@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 
 from runtime.actor import Actor
-from training.ranks import STORE_ENV
 
 
 class LeaderConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -20,6 +19,7 @@ class LeaderConfig(msgspec.Struct, forbid_unknown_fields=True):
     # "start": rank 1 exits (code 3) before READY on every start; "once": rank 1 exits (code 5)
     # after READY on the first start only
     fail: str = ""
+    store: str = ""  # the group's store (the launcher writes it at each start)
 
 
 def record(run_dir: str, line: str) -> None:
@@ -30,13 +30,14 @@ def record(run_dir: str, line: str) -> None:
 class Leader(Actor):
     Config = LeaderConfig
     rank_cls = "tests.rank_group_actors:Member"
+    store_path = "store"
 
     @classmethod
     def ranks(cls, config: LeaderConfig) -> list[str]:
         return [""] * (config.ranks - 1)
 
     async def on_start(self) -> None:
-        record(self.ctx.run_dir, f"leader {os.environ[STORE_ENV]}")
+        record(self.ctx.run_dir, f"leader {self.config.store}")
 
     async def run(self) -> None:
         starts = (Path(self.ctx.run_dir) / "starts.txt").read_text().splitlines()

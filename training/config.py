@@ -155,21 +155,17 @@ class CheckpointConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class RankHost(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Where and how the trainer starts the ranks of one host of `parallel.hosts` (the
-    launcher copies it from that [[hosts]] entry: launch/config.py HostConfig)."""
+    """One host of `parallel.hosts` as the ranks see it (the launcher copies it from that
+    [[hosts]] entry: launch/config.py HostConfig, and starts the ranks there)."""
 
     name: str
     address: str = "127.0.0.1"  # where the other ranks reach this host (rank 0's store, gloo)
-    exec: list[str] = []  # command prefix that runs a command there ([] = this machine)
-    python: str = ""  # interpreter there ("" = the trainer's own)
-    workdir: str = ""  # the project's folder there ("" = the trainer's working directory)
-    shell: bool | None = None  # exec hands its command to a shell (None: true for ssh)
 
 
 class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """The trainer's ranks (training/ranks.py): the actor is global rank 0 and starts the other
-    tp * pp * dp - 1 as processes on its host, joined in one torch.distributed group (NCCL on
-    CUDA, gloo on CPU). tp / pp are the tensor / pipeline sizes (the model-parallel backend
+    """The trainer's ranks (training/ranks.py): the actor is global rank 0; the launcher starts
+    the other tp * pp * dp - 1 with it as processes of the run (actors/trainer_rank.py, one
+    restart group), joined in one torch.distributed group (NCCL on CUDA, gloo on CPU). tp / pp are the tensor / pipeline sizes (the model-parallel backend
     only); dp replicas each take their share of the step's micro-batches. Rank r runs on
     `devices[r]`, or the r-th CUDA device counted from `device`. Colocated teachers: every rank
     holds its own (own slots, arena, NVMe dir <dir>-rank<r>); with tp > 1, its rows
@@ -185,6 +181,9 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank), seconds
     # the rank processes must have started and loaded their state within this, seconds
     start_timeout_s: float = 3600.0
+    # rank 0's TCP store, host:port: written by the launcher at each start of the group (leave
+    # it out)
+    store: str = ""
     # backend "torch" with dp > 1: "none" = every rank holds the whole model (gradients summed
     # by all-reduce, DDP's math); "fsdp2" = parameters, gradients and optimizer state sharded
     # over the dp ranks (torch's fully_shard, per decoder layer; training/fsdp.py)
