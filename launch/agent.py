@@ -702,41 +702,38 @@ class AgentLink:
     async def start(self, actor: str, spec: bytes, env: dict[str, str], log_path: Path,
                     timeout_s: float = 60.0) -> RemoteProcess:
         """Start one actor process there; its output is appended to `log_path`."""
-        if not self.alive or self.chan is None:
-            raise AgentError(f"host {self.host}: its agent is gone ({self.lost or 'exited'})")
-        self._seq += 1
-        seq = self._seq
+        seq = self._next_seq()
         self._open_log(actor, log_path)
-        fut = asyncio.get_running_loop().create_future()
-        self._starting[(actor, seq)] = fut
-        try:
-            await self.chan.send(Start(actor=actor, seq=seq, spec=spec, env=env))
-            pid = await asyncio.wait_for(fut, timeout_s)
-        except ChannelClosed as e:
-            raise AgentError(f"host {self.host}: cannot reach its agent ({e})") from None
-        except TimeoutError:
-            raise AgentError(f"host {self.host}: its agent did not start {actor} within "
-                             f"{timeout_s:g} s") from None
-        finally:
-            self._starting.pop((actor, seq), None)
+        pid = await self._ask((actor, seq), Start(actor=actor, seq=seq, spec=spec, env=env),
+                              timeout_s, f"did not start {actor}")
         proc = self._procs[actor] = RemoteProcess(self, actor, seq, pid)
         return proc
 
     async def pick_port(self, address: str, timeout_s: float = 30.0) -> int:
         """A port free now on `address` of this host (its agent asks the kernel there)."""
+        seq = self._next_seq()
+        return await self._ask(("", seq), PickPort(seq=seq, address=address), timeout_s,
+                               "picked no port")  # no actor: a port's answer
+
+    def _next_seq(self) -> int:
+        """The next request number; AgentError when the agent is gone."""
         if not self.alive or self.chan is None:
             raise AgentError(f"host {self.host}: its agent is gone ({self.lost or 'exited'})")
         self._seq += 1
-        key = ("", self._seq)  # no actor: a port's answer
+        return self._seq
+
+    async def _ask(self, key: tuple[str, int], msg: Any, timeout_s: float, late: str) -> Any:
+        """Send `msg` and wait for the answer filed under `key`: AgentError when the channel
+        breaks or nothing comes within `timeout_s` (`late`: what the agent then did not do)."""
         fut = self._starting[key] = asyncio.get_running_loop().create_future()
         try:
-            await self.chan.send(PickPort(seq=self._seq, address=address))
+            await self.chan.send(msg)
             return await asyncio.wait_for(fut, timeout_s)
         except ChannelClosed as e:
             raise AgentError(f"host {self.host}: cannot reach its agent ({e})") from None
         except TimeoutError:
-            raise AgentError(f"host {self.host}: its agent picked no port within "
-                             f"{timeout_s:g} s") from None
+            raise AgentError(f"host {self.host}: its agent {late} within {timeout_s:g} s") \
+                from None
         finally:
             self._starting.pop(key, None)
 
