@@ -5,12 +5,12 @@ Role: `python -m runtime.child SPEC.json` with this class. Its config carries th
 own table, its rank, the group's size, its host's address and rank 0's TCP store (host:port,
 chosen by the launcher at each start of the group). On start it reaches the store, loads its
 state as rank 0 does (training/setup.py) and joins rank 0's group (training/ranks.py
-`join_group`; megatron: joins first, its model is built on the groups); READY then means it is
-in the group. Its run is rank 0's commands (step, sleep, wake, digest, hf, save, stop) in a
-thread of its own, while the actor's loop keeps sending heartbeats; rank 0's stop command
-completes it. Its process leaves with os._exit (`exit_hard`): a gloo thread still being torn
-down by C++ static destructors aborts a clean exit now and then, and a collective a stop
-interrupted cannot be joined.
+`join_group`; with a model-parallel backend it joins first, its model is built on the groups);
+READY then means it is in the group. Its run is rank 0's commands (step, sleep, wake, digest,
+hf, save, stop) in a thread of its own, while the actor's loop keeps sending heartbeats; rank
+0's stop command completes it. Its process leaves with os._exit (`exit_hard`): a gloo thread
+still being torn down by C++ static destructors aborts a clean exit now and then, and a
+collective a stop interrupted cannot be joined.
 The launcher names these processes `<trainer>.rank<r>` (logs/<trainer>.rank<r>.log).
 """
 

@@ -1,7 +1,8 @@
 """Host memory of a weight push from a sharded trainer: whole-model gather vs streamed buckets.
 
 Role: this process plays the trainer actor (global rank 0) of a megatron trainer at TP=2 (or
-PP=2, `--layout`), its other rank a process it starts (training.ranks.RankGroup). For one weight
+PP=2, `--layout`), its other rank a process it starts (bench.train_parallel.Trainer:
+actors.trainer_rank.start_standalone, driven through training.ranks.RankGroup). For one weight
 version it measures rank 0's peak resident memory above what it held before, for:
 - `gather`: the whole model gathered to rank 0 first (`RankGroup.named_weights`: a list of every
   HF tensor, what a push held before pushes streamed), then taken bucket by bucket;
@@ -10,7 +11,7 @@ version it measures rank 0's peak resident memory above what it held before, for
   bucket let go before the next (what the distributed path holds: it broadcasts the tensors);
 - `tensor`: the same with each bucket serialized as `TensorSync` does for the tensor path
   (safetensors bytes, then base64: several copies of one bucket; no worker to send to);
-- `disk`: the disk path's HF export (`training.ranks.save_weights`), shards of one bucket.
+- `disk`: the disk path's HF export (`RankGroup.save_weights`), shards of one bucket.
 Peak RSS from the kernel (`VmHWM` of /proc/self/status, reset through /proc/self/clear_refs
 before each, after `malloc_trim`), so it counts what the process really touched; each case runs
 `--repeat` times, alternating, and the median with its range is printed. On CPU the ranks run
@@ -39,7 +40,6 @@ import msgspec
 
 from bench.train_parallel import LAYOUTS, Trainer, at_layout, base_config, use_cpu_shim
 from engine.weight_sync import MAX_SAFETENSORS_BUCKET_BYTES, TensorSync, WeightStream, buckets
-from training.ranks import save_weights
 
 
 def peak_reset() -> None:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     del part, payload
 
         def disk() -> None:
-            save_weights(state, Path(tmp) / "export", ranks, bucket)
+            ranks.save_weights(state, Path(tmp) / "export", bucket)
 
         cases = {"gather": gather, "stream": lambda: asyncio.run(push(False)),
                  "tensor": lambda: asyncio.run(push(True)), "disk": disk}

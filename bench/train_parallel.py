@@ -1,7 +1,8 @@
 """The megatron trainer's ranks (training/ranks.py) at TP=2, DP=2 and PP=2 against one rank.
 
 Role: this process plays the trainer actor (global rank 0): for each layout it starts the other
-rank as a process through `training.ranks.RankGroup`, takes one optimizer step on the same
+ranks as processes (`actors.trainer_rank.start_standalone`, the launcher's recipe without its
+supervisor) and drives them through `training.ranks.RankGroup`, takes one optimizer step on the same
 synthetic batch from the same initial weights (the trainer's AdamW, its GRPO loss, micro-batches
 from the DP schedule; PP through megatron's 1F1B schedule), gathers the HF weights to rank 0 as
 a weight push does, and compares them with the step of one rank (TP = PP = DP = 1).
@@ -33,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from actors.trainer import TrainerConfig
+from actors.trainer_rank import start_standalone
 from models.load import load_tokenizer
 from training.config import MicroBatchConfig, OptimizerConfig, ParallelConfig
 from training.ranks import load_trainer
 from training.state import TrainState
-from training.step import train_on_batch
 from transport.schema import Sample
+from transport.sockets import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = ROOT / "tests" / "megatron_shim"  # sitecustomize arming the CPU stand-ins
@@ -89,39 +91,56 @@ def at_layout(cfg: TrainerConfig, tp: int = 1, pp: int = 1, dp: int = 1, shard: 
     return msgspec.structs.replace(cfg, parallel=parallel)
 
 
-def release() -> None:
-    """Tear down the one-rank group and megatron's state (the next layout builds its own)."""
-    from backends.megatron.model import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+def release(state: TrainState) -> None:
+    """Tear down the one-rank group and the backend's model-parallel state (the next layout
+    builds its own)."""
+    state.backend.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def hf_weights(state: TrainState, ranks: Any) -> dict[str, torch.Tensor]:
     """The HF weights a push would send, gathered to this rank (float32 copies)."""
-    named = ranks.named_weights(state) if ranks is not None else state.named_weights()
-    return {k: v.detach().float().cpu().clone() for k, v in named}
+    return {k: v.detach().float().cpu().clone() for k, v in ranks.named_weights(state)}
+
+
+def end(procs: list, timeout_s: float = 60) -> None:
+    """Wait for rank processes told to stop; kill those still running after `timeout_s`."""
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except Exception:  # noqa: BLE001 - a rank stuck in its exit: ended here
+            p.kill()
+            p.wait()
 
 
 class Trainer:
-    """The trainer's state and ranks at one layout, as the actor holds them (a context)."""
+    """The trainer's state and ranks at one layout, as the actor holds them (a context): rank 0
+    here, ranks 1..N-1 as processes (logs in `<run_dir>/logs`)."""
 
     def __init__(self, cfg: TrainerConfig, run_dir: Path, resume: bool = False):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self.state, self.ranks = load_trainer(cfg, str(run_dir), resume, run_dir / "logs")
+        self.procs: list = []
+        store = ""
+        if cfg.parallel.world_size > 1:
+            store = f"127.0.0.1:{free_port('127.0.0.1')}"
+            self.procs = start_standalone(cfg, str(run_dir), resume, run_dir / "logs", store)
+        try:
+            self.ranks = load_trainer(cfg, str(run_dir), resume, store)
+        except BaseException:
+            for p in self.procs:
+                p.kill()
+                p.wait()
+            raise
+        self.state = self.ranks.state
 
     def step(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
         """One optimizer step on every rank: (rank 0's statistics, seconds)."""
         sync = torch.cuda.synchronize if self.cfg.device.startswith("cuda") else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        if self.ranks is not None:
-            stats = self.ranks.train(self.state, samples, self.cfg)
-        else:
-            stats = train_on_batch(self.state, samples, self.cfg)
+        stats = self.ranks.train(self.state, samples, self.cfg)
         sync()
         self.state.step += 1
         self.state.version += 1
@@ -134,10 +153,11 @@ class Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.ranks is not None:
-            self.ranks.stop()
+        self.ranks.stop()
+        if self.procs:
+            end(self.procs)
         else:
-            release()
+            release(self.state)
 
 
 def max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

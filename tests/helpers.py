@@ -50,7 +50,8 @@ def two_gloo_ranks(module: str, tmp_path: Path, timeout_s: float = 120) -> list[
     port = free_port("127.0.0.1")
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     # os._exit: no C++ static destructors after the group is gone (a gloo thread met there
-    # aborts a finished process now and then, as actors/trainer_rank.py says)
+    # aborts a finished process now and then; runtime/child.py leaves the same way for actors
+    # with `exit_hard`, the trainer's ranks)
     code = (f"import os, sys; from {module} import worker; "
             "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]); "
             "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")

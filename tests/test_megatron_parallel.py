@@ -169,9 +169,9 @@ PIPELINE_CASES = {
 }
 
 
-def _case_setup(name: str, model):
-    """(state, cfg, samples) of PIPELINE_CASES[name] around `model` (a stage or the whole hf
-    model): a reference with other weights than the policy (else every KL is 0), a fresh
+def _case_setup(name: str, model, backend: str = "megatron"):
+    """(state, cfg, samples) of PIPELINE_CASES[name] around `model` (a megatron stage, or the
+    whole hf model with backend "torch"): a reference with other weights than the policy (else every KL is 0), a fresh
     critic, teacher top-k replies on the samples for OPD, SGD (lr 1) behind master weights."""
     import msgspec
 
@@ -199,7 +199,7 @@ def _case_setup(name: str, model):
             s.teacher_topk_logprobs = top.values.numpy().astype("float32")
     # through fp32 master weights (in fp32 they change nothing numerically)
     opt = MasterWeightOptimizer(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
-    return TrainState(model, tok, opt, ref, critic, get_backend("megatron")), cfg, samples
+    return TrainState(model, tok, opt, ref, critic, get_backend(backend)), cfg, samples
 
 
 def pipeline_ranks(rank: int, tmp: Path) -> dict:
@@ -274,7 +274,7 @@ def test_pipeline_step_with_a_reference_and_a_critic_equals_one_stage(reports, n
 
     got = reports["pp"]["cases"][name]
     hf = hf_model_fresh()
-    state, cfg, samples = _case_setup(name, hf)
+    state, cfg, samples = _case_setup(name, hf, "torch")
     want = train_on_batch(state, samples, cfg)
     assert set(got["stats"]) == set(want)
     keys = ["train/loss", "train/grad_norm", "train/entropy", "train/policy_kl"]

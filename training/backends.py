@@ -12,7 +12,10 @@ A backend answers:
   the model is built on the model-parallel groups), `init_model_parallel(cfg)` right after
   `init_process_group` (returns the data-parallel group, None = the world), `position()` (which
   shard this rank holds), `shards_model` (rank 0 gathers to push and export; every rank writes
-  its part of a checkpoint), `close()`;
+  its part of a checkpoint), `shard(state, dtype, lr, weight_decay)` (parallel.shard = "fsdp2":
+  the loaded policy sharded over the data-parallel ranks after their weight check; the config
+  allows it with the torch backend only), `close()` (its model-parallel groups, before the
+  process group goes);
 - building the state (training/setup.py): `load_policy(cfg, dtype)`, `grad_clip(model)` (the
   global norm of a sharded model, for the optimizer), `optimizer_groups()` (the distributed
   optimizer's groups), `transformers_policy(model)` (the policy as a transformers model the
@@ -52,6 +55,8 @@ class TrainingBackend(Protocol):
     def init_model_parallel(self, cfg: TrainConfig) -> Any: ...
 
     def position(self) -> tuple[int, int]: ...
+
+    def shard(self, state: Any, dtype: torch.dtype, lr: float, weight_decay: float) -> None: ...
 
     def close(self) -> None: ...
 

@@ -55,6 +55,8 @@ class DistributedOptimizer(TrainOptimizer):
     """AdamW over this replica's range of the flattened parameters (see the module docstring),
     a training.master_weights.TrainOptimizer."""
 
+    holds_ranges = True  # a checkpoint reads and loads it through the per-parameter views
+
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any, lr: float,
                  weight_decay: float = 0.0, counted: Callable[[torch.Tensor], bool] | None = None,
                  norm_group: Any = None):
@@ -205,7 +207,8 @@ class DistributedOptimizer(TrainOptimizer):
         inner = types.SimpleNamespace(state={
             owner: {**{k: per_key[k][i] for k in per_key}, **scalars}
             for i, owner in enumerate(owners)} if state else {})
-        return types.SimpleNamespace(optimizer=inner, params=self.params, master=owners)
+        return types.SimpleNamespace(optimizer=inner, params=self.params, master=owners,
+                                     has_masters=self.masters)
 
     def empty_view(self) -> types.SimpleNamespace:
         """A view to load a checkpoint into (fresh per-parameter main weights); `load_view`
@@ -213,7 +216,8 @@ class DistributedOptimizer(TrainOptimizer):
         owners = ([torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                    for p in self.params] if self.masters else self.params)
         inner = types.SimpleNamespace(state={o: {} for o in owners})
-        return types.SimpleNamespace(optimizer=inner, params=self.params, master=owners)
+        return types.SimpleNamespace(optimizer=inner, params=self.params, master=owners,
+                                     has_masters=self.masters)
 
     def load_view(self, view: types.SimpleNamespace) -> None:
         """My ranges of a loaded view (its main weights and AdamW state)."""

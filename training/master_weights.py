@@ -36,7 +36,14 @@ class TrainOptimizer:
       and clipped by the caller (returns nan: no norm taken);
     - `zero_grad`, `state_dict` / `load_state_dict` (checkpoints), `state`, `param_groups`;
     - `tensors()`: every tensor it holds (what sleep parks), `to(device)`;
-    - `has_masters`: its state holds fp32 master weights (a checkpoint records them).
+    - `has_masters`: its state holds fp32 master weights (a checkpoint records them);
+    - `holds_ranges`: its state covers ranges of the flattened parameters, not whole parameters
+      (the distributed optimizer). A checkpoint that stores state per parameter (a backend's,
+      which cannot import this layer) reads it through `full_view()`, loads into `empty_view()`
+      and hands that back with `load_view(view)`; a view has `optimizer` (with `state` keyed by
+      each parameter's master, or by the parameter without masters), `params`, `master` (the
+      parameters themselves without masters) and `has_masters`. Otherwise `optimizer.state` is
+      keyed by `master` (`has_masters`) or by `params`.
     A variant sets `params` (the model's trained parameters) and `optimizer` (the torch optimizer
     it steps) and overrides `reduce_and_clip` and `apply`; `clip` is the backend's global norm
     of a sharded model (training/state.py sets it when the variant was made without)."""
@@ -44,6 +51,7 @@ class TrainOptimizer:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     has_masters = False
+    holds_ranges = False
     clip: ClipFn | None = None  # the global norm of a sharded model (None: torch's clip here)
 
     @property

@@ -6,18 +6,21 @@ restart group with the trainer actor. All N join one torch.distributed group thr
 TCP store, at the address and port the launcher chose (never a path, so a rank need not share
 rank 0's filesystem): NCCL when the trainer's device is CUDA (rank r on `parallel.devices[r]`,
 or the r-th device counted from the trainer's), gloo on CPU, plus a gloo group that carries
-rank 0's commands. With the megatron backend every rank then builds megatron-core's parallel
-state (tp x pp x dp groups, megatron's rank order) and loads its own TP/PP shard; the torch
-backend is data-parallel only, each rank holding the whole model. Every step rank 0 broadcasts
-the batch and every rank runs `training.step.train_on_batch` with
-`training.data_parallel.DataParallel` over the data-parallel group: the DP schedule gives each
-replica its micro-batches, gradients are summed over that group only, megatron's pipeline
-schedule runs the passes when pp > 1 (`backends.megatron.pipeline.PipelineRunner`), every
-replica takes the same optimizer step. Only global rank 0 pushes weights and writes the HF
-export; with megatron the tensors come to it piece by piece from the other shards (`hf`
-commands, backends/megatron/parallel.py) and every rank writes its shards of a checkpoint
-(`save`; it reloads at another layout). One rank (N = 1) is `SingleRank`: the same methods,
-acting on the local state.
+rank 0's commands. Everything backend-specific goes through the training backend
+(training/backends.py `TrainingBackend`): a model-parallel backend (`joins_group_first`) has
+every rank join the group first, build its model-parallel groups (`init_model_parallel`: tp x
+pp x dp) and load its own TP/PP shard; the torch backend is data-parallel only, each rank
+holding the whole model (or, with parallel.shard = "fsdp2", its FSDP shards after the weight
+check). Every step rank 0 broadcasts the batch and every rank runs
+`training.step.train_on_batch` with `training.data_parallel.DataParallel` over the
+data-parallel group and the backend's model runner (`model_runner`: its pipeline schedule when
+pp > 1): the DP schedule gives each replica its micro-batches, gradients are summed over that
+group only, every replica takes the same optimizer step. Only global rank 0 pushes weights and
+writes the HF export; with a sharded model (`shards_model`, or fsdp2) the tensors come to it
+piece by piece from the other shards (`hf` commands) and every rank takes part in a checkpoint
+(`save`: the backend's own format, `save_checkpoint`, each rank writing its shards, which
+reloads at another layout; else the one-process checkpoint rank 0 writes from the gathers).
+One rank (N = 1) is `SingleRank`: the same methods, acting on the local state.
 
 This module holds the collective protocol only: rank 0's side (`RankGroup`), the other ranks'
 side (`join_group`, `serve_commands`), the commands and their digests. It starts no process:
@@ -26,9 +29,9 @@ the launcher's supervisor starts, watches, restarts and stops every rank
 
 Invariants: every rank loads its state as rank 0 does (training/setup.py); right after loading,
 ranks holding the same shard (all of them with the torch backend, the data-parallel replicas of
-one TP/PP position with megatron) compare a float64 digest of their weights and refuse to start
-if they differ; commands reach every rank in one order, and each command is a collective every
-rank takes part in.
+one TP/PP position with a model-parallel backend) compare a float64 digest of their weights and
+refuse to start if they differ; commands reach every rank in one order, and each command is a
+collective every rank takes part in.
 Faults: a rank process that exits is reported by the launcher with its exit code and log tail,
 and the trainer and its ranks restart together; a collective stuck on a rank that no longer
 answers fails after `parallel.timeout_s`, naming every rank that had not finished the command
@@ -51,10 +54,11 @@ import torch
 import torch.distributed as dist
 
 from memory.safetensors_io import DEFAULT_SHARD_BYTES
+from training.backends import TrainingBackend, backend_for, model_runner
 from training.checkpoints import write_checkpoint
 from training.config import TrainConfig
 from training.data_parallel import DataParallel
-from training.fsdp import full, shard_state
+from training.fsdp import full
 from training.setup import load_train_state
 from training.state import TrainState
 from training.step import train_on_batch
@@ -98,20 +102,16 @@ def weight_digest(model: torch.nn.Module) -> float:
     return float(total)
 
 
-def is_megatron(model: Any) -> bool:
-    return hasattr(model, "load_hf_state_dict")  # backends.megatron.model.MegatronCausalLM
-
-
 class Ranks:
     """What every rank holds: the group, its command channel, the data-parallel reductions,
-    and (megatron) the model-parallel layout."""
+    and the training backend that built its model-parallel groups (the one its state is loaded
+    with: `load_train_state(..., backend=ranks.backend)`)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, store: Any):
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, store: Any,
+                 backend: TrainingBackend):
         self.rank, self.world_size, self.store = rank, world_size, store
-        self.megatron = cfg.backend == "megatron"
+        self.backend = backend
         self.fsdp = cfg.parallel.shard == "fsdp2"
-        self.sharded = self.megatron or self.fsdp  # rank 0 gathers to push and export
-        self.pipeline = cfg.parallel.pp > 1
         self.seq = 0  # commands taken (the same count on every rank)
         cuda = cfg.device.startswith("cuda")
         if cuda:  # this rank's own device ("cuda" alone is the first)
@@ -121,14 +121,13 @@ class Ranks:
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
-        group = None
-        if self.megatron:
-            from backends.megatron.model import initialize_parallel, parallel_state
+        # the backend's model-parallel groups; their data-parallel group (None: the world)
+        self.dp = DataParallel(backend.init_model_parallel(cfg))
 
-            initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed,
-                                cfg.parallel.timeout_s)
-            group = parallel_state.get_data_parallel_group()
-        self.dp = DataParallel(group)
+    @property
+    def sharded(self) -> bool:
+        """Rank 0 gathers to push and export; every rank takes part in a checkpoint."""
+        return self.backend.shards_model or self.fsdp
 
     def broadcast(self, cmd: RankCommand | None) -> RankCommand:
         """Rank 0 sends `cmd`; the others receive it."""
@@ -151,12 +150,7 @@ class Ranks:
     def position(self) -> tuple[int, int]:
         """Which shard this rank holds: (tensor rank, pipeline stage); (0, 0) for the torch
         backend (every rank the whole model)."""
-        if not self.megatron:
-            return (0, 0)
-        from backends.megatron.model import parallel_state
-
-        return (parallel_state.get_tensor_model_parallel_rank(),
-                parallel_state.get_pipeline_model_parallel_rank())
+        return self.backend.position()
 
     def _gather_digests(self, model: torch.nn.Module) -> list[tuple[tuple[int, int], float]]:
         out: list[Any] = [None] * self.world_size
@@ -180,47 +174,36 @@ class Ranks:
 
     def check_and_shard(self, state: TrainState, cfg: TrainConfig) -> None:
         """Right after loading: the weight check, then (fsdp2) the policy sharded over the
-        ranks (training/fsdp.py)."""
+        ranks (the torch backend's `shard`, training/fsdp.py; the config allows fsdp2 with that
+        backend only)."""
         self.check_same_weights(state.model)
         if self.fsdp:
-            shard_state(state, model_dtype(cfg.dtype), cfg.optimizer.lr,
-                        cfg.optimizer.weight_decay)
+            state.backend.shard(state, model_dtype(cfg.dtype), cfg.optimizer.lr,
+                                cfg.optimizer.weight_decay)
 
     def step(self, state: TrainState, samples: list[Sample], cfg: TrainConfig
              ) -> dict[str, float]:
         """This rank's part of one optimizer step (every rank of the job calls it)."""
-        runner = None
-        if self.pipeline:
-            from backends.megatron.pipeline import PipelineRunner
-
-            runner = PipelineRunner(state.model)
-        stats = train_on_batch(state, samples, cfg, self.dp, runner)
+        b = state.backend
+        stats = train_on_batch(state, samples, cfg, self.dp, model_runner(b, cfg, state.model))
         stats["train/dp_size"] = float(self.dp.world_size)
-        if self.megatron:
-            stats["train/tp_size"], stats["train/pp_size"] = (float(cfg.parallel.tp),
-                                                              float(cfg.parallel.pp))
-        return stats
+        return stats | b.step_stats(cfg)
 
     def save_shards(self, state: TrainState, directory: Path) -> None:
-        """Every rank's part of a checkpoint written into `directory`: megatron's ranks write
-        their shards; with fsdp2 every rank takes part in the gathers and rank 0 writes the
-        one-process checkpoint (the torch backend unsharded: rank 0 alone, not here)."""
-        if self.fsdp:
-            if self.rank == 0:
-                state.write_files(directory)
-            else:  # the gathers of write_files, in its order
-                drain(state.iter_named_weights())
-                state.optimizer.state_dict()
+        """Every rank's part of a checkpoint written into `directory`: a backend with its own
+        format has every rank write its shards (`save_checkpoint`); otherwise (fsdp2) every
+        rank takes part in the gathers and rank 0 writes the one-process checkpoint (the torch
+        backend unsharded: rank 0 alone, not here)."""
+        if state.backend.save_checkpoint(state, directory):
             return
-        from backends.megatron.checkpoint import save_trainer_checkpoint
-
-        save_trainer_checkpoint(state, directory)
+        if self.rank == 0:
+            state.write_files(directory)
+        else:  # the gathers of write_files, in its order
+            drain(state.iter_named_weights())
+            state.optimizer.state_dict()
 
     def close(self) -> None:
-        if self.megatron:
-            from backends.megatron.model import parallel_state
-
-            parallel_state.destroy_model_parallel()
+        self.backend.close()  # its model-parallel groups, before the process group
         if dist.is_initialized():
             dist.destroy_process_group()
         self.store = None  # rank 0's store server ends with its last reference
@@ -259,15 +242,16 @@ class RankGroup(Ranks):
         log.info("trainer: rank 0 of tp %d x pp %d x dp %d, store %s:%d", cfg.parallel.tp,
                  cfg.parallel.pp, cfg.parallel.dp, host, tcp.port)
         try:
-            if cfg.backend == "megatron":  # megatron builds its model on the groups: join first
+            backend = backend_for(cfg)
+            if backend.joins_group_first:  # the model is built on the groups: join first
                 self._wait_for(tcp, size, "started", timeout_s)
-                super().__init__(cfg, 0, size, tcp)
-                self.state = load_train_state(cfg, run_dir, resume)
+                super().__init__(cfg, 0, size, tcp, backend)
+                self.state = load_train_state(cfg, run_dir, resume, backend=backend)
                 self._wait_for(tcp, size, "loaded", timeout_s)
             else:  # each rank loads alone (all at once), then they join
-                self.state = load_train_state(cfg, run_dir, resume)
+                self.state = load_train_state(cfg, run_dir, resume, backend=backend)
                 self._wait_for(tcp, size, "loaded", timeout_s)
-                super().__init__(cfg, 0, size, tcp)
+                super().__init__(cfg, 0, size, tcp, backend)
             self.check_and_shard(self.state, cfg)
         except Exception as e:
             if dist.is_initialized():
@@ -377,8 +361,8 @@ class RankGroup(Ranks):
         return self.run(RankCommand("hf"), state.save_weights, path, shard_bytes)
 
     def save_checkpoint(self, state: TrainState, path: Path) -> None:
-        """A checkpoint at `path`, complete or absent (training/checkpoints.py); with megatron
-        every rank writes its shards into it, with fsdp2 every rank gathers."""
+        """A checkpoint at `path`, complete or absent (training/checkpoints.py); a sharded
+        model's ranks all take part (`save_shards`)."""
         if not self.sharded:
             return state.save(path)
         write_checkpoint(path, lambda tmp: self.run(RankCommand("save", path=str(tmp)),
@@ -432,14 +416,14 @@ class SingleRank:
         state.save_weights(path, shard_bytes)
 
     def save_checkpoint(self, state: TrainState, path: Path) -> None:
-        """The trainer's checkpoint at `path` (megatron: its distributed format, at any rank
-        count, so it resumes at another layout)."""
-        if is_megatron(state.model):
-            from backends.megatron.checkpoint import save_trainer_checkpoint
+        """The trainer's checkpoint at `path`, complete or absent: the backend's own format
+        when it has one (resumable at another layout), else the one-process checkpoint."""
 
-            write_checkpoint(path, lambda tmp: save_trainer_checkpoint(state, tmp))
-        else:
-            state.save(path)
+        def write(tmp: Path) -> None:
+            if not state.backend.save_checkpoint(state, tmp):
+                state.write_files(tmp)
+
+        write_checkpoint(path, write)
 
     def stop(self) -> None:
         pass
@@ -466,24 +450,24 @@ def load_trainer(cfg: TrainConfig, run_dir: str, resume: bool, store: str = ""
 def join_group(cfg: TrainConfig, rank: int, world_size: int, store: str, run_dir: str,
                resume: bool, address: str = "") -> tuple[Ranks, TrainState]:
     """Rank r's start: reach rank 0's store at `store` (host:port; retried until
-    parallel.start_timeout_s), load the state as rank 0 does and join its group (megatron:
-    join first, its model is built on the groups), then the weight check. `cfg` is rank r's
-    (`rank_config`); `address` is its host's address in [[hosts]] (ranks on several hosts)."""
+    parallel.start_timeout_s), load the state as rank 0 does and join its group (a backend
+    that `joins_group_first`: join first, its model is built on the groups), then the weight
+    check. `cfg` is rank r's (`rank_config`); `address` is its host's address in [[hosts]]
+    (ranks on several hosts)."""
     host, port = split_store(store)
     tcp = dist.TCPStore(host, port, world_size, is_master=False,
                         timeout=datetime.timedelta(seconds=cfg.parallel.start_timeout_s))
     tcp.set_timeout(datetime.timedelta(seconds=cfg.parallel.timeout_s))
     if address:
         use_interface_of(cfg, address)
+    backend = backend_for(cfg)  # imports the backend's modules (slow) before rank 0 waits
     ranks = None
-    if cfg.backend == "megatron":  # the model is built on megatron's groups: join first
-        import backends.megatron.model  # noqa: F401 - the slow import, before rank 0 waits on us
-
+    if backend.joins_group_first:  # the model is built on the backend's groups: join first
         tcp.set(f"started{rank}", "1")
-        ranks = Ranks(cfg, rank, world_size, tcp)
-    state = load_train_state(cfg, run_dir, resume)
+        ranks = Ranks(cfg, rank, world_size, tcp, backend)
+    state = load_train_state(cfg, run_dir, resume, backend=backend)
     tcp.set(f"loaded{rank}", "1")
-    ranks = ranks or Ranks(cfg, rank, world_size, tcp)
+    ranks = ranks or Ranks(cfg, rank, world_size, tcp, backend)
     try:
         ranks.check_and_shard(state, cfg)
     except BaseException:

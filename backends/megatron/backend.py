@@ -74,6 +74,10 @@ class MegatronBackend:
         return (parallel_state.get_tensor_model_parallel_rank(),
                 parallel_state.get_pipeline_model_parallel_rank())
 
+    def shard(self, state: Any, dtype: torch.dtype, lr: float, weight_decay: float) -> None:
+        raise ValueError("the megatron backend shards the model itself (tp x pp); "
+                         "parallel.shard = 'fsdp2' is the torch backend's")
+
     def close(self) -> None:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()

@@ -68,12 +68,11 @@ def save_hf(model: MegatronCausalLM, directory: str | Path,
 
 def _optimizer_parts(optimizer: Any) -> tuple[Any, list, list]:
     """(the torch optimizer, the model parameters it updates, the tensors it steps: fp32
-    masters (training/master_weights.py) or the parameters themselves); the distributed
-    optimizer through its per-parameter view (`_per_parameter`)."""
-    if hasattr(optimizer, "master"):
-        return optimizer.optimizer, optimizer.params, optimizer.master
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return optimizer, params, params
+    masters or the parameters themselves) of a per-parameter optimizer (the training library's
+    TrainOptimizer protocol, duck-typed: `has_masters`, `optimizer`, `params`, `master`); the
+    distributed optimizer through its per-parameter view (`_per_parameter`)."""
+    return (optimizer.optimizer, optimizer.params,
+            optimizer.master if optimizer.has_masters else optimizer.params)
 
 
 def _sharded_params(model: MegatronCausalLM) -> dict[int, Any]:
@@ -127,14 +126,13 @@ def _optimizer_layout(optimizer: Any) -> dict[str, Any]:
                 raise ValueError(f"optimizer state {key!r} differs between parameters "
                                  f"({scalars[key]} and {number}); it cannot be resharded")
     return {"tensor_keys": sorted(keys), "scalars": scalars,
-            "masters": owners is not params}
+            "masters": bool(optimizer.has_masters)}
 
 
 def _per_parameter(optimizer: Any) -> Any:
-    """The optimizer as the checkpoint sees it: per parameter. The distributed optimizer
-    (training/distributed_optimizer.py) gathers its ranges into that view (collective)."""
-    view = getattr(optimizer, "full_view", None)
-    return view() if view is not None else optimizer
+    """The optimizer as the checkpoint sees it: per parameter. One that `holds_ranges` (the
+    distributed optimizer) gathers its ranges into that view (collective)."""
+    return optimizer.full_view() if optimizer.holds_ranges else optimizer
 
 
 def save_distributed(model: MegatronCausalLM, directory: str | Path,
@@ -172,11 +170,10 @@ def load_distributed(model: MegatronCausalLM, directory: str | Path,
     sharded = model.core.sharded_state_dict()
     saved = meta.get("optimizer")
     target = optimizer
-    if optimizer is not None and hasattr(optimizer, "empty_view"):
+    if optimizer is not None and optimizer.holds_ranges:
         optimizer = optimizer.empty_view()  # per parameter; its ranges taken out below
     if optimizer is not None and saved is not None:
-        mine = _optimizer_parts(optimizer)
-        if saved["masters"] and mine[2] is mine[1]:
+        if saved["masters"] and not optimizer.has_masters:
             raise ValueError(f"checkpoint {directory} holds fp32 master weights but this "
                              f"trainer has none; resume it with master_weights = true (or unset)")
         sharded |= _optimizer_sharded(model, optimizer, saved["tensor_keys"], saved["masters"],
