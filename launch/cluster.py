@@ -122,6 +122,8 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
             e = cfg.actors[name]
             env = f" env={json.dumps(e.env)}" if e.env else ""
             print(f"  {name}:{env} {json.dumps(e.config)}")
+    if cfg.facts is not None:  # what every actor agrees on (launch/plan.py)
+        print(f"run facts: {json.dumps(msgspec.to_builtins(cfg.facts))}")
     print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
           "(--dry-run)")
 

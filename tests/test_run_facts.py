@@ -3,13 +3,17 @@ facts that ride on data checked at admission (runtime/facts.py, launch/plan.py).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from actors.buffer import BufferActor
 from launch.config import ConfigError, load
 from logic.buffer import BufferConfig
+from runtime.actor import Actor
 from runtime.facts import RunFacts, TeacherFact
 from tests.helpers import context, running
 from transport.rpc import RpcClient
@@ -144,3 +148,33 @@ def test_a_per_actor_layout_states_a_fact_once_and_a_stated_copy_is_checked(monk
     with pytest.raises(ConfigError, match="group_size = 8 here but group_size = 4 in "
                                           r"\[actors.rollout.config\]"):
         load(write(tmp_path, text.replace(old, "config = { group_size = 8, max_staleness = 1 }")))
+
+
+class EchoConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_staleness: int = 0
+
+
+class FactsEcho(Actor):
+    """Decides the staleness as a buffer would, and writes the facts its context brought."""
+
+    Config = EchoConfig
+    role = "buffer"
+
+    async def run(self) -> None:
+        Path(self.ctx.run_dir, "facts.json").write_bytes(msgspec.json.encode(self.ctx.facts))
+
+
+def test_the_launcher_hands_every_actor_the_runs_facts(tmp_path, capsys):
+    from launch.cluster import main
+
+    hosts = write(tmp_path, '[run]\nname = "facts"\n\n[actors.echo]\n'
+                            'cls = "tests.test_run_facts:FactsEcho"\nprimary = true\n'
+                            'config = { max_staleness = 3 }\n')
+    assert main([str(hosts), "--dry-run"]) == 0
+    assert '"max_staleness": 3' in capsys.readouterr().out.split("run facts: ")[1]
+    run = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
+                          str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    facts = msgspec.json.decode((tmp_path / "run" / "facts.json").read_bytes(), type=RunFacts)
+    assert facts == RunFacts(max_staleness=3)
