@@ -126,6 +126,9 @@ class Actor:
     # group's store address (host:port) at each start
     rank_cls = ""
     store_path = ""
+    # leave the process with os._exit after a clean stop (runtime/child.py), skipping C++
+    # teardown that can abort (the trainer's ranks: torch.distributed threads)
+    exit_hard = False
 
     def __init__(self, ctx: ActorContext, config: Any = None):
         self.ctx = ctx

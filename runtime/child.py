@@ -80,7 +80,7 @@ def run(argv: list[str]) -> int:
         code = asyncio.run(main(spec))
     else:
         code = uvloop.run(main(spec))
-    if getattr(import_actor(spec.cls), "exit_hard", False):
+    if import_actor(spec.cls).exit_hard:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

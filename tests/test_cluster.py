@@ -82,7 +82,11 @@ def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
                                  stderr=subprocess.PIPE, text=True)
         seen = asyncio.run(collect_metrics(run_dir, {"scaler", "consumer", "producer"}))
         out, _ = proc.communicate(timeout=60)
-        wait_for_file(jsonl, 30)  # written from the watcher's first record on
+        wait_for_file(jsonl, 30)  # opened when the watcher starts
+        deadline = time.monotonic() + 30
+        while not jsonl.stat().st_size:  # its first record: the watcher is in its loop
+            assert time.monotonic() < deadline, "the watcher wrote no record"
+            time.sleep(0.05)
         watch.send_signal(signal.SIGINT)
         _, watch_err = watch.communicate(timeout=30)
     finally:
