@@ -326,8 +326,15 @@ class Scheduler:
 
         async def op():
             weights = "weights" in tags and "weights" not in self.released
-            await self._in_thread(self._free_memory, weights)
+            before = set(self.released)
+            # said before the memory goes: a reading taken meanwhile is "released", never
+            # "held" with the weights half gone
             self.released.update(tags)
+            try:
+                await self._in_thread(self._free_memory, weights)
+            except BaseException:
+                self.released = before
+                raise
             self._memory_changed()
 
         await self._submit_op(op, needs_idle=True)
