@@ -52,6 +52,7 @@ import numpy as np
 
 from logic.buffer import BufferConfig, BufferSnapshot, RolloutBuffer, check_group, check_version
 from runtime.actor import Actor
+from runtime.facts import RunFacts
 from transport import records
 from transport.schema import (
     TOPK_IDS_DTYPE,
@@ -246,10 +247,13 @@ class BufferState:
 class BufferActor(Actor):
     Config = BufferConfig
     role = "buffer"
-    fact_fields = {"group_size": "group_size", "groups_per_batch": "groups_per_batch"}
+
+    @classmethod
+    def check_facts(cls, config: BufferConfig, facts: RunFacts) -> None:
+        config.check_facts(facts)
 
     async def on_start(self) -> None:
-        self.logic = RolloutBuffer(self.config)
+        self.logic = RolloutBuffer(self.config, self.facts)
         self.state = BufferState(self.logic)
         self.changed = asyncio.Condition()
         self.buffer_epoch = uuid.uuid4().hex
@@ -364,7 +368,7 @@ class BufferActor(Actor):
                       buffer_epoch=self.buffer_epoch)
 
     def _may_start(self, batch_index: int) -> bool:
-        in_flight = max(0, self._permitted_batches * self.config.groups_per_batch
+        in_flight = max(0, self._permitted_batches * self.facts.groups_per_batch
                         - self._groups_received)
         return self.trainer_version >= 0 and self.logic.may_start_batch(
             batch_index, self.trainer_version, self.batch_waiters > 0, in_flight)
@@ -440,8 +444,8 @@ class BufferActor(Actor):
 
     def _check_group(self, msg: SampleGroup) -> None:
         """A whole, valid group, sampled at the run's temperature and top-p (ctx.facts)."""
-        check_group(msg.samples, self.config)
-        wrong = self.ctx.facts.sampled_as(msg.temperature, msg.top_p) if self.ctx.facts else ""
+        check_group(msg.samples, self.config, self.facts)
+        wrong = self.facts.sampled_as(msg.temperature, msg.top_p)
         if wrong:
             raise ValueError(f"a group sampled at {wrong}: the trainer computes its log-probs at "
                              f"the run's sampling settings; sample at those (the rollout's "

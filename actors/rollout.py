@@ -40,6 +40,7 @@ from envs.loader import check_at_load, load_envs
 from envs.openai_api import AgentEndpoint
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, EndRun
+from runtime.facts import RunFacts
 from transport.errors import RlxError
 from transport.rpc import RemoteError
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
@@ -59,7 +60,6 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Settings of the rollout actor."""
 
     envs: list[EnvSpec]
-    model: str  # checkpoint the tokenizer comes from (the workers' model)
     router: str = "router"  # peer whose http endpoint serves /generate
     buffer: str = "buffer"  # peer that grants permits (and receives sample groups)
     sink: str = ""  # peer that receives sample groups instead ("teachers": the teacher pool)
@@ -170,13 +170,11 @@ class RolloutTotals(msgspec.Struct):
 class RolloutActor(Actor):
     Config = RolloutConfig
     role = "rollout"
-    fact_fields = {"model": "model"}
 
     @classmethod
     def check_config(cls, config: RolloutConfig) -> list[str]:
-        """The model exists, the environments load and keep the contract on a sample of their
-        tasks (envs.loader.check_at_load); its notes reach the console."""
-        check_model_path(config.model)
+        """The environments load and keep the contract on a sample of their tasks
+        (envs.loader.check_at_load); its notes reach the console."""
         check_chat_template(config.chat_template)
         if config.agent_drift not in DRIFT_RULES:
             raise ValueError(f"agent_drift = {config.agent_drift!r}: use one of {DRIFT_RULES}")
@@ -185,6 +183,15 @@ class RolloutActor(Actor):
                              f"(0 = no limit)")
         mix = load_envs([msgspec.to_builtins(e) for e in config.envs])
         return check_at_load(mix, config.eval_tasks)
+
+    @classmethod
+    def check_facts(cls, config: RolloutConfig, facts: RunFacts) -> None:
+        """The run's model (its tokenizer is the rollout's) exists."""
+        if not facts.model:
+            raise ValueError("no trainer on this rollout's buffer decides the run's model, whose "
+                             "tokenizer the rollout uses: add a trainer with buffer = "
+                             f"{config.buffer!r}")
+        check_model_path(facts.model)
 
     @classmethod
     def peers(cls, config: RolloutConfig) -> dict[str, str]:
@@ -210,7 +217,7 @@ class RolloutActor(Actor):
     async def on_start(self) -> None:
         cfg = self.config
         self.envs = load_envs([msgspec.to_builtins(e) for e in cfg.envs])
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(self.facts.model)
         self.client = SglangClient(self.peer(cfg.router).http, timeout_s=cfg.request_timeout_s)
         self._closers.append(self.client.close)
         self.buffer = await self.connect(cfg.buffer)
@@ -235,7 +242,7 @@ class RolloutActor(Actor):
         cfg = self.config
         endpoint = AgentEndpoint()
         self.agent = AgentLink(endpoint, chat_format(self.tokenizer, cfg.chat_template),
-                               model_id=cfg.model, drift=cfg.agent_drift)
+                               model_id=self.facts.model, drift=cfg.agent_drift)
         await endpoint.start()
         self._closers.append(endpoint.close)
 

@@ -43,6 +43,7 @@ from logic.teachers import (
 )
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor
+from runtime.facts import RunFacts
 from transport.schema import Msg, Sample, SampleGroup
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,11 @@ log = logging.getLogger(__name__)
 class TeacherPoolConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Settings of the teacher pool."""
 
-    student: str  # the student's checkpoint: teachers must share its vocabulary
     teachers: list[TeacherSpec]  # the registry
     default_teacher: str = ""  # for domains no teacher claims ("" = such samples get none)
     mode: Literal["server", "colocated"] = "colocated"
     opd: OpdConfig = OpdConfig()  # must match the trainer's (top_k decides what servers return)
     buffer: str = "buffer"  # where routed (and scored) groups go
-    temperature: float = 1.0  # the rollout's sampling temperature: teachers score at it
     request_timeout_s: float = 60.0  # one scoring request
     max_retries: int = 3  # per request, then the samples are marked failed
     max_batch: int = 64  # samples per scoring request
@@ -66,22 +65,31 @@ class TeacherPoolConfig(msgspec.Struct, forbid_unknown_fields=True):
 class TeacherPool(Actor):
     Config = TeacherPoolConfig
     role = "teacher_pool"
-    fact_fields = {"student": "model", "temperature": "temperature"}
 
     @classmethod
     def check_config(cls, config: TeacherPoolConfig) -> None:
         route_table(config.teachers, config.default_teacher)
-        student = load_tokenizer(config.student)
         for t in config.teachers:
             if t.opd is not None and config.mode == "server":
                 raise ValueError(f"teacher {t.name!r} sets its own opd, which colocated teachers "
                                  "support; in server mode every teacher uses the run's opd")
             check_placement(config.opd, config.mode, t.name)
             check_model_path(t.model)
-            check_vocab(student, load_tokenizer(t.model), t.name)
             if config.mode == "server" and not (t.worker or t.url):
                 raise ValueError(f"teacher {t.name!r}: server mode needs `worker` (a peer name) "
                                  "or `url` (a teacher server)")
+
+    @classmethod
+    def check_facts(cls, config: TeacherPoolConfig, facts: RunFacts) -> None:
+        """Every teacher shares the student's (the run's model's) vocabulary; teachers score
+        at the run's sampling temperature."""
+        if not facts.model:
+            raise ValueError("no trainer on this pool's buffer decides the student model, whose "
+                             f"vocabulary teachers must share: add a trainer with buffer = "
+                             f"{config.buffer!r}")
+        student = load_tokenizer(facts.model)
+        for t in config.teachers:
+            check_vocab(student, load_tokenizer(t.model), t.name)
 
     @classmethod
     def peers(cls, config: TeacherPoolConfig) -> dict[str, str]:
@@ -129,7 +137,7 @@ class TeacherPool(Actor):
         for start in range(0, len(samples), cfg.max_batch):
             part = samples[start:start + cfg.max_batch]
             try:
-                bodies = [score_request(s.prompt_ids, s.response_ids, cfg.temperature, k)
+                bodies = [score_request(s.prompt_ids, s.response_ids, self.facts.temperature, k)
                           for s in part]
                 replies = await self.clients[name].generate(
                     [b["input_ids"] for b in bodies], bodies[0]["sampling_params"],

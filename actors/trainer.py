@@ -76,7 +76,6 @@ class TrainerConfig(TrainConfig, kw_only=True):
 class TrainerActor(Actor):
     Config = TrainerConfig
     role = "trainer"
-    fact_fields = {"loss.temperature": "temperature"}
 
     @classmethod
     def check_config(cls, config: TrainerConfig) -> None:
@@ -126,6 +125,7 @@ class TrainerActor(Actor):
         self.ranks = await self._in_thread(load_trainer, cfg, run_dir, self.ctx.resume,
                                            cfg.parallel.store)
         self.state = self.ranks.state
+        self.state.temperature = self.facts.temperature  # ranks get it with each step
         self._closers.append(self._stop_ranks)
         for skipped in self.state.skipped_checkpoints:
             self.notify(f"resume skipped a damaged checkpoint: {skipped}")

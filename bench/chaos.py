@@ -31,7 +31,6 @@ import time
 import tomllib
 from pathlib import Path
 
-import msgspec
 import psutil
 
 from bench.faults import (
@@ -42,9 +41,9 @@ from bench.faults import (
     lost_samples,
     reconcile,
     replay_journal,
+    run_buffer,
 )
 from launch import rl as rl_table
-from logic.buffer import BufferConfig
 
 VICTIMS = ("worker0", "worker1", "router", "rollout", "buffer", "trainer", "teachers",
            "prefetcher")
@@ -109,10 +108,8 @@ def chaos_run(hosts: Path, run_dir: Path, steps: int, every: tuple[int, int],
 
 def check(run_dir: Path, steps: int) -> dict:
     """The accounting of bench/faults.py on a finished run."""
-    config = msgspec.convert(json.loads((run_dir / "config.json").read_text())["actors"]
-                             ["buffer"]["config"], BufferConfig)
-    state, _ = replay_journal(run_dir, config)
-    books = reconcile(run_dir, state, config)
+    state, _ = replay_journal(run_dir, *run_buffer(run_dir))
+    books = reconcile(run_dir, state)
     return {"final_version": final_version(run_dir), "steps": steps,
             "lost": lost_samples(run_dir), "duplicated": duplicated_samples(state),
             "unreconciled": books["unreconciled"], "books": books}

@@ -57,6 +57,7 @@ import psutil
 
 from actors.buffer import BufferState, Journal
 from logic.buffer import BufferConfig, RolloutBuffer
+from runtime.facts import RunFacts
 
 ROOT = Path(__file__).resolve().parent.parent
 ACTORS = ("worker0", "worker1", "router", "buffer", "rollout", "trainer")
@@ -219,8 +220,8 @@ def lost_samples(run_dir: Path) -> int:
 
 
 class _Counting(RolloutBuffer):
-    def __init__(self, config: BufferConfig):
-        super().__init__(config)
+    def __init__(self, config: BufferConfig, facts: RunFacts):
+        super().__init__(config, facts)
         self.emitted_keys: dict[tuple[str, int], int] = {}
 
     def next_batch(self, trainer_version: int):
@@ -237,10 +238,18 @@ class _Counting(RolloutBuffer):
                 self.emitted_keys.setdefault((s.group_id, s.index), 1)
 
 
-def replay_journal(run_dir: Path, config: BufferConfig) -> tuple[BufferState, Journal]:
+def run_buffer(run_dir: Path) -> tuple[BufferConfig, RunFacts]:
+    """The buffer's config and facts, as the run's config.json recorded them."""
+    run = json.loads((run_dir / "config.json").read_text())
+    return (msgspec.convert(run["actors"]["buffer"]["config"], BufferConfig),
+            msgspec.convert(run["facts"]["buffer"], RunFacts))
+
+
+def replay_journal(run_dir: Path, config: BufferConfig, facts: RunFacts
+                   ) -> tuple[BufferState, Journal]:
     journal = Journal(run_dir / "buffer" / "buffer.journal")
     journal.close()
-    state = BufferState(_Counting(config))
+    state = BufferState(_Counting(config, facts))
     for entry in journal.entries:
         state.apply(entry)
     return state, journal
@@ -252,7 +261,7 @@ def duplicated_samples(state: BufferState) -> int:
     return sum(n - 1 for n in state.logic.emitted_keys.values())
 
 
-def reconcile(run_dir: Path, state: BufferState, config: BufferConfig) -> dict:
+def reconcile(run_dir: Path, state: BufferState) -> dict:
     """generated = trained + dropped (by reason) + in flight, from the rollout's run totals
     and the buffer's books as its journal replays them; `unreconciled` is what misses."""
     totals = json.loads((run_dir / "rollout" / "rollout.totals.json").read_text())
@@ -265,7 +274,7 @@ def reconcile(run_dir: Path, state: BufferState, config: BufferConfig) -> dict:
     pending = len(logic.pending_keys())
     dropped = {k: v for k, v in books.items() if k.startswith("dropped_") and v}
     in_flight = totals["samples_generated"] - books["added"]  # not (yet) in the books
-    bound = totals["starts"] * config.group_size * config.groups_per_batch
+    bound = totals["starts"] * logic.facts.group_size * logic.facts.groups_per_batch
     resent_gap = totals["samples_resent"] - books["resent_copies"] - books["resent_taken"]
     books_gap = books["added"] - books["emitted"] - pending - sum(dropped.values())
     out = {"generated": totals["samples_generated"], "trained": books["emitted"],
@@ -335,12 +344,10 @@ def _run_fault(fault: str, hosts: Path, run_dir: Path, steps: int, at: int,
         full = extra["full_exit_json"]
         survived = survived and extra["full_exit"] not in (0, -1) \
             and full.get("exit_code") == extra["full_exit"]
-    config = msgspec.convert(json.loads((run_dir / "config.json").read_text())["actors"]
-                             ["buffer"]["config"], BufferConfig)  # the run's own
-    state, journal = replay_journal(run_dir, config)
+    state, journal = replay_journal(run_dir, *run_buffer(run_dir))  # the run's own
     out = {"fault": fault, "at_step": at, "exit": code, "survived": survived,
            "lost": lost_samples(run_dir), "duplicated": duplicated_samples(state),
-           "orphans": orphans, **reconcile(run_dir, state, config), **extra,
+           "orphans": orphans, **reconcile(run_dir, state), **extra,
            "journal_bytes": journal.size, "journal_compacted": journal.snapshot_size > 0}
     if not survived:
         out["tail"] = text[-3000:]

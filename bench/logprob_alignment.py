@@ -52,7 +52,7 @@ from engine.session import HttpSession
 from models.load import load_model, load_tokenizer
 from runtime.actor import ActorContext
 from training.batching import make_micro_batch
-from training.config import LossConfig, MicroBatchConfig, OptimizerConfig, TrainConfig
+from training.config import MicroBatchConfig, OptimizerConfig, TrainConfig
 from training.step import TrainState, forward, train_on_batch
 from transport.dtypes import model_dtype
 from transport.schema import Endpoints
@@ -155,6 +155,7 @@ def measure(model: str, device: str, dtype: str, temperature: float, max_new: in
     samples = asyncio.run(sample(model, device, dtype, temperature, max_new, num_prompts))
     net, tokenizer = load_model(model, device, model_dtype(dtype))
     state = TrainState(net, tokenizer, torch.optim.SGD(net.parameters(), lr=0.0))
+    state.temperature = temperature  # the run's sampling temperature
     mb = make_micro_batch(samples, tokenizer.pad_token_id or 0).to(device)
     with torch.no_grad():
         logp, _ = forward(state, mb, temperature)
@@ -176,10 +177,10 @@ def measure_mode(model: str, device: str, dtype: str, temperature: float, max_ne
     samples = [s for s in samples if s.response_ids]
     cfg = TrainConfig(model=model, device=device, dtype=dtype, true_on_policy=true_on_policy,
                       micro_batches=MicroBatchConfig(size=len(samples)),
-                      loss=LossConfig(temperature=temperature),
                       optimizer=OptimizerConfig(lr=0.0, grad_clip=0.0))
     net, tokenizer = load_model(model, device, model_dtype(dtype))
     state = TrainState(net, tokenizer, torch.optim.SGD(net.parameters(), lr=0.0))
+    state.temperature = temperature  # the run's sampling temperature
     by_length = device == "cpu" and dtype == "float32"  # the trainer's default (training.step)
     train_on_batch(state, samples, cfg)  # warm-up (and it marks the model in true mode)
     mb = make_micro_batch(samples, tokenizer.pad_token_id or 0).to(device)

@@ -60,13 +60,12 @@ after = ["worker0", "worker1"]
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = {{ group_size = {group}, groups_per_batch = {groups}, max_staleness = {staleness} }}
+config = {{ max_staleness = {staleness} }}
 
 [actors.rollout]
 cls = "actors.rollout:RolloutActor"
 after = ["router", "buffer"]
 [actors.rollout.config]
-model = "{model}"
 group_size = {group}
 groups_per_batch = {groups}
 eval_every = 0

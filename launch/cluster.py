@@ -122,8 +122,11 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
             e = cfg.actors[name]
             env = f" env={json.dumps(e.env)}" if e.env else ""
             print(f"  {name}:{env} {json.dumps(e.config)}")
-    if cfg.facts is not None:  # what every actor agrees on (launch/plan.py)
-        print(f"run facts: {json.dumps(msgspec.to_builtins(cfg.facts))}")
+    said: dict[str, list[str]] = {}  # what the actors agree on (launch/plan.py): who reads it
+    for name, facts in cfg.facts.items():
+        said.setdefault(json.dumps(msgspec.to_builtins(facts)), []).append(name)
+    for facts, names in said.items():
+        print(f"run facts: {facts}" if len(said) == 1 else f"run facts of {names}: {facts}")
     print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
           "(--dry-run)")
 

@@ -27,11 +27,11 @@ import msgspec
 
 from envs.loader import EnvSpecError, one_line
 from launch import rl as rl_table
-from launch.plan import PlanError, check_plan, fill_facts
+from launch.plan import PlanError, check_plan
 from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
 from runtime.actor import ActorView
-from runtime.facts import RunFacts
+from runtime.facts import RunFacts, fact_hint
 from runtime.loading import ConfigError, actor_config, import_actor
 from transport.codec import Limits
 from transport.shm import ShmConfig
@@ -129,16 +129,16 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     security: Security = Security()
     limits: Limits = Limits()
     shm: ShmConfig = ShmConfig()
-    # what every actor agrees on (runtime/facts.py): derived at load by launch/plan.py from the
-    # actors, never written in hosts.toml
-    facts: RunFacts | None = None
+    # what the actors agree on (runtime/facts.py), by actor name: derived at load by
+    # launch/plan.py from the actors deciding each fact, never written in hosts.toml
+    facts: dict[str, RunFacts] = {}
 
 
 DERIVED = frozenset({"facts"})  # ClusterConfig fields made at load, never written in the file
 
 # actor config fields (at any depth) that name a model checkpoint: a relative path that is a
 # checkpoint directory next to hosts.toml is made absolute (models.load.is_checkpoint_dir)
-MODEL_FIELDS = frozenset({"model", "model_path", "ref_model", "student", "tokenizer_path"})
+MODEL_FIELDS = frozenset({"model", "model_path", "ref_model", "tokenizer_path"})
 
 
 class Override(msgspec.Struct, frozen=True):
@@ -293,8 +293,10 @@ def _child(schema: Any, key: str, node: dict[str, Any], where: str, table: str) 
                   if not (schema is ClusterConfig and f.name in DERIVED)}
         if key not in fields:
             what = "the top level of hosts.toml" if table == "top level" else f"table [{table}]"
-            raise ConfigError(f"{where}: {what} has no field `{key}`; its fields are "
-                              f"{', '.join(sorted(fields))} (every field is listed in "
+            inner = table.partition(".config")[2].lstrip(".")  # the path in an actor's config
+            hint = fact_hint(f"{inner}.{key}" if inner else key) if ".config" in table else ""
+            raise ConfigError(f"{where}: {what} has no field `{key}`{hint or ''}; its fields "
+                              f"are {', '.join(sorted(fields))} (every field is listed in "
                               f"launch/config.py and the actor's Config)")
         if schema is ActorEntry and key == "config" and isinstance(node.get("cls"), str):
             return import_actor(node["cls"], f"{where}: table [{table}], field `cls`").Config
@@ -423,8 +425,6 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
         fail("actors", "cls", "declare at least one [actors.<name>] table")
     views: dict[str, ActorView] = {}
     taken: dict[tuple[str, int], str] = {}  # fixed (address, port) -> the field that binds it
-    fill_facts({name: (import_actor(entry.cls, f"{path}: table [actors.{name}], field `cls`"),
-                       entry.config) for name, entry in cfg.actors.items()})
     for name, entry in cfg.actors.items():
         table = f"actors.{name}"
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", name):

@@ -2,19 +2,18 @@
 
 A fact of the run is decided by one actor's field (DECIDED_BY: the rollout samples, so it decides
 the group size, batch, temperature and top-p; the buffer bounds staleness; the trainer holds the
-model, dtype, mode and opd). Facts are per buffer: the actors that send to a buffer, take batches
-from it, or are it, form one pipeline (a run has one, but a layout may hold several). Other
-actors hold copies (`Actor.fact_fields`): at load, before the tables are decoded, `fill_facts`
-copies each fact into the tables that leave it out; after every actor's own `check_config`,
-`check_plan` checks the peers each actor names (`Actor.peers`: actors it starts after), every
-copy a table states against its fact, and what only the whole plan shows (colocated staleness,
-distillation, true on-policy workers, the weight-sync placement), naming both tables and the fix;
-then it returns the facts, which every actor gets in its context.
+model, dtype, mode and opd), and said nowhere else: the other actors read it from their context
+(`Actor.facts`). Facts are per buffer: the actors that send to a buffer, take batches from it, or
+are it, form one pipeline (a run has one, but a layout may hold several). After every actor's
+own `check_config`, `check_plan` checks the peers each actor names (`Actor.peers`: actors it
+starts after) and what only the whole plan shows (colocated staleness, distillation, true
+on-policy workers, the weight-sync placement), naming both tables and the fix; then it derives
+each actor's facts, lets each actor check its own settings against them (`Actor.check_facts`),
+and returns them, for the launcher to put in every actor's context.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
@@ -22,32 +21,11 @@ import msgspec
 from actors.inference import InferenceWorkerConfig
 from engine.weight_sync import check_weight_sync_placement
 from runtime.actor import ActorView
-from runtime.facts import RunFacts, TeacherFact
+from runtime.facts import DECIDED_BY, RunFacts, TeacherFact
 from transport.errors import RlxError
 
 MISSING = msgspec.NODEFAULT
-# each fact and the field that decides it: (the role of the actor, the path in its config)
-DECIDED_BY = {"model": ("trainer", "model"), "dtype": ("trainer", "dtype"),
-              "mode": ("trainer", "mode"), "true_on_policy": ("trainer", "true_on_policy"),
-              "group_size": ("rollout", "group_size"),
-              "groups_per_batch": ("rollout", "groups_per_batch"),
-              "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
-              "max_staleness": ("buffer", "max_staleness")}
 Tables = dict[str, tuple[type, dict[str, Any]]]  # actor name -> (class, its table as builtins)
-
-
-def fill_facts(actors: Tables) -> None:
-    """In place: each fact an actor holds a copy of and its table leaves out, from the table of
-    the one actor deciding it on the same buffer (or that table's default)."""
-    for name, (cls, raw) in actors.items():
-        for path, fact in cls.fact_fields.items():
-            decider = _decider(fact, _buffer(name, cls, raw), actors)
-            if decider and _at(raw, path) is MISSING:
-                *tables, key = path.split(".")
-                node = raw
-                for t in tables:
-                    node = node.setdefault(t, {})
-                node[key] = decider[1]
 
 
 def _decider(fact: str, buffer: str, actors: Tables) -> tuple[str, Any] | None:
@@ -99,8 +77,8 @@ class PlanError(RlxError, ValueError):
         self.actor = actor
 
 
-def check_plan(views: dict[str, ActorView]) -> RunFacts:
-    """Raise PlanError for a plan whose actors disagree; else the run's facts."""
+def check_plan(views: dict[str, ActorView]) -> dict[str, RunFacts]:
+    """Raise PlanError for a plan whose actors disagree; else each actor's facts, by name."""
     tables = {n: (v.cls, msgspec.to_builtins(v.config)) for n, v in views.items()}
     for name, view in views.items():
         for field, peer in view.cls.peers(view.config).items():
@@ -112,15 +90,6 @@ def check_plan(views: dict[str, ActorView]) -> RunFacts:
                 raise PlanError(name, f"`{field}` = {peer!r}, but {peer!r} is missing from the "
                                       f"`after` list of [actors.{name}]: add it there (after = "
                                       f"[..., {peer!r}]), so that {name} starts after it")
-        for path, fact in view.cls.fact_fields.items():
-            decider = _decider(fact, _buffer(name, *tables[name]), tables)
-            if decider and (mine := _at(tables[name][1], path)) != decider[1]:
-                role, there = DECIDED_BY[fact]
-                raise PlanError(name, f"{path} = {json.dumps(mine)} here but {there} = "
-                                      f"{json.dumps(decider[1])} in [actors.{decider[0]}.config], "
-                                      f"the {role} deciding the run's {fact}: set both to the "
-                                      f"same value (or leave {path} out here: it is taken from "
-                                      f"there)")
         sink = views.get(view.config.sink) if view.cls.role == "rollout" else None
         if sink and sink.cls.role == "teacher_pool" and sink.config.buffer != view.config.buffer:
             raise PlanError(name, f"buffer = {view.config.buffer!r} here but buffer = "
@@ -129,7 +98,19 @@ def check_plan(views: dict[str, ActorView]) -> RunFacts:
         if view.cls.role == "trainer":
             _check_trainer(name, view.config, views)
     trainers = sorted(n for n, v in views.items() if v.cls.role == "trainer")
-    return run_facts(views, tables, trainers[0] if trainers else "")
+    main = views[trainers[0]].config.buffer if trainers else next(
+        (n for n, v in views.items() if v.cls.role == "buffer"), "")
+    facts = {}
+    for name, view in views.items():  # actors outside any pipeline (workers) get the main one's
+        facts[name] = run_facts(views, tables, _buffer(name, *tables[name]) or main)
+        try:
+            view.cls.check_facts(view.config, facts[name])
+        except ValueError as e:
+            raise PlanError(name, str(e)) from None
+        except Exception as e:  # a class its check loads (a tokenizer) failed in its own way
+            raise PlanError(name, f"checking it against the run's facts raised "
+                                  f"{type(e).__name__}: {e}") from None
+    return facts
 
 
 def _check_trainer(name: str, cfg: Any, views: dict[str, ActorView]) -> None:
@@ -201,16 +182,13 @@ def _check_invariant(name: str, cfg: Any, worker: str, there: Any) -> None:
                               f"[actors.{worker}.config]; bitwise equality needs both the same")
 
 
-def run_facts(views: dict[str, ActorView], tables: Tables, trainer: str) -> RunFacts:
-    """The facts of the trainer's pipeline (without a trainer, the first buffer's)."""
-    buffer = views[trainer].config.buffer if trainer else next(
-        (n for n, v in views.items() if v.cls.role == "buffer"), "")
+def run_facts(views: dict[str, ActorView], tables: Tables, buffer: str) -> RunFacts:
+    """The facts of the pipeline of `buffer`."""
     facts = {fact: d[1] for fact in DECIDED_BY if (d := _decider(fact, buffer, tables))}
     for v in views.values():
         if v.cls.role == "teacher_pool" and v.config.buffer == buffer:
             facts["teachers"] = [TeacherFact(t.name, t.model, sorted(t.domains))
                                  for t in v.config.teachers]
-    if trainer and views[trainer].config.opd is not None:
-        opd = views[trainer].config.opd
-        facts.update(opd_mode=opd.mode, opd_top_k=opd.top_k)
+        if v.cls.role == "trainer" and v.config.buffer == buffer and v.config.opd is not None:
+            facts.update(opd_mode=v.config.opd.mode, opd_top_k=v.config.opd.top_k)
     return msgspec.convert(facts, RunFacts)

@@ -12,13 +12,11 @@ becomes `[actors.worker0]` .. `[actors.worker<N-1>]`, `[actors.router]`, `[actor
 `[actors.rollout]`, `[actors.trainer]` (primary) and, with `teachers`, `[actors.teachers]` (the
 teacher pool, the rollout's sink) and, for colocated teachers, `[actors.prefetcher]`. Each fact of
 the run (runtime/facts.py) is written once, into the table of the actor that decides it: the
-model, dtype, mode and true_on_policy to the trainer (the model to the workers too), group_size,
-groups_per_batch, temperature and top_p to the rollout, max_staleness to the buffer; at load
-launch/plan.py fills the copies other actors hold (`Actor.fact_fields`: the buffer's group sizes,
-the pool's student and temperature, the trainer's loss.temperature, the rollout's model) and
-checks every copy a table states. Embedded workers on CUDA get the trainer's
-`weight_sync.path = "auto"` (CUDA IPC on its GPU, NCCL to the others; disk stays the default
-elsewhere); the teachers and `opd` go to the pool and the trainer (with opd mode "top_p" or
+model, dtype, mode and true_on_policy to the trainer (the model to the workers too: what they
+serve), group_size, groups_per_batch, temperature and top_p to the rollout, max_staleness to the
+buffer; every other actor reads them from its context (launch/plan.py derives them at load).
+Embedded workers on CUDA get the trainer's `weight_sync.path = "auto"` (CUDA IPC on its GPU,
+NCCL to the others; disk stays the default elsewhere); the teachers and `opd` go to the pool and the trainer (with opd mode "top_p" or
 `top_p_replay`, the rollout records each token's nucleus: `nucleus_top_logprobs`); the worker
 names to the trainer.
 

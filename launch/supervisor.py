@@ -217,7 +217,8 @@ class Supervisor:
             heartbeat_interval_s=run.heartbeat_interval_s,
             start_timeout_s=entry.start_timeout_s, stop_timeout_s=entry.stop_timeout_s,
             run_dir=str(self.run_dir), resume=self.resume, stall_report_s=run.stall_report_s,
-            request_retry_s=run.request_retry_s, run_token=self.run_token, facts=self.cfg.facts)
+            request_retry_s=run.request_retry_s, run_token=self.run_token,
+            facts=self.cfg.facts.get(name))
         spec_path = self.run_dir / "specs" / f"{name}.json"  # 0600: it holds the run token
         write_spec(spec_path, {"cls": entry.cls, "config": entry.config,
                                "context": msgspec.to_builtins(ctx)})

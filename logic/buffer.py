@@ -79,6 +79,7 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 
+from runtime.facts import RunFacts
 from transport import records
 from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE, Sample
 
@@ -93,8 +94,9 @@ CLOSED = ("complete", "stale", "overflow")  # why a group id is closed
 
 
 class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
-    group_size: int  # samples per prompt (GRPO group size)
-    groups_per_batch: int  # complete groups in one trainer batch
+    """The buffer's own settings; the batch's shape (group size, groups per batch) is the run's,
+    decided by the rollout (RunFacts)."""
+
     max_staleness: int = 0  # 0 = synchronous on-policy; k >= 1 keeps samples up to k versions old
     max_pending_groups: int = 1024  # open plus ready-but-not-emitted groups held at most
     min_ok_per_group: int = 2  # a complete group with fewer ok samples is dropped
@@ -110,9 +112,7 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
     journal_compact_bytes: int = 1 << 20
 
     def __post_init__(self):
-        for name, value in (("group_size", self.group_size),
-                            ("groups_per_batch", self.groups_per_batch),
-                            ("max_pending_groups", self.max_pending_groups),
+        for name, value in (("max_pending_groups", self.max_pending_groups),
                             ("min_ok_per_group", self.min_ok_per_group),
                             ("max_sample_tokens", self.max_sample_tokens)):
             if value < 1:
@@ -123,23 +123,31 @@ class BufferConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.max_staleness < 0:
             raise ValueError(f"buffer config: max_staleness must be >= 0 (0 = on-policy), "
                              f"got {self.max_staleness}")
-        if self.min_ok_per_group > self.group_size:
-            raise ValueError(f"buffer config: min_ok_per_group ({self.min_ok_per_group}) must "
-                             f"be <= group_size ({self.group_size}), else every group is dropped")
-        if self.max_pending_groups < self.groups_per_batch:
-            raise ValueError(f"buffer config: max_pending_groups ({self.max_pending_groups}) "
-                             f"must be >= groups_per_batch ({self.groups_per_batch}), else no "
-                             f"batch can ever fill")
+
+    def check_facts(self, facts: RunFacts) -> None:
+        """ValueError unless these settings fit the run's batch shape."""
+        if facts.group_size < 1 or facts.groups_per_batch < 1:
+            raise ValueError(f"the run's group_size ({facts.group_size}) and groups_per_batch "
+                             f"({facts.groups_per_batch}) must be >= 1: a buffer needs a "
+                             f"rollout that decides them")
+        if self.min_ok_per_group > facts.group_size:
+            raise ValueError(f"min_ok_per_group ({self.min_ok_per_group}) must be <= the run's "
+                             f"group_size ({facts.group_size}), else every group is dropped")
+        if self.max_pending_groups < facts.groups_per_batch:
+            raise ValueError(f"max_pending_groups ({self.max_pending_groups}) must be >= the "
+                             f"run's groups_per_batch ({facts.groups_per_batch}), else no batch "
+                             f"can ever fill")
 
 
-def check_sample(sample: Sample, config: BufferConfig) -> None:
-    """ValueError (saying what to change) unless `sample` may enter a buffer with `config`."""
+def check_sample(sample: Sample, config: BufferConfig, facts: RunFacts) -> None:
+    """ValueError (saying what to change) unless `sample` may enter a buffer with `config` in
+    a run with `facts`."""
     if not isinstance(sample, Sample):
         raise ValueError(f"add() takes a Sample, got {type(sample).__name__}")
     where = f"sample ({sample.group_id[:64]!r}, {sample.index})"
-    if not 0 <= sample.index < config.group_size:
-        raise ValueError(f"{where}: index must be in [0, {config.group_size}) (group_size); "
-                         f"make the rollout's group size match the buffer's")
+    if not 0 <= sample.index < facts.group_size:
+        raise ValueError(f"{where}: index must be in [0, {facts.group_size}) (the run's "
+                         f"group_size)")
     if sample.status not in STATUSES:
         raise ValueError(f"{where}: status must be one of {STATUSES}, got {sample.status[:64]!r}")
     tokens = len(sample.prompt_ids) + len(sample.response_ids)
@@ -187,17 +195,17 @@ def _check_topk(sample: Sample, n: int, where: str) -> None:
         raise ValueError(f"{where}: teacher top-k ids must be >= 0 and log-probs finite")
 
 
-def check_group(samples: list[Sample], config: BufferConfig) -> None:
+def check_group(samples: list[Sample], config: BufferConfig, facts: RunFacts) -> None:
     """ValueError unless `samples` is one whole, valid GRPO group's worth of samples (1 to
     group_size samples sharing one group_id, each passing check_sample)."""
-    if not 1 <= len(samples) <= config.group_size:
-        raise ValueError(f"a SampleGroup holds 1 to group_size = {config.group_size} samples, "
+    if not 1 <= len(samples) <= facts.group_size:
+        raise ValueError(f"a SampleGroup holds 1 to group_size = {facts.group_size} samples, "
                          f"got {len(samples)}")
     ids = {s.group_id for s in samples}
     if len(ids) != 1:
         raise ValueError(f"a SampleGroup's samples must share one group_id, got {len(ids)}")
     for sample in samples:
-        check_sample(sample, config)
+        check_sample(sample, config, facts)
 
 
 def check_version(field: str, seen: int, version: int, step: int, restarted: bool = False,
@@ -290,8 +298,9 @@ class History:
 class RolloutBuffer:
     """Groups samples, drops what is stale, failed or repeated, and cuts trainer batches."""
 
-    def __init__(self, config: BufferConfig):
-        self.config = config
+    def __init__(self, config: BufferConfig, facts: RunFacts):
+        config.check_facts(facts)
+        self.config, self.facts = config, facts
         self.trainer_version = 0
         self.counters = dict.fromkeys(SAMPLE_COUNTERS + GROUP_COUNTERS, 0)
         self._open: dict[str, dict[int, Sample]] = {}  # incomplete groups by index
@@ -335,7 +344,7 @@ class RolloutBuffer:
         if self._is_stale(group.values()):
             self._drop_open_stale(gid)
             return "dropped_stale"
-        if len(group) == self.config.group_size:
+        if len(group) == self.facts.group_size:
             return self._complete(gid)
         return "pending"
 
@@ -353,7 +362,7 @@ class RolloutBuffer:
         return outcome
 
     def _validate(self, sample: Sample) -> None:
-        check_sample(sample, self.config)
+        check_sample(sample, self.config, self.facts)
 
     def _count(self, counter: str, samples: int) -> str:
         self.counters[counter] += samples
@@ -425,7 +434,7 @@ class RolloutBuffer:
         """The ok samples of groups_per_batch ready, fresh groups (lowest group version first,
         then completion order; each group in index order), or None while fewer are ready."""
         self.set_trainer_version(trainer_version)
-        n = self.config.groups_per_batch
+        n = self.facts.groups_per_batch
         if len(self._ready) < n:
             return None
         batch = []
@@ -472,7 +481,7 @@ class RolloutBuffer:
         """Teachers of the ready groups (the next batch's), in the order they will be trained:
         a hint for the trainer's weight memory to load the first of them early."""
         seen: dict[str, None] = {}
-        for gid in itertools.islice(self._emission_order(), self.config.groups_per_batch):
+        for gid in itertools.islice(self._emission_order(), self.facts.groups_per_batch):
             for sample in self._ready[gid]:
                 if sample.teacher:
                     seen.setdefault(sample.teacher)
@@ -493,7 +502,7 @@ class RolloutBuffer:
         if batch_index < 0:
             raise ValueError(f"batch_index must be >= 0, got {batch_index}")
         held = len(self._ready) + len(self._open) + in_flight_groups
-        if trainer_waiting and held < self.config.groups_per_batch:
+        if trainer_waiting and held < self.facts.groups_per_batch:
             return True
         return trainer_version >= batch_index - self.config.max_staleness - self.makeup_batches()
 
@@ -501,7 +510,7 @@ class RolloutBuffer:
         """Batches the rollout may generate beyond the staleness rule to replace lost groups."""
         dropped = (self.counters["groups_dropped_failed"] + self.counters["groups_dropped_stale"]
                    + self.counters["groups_dropped_overflow"])
-        return -(-dropped // self.config.groups_per_batch)
+        return -(-dropped // self.facts.groups_per_batch)
 
     def pending_capacity_left(self) -> int:
         """How many more groups may be opened before new ones overflow."""

@@ -118,9 +118,6 @@ class ActorView(msgspec.Struct, frozen=True):
 class Actor:
     Config: type[msgspec.Struct] = EmptyConfig
     role = "actor"
-    # config fields (dotted paths) that hold a fact of the run (runtime/facts.py), by fact name:
-    # left out of this actor's table, the launcher fills them from the actor deciding the fact
-    fact_fields: dict[str, str] = {}
     # an actor with ranks (the trainer): the class of its rank processes ("" = none), which the
     # launcher starts with it as one restart group, and the dotted config path that gets the
     # group's store address (host:port) at each start
@@ -159,6 +156,22 @@ class Actor:
         """Checks that need more than types (paths exist, classes import); raise ValueError.
         The launcher calls this when it loads hosts.toml, before anything starts, and prints
         the notes it returns (things to know that are no error), if any."""
+
+    @classmethod
+    def check_facts(cls, config: Any, facts: RunFacts) -> None:
+        """Checks of this actor's own settings against the run's facts (runtime/facts.py: what
+        other actors decide, e.g. the buffer's bounds against the rollout's batch); raise
+        ValueError. The launcher calls this after every `check_config` (launch/plan.py)."""
+
+    @property
+    def facts(self) -> RunFacts:
+        """The run's facts, as the launcher delivered them; an actor started without a launcher
+        is given them in its context (tests: `ActorContext(..., facts=RunFacts(...))`)."""
+        if self.ctx.facts is None:
+            raise ValueError(f"{self.name}: this actor reads the run's facts (model, group size, "
+                             f"temperature...), and its context has none: start it from the "
+                             f"launcher, or pass ActorContext(facts=RunFacts(...))")
+        return self.ctx.facts
 
     @classmethod
     def gpus(cls, config: Any, env: dict[str, str], host: str) -> list[str]:

@@ -11,6 +11,16 @@ from __future__ import annotations
 
 import msgspec
 
+# each fact and the field that decides it: (the role of the actor, the path in its config)
+DECIDED_BY = {"model": ("trainer", "model"), "dtype": ("trainer", "dtype"),
+              "mode": ("trainer", "mode"), "true_on_policy": ("trainer", "true_on_policy"),
+              "group_size": ("rollout", "group_size"),
+              "groups_per_batch": ("rollout", "groups_per_batch"),
+              "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
+              "max_staleness": ("buffer", "max_staleness")}
+# names other actors' tables once held a copy under (now read from the facts)
+OLD_COPIES = {"student": "model", "loss.temperature": "temperature"}
+
 
 class TeacherFact(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One distillation teacher as every actor must see it."""
@@ -43,3 +53,13 @@ class RunFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  (("temperature", temperature, self.temperature), ("top_p", top_p, self.top_p))
                  if got is not None and got != want]
         return ", ".join(wrong)
+
+
+def fact_hint(field: str) -> str:
+    """For an unknown config field that is a fact of the run: where to say it instead."""
+    fact = OLD_COPIES.get(field, field)
+    if fact not in DECIDED_BY:
+        return ""
+    role, path = DECIDED_BY[fact]
+    return (f"; {fact} is a fact of the run, said once (in [rl], or as `{path}` of the {role}) "
+            f"and read by every other actor: remove `{field}` here")

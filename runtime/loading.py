@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from runtime.actor import Actor
+from runtime.facts import fact_hint
 from transport.errors import RlxError
 
 
@@ -43,7 +44,8 @@ def actor_config(cls: type, raw: dict[str, Any], where: str) -> Any:
         keys = re.findall(r"\.([A-Za-z0-9_\-]+)", at)
         named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
         field = named.group(1) if named else (keys[-1] if keys else None)
-        raise ConfigError(f"{where}, field `{field}`: {problem}" if field else
+        hint = fact_hint(".".join([*keys, field])) if "unknown" in problem else ""
+        raise ConfigError(f"{where}, field `{field}`: {problem}{hint}" if field else
                           f"{where}: {problem}") from None
     except Exception as e:  # a __post_init__ that raises something else than ValueError
         first = (str(e).strip().splitlines() or [""])[0]

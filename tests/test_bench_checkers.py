@@ -16,9 +16,11 @@ import logic.buffer
 from actors.buffer import BufferState, Journal, JournalEntry
 from bench import chaos, faults
 from logic.buffer import BufferConfig
+from runtime.facts import RunFacts
 from transport.schema import Sample, SampleGroup
 
-CONFIG = BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1)
+CONFIG = BufferConfig(max_staleness=1)
+FACTS = RunFacts(group_size=2, groups_per_batch=1)
 
 
 def group(gid: str) -> SampleGroup:
@@ -36,7 +38,7 @@ def write_run(run_dir: Path, entries: list[JournalEntry], compact_after: int = -
     """A run directory with the buffer's journal (a snapshot replacing the first
     `compact_after` entries) and the rollout's totals."""
     journal = Journal(run_dir / "buffer" / "buffer.journal")
-    state = BufferState(logic.buffer.RolloutBuffer(CONFIG))
+    state = BufferState(logic.buffer.RolloutBuffer(CONFIG, FACTS))
     for n, entry in enumerate(entries):
         journal.append(entry)
         state.apply(entry)
@@ -58,25 +60,25 @@ ENTRIES = [version(0), JournalEntry("group", group=group("g0")),
 @pytest.mark.parametrize("compact_after", [-1, 4])
 def test_the_replay_finds_a_sample_trained_twice(tmp_path, monkeypatch, compact_after):
     write_run(tmp_path, ENTRIES, compact_after, generated=6)
-    state, journal = faults.replay_journal(tmp_path, CONFIG)
+    state, journal = faults.replay_journal(tmp_path, CONFIG, FACTS)
     assert (journal.snapshot_size > 0) == (compact_after > 0)
     assert faults.duplicated_samples(state) == 0
     assert state.logic.counters["dropped_duplicate"] == 2
-    books = faults.reconcile(tmp_path, state, CONFIG)
+    books = faults.reconcile(tmp_path, state)
     assert (books["trained"], books["in_flight"], books["unreconciled"]) == (4, 0, 0)
     # a buffer that forgets which groups it completed trains g0 twice: the checker says so,
     # from the full journal and from behind the snapshot (its remembered batches) alike
     monkeypatch.setattr(logic.buffer.RolloutBuffer, "_close", lambda self, gid, reason: None)
     (tmp_path / "broken").mkdir()
     write_run(tmp_path / "broken", ENTRIES, compact_after, generated=6)
-    state, _ = faults.replay_journal(tmp_path / "broken", CONFIG)
+    state, _ = faults.replay_journal(tmp_path / "broken", CONFIG, FACTS)
     assert faults.duplicated_samples(state) == 2
 
 
 def test_reconcile_counts_samples_the_books_cannot_explain(tmp_path):
     write_run(tmp_path, ENTRIES, generated=2)  # the books took 6: 4 came from nowhere
-    state, _ = faults.replay_journal(tmp_path, CONFIG)
-    assert faults.reconcile(tmp_path, state, CONFIG)["unreconciled"] == 4
+    state, _ = faults.replay_journal(tmp_path, CONFIG, FACTS)
+    assert faults.reconcile(tmp_path, state)["unreconciled"] == 4
 
 
 def test_eval_gap_is_the_largest_domain_difference():

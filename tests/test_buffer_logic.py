@@ -18,6 +18,7 @@ from logic.buffer import (
     check_group,
     check_version,
 )
+from runtime.facts import RunFacts
 
 
 def mk(gid: str, index: int, w: int = 0, status: str = "ok") -> Sample:
@@ -26,14 +27,16 @@ def mk(gid: str, index: int, w: int = 0, status: str = "ok") -> Sample:
                   weight_version=w, status=status)
 
 
-def buffer(**kw) -> RolloutBuffer:
-    kw.setdefault("group_size", 2)
-    kw.setdefault("groups_per_batch", 1)
-    return RolloutBuffer(BufferConfig(**kw))
+def facts(group_size: int = 2, groups_per_batch: int = 1) -> RunFacts:
+    return RunFacts(group_size=group_size, groups_per_batch=groups_per_batch)
+
+
+def buffer(group_size: int = 2, groups_per_batch: int = 1, **kw) -> RolloutBuffer:
+    return RolloutBuffer(BufferConfig(**kw), facts(group_size, groups_per_batch))
 
 
 def add_group(buf: RolloutBuffer, gid: str, w: int = 0, n: int | None = None) -> list[str]:
-    return [buf.add(mk(gid, i, w)) for i in range(n or buf.config.group_size)]
+    return [buf.add(mk(gid, i, w)) for i in range(n or buf.facts.group_size)]
 
 
 def keys(batch: list[Sample] | None) -> list[tuple[str, int]]:
@@ -42,16 +45,20 @@ def keys(batch: list[Sample] | None) -> list[tuple[str, int]]:
 
 # ----------------------------------------------------------------------------- config / schema
 def test_config_checks():
-    with pytest.raises(msgspec.ValidationError, match="unknown field `group_szie`"):
-        msgspec.convert({"group_szie": 4, "groups_per_batch": 2}, BufferConfig)
-    for kw, message in [({"group_size": 0}, "group_size must be >= 1"),
-                        ({"max_staleness": -1}, "max_staleness must be >= 0"),
-                        ({"group_size": 1}, "min_ok_per_group \\(2\\) must be <= group_size"),
-                        ({"groups_per_batch": 8, "max_pending_groups": 4},
-                         "max_pending_groups \\(4\\) must be >= groups_per_batch"),
+    with pytest.raises(msgspec.ValidationError, match="unknown field `max_stalenes`"):
+        msgspec.convert({"max_stalenes": 4}, BufferConfig)
+    for kw, message in [({"max_staleness": -1}, "max_staleness must be >= 0"),
                         ({"journal_compact_bytes": -1}, "journal_compact_bytes must be >= 0")]:
         with pytest.raises(ValueError, match=message):
-            BufferConfig(**{"group_size": 2, "groups_per_batch": 1, **kw})
+            BufferConfig(**kw)
+    # against the run's batch shape (the rollout's): at load (launch/plan.py) and in the logic
+    for kw, shape, message in [
+            ({}, (0, 1), "group_size \\(0\\) and groups_per_batch \\(1\\) must be >= 1"),
+            ({}, (1, 1), "min_ok_per_group \\(2\\) must be <= the run's group_size \\(1\\)"),
+            ({"max_pending_groups": 4}, (2, 8),
+             "max_pending_groups \\(4\\) must be >= the run's groups_per_batch \\(8\\)")]:
+        with pytest.raises(ValueError, match=message):
+            RolloutBuffer(BufferConfig(**kw), facts(*shape))
 
 
 def test_sample_round_trips_tagged_without_defaults():
@@ -236,9 +243,8 @@ class RandomRollout:
 @pytest.mark.parametrize("seed, staleness", [(11, 0), (12, 1), (13, 3)])
 def test_accounting_holds_under_random_operations(seed, staleness):
     rng = random.Random(seed)
-    config = BufferConfig(group_size=3, groups_per_batch=2, max_staleness=staleness,
-                          max_pending_groups=6, min_ok_per_group=2)
-    buf, rollout = RolloutBuffer(config), RandomRollout(rng, staleness)
+    config = BufferConfig(max_staleness=staleness, max_pending_groups=6, min_ok_per_group=2)
+    buf, rollout = RolloutBuffer(config, facts(3, 2)), RandomRollout(rng, staleness)
     version, added, emitted, emitted_groups = 0, 0, set(), set()
     for _ in range(3000):
         op = rng.random()
@@ -288,8 +294,8 @@ def test_upcoming_teachers_hint_the_next_batch_in_order():
 
 # ----------------------------------------------------------------------------- boundary checks
 def test_check_sample_and_group_refuse_out_of_range_values():
-    cfg = BufferConfig(group_size=8, groups_per_batch=1, max_sample_tokens=16)
-    check_group([mk("g", i) for i in range(8)], cfg)  # a whole, valid group passes
+    cfg, shape = BufferConfig(max_sample_tokens=16), facts(8, 1)
+    check_group([mk("g", i) for i in range(8)], cfg, shape)  # a whole, valid group passes
     for samples, message in [
             ([mk("g", 99)], "index must be in \\[0, 8\\)"),
             ([mk("g", -1)], "index must be in \\[0, 8\\)"),
@@ -302,8 +308,8 @@ def test_check_sample_and_group_refuse_out_of_range_values():
             ([msgspec.structs.replace(mk("g", 0), prompt_ids=[1] * 20)], "max_sample_tokens"),
             ([msgspec.structs.replace(mk("g", 0), teacher_logprobs=[0.0] * 3)], "outnumber")]:
         with pytest.raises(ValueError, match=message):
-            check_group(samples, cfg)
-    buf = RolloutBuffer(cfg)
+            check_group(samples, cfg, shape)
+    buf = RolloutBuffer(cfg, shape)
     with pytest.raises(ValueError, match="index must be in"):  # add() runs the same checks
         buf.add(mk("g", 99))
     assert buf.accounting()["added"] == 0
@@ -319,9 +325,9 @@ def with_topk(sample: Sample, k: int = 3, seed: int = 0) -> Sample:
 
 
 def test_check_sample_refuses_malformed_topk_arrays():
-    cfg = BufferConfig(group_size=2, groups_per_batch=1)
+    cfg, shape = BufferConfig(), facts(2, 1)
     good = with_topk(mk("g", 0))
-    check_group([good], cfg)
+    check_group([good], cfg, shape)
     ids, lps = good.teacher_topk_ids, good.teacher_topk_logprobs
     for change, message in [
             ({"teacher_topk_logprobs": None}, "teacher_topk_logprobs must be an array of float32"),
@@ -339,9 +345,10 @@ def test_check_sample_refuses_malformed_topk_arrays():
             ({"teacher_topk_logprobs": np.where(lps < -0.5, np.nan, lps).astype(np.float32)},
              "log-probs finite")]:
         with pytest.raises(ValueError, match=message):
-            check_group([msgspec.structs.replace(good, **change)], cfg)
+            check_group([msgspec.structs.replace(good, **change)], cfg, shape)
     # a failed sample is never trained on: its top-k are not looked at (as its other lists)
-    check_group([msgspec.structs.replace(good, status="failed", teacher_topk_ids=ids[:1])], cfg)
+    check_group([msgspec.structs.replace(good, status="failed", teacher_topk_ids=ids[:1])], cfg,
+                shape)
 
 
 def test_check_version_is_monotone_one_step_at_a_time():
@@ -476,7 +483,7 @@ def state_of(buf: RolloutBuffer) -> dict:
 def round_trip(buf: RolloutBuffer) -> RolloutBuffer:
     """A fresh buffer restored from `buf`'s snapshot, through msgpack as the journal stores it."""
     wire = msgspec.msgpack.encode(buf.snapshot())
-    fresh = RolloutBuffer(buf.config)
+    fresh = RolloutBuffer(buf.config, buf.facts)
     fresh.restore(msgspec.msgpack.decode(wire, type=BufferSnapshot))
     return fresh
 
@@ -522,9 +529,9 @@ def test_restored_buffers_behave_as_the_original_under_random_operations(seed):
     far then gets the same operations (samples, re-sends, batches, versions, checkpoints,
     trainer restarts), and all must stay equal."""
     rng = random.Random(seed)
-    config = BufferConfig(group_size=3, groups_per_batch=2, max_staleness=1,
-                          max_pending_groups=6, min_ok_per_group=2, replay_steps=4)
-    buffers, rollout = [RolloutBuffer(config)], RandomRollout(rng, 1)
+    config = BufferConfig(max_staleness=1, max_pending_groups=6, min_ok_per_group=2,
+                          replay_steps=4)
+    buffers, rollout = [RolloutBuffer(config, facts(3, 2))], RandomRollout(rng, 1)
     version, step, checkpoint, sent, held = 0, 0, 0, [], []
     for _ in range(2500):
         op = rng.random()

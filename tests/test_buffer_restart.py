@@ -21,6 +21,7 @@ import pytest
 from actors.buffer import BufferActor, BufferState, Journal, JournalEntry
 from actors.rollout import RolloutActor, RolloutConfig, RolloutTotals
 from logic.buffer import BufferConfig, RolloutBuffer
+from runtime.facts import RunFacts
 from tests.helpers import context, running
 from tests.test_buffer_logic import keys, mk, state_of, with_topk
 from transport.rpc import RpcClient
@@ -28,7 +29,8 @@ from transport.schema import ErrorReply, GetBatch, SampleGroup, TrainBatch, Vers
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CFG = BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1)
+CFG = BufferConfig(max_staleness=1)
+FACTS = RunFacts(group_size=2, groups_per_batch=1)
 
 
 def group(gid: str, w: int = 0, indices=(0, 1)) -> SampleGroup:
@@ -43,7 +45,7 @@ def snapshot(actor: BufferActor) -> tuple:
 
 
 async def test_a_restarted_buffer_is_where_it_was(ipc, tmp_path):
-    first = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    first = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(first):
         await first.on_inbox(group("a"))
         batch0 = await first.get_batch(GetBatch(step=0, trainer_version=0, trainer_epoch="t1"))
@@ -52,7 +54,7 @@ async def test_a_restarted_buffer_is_where_it_was(ipc, tmp_path):
         await first.on_inbox(group("c", w=1, indices=(0,)))  # half a group in flight
         before = snapshot(first)
     assert before[1] == {("b", 0), ("b", 1), ("c", 0)}
-    second = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    second = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(second):
         assert snapshot(second) == before
         again = await second.get_batch(GetBatch(step=0, trainer_version=1, trainer_epoch="t1"))
@@ -64,7 +66,7 @@ async def test_a_restarted_buffer_is_where_it_was(ipc, tmp_path):
     journal = tmp_path / "buffer" / "buf.journal"
     size = journal.stat().st_size
     journal.write_bytes(journal.read_bytes() + b"\x40\x00\x00\x00\x92")  # cut off mid-record
-    third = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    third = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(third):
         assert keys(third.logic.history[1]) == [("b", 0), ("b", 1)]
         assert third.logic.ready_groups() == 1  # "c"
@@ -72,7 +74,7 @@ async def test_a_restarted_buffer_is_where_it_was(ipc, tmp_path):
 
 
 async def test_a_resumed_trainer_may_go_back_and_gets_its_lost_batches_again(ipc, tmp_path):
-    buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    buf = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(buf):
         emitted = []
         for step, gid in enumerate("abc"):
@@ -134,9 +136,9 @@ async def test_a_compacted_journal_replays_to_the_same_state_as_the_full_one(ipc
     runs = {"full": 0, "compacted": 1}  # journal_compact_bytes: never, whenever it has doubled
     live, compactions = {}, {}
     for name, every in runs.items():
-        cfg = BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1,
+        cfg = BufferConfig(max_staleness=1,
                            journal_compact_bytes=every)
-        buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path / name)), cfg)
+        buf = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path / name)), cfg)
         async with running(buf):
             await drive(buf)
             live[name] = full_state(buf)
@@ -153,8 +155,8 @@ async def test_a_compacted_journal_replays_to_the_same_state_as_the_full_one(ipc
     assert compacted.size < journals["full"].size / 2
     restored = {}
     for name in runs:
-        again = BufferActor(context("buf", ipc, run_dir=str(tmp_path / name)),
-                            BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1,
+        again = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path / name)),
+                            BufferConfig(max_staleness=1,
                                          journal_compact_bytes=0))
         async with running(again):
             restored[name] = full_state(again)
@@ -191,10 +193,10 @@ import os, signal, sys
 from pathlib import Path
 import actors.buffer as ab
 from logic.buffer import RolloutBuffer
-from tests.test_buffer_restart import CFG, entries
+from tests.test_buffer_restart import CFG, FACTS, entries
 
 journal = ab.Journal(Path(sys.argv[1]))
-state = ab.BufferState(RolloutBuffer(CFG))
+state = ab.BufferState(RolloutBuffer(CFG, FACTS))
 for entry in entries():
     journal.append(entry)
     state.apply(entry)
@@ -210,7 +212,7 @@ journal.compact(state.snapshot())
 
 async def test_a_kill_in_the_middle_of_a_compaction_leaves_a_journal_that_replays(ipc,
                                                                                  tmp_path):
-    expected = BufferState(RolloutBuffer(CFG))
+    expected = BufferState(RolloutBuffer(CFG, FACTS))
     for entry in entries():
         expected.apply(entry)
     snapshot_bytes = len(msgspec.msgpack.encode(expected.snapshot())) + 4
@@ -229,7 +231,7 @@ async def test_a_kill_in_the_middle_of_a_compaction_leaves_a_journal_that_replay
             assert old.entries == entries()
         else:  # the snapshot alone
             assert not tmp.exists() and path.stat().st_size == snapshot_bytes
-        buf = BufferActor(context("buf", ipc, run_dir=str(run_dir)), CFG)
+        buf = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(run_dir)), CFG)
         async with running(buf):
             assert full_state(buf) == {**state_of(expected.logic), "trainer": (6, 6, "t1")}
             assert buf.logic.counters["resent_copies"] == 2
@@ -245,9 +247,9 @@ async def test_the_journal_stays_bounded_over_a_long_run(ipc, tmp_path):
     journal_compact_bytes), and the snapshot grows only by the ids of the groups closed."""
     every, sizes = 16384, {}
     for compact in (0, every):
-        cfg = BufferConfig(group_size=4, groups_per_batch=2, max_staleness=1,
-                           journal_compact_bytes=compact)
-        buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path / str(compact))), cfg)
+        cfg = BufferConfig(max_staleness=1, journal_compact_bytes=compact)
+        buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path / str(compact)),
+                                  facts=RunFacts(group_size=4, groups_per_batch=2)), cfg)
         async with running(buf, 60):
             seen = []
             for step in range(600):
@@ -297,10 +299,10 @@ async def test_topk_arrays_survive_the_journal_exactly(ipc, tmp_path, compact):
     """Samples with top-k arrays, replayed from journal records (compact = 0) or from a
     snapshot holding them (compact = 1 byte), come back with every array's dtype, shape and
     bits: in the ready groups and in the remembered batch of a step."""
-    cfg = BufferConfig(group_size=2, groups_per_batch=1, max_staleness=1,
+    cfg = BufferConfig(max_staleness=1,
                        journal_compact_bytes=compact)
     sent = [topk_group("a"), topk_group("b"), SampleGroup(samples=[mk("c", 0)])]
-    first = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), cfg)
+    first = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), cfg)
     async with running(first):
         for g in sent:
             await first.on_inbox(g)
@@ -316,7 +318,7 @@ async def test_topk_arrays_survive_the_journal_exactly(ipc, tmp_path, compact):
         for s in held:
             if s.teacher_topk_ids is not None:
                 assert_same_topk(s, want[(s.group_id, s.index)])
-    second = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), cfg)
+    second = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), cfg)
     async with running(second):
         again = await second.get_batch(GetBatch(step=0, trainer_version=0, trainer_epoch="t"))
         step1 = await second.get_batch(GetBatch(step=1, trainer_version=0, trainer_epoch="t"))
@@ -343,7 +345,7 @@ async def test_a_journal_from_before_topk_arrays_is_read(ipc, tmp_path):
            for g in (as_lists, SampleGroup(samples=[mk("b", 0)]))]
     assert b"\xc7" not in old[0][:40] and b"\x94" in old[0]  # rows, no extension
     path.write_bytes(b"".join(len(r).to_bytes(4, "little") + r for r in old))
-    buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    buf = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(buf):
         await buf.on_inbox(topk_group("c"))  # appended in the new format after the old records
         reply = await buf.get_batch(GetBatch(step=0, trainer_version=0, trainer_epoch="t"))
@@ -382,12 +384,12 @@ async def test_the_rollouts_resends_to_a_restarted_buffer_are_counted_once(ipc, 
     """generated = trained + dropped + pending + in flight, exactly, across a buffer restart:
     "a" and "b" reached the first buffer, "c" was lost with it, "d" arrives only after it was
     re-sent; a restarted rollout generates "a" again (a real duplicate)."""
-    rollout = RolloutActor(context("rollout", ipc),
-                           RolloutConfig(envs=[], model="tiny-qwen2", group_size=2,
-                                         groups_per_batch=1))
+    facts = msgspec.structs.replace(FACTS, model="tiny-qwen2")
+    rollout = RolloutActor(context("rollout", ipc, facts=facts),
+                           RolloutConfig(envs=[], group_size=2, groups_per_batch=1))
     rollout.totals_path = tmp_path / "rollout" / "rollout.totals.json"
     rollout.out = wire = Wire()
-    first = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    first = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(first):
         wire.to = first.on_inbox
         for gid in "ab":
@@ -397,7 +399,7 @@ async def test_the_rollouts_resends_to_a_restarted_buffer_are_counted_once(ipc, 
         await rollout.send_group(group("c"))
         wire.mode = "hold"
         await rollout.send_group(group("d"))
-    second = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    second = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     client = RpcClient(rollout.factory, second.ctx.endpoints.rpc, "rollout", timeout_s=5.0)
     try:
         async with running(second):
@@ -424,7 +426,7 @@ async def test_the_rollouts_resends_to_a_restarted_buffer_are_counted_once(ipc, 
     assert msgspec.json.decode(rollout.totals_path.read_bytes(), type=RolloutTotals) == \
         rollout.totals
     # a third buffer process replays the re-sends from the journal to the same books
-    third = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    third = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(third):
         assert third.logic.accounting() == books
         assert json.loads(json.dumps(third.stats()))["buffer.resent_taken"] == 4
@@ -432,7 +434,7 @@ async def test_the_rollouts_resends_to_a_restarted_buffer_are_counted_once(ipc, 
 
 async def test_groups_resent_through_a_stream_count_as_resends_not_duplicates(ipc, tmp_path):
     """With a teacher pool between rollout and buffer, re-sends arrive on the inbox, marked."""
-    buf = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    buf = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(buf):
         await buf.on_inbox(group("a"))
         await buf.on_inbox(msgspec.structs.replace(group("a"), resent=True))  # it had it
@@ -441,7 +443,7 @@ async def test_groups_resent_through_a_stream_count_as_resends_not_duplicates(ip
         books = buf.logic.counters
         assert (books["added"], books["resent_copies"], books["resent_taken"],
                 books["dropped_duplicate"]) == (6, 2, 2, 2)  # added: every arrival but copies
-    replayed = BufferActor(context("buf", ipc, run_dir=str(tmp_path)), CFG)
+    replayed = BufferActor(context("buf", ipc, facts=FACTS, run_dir=str(tmp_path)), CFG)
     async with running(replayed):  # the journal says which arrivals were re-sends
         assert replayed.logic.counters["resent_copies"] == 2
         assert replayed.logic.counters["dropped_duplicate"] == 2

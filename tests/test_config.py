@@ -120,7 +120,6 @@ name = "local"
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = { group_size = 4, groups_per_batch = 2 }
 
 [actors.w]
 cls = "actors.inference:InferenceWorker"
@@ -138,7 +137,6 @@ config = { model = "MODEL", workers = ["w"] }
 cls = "actors.rollout:RolloutActor"
 after = ["router", "buffer"]
 [actors.rollout.config]
-model = "examples/base-tiny"
 envs = [{ cls = "ENV" }]
 group_size = 4
 groups_per_batch = 2
@@ -201,21 +199,20 @@ OK_LOOP = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.built
 
 
 @pytest.mark.parametrize("edit, words", [
-    (("group_size = 4, groups_per_batch = 2, max_staleness = 1", "group_size = 8, "
-      "groups_per_batch = 2, max_staleness = 1"),
-     ["table [actors.buffer.config]: group_size = 8 here but group_size = 4 in "
-      "[actors.rollout.config]", "set both to the same value"]),
-    (("group_size = 4, groups_per_batch = 2, max_staleness = 1", "group_size = 4, "
-      "groups_per_batch = 3, max_staleness = 1"),
-     ["table [actors.buffer.config]: groups_per_batch = 3 here but groups_per_batch = 2 in "
-      "[actors.rollout.config]", "set both to the same value"]),
+    (("config = { max_staleness = 1 }", "config = { group_size = 8, max_staleness = 1 }"),
+     ["table [actors.buffer.config], field `group_size`", "group_size is a fact of the run, "
+      "said once (in [rl], or as `group_size` of the rollout) and read by every other actor: "
+      "remove `group_size` here"]),
+    (("config = { max_staleness = 1 }", "config = { max_staleness = 1, max_pending_groups = 1 }"),
+     ["table [actors.buffer.config]: max_pending_groups (1) must be >= the run's "
+      "groups_per_batch (2)"]),
     (('workers = ["w"] }', 'workers = ["w"], mode = "colocated" }'),
      ["table [actors.trainer.config]: mode = 'colocated' here needs max_staleness = 0 in "
       "[actors.buffer.config] (it is 1)", "set max_staleness = 0 there, or mode = 'decoupled'"]),
     (('workers = ["w"] }', 'workers = ["w"], loss = { temperature = 0.7 } }'),
-     ["table [actors.trainer.config]: loss.temperature = 0.7 here but temperature = 1.0 in "
-      "[actors.rollout.config], the rollout deciding the run's temperature",
-      "set both to the same value (or leave loss.temperature out here"]),
+     ["table [actors.trainer.config], field `temperature`", "temperature is a fact of the run, "
+      "said once (in [rl], or as `temperature` of the rollout) and read by every other actor: "
+      "remove `loss.temperature` here"]),
     (('after = ["router", "buffer"]', 'after = ["buffer"]'),
      ["table [actors.rollout.config]: `router` = 'router', but 'router' is missing from the "
       "`after` list of [actors.rollout]", "add it there"]),
@@ -228,8 +225,9 @@ OK_LOOP = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.built
 ])
 def test_cross_actor_checks_name_both_tables_and_the_fix(tmp_path, monkeypatch, edit, words):
     monkeypatch.chdir(ROOT)
-    staleness = OK_LOOP.replace("groups_per_batch = 2 }", "groups_per_batch = 2, "
-                                "max_staleness = 1 }")
+    staleness = OK_LOOP.replace('cls = "actors.buffer:BufferActor"\n',
+                                'cls = "actors.buffer:BufferActor"\n'
+                                'config = { max_staleness = 1 }\n')
     load(write(tmp_path, staleness))
     assert edit[0] in staleness
     message = error_of(tmp_path, staleness.replace(*edit, 1))
@@ -257,19 +255,16 @@ SERVER = [('mode = "colocated"', 'mode = "server"\nopd = { mode = "sampled" }'),
 
 
 @pytest.mark.parametrize("edits, words", [
-    ([('[actors.rollout.config]\n', '[actors.rollout.config]\ntemperature = 0.8\n'),
-      ('student = "examples/base-tiny"', 'student = "examples/base-tiny"\ntemperature = 1.0'),
-      ("loss = {", "loss = { temperature = 0.8, ")],
-     ["table [actors.teachers.config]: temperature = 1.0 here but temperature = 0.8 in "
-      "[actors.rollout.config]", "set both to the same value"]),
+    ([('[actors.teachers.config]\n', '[actors.teachers.config]\ntemperature = 1.0\n')],
+     ["table [actors.teachers.config], field `temperature`", "temperature is a fact of the run"]),
     ([("opd = { mode = \"full\", kl_coef = 1.0 }\nteachers = [", "teachers_x = ["),
       ('loss = { advantage_estimator = "none" }', "")],
      ["table [actors.trainer.config]: [actors.teachers] (a teacher pool) routes samples into "
       "[actors.buffer.config]", "but opd is not set here: add opd ="]),
     ([('sink = "teachers"', 'sink = ""'),
       ('[actors.teachers]\ncls = "actors.teacher_pool:TeacherPool"\nafter = ["buffer"]',
-       '[actors.buffer2]\ncls = "actors.buffer:BufferActor"\nconfig = { group_size = 4, '
-       'groups_per_batch = 32 }\n\n[actors.teachers]\ncls = "actors.teacher_pool:TeacherPool"'
+       '[actors.buffer2]\ncls = "actors.buffer:BufferActor"\nconfig = { max_staleness = 1 '
+       '}\n\n[actors.teachers]\ncls = "actors.teacher_pool:TeacherPool"'
        '\nafter = ["buffer2"]'),
       ('mode = "colocated"', 'mode = "colocated"\nbuffer = "buffer2"')],
      ["table [actors.trainer.config]: opd is set here, but no teacher pool",

@@ -13,6 +13,7 @@ import pytest
 from actors.rollout import RolloutActor, RolloutConfig
 from envs.loader import load_envs
 from models.load import load_tokenizer
+from runtime.facts import RunFacts
 from tests.faulty_envs import HangingVerifier
 from tests.helpers import context
 
@@ -33,11 +34,11 @@ class SlowServer:
 
 
 def rollout(ipc, env: str, limit_s: float) -> RolloutActor:
-    cfg = RolloutConfig(envs=[{"cls": env, "options": {"max_operand": 9}}], model="tiny-qwen2",
+    cfg = RolloutConfig(envs=[{"cls": env, "options": {"max_operand": 9}}],
                         env_timeout_s=limit_s, failure_notice_interval_s=0.0)
-    actor = RolloutActor(context("rollout", ipc), cfg)
+    actor = RolloutActor(context("rollout", ipc, facts=RunFacts(model="tiny-qwen2")), cfg)
     actor.envs = load_envs([{"cls": env, "options": {"max_operand": 9}}])
-    actor.tokenizer = load_tokenizer(cfg.model)
+    actor.tokenizer = load_tokenizer(actor.facts.model)
     actor.client = SlowServer(actor.tokenizer)
     actor.gate = asyncio.Semaphore(4)
     return actor

@@ -21,6 +21,7 @@ from engine.client import SglangClient
 from engine.weight_sync import DiskSync
 from models.load import save_checkpoint
 from runtime.actor import EndRun
+from runtime.facts import RunFacts
 from tests.helpers import context, running
 from tests.misbehaving import Idle
 from tests.test_cluster import exit_info, launch, write_hosts
@@ -200,9 +201,8 @@ def _groups(statuses: list[list[str]], domain: str = "math") -> list[list[Sample
 
 
 def test_rollout_reports_failing_episodes_and_ends_the_run_after_dead_batches(ipc):
-    cfg = RolloutConfig(envs=[], model="tiny-qwen2", max_failed_batches=3,
-                        failure_notice_interval_s=0.0)
-    actor = RolloutActor(context("rollout", ipc), cfg)
+    cfg = RolloutConfig(envs=[], max_failed_batches=3, failure_notice_interval_s=0.0)
+    actor = RolloutActor(context("rollout", ipc, facts=RunFacts(model="tiny-qwen2")), cfg)
     notes: list[str] = []
     actor.notify = notes.append
     actor.last_failure = "math task 't7' (episode b0-g0-1): ZeroDivisionError: division by zero"

@@ -160,7 +160,7 @@ def group(domain: str, rewards: list[float], gid: str) -> list[Sample]:
 
 def test_a_domain_without_signal_is_named_with_two_responses_once_per_episode_of_it():
     said: list[str] = []
-    rollout = types.SimpleNamespace(config=RolloutConfig(envs=[], model="m", no_signal_batches=2),
+    rollout = types.SimpleNamespace(config=RolloutConfig(envs=[], no_signal_batches=2),
                                     no_signal=collections.Counter(), tokenizer=Tok(),
                                     notify=said.append, no_signal_said={})
     rollout.describe = types.MethodType(RolloutActor.describe, rollout)
@@ -187,7 +187,7 @@ async def test_the_rollout_evaluates_a_version_once():
 
     class Fake:
         last_eval = None
-        config = RolloutConfig(envs=[], model="m", eval_tasks=2)
+        config = RolloutConfig(envs=[], eval_tasks=2)
         metrics = None
         name = "rollout"
 

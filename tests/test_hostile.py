@@ -24,11 +24,11 @@ import pytest
 import torch
 import zmq
 
-from examples.demo import Scale
 from actors.buffer import BufferActor
-from examples.demo import Scaler
+from examples.demo import Scale, Scaler
 from logic.buffer import BufferConfig
 from runtime.actor import Status
+from runtime.facts import RunFacts
 from tests.helpers import context, running
 from tests.test_engine import PROMPT, serve
 from transport.codec import Codec, Limits
@@ -52,6 +52,7 @@ from transport.schema import (
 from transport.sockets import SocketFactory
 from transport.streams import StreamSender
 
+PAIRS = RunFacts(group_size=2, groups_per_batch=1)  # the run of the buffers here: groups of two
 SMALL = Limits(max_frames=8, max_message_bytes=1 << 20, max_header_bytes=64 << 10, max_depth=16,
                max_container_len=4096, max_header_items=1 << 16)
 enc = msgspec.msgpack.encode
@@ -294,7 +295,7 @@ def sample(gid: str, index: int, w: int = 0) -> Sample:
 
 
 async def test_buffer_refuses_bad_samples_and_versions_without_changing_state(ipc, factory):
-    actor = BufferActor(context("buffer", ipc), BufferConfig(group_size=2, groups_per_batch=1))
+    actor = BufferActor(context("buffer", ipc, facts=PAIRS), BufferConfig())
     async with running(actor):
         sender = StreamSender(factory, actor.bound.inbox)
         client = RpcClient(factory, actor.bound.rpc, "trainer", timeout_s=3.0, role="trainer")
@@ -329,8 +330,7 @@ async def test_only_the_trainer_moves_versions_and_a_restart_never_jumps_ahead(i
     without the run's token) it is forbidden; from the trainer itself it is refused, since a
     resumed trainer goes back to a checkpoint, never past one step beyond where it was."""
     token = "run-token"
-    actor = BufferActor(context("buffer", ipc, run_token=token),
-                        BufferConfig(group_size=2, groups_per_batch=1))
+    actor = BufferActor(context("buffer", ipc, run_token=token, facts=PAIRS), BufferConfig())
     async with running(actor):
         sender = StreamSender(factory, actor.bound.inbox)
         trainer = RpcClient(factory, actor.bound.rpc, "trainer", 3.0, role="trainer",
@@ -512,8 +512,7 @@ async def test_fuzz_buffer_inbox(ipc, factory):
     """The inbox (a PULL socket, no reply path) drops and counts what it cannot decode, and the
     buffer drops and counts well-typed groups it must refuse; a valid group still goes in."""
     rng = random.Random(99)
-    actor = BufferActor(context("buffer", ipc, limits=SMALL),
-                        BufferConfig(group_size=2, groups_per_batch=1))
+    actor = BufferActor(context("buffer", ipc, limits=SMALL, facts=PAIRS), BufferConfig())
     async with running(actor):
         push = factory.connect(zmq.PUSH, actor.bound.inbox)
         sender = StreamSender(factory, actor.bound.inbox)

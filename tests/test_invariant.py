@@ -32,7 +32,7 @@ from models.tiny import build_tiny
 from tests.test_engine import PROMPT, _held_request, out_logprobs, serve, until
 from training.aux_models import micro_batch_logprobs
 from training.batching import make_micro_batch
-from training.config import LossConfig, MicroBatchConfig
+from training.config import MicroBatchConfig
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
@@ -263,8 +263,8 @@ def trainer(true_on_policy: bool, size: int, temperature: float):
     model, tok = build_tiny("tiny-qwen2", seed=0)
     state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3))
     cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], true_on_policy=true_on_policy,
-                        micro_batches=MicroBatchConfig(size=size),
-                        loss=LossConfig(temperature=temperature))
+                        micro_batches=MicroBatchConfig(size=size))
+    state.temperature = temperature  # the run's sampling temperature (RunFacts)
     return state, cfg
 
 

@@ -30,13 +30,12 @@ config = {{ router = {{ log_level = "warn" }} }}
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = {{ group_size = 4, groups_per_batch = 4, max_staleness = {staleness} }}
+config = {{ max_staleness = {staleness} }}
 
 [actors.rollout]
 cls = "actors.rollout:RolloutActor"
 after = ["router", "buffer"]
 [actors.rollout.config]
-model = "examples/base-tiny"
 group_size = 4
 groups_per_batch = 4
 eval_every = 0

@@ -27,6 +27,7 @@ from logic.teachers import (
     score_request,
 )
 from models.load import load_model
+from runtime.facts import RunFacts
 from tests.helpers import context
 from tests.test_engine import serve
 from training.batching import make_micro_batch
@@ -152,13 +153,13 @@ async def test_server_scores_equal_a_float64_forward(ipc, temperature):
 
 def pool_for(ipc, url: str, clients: dict, top_k: int = 0):
     """A server-mode TeacherPool with its clients set (no actor loop: `_score` is called)."""
-    cfg = TeacherPoolConfig(student="examples/base-tiny", mode="server", max_retries=1,
+    cfg = TeacherPoolConfig(mode="server", max_retries=1,
                             request_timeout_s=30.0, opd=OpdConfig(
                                 mode="top_k" if top_k else "sampled", top_k=top_k,
                                 top_k_from="teacher" if top_k else "student"),
                             teachers=[TeacherSpec(name="arith", model="examples/teacher-arith",
                                                   domains=["math", "reverse"], url=url)])
-    pool = TeacherPool(context("teachers", ipc), cfg)
+    pool = TeacherPool(context("teachers", ipc, facts=RunFacts(model="examples/base-tiny")), cfg)
     pool.clients = clients
     pool.stats = collections.defaultdict(collections.Counter)
     return pool
@@ -349,10 +350,10 @@ def test_topk_loss_from_arrays_equals_the_list_path_and_a_float64_reference():
     cfg = TrainerConfig(model="examples/base-tiny", workers=["w"],
                         opd=OpdConfig(mode="top_k", top_k=5, kl_coef=0.5,
                                       top_k_from="teacher"),
-                        loss=LossConfig(advantage_estimator="none", temperature=temperature))
+                        loss=LossConfig(advantage_estimator="none"))
     mb = make_micro_batch(received, tok.pad_token_id or 0)
     assert len(set(map(len, (s.response_ids for s in received)))) > 1  # rows of padding too
-    (inp,) = prepare_opd([mb], [None], cfg, None)
+    (inp,) = prepare_opd([mb], [None], cfg, None, temperature=temperature)
     ids, lps = list_topk_inputs(mb, 5)
     assert torch.equal(inp.topk_ids, ids) and torch.equal(inp.topk_logp, lps)
     with torch.no_grad():

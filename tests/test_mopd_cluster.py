@@ -35,13 +35,12 @@ config = {{ router = {{ log_level = "warn" }} }}
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = {{ group_size = 4, groups_per_batch = 4, max_staleness = 1 }}
+config = {{ max_staleness = 1 }}
 
 [actors.teachers]
 cls = "actors.teacher_pool:TeacherPool"
 after = ["buffer"{pool_after}]
 [actors.teachers.config]
-student = "examples/base-tiny"
 mode = "{mode}"
 opd = {{ mode = "{opd}", kl_coef = 1.0 }}
 teachers = {pool_teachers}
@@ -50,7 +49,6 @@ teachers = {pool_teachers}
 cls = "actors.rollout:RolloutActor"
 after = ["router", "buffer", "teachers"]
 [actors.rollout.config]
-model = "examples/base-tiny"
 sink = "teachers"
 group_size = 4
 groups_per_batch = 4

@@ -120,9 +120,10 @@ def test_streamed_step_equals_float64_teachers_and_one_micro_batch(tmp_path, mod
         student = tiny(0)
         state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=1.0))
         state.teachers = colocated(tmp_path / f"mb{mb}", teachers)
+        state.temperature = 0.8
         try:
             stats = train_on_batch(state, batch, config(opd, names, mb, loss=LossConfig(
-                advantage_estimator="none", temperature=0.8)))
+                advantage_estimator="none")))
             assert state.teachers.memory.counters["gpu_loads"] == 2  # one switch per teacher
         finally:
             state.teachers.close()
@@ -180,7 +181,7 @@ def test_signals_hold_one_micro_batch_of_teacher_outputs(tmp_path):
     pool = colocated(tmp_path, teachers)
     cfg = config(OpdConfig(mode="full"), names, 2)
     order = [0, 2, 1, 3]  # a, a, b, b
-    signals = OpdSignals(mbs, cfg, pool, order)
+    signals = OpdSignals(mbs, cfg, 1.0, pool, order)
     try:
         with pytest.raises(RuntimeError, match="out of the declared order"):
             signals.inputs(1)
@@ -362,7 +363,7 @@ def test_replayed_logprobs_renormalise_over_the_nucleus():
     student = tiny(0).double()
     mb = make_micro_batch(batch)
     cfg = config(OpdConfig(mode="sampled", top_p_replay=True), ["a"], 2)
-    signals = OpdSignals([mb], cfg, None)
+    signals = OpdSignals([mb], cfg, 1.0, None)
     inp = signals.inputs(0)
     inp.configs[1] = OpdConfig(mode="sampled")  # row 1: no replay
     with torch.no_grad():
@@ -446,7 +447,7 @@ def test_tokens_without_a_nucleus_keep_plain_logprobs_and_are_counted():
     student = tiny(0).double()
     mb = make_micro_batch(batch)
     signals = OpdSignals([mb], config(OpdConfig(mode="sampled", top_p_replay=True), ["a"], 2),
-                         None)
+                         1.0, None)
     inp = signals.inputs(0)
     assert signals.counts["nucleus_fallback_tokens"] == 2
     with torch.no_grad():
@@ -483,14 +484,13 @@ def test_top_p_term_over_recorded_and_fallback_tokens(tmp_path):
     drop_nucleus(batch[0], 4)
     teacher, student = tiny(1), tiny(0)
     mb = make_micro_batch(batch)
-    cfg = config(OpdConfig(mode="top_p", top_p=top_p, kl_coef=0.5), ["a"], 2,
-                 loss=LossConfig(temperature=T))
+    cfg = config(OpdConfig(mode="top_p", top_p=top_p, kl_coef=0.5), ["a"], 2)
     pool = colocated(tmp_path, {"a": teacher})
-    signals = OpdSignals([mb], cfg, pool)
+    signals = OpdSignals([mb], cfg, T, pool)
     try:
         inp = signals.inputs(0)
         z = student(input_ids=mb.input_ids).logits[:, 7:-1]
-        loss = opd_term_loss(cfg, mb, inp, z, N, None, signals.counts)
+        loss = opd_term_loss(cfg, T, mb, inp, z, N, None, signals.counts)
     finally:
         signals.close()
         pool.close()
@@ -520,11 +520,11 @@ def test_replayed_sampled_teacher_is_renormalised_over_the_nucleus(tmp_path, fal
         drop_nucleus(batch[1], 3)
     teacher, student = tiny(1), tiny(0)
     state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=0.0))
-    state.teachers = colocated(tmp_path, {"a": teacher})
+    state.teachers, state.temperature = colocated(tmp_path, {"a": teacher}), T
     try:
         stats = train_on_batch(state, batch, config(
             OpdConfig(mode="sampled", top_p_replay=True), ["a"], 2,
-            loss=LossConfig(advantage_estimator="none", temperature=T)))
+            loss=LossConfig(advantage_estimator="none")))
     finally:
         state.teachers.close()
     replayed, plain = [], []
@@ -554,9 +554,10 @@ def test_replayed_sampled_server_teacher_keeps_the_whole_vocabulary_gap():
         s.teacher_logprobs = [float(lt[j, x]) for j, x in enumerate(s.response_ids)]
         plain += [float(ls[j, x] - lt[j, x]) for j, x in enumerate(s.response_ids)]
     state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=0.0))
+    state.temperature = T
     stats = train_on_batch(state, batch, TrainConfig(
         model="code", opd=OpdConfig(mode="sampled", top_p_replay=True),
-        loss=LossConfig(advantage_estimator="none", temperature=T),
+        loss=LossConfig(advantage_estimator="none"),
         micro_batches=MicroBatchConfig(size=2)))
     assert stats["opd/a/reverse_kl"] == pytest.approx(sum(plain) / len(plain), rel=1e-4)
 

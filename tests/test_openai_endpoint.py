@@ -29,6 +29,7 @@ from envs.loader import EnvMix
 from envs.openai_api import AgentEndpoint, parse_tool_calls
 from models.load import load_model
 from models.tokenizer import build_char_tokenizer
+from runtime.facts import RunFacts
 from tests.helpers import context, running
 from training.batching import make_micro_batch
 from training.step import TrainState, forward
@@ -482,8 +483,8 @@ async def test_the_rollout_plays_the_agent_on_the_tiny_model_token_exactly(ipc):
     whose policy tokens are the worker's, whose log-probs the trainer recomputes, and whose
     requests are counted in the rollout's metrics."""
     worker = InferenceWorker(context("w", ipc), InferenceWorker.Config(model="examples/base-tiny"))
-    actor = RolloutActor(context("rollout", ipc), RolloutConfig(envs=[],
-                                                                model="examples/base-tiny"))
+    actor = RolloutActor(context("rollout", ipc, facts=RunFacts(model="examples/base-tiny")),
+                         RolloutConfig(envs=[]))
     env = AgentCalcEnv(max_operand=9)
     actor.envs, actor.tokenizer = EnvMix([env], [1.0]), build_char_tokenizer()
     actor.gate = asyncio.Semaphore(8)

@@ -45,7 +45,7 @@ def test_values_parse_as_toml_else_as_strings():
 def test_overrides_apply_before_validation_and_create_allowed_tables():
     cfg = load(LOCAL, None, parse_overrides([
         "actors.trainer.config.optimizer.lr=3e-5", "run.name=x",
-        "actors.buffer.config.group_size=16", "actors.rollout.config.group_size=16",
+        "actors.buffer.config.max_pending_groups=16", "actors.rollout.config.group_size=16",
         # [actors.trainer.config] has no `kl` table in the file: created, the schema has one
         "actors.trainer.config.kl.coef=0.1", "actors.trainer.config.kl.use_kl_loss=true",
         "actors.router.config.router.log_level=info", "run.sinks=['jsonl']"]))
@@ -54,8 +54,9 @@ def test_overrides_apply_before_validation_and_create_allowed_tables():
     assert trainer["optimizer"] == {"lr": 3e-5}
     assert trainer["kl"] == {"coef": 0.1, "use_kl_loss": True}
     assert trainer["micro_batches"] == {"size": 64}  # the rest of the file is kept
-    assert cfg.actors["buffer"].config["group_size"] == 16
+    assert cfg.actors["buffer"].config["max_pending_groups"] == 16
     assert cfg.actors["rollout"].config["group_size"] == 16
+    assert cfg.facts["buffer"].group_size == 16  # said once, by the rollout
     assert cfg.actors["router"].config["router"] == {"log_level": "info"}
 
 
@@ -82,10 +83,11 @@ def test_override_errors_name_the_set_and_the_path():
     message = error_of(LOCAL, "actors.trainer.config.kl.coef=0.1")
     assert "needs use_kl_loss = true" in message
     assert "set on the command line by --set actors.trainer.config.kl.coef=0.1" in message
-    # one side of a pair the peers check: both tables and the --set are named
+    # a fact set where it is only read: where to set it instead
     message = error_of(LOCAL, "actors.buffer.config.group_size=16")
-    assert "[actors.buffer.config]" in message and "[actors.rollout.config]" in message
-    assert "--set actors.buffer.config.group_size=16" in message
+    assert "--set actors.buffer.config.group_size=16: table [actors.buffer.config] has no field " \
+           "`group_size`; group_size is a fact of the run, said once (in [rl], or as " \
+           "`group_size` of the rollout)" in message
     # a new actor table is created, then the schema says what it lacks
     message = error_of(LOCAL, "actors.extra.config.x=1")
     assert "table [actors.extra], field `cls`: Object missing required field `cls`" in message
@@ -179,17 +181,22 @@ plots = false
 name = "local"
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = {{ group_size = 2, groups_per_batch = 2 }}
 [actors.router]
 cls = "actors.router:RouterActor"
 [actors.rollout]
 cls = "actors.rollout:RolloutActor"
 after = ["router", "buffer"]
 [actors.rollout.config]
-model = "tiny-qwen2"
 envs = [{{ cls = "myenv:Capitals" }}]
 group_size = 2
 groups_per_batch = 2
+[actors.w]
+cls = "actors.inference:InferenceWorker"
+config = {{ model = "tiny-qwen2" }}
+[actors.trainer]
+cls = "actors.trainer:TrainerActor"
+after = ["buffer", "w"]
+config = {{ model = "tiny-qwen2", workers = ["w"] }}
 [actors.probe]
 cls = "probe_actor:Probe"
 primary = true
@@ -206,7 +213,8 @@ def test_python_path_and_model_paths_resolve_against_the_config_folder(tmp_path)
     assert cfg.run.python_path == [str((project / "lib").resolve())]
     assert str((project / "lib").resolve()) in sys.path
     assert cfg.actors["probe"].config["model"] == str((project / "ckpt").resolve())
-    assert cfg.actors["rollout"].config["model"] == "tiny-qwen2"  # a built-in name: untouched
+    assert cfg.actors["trainer"].config["model"] == "tiny-qwen2"  # a built-in name: untouched
+    assert cfg.facts["rollout"].model == "tiny-qwen2"  # the trainer's, which the rollout reads
     # a relative path that is no checkpoint beside the file is left as written
     text = hosts.read_text().replace('model = "ckpt"', 'model = "examples/base-tiny"')
     hosts.write_text(text)

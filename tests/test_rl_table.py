@@ -69,8 +69,9 @@ def test_model_paths_are_read_next_to_the_file_from_any_working_directory(tmp_pa
     monkeypatch.chdir(tmp_path)
     cfg = load(EXAMPLES / "local.toml")
     model = str((EXAMPLES / "base-tiny").resolve())
-    assert {cfg.actors[n].config["model"] for n in ("worker0", "worker1", "rollout", "trainer")} \
+    assert {cfg.actors[n].config["model"] for n in ("worker0", "worker1", "trainer")} \
         == {model}
+    assert cfg.facts["rollout"].model == model  # the rollout reads the run's model
 
 
 def test_set_on_rl_reaches_every_actor_that_holds_the_value():
@@ -78,11 +79,11 @@ def test_set_on_rl_reaches_every_actor_that_holds_the_value():
         ["rl.group_size=4", "rl.workers=3", "rl.temperature=0.7",
          "actors.trainer.config.optimizer.grad_clip=0.5"]))
     a = cfg.actors
-    assert a["buffer"].config["group_size"] == a["rollout"].config["group_size"] == 4
+    assert a["rollout"].config["group_size"] == cfg.facts["buffer"].group_size == 4
     assert a["trainer"].config["workers"] == ["worker0", "worker1", "worker2"]
     assert a["router"].after == ["worker0", "worker1", "worker2"]
     assert a["worker2"].config["seed"] == 2
-    assert a["rollout"].config["temperature"] == a["trainer"].config["loss"]["temperature"] == 0.7
+    assert a["rollout"].config["temperature"] == cfg.facts["trainer"].temperature == 0.7
     # an actor override merges into the derived table: lr from [rl] stays
     assert a["trainer"].config["optimizer"] == {"lr": 1e-4, "grad_clip": 0.5}
 
@@ -103,7 +104,7 @@ cls = "examples.demo:Scaler"
     assert a["trainer"].config["optimizer"] == {"lr": 1e-4, "weight_decay": 0.01}
     assert a["trainer"].config["kl"] == {"coef": 0.1, "use_kl_loss": True}
     assert a["trainer"].primary and a["buffer"].restart.max_restarts == 5
-    assert a["buffer"].config == {"group_size": 4, "groups_per_batch": 2, "max_staleness": 1}
+    assert a["buffer"].config == {"max_staleness": 1}  # its own knob; the batch shape is a fact
     assert "extra" in a and a["extra"].cls == "examples.demo:Scaler"
 
 
@@ -144,8 +145,8 @@ def test_sglang_engine_derives_registering_servers_after_the_router(tmp_path):
     ("lr = \"fast\"\n", ["table [rl], field `lr`: Expected `float`, got `str`"]),
     ('opd = { mode = "full" }\n', ["teachers is empty"]),
     ("\n[actors.buffer.config]\ngroup_size = 8\n",
-     ["[actors.buffer.config]", "[actors.rollout.config]",
-      "derived from [rl]: change the value in [rl]"]),
+     ["[actors.buffer.config], field `group_size`", "said once (in [rl], or as `group_size` of "
+      "the rollout)", "derived from [rl]: change the value in [rl]"]),
     ("\n[actors.trainer.config]\noptimizr = { lr = 1 }\n",
      ["`optimizr`", "derived from [rl]"]),
 ])
@@ -161,7 +162,8 @@ def test_dry_run_prints_the_derived_configs(capsys):
     out = capsys.readouterr().out
     assert "actor configs (derived from [rl]" in out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("buffer:"))
-    assert '"group_size": 4' in line and '"max_staleness": 1' in line
+    assert '"max_staleness": 1' in line
+    assert '"group_size": 4' in out.split("run facts: ")[1]
 
 
 def test_derivation_does_not_touch_the_document_it_was_given():

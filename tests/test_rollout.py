@@ -17,6 +17,7 @@ from envs.base import SingleTurnEnv, Task
 from envs.loader import EnvMix
 from models.load import load_model
 from models.tokenizer import build_char_tokenizer
+from runtime.facts import RunFacts
 from tests.helpers import context, running
 from training.batching import make_micro_batch
 from training.step import TrainState, forward
@@ -80,7 +81,8 @@ class Exploding(SingleTurnEnv):
 
 async def test_env_that_raises_gives_a_failed_sample_and_the_rollout_goes_on(ipc):
     tok = build_char_tokenizer()
-    actor = RolloutActor(context("rollout", ipc), RolloutConfig(envs=[], model="tiny-qwen2"))
+    actor = RolloutActor(context("rollout", ipc, facts=RunFacts(model="tiny-qwen2")),
+                         RolloutConfig(envs=[]))
     actor.envs = EnvMix([Exploding()], [1.0])
     actor.tokenizer, actor.gate = tok, asyncio.Semaphore(4)
     actor.client = ScriptedClient([reply([tok.eos_token_id])] * 2)

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from actors.buffer import BufferActor
+from actors.rollout import RolloutActor
 from launch.config import ConfigError, load
 from logic.buffer import BufferConfig
 from runtime.actor import Actor
@@ -47,21 +48,23 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_facts_are_derived_once_from_rl_and_reach_every_actor_spec(tmp_path):
     cfg = load(write(tmp_path, RL))
-    assert cfg.facts == RunFacts(model="tiny-qwen2", group_size=4, groups_per_batch=2,
+    assert set(cfg.facts) == set(cfg.actors)  # one pipeline: every actor gets the same facts
+    for facts in cfg.facts.values():
+        assert facts == RunFacts(model="tiny-qwen2", group_size=4, groups_per_batch=2,
                                  temperature=0.7, top_p=0.9, max_staleness=2)
 
 
 def test_facts_of_a_distillation_run_name_its_teachers_and_opd(tmp_path):
     text = RL + ('teachers = [{ name = "t", model = "tiny-qwen2", domains = ["math", "a"] }]\n'
                  'opd = { mode = "sampled" }\n')
-    facts = load(write(tmp_path, text)).facts
+    facts = load(write(tmp_path, text)).facts["teachers"]
     assert facts.teachers == [TeacherFact("t", "tiny-qwen2", ["a", "math"])]
     assert (facts.opd_mode, facts.opd_top_k) == ("sampled", 0)
 
 
 def test_facts_of_a_per_actor_layout_come_from_the_deciding_actors(monkeypatch):
     monkeypatch.chdir(ROOT)
-    facts = load(ROOT / "tests" / "fixtures" / "mopd_layout.toml").facts
+    facts = load(ROOT / "tests" / "fixtures" / "mopd_layout.toml").facts["buffer"]
     assert facts.group_size > 0 and facts.groups_per_batch > 0
     assert facts.opd_mode == "full"
     assert sorted(t.name for t in facts.teachers) == ["arith", "reverse"]
@@ -95,8 +98,7 @@ def sample(gid: str, index: int) -> Sample:
 
 async def test_the_buffer_admits_only_groups_sampled_at_the_runs_settings(ipc, factory):
     facts = RunFacts(temperature=0.7, top_p=1.0, group_size=2, groups_per_batch=1)
-    actor = BufferActor(context("buffer", ipc, facts=facts),
-                        BufferConfig(group_size=2, groups_per_batch=1))
+    actor = BufferActor(context("buffer", ipc, facts=facts), BufferConfig())
     async with running(actor):
         sender = StreamSender(factory, actor.bound.inbox)
         client = RpcClient(factory, actor.bound.rpc, "trainer", timeout_s=3.0, role="trainer")
@@ -116,7 +118,7 @@ async def test_the_buffer_admits_only_groups_sampled_at_the_runs_settings(ipc, f
             await client.close()
 
 
-def test_each_fact_is_written_once_and_the_copies_are_filled_at_load(tmp_path):
+def test_each_fact_is_written_once_and_read_by_the_others_from_their_facts(tmp_path):
     from launch.rl import RLConfig, derive
 
     text = RL + 'teachers = [{ name = "t", model = "tiny-qwen2", domains = ["math"] }]\n'
@@ -124,30 +126,68 @@ def test_each_fact_is_written_once_and_the_copies_are_filled_at_load(tmp_path):
                               teachers=[{"name": "t", "model": "tiny-qwen2"}]))
     assert "group_size" not in derived["buffer"]["config"]  # said once: to the rollout
     assert "temperature" not in derived["teachers"]["config"]
-    assert "student" not in derived["teachers"]["config"]
+    assert "model" not in derived["rollout"]["config"]
     assert "loss" not in derived["trainer"]["config"]
-    actors = load(write(tmp_path, text)).actors
-    assert actors["buffer"].config["group_size"] == 4
-    assert actors["buffer"].config["groups_per_batch"] == 2
-    assert actors["teachers"].config["temperature"] == 0.7
-    assert actors["teachers"].config["student"] == "tiny-qwen2"
-    assert actors["trainer"].config["loss"]["temperature"] == 0.7
-    assert actors["rollout"].config["model"] == "tiny-qwen2"
+    cfg = load(write(tmp_path, text))
+    for name, field in (("buffer", "group_size"), ("teachers", "temperature"),
+                        ("teachers", "student"), ("rollout", "model")):
+        assert field not in cfg.actors[name].config  # no copies at load either
+    for name in ("buffer", "teachers", "trainer", "rollout"):  # they read the facts instead
+        facts = cfg.facts[name]
+        assert (facts.group_size, facts.groups_per_batch, facts.temperature, facts.model) == \
+            (4, 2, 0.7, "tiny-qwen2")
 
 
-def test_a_per_actor_layout_states_a_fact_once_and_a_stated_copy_is_checked(monkeypatch,
-                                                                             tmp_path):
+def test_a_per_actor_layout_states_a_fact_once_and_a_copy_is_refused_with_where_it_goes(
+        monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     text = (ROOT / "tests" / "fixtures" / "mopd_layout.toml").read_text()
-    old = "config = { group_size = 4, groups_per_batch = 32, max_staleness = 1 }"
-    assert old in text
-    once = text.replace(old, "config = { max_staleness = 1 }")
-    actors = load(write(tmp_path, once)).actors
-    assert (actors["buffer"].config["group_size"], actors["buffer"].config["groups_per_batch"]) \
-        == (4, 32)
-    with pytest.raises(ConfigError, match="group_size = 8 here but group_size = 4 in "
-                                          r"\[actors.rollout.config\]"):
-        load(write(tmp_path, text.replace(old, "config = { group_size = 8, max_staleness = 1 }")))
+    once = "config = { max_staleness = 1 }"
+    assert once in text
+    cfg = load(write(tmp_path, text))
+    assert (cfg.facts["buffer"].group_size, cfg.facts["buffer"].groups_per_batch) == (4, 32)
+    for copy, table, fact, decider in [
+            ("config = { group_size = 4, max_staleness = 1 }", "buffer", "group_size",
+             "`group_size` of the rollout"),
+            ('[actors.teachers.config]\nstudent = "examples/base-tiny"', "teachers", "model",
+             "`model` of the trainer")]:
+        anchor = once if table == "buffer" else "[actors.teachers.config]"
+        with pytest.raises(ConfigError, match=rf"\[actors.{table}.config\].*{fact} is a fact of "
+                                              rf"the run, said once \(in \[rl\], or as {decider}"):
+            load(write(tmp_path, text.replace(anchor, copy)))
+
+
+def test_an_actor_checks_its_own_settings_against_the_facts_at_load(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "tests" / "fixtures" / "mopd_layout.toml").read_text()
+    text = text.replace("config = { max_staleness = 1 }",
+                        "config = { max_staleness = 1, min_ok_per_group = 5 }")
+    with pytest.raises(ConfigError, match=r"\[actors.buffer.config\]: min_ok_per_group \(5\) "
+                                          r"must be <= the run's group_size \(4\)"):
+        load(write(tmp_path, text))
+
+
+def test_each_pipeline_of_a_layout_has_its_own_facts(monkeypatch, tmp_path):
+    """Two buffers, each with its rollout: each actor reads the facts of its own pipeline;
+    the workers (no buffer) read the trainer's."""
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "tests" / "fixtures" / "local_layout.toml").read_text()
+    text += ('\n[actors.buffer2]\ncls = "actors.buffer:BufferActor"\n'
+             'config = { max_staleness = 1 }\n\n'
+             '[actors.rollout2]\ncls = "actors.rollout:RolloutActor"\n'
+             'after = ["router", "buffer2"]\n'
+             'config = { buffer = "buffer2", group_size = 2, groups_per_batch = 4, envs = '
+             '[{ cls = "envs.builtin.arith:ArithEnv" }] }\n')
+    with pytest.raises(ConfigError, match=r"\[actors.rollout2.config\]: no trainer on this "
+                                          r"rollout's buffer decides the run's model.*"
+                                          r"buffer = 'buffer2'"):
+        load(write(tmp_path, text))
+    monkeypatch.setattr(RolloutActor, "check_facts", classmethod(lambda cls, c, f: None))
+    facts = load(write(tmp_path, text)).facts
+    assert (facts["buffer"].group_size, facts["rollout"].group_size) == (8, 8)
+    assert (facts["buffer2"].group_size, facts["buffer2"].groups_per_batch) == (2, 4)
+    assert facts["rollout2"] == facts["buffer2"] and facts["worker0"] == facts["trainer"]
+    assert facts["rollout2"].model == "" and facts["trainer"].model.endswith("base-tiny")
 
 
 class EchoConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -313,13 +313,12 @@ config = { model = "examples/base-tiny" }
 
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = { group_size = 4, groups_per_batch = 2, max_staleness = 0 }
+config = { max_staleness = 0 }
 
 [actors.rollout]
 cls = "actors.rollout:RolloutActor"
 after = ["worker0", "buffer"]
 [actors.rollout.config]
-model = "examples/base-tiny"
 router = "worker0"
 group_size = 4
 groups_per_batch = 2

@@ -82,7 +82,11 @@ cls = "actors.inference:InferenceWorker"
 config = {{ model = "examples/base-tiny", device = "{w1}" }}
 [actors.buffer]
 cls = "actors.buffer:BufferActor"
-config = {{ group_size = 4, groups_per_batch = 4 }}
+[actors.rollout]
+cls = "actors.rollout:RolloutActor"
+after = ["worker0", "buffer"]
+config = {{ router = "worker0", group_size = 4, groups_per_batch = 4, envs = [
+  {{ cls = "envs.builtin.arith:ArithEnv" }}] }}
 [actors.trainer]
 cls = "actors.trainer:TrainerActor"
 after = ["worker0", "worker1", "buffer"]

@@ -342,7 +342,7 @@ class OpdSignals:
     with colocated teachers each call runs that micro-batch's teacher forwards (streaming);
     server replies are read from the samples. `close()` after the pass."""
 
-    def __init__(self, mbs: list[MicroBatch], cfg: TrainConfig,
+    def __init__(self, mbs: list[MicroBatch], cfg: TrainConfig, temperature: float,
                  teachers: ColocatedTeachers | None, order: list[int] | None = None,
                  next_teachers: list[str] = ()):
         self.mbs, self.cfg, self.teachers = mbs, cfg, teachers
@@ -355,7 +355,7 @@ class OpdSignals:
         if teachers is not None:
             logit_teachers = {n for n, c in self.configs.items() if wants_teacher_logits(c)}
             replay = {n for n, c in self.configs.items() if c.mode == "sampled" and c.top_p_replay}
-            self.stream = teachers.stream(mbs, self.order, cfg.loss.temperature, logit_teachers,
+            self.stream = teachers.stream(mbs, self.order, temperature, logit_teachers,
                                           next_teachers, replay)
 
     @property
@@ -390,12 +390,12 @@ class OpdSignals:
 
 
 def prepare_opd(mbs: list[MicroBatch], student_logp: list[torch.Tensor], cfg: TrainConfig,
-                teachers: ColocatedTeachers | None, next_teachers: list[str] = ()
-                ) -> list[OpdInputs]:
+                teachers: ColocatedTeachers | None, next_teachers: list[str] = (),
+                temperature: float = 1.0) -> list[OpdInputs]:
     """Every micro-batch's OPD inputs at once (for tests and tools; the train step streams them
     with `OpdSignals`, which never holds more than one micro-batch's teacher outputs)."""
     order = None if teachers is None else micro_batch_order(mbs, teachers.teacher_order(mbs))
-    signals = OpdSignals(mbs, cfg, teachers, order, next_teachers)
+    signals = OpdSignals(mbs, cfg, temperature, teachers, order, next_teachers)
     try:
         out = {j: signals.inputs(j) for j in signals.order}
     finally:

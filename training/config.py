@@ -77,7 +77,6 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     std_normalization: bool = True  # grpo only: false = Dr.GRPO (same as estimator "dr_grpo")
     gamma: float = 1.0  # per-token discount (reinforce_plus_plus, ppo)
     gae_lambda: float = 0.95  # GAE lambda (ppo)
-    temperature: float = 1.0  # must equal the rollout's sampling temperature
     eps_clip: float = 0.2  # PPO clip: ratio bounded below by 1 - eps_clip
     eps_clip_high: float | None = None  # upper bound 1 + eps_clip_high (None = eps_clip)
     dual_clip_c: float | None = None  # > 1: cap the loss of negative-advantage tokens at -c*A
@@ -92,9 +91,6 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1):
             raise ValueError(f"need 0 < gamma <= 1 and 0 <= gae_lambda <= 1, got gamma = "
                              f"{self.gamma}, gae_lambda = {self.gae_lambda}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), "
-                             f"got {self.temperature}")
 
     @property
     def estimator(self) -> str:

@@ -78,6 +78,7 @@ class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
     op: str  # "step" | "sleep" | "wake" | "digest" | "hf" | "save" | "stop"
     samples: list[Sample] = []
     next_teachers: list[str] = []  # the buffer's hint (colocated teachers)
+    temperature: float = 1.0  # "step": the run's sampling temperature (TrainState.temperature)
     keep_weights: bool = False  # "sleep": park all but the parameters (TrainState.sleep)
     path: str = ""  # "save": the checkpoint directory being written
 
@@ -307,7 +308,8 @@ class RankGroup(Ranks):
 
     def train(self, state: TrainState, samples: list[Sample], cfg: TrainConfig,
               next_teachers: list[str] = ()) -> dict[str, float]:
-        return self.run(RankCommand("step", samples=samples, next_teachers=list(next_teachers)),
+        return self.run(RankCommand("step", samples=samples, next_teachers=list(next_teachers),
+                                    temperature=state.temperature),
                         self.step, state, samples, cfg)
 
     def all_digests(self, model: torch.nn.Module) -> list[float]:
@@ -480,7 +482,7 @@ def join_group(cfg: TrainConfig, rank: int, world_size: int, store: str, run_dir
 def run_command(cmd: RankCommand, state: TrainState, cfg: TrainConfig, ranks: Ranks) -> None:
     """This rank's part of one of rank 0's commands."""
     if cmd.op == "step":
-        state.next_teachers = cmd.next_teachers
+        state.next_teachers, state.temperature = cmd.next_teachers, cmd.temperature
         ranks.step(state, cmd.samples, cfg)
     elif cmd.op == "sleep":
         state.sleep(cmd.keep_weights)

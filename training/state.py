@@ -53,6 +53,8 @@ class TrainState:
         # training.colocated_teachers.ColocatedTeachers (colocated distillation)
         self.teachers: Any = None
         self.next_teachers: list[str] = []  # the buffer's hint: teachers of the next batch
+        # the run's sampling temperature (RunFacts): every log-prob of the step is computed at it
+        self.temperature = 1.0
         self.step = 0
         self.version = 0
         self.skipped_checkpoints: list[str] = []  # newer checkpoints a resume found damaged

@@ -150,7 +150,8 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     prep = prepare(state, runner, samples, groups, mbs, cfg, dp, totals, by_length)
     opd_sums: dict[str, list[float]] = {}
     order = opd_order(state, mbs, cfg, runner)
-    signals = (OpdSignals(mbs, cfg, state.teachers, order, state.next_teachers)
+    signals = (OpdSignals(mbs, cfg, state.temperature, state.teachers, order,
+                          state.next_teachers)
                if cfg.opd is not None and last else None)
     try:
         current = policy_pass(state, runner, mbs, prep, cfg, len(samples), totals, opd_sums,
@@ -163,7 +164,7 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     if state.critic is not None and last:  # the critic's inputs exist where the losses do
         stats["train/critic_grad_norm"] = critic_pass(state, mbs, prep, cfg, len(samples),
                                                       totals, dp)
-    new = runner.logprobs(mbs, cfg.loss.temperature, by_length)
+    new = runner.logprobs(mbs, state.temperature, by_length)
     if not last:
         return runner.share(stats)
     for c, n, mb in zip(current, new, mbs):
@@ -215,7 +216,7 @@ def prepare(state: TrainState, runner: ModelRunner, samples: list[Sample], plan:
     """Old-policy and reference log-probs, critic values and advantages per micro-batch (None
     on a pipeline stage without logits: it only takes part in the policy's passes)."""
     device = runner.device
-    temperature = cfg.loss.temperature
+    temperature = state.temperature
     old = ([mb.rollout_logp for mb in mbs] if cfg.mismatch.bypass
            else runner.logprobs(mbs, temperature, by_length))
     if not runner.is_last_stage:
@@ -266,7 +267,7 @@ def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.T
         if old is None:
             totals["proximal_fallback_samples"] += len(rows)
             continue
-        out[rows] = old.logprobs(mb, cfg.loss.temperature, by_length)[rows]
+        out[rows] = old.logprobs(mb, state.temperature, by_length)[rows]
     return out
 
 
@@ -355,7 +356,7 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
         if inp is not None:
             if replay:
                 train_logp, old, rollout = replayed_logprobs(logp, p.old, mb, inp, logits,
-                                                            cfg.loss.temperature)
+                                                            state.temperature)
             # r_t compares like with like: the student replayed where the teacher is
             student = (p.old if inp.teacher_replayed is None
                        else torch.where(inp.teacher_replayed, old, p.old))
@@ -371,14 +372,14 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
             loss = loss + cfg.kl.coef * kl
             totals["kl_loss"] += float(kl.detach())
         if opd_term and inp is not None:
-            loss = loss + opd_term_loss(cfg, mb, inp, logits, num_samples, opd_sums,
-                                        signals.counts)
+            loss = loss + opd_term_loss(cfg, state.temperature, mb, inp, logits, num_samples,
+                                        opd_sums, signals.counts)
         del inp  # the teacher outputs of this micro-batch go before the next one's come
         _accumulate(totals, mb, terms, ent, current[j], state.version)
         return loss
 
     state.optimizer.zero_grad(set_to_none=True)
-    runner.forward_backward([mbs[j] for j in order], cfg.loss.temperature, loss_fn,
+    runner.forward_backward([mbs[j] for j in order], state.temperature, loss_fn,
                             with_logits=opd_term or replay, by_length=by_length)
     return current if runner.is_last_stage else []
 
@@ -420,15 +421,15 @@ def replayed_logprobs(logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, inp
                         mb.rollout_logp))
 
 
-def opd_term_loss(cfg: TrainConfig, mb: MicroBatch, inp: OpdInputs, logits: torch.Tensor,
-                  num_samples: int, sums: dict[str, list[float]] | None,
+def opd_term_loss(cfg: TrainConfig, temperature: float, mb: MicroBatch, inp: OpdInputs,
+                  logits: torch.Tensor, num_samples: int, sums: dict[str, list[float]] | None,
                   counts: dict[str, int] | None = None) -> torch.Tensor:
     """Sum over the samples' distinct loss-term OPD configs of kl_coef * sample-mean of the
     teacher-weighted reverse KL on those samples (algos/opd.py). Whole-vocabulary sets use the
     weighted form (gradient computed now, the teacher's logits not kept); id sets (top-k, a
     recorded nucleus) keep [B, R, k] values."""
     total = logits.new_zeros((), dtype=torch.float32)
-    T = cfg.loss.temperature
+    T = temperature
     for config in {id(c): c for c in inp.configs if is_loss_term(c.mode)}.values():
         mask = inp.mask * rows_with(inp, config)[:, None]
         if not mask.any():
