@@ -15,6 +15,15 @@ reported. `lost` counts records the publisher dropped plus those missing from th
 
 `--jsonl FILE` appends every live record as one JSON line; `--no-live` (with --jsonl) shows no
 board; `--duration-s 0` prints the board once and exits.
+
+The watcher ends by itself with the run: a run directory whose exit.json is newer than the run's
+start (config.json, endpoints.json: a resumed run rewrites both) has ended, and the watcher says
+so (exit code and reason) and exits, at once when started on it, or once the launcher has gone
+when it was following it. When nothing answers at the metrics address for a few seconds
+(`--gone-s`) and the run directory records no end, its launcher is not running (killed, or its
+host went down): the watcher says so and exits with code 1. While the run starts, the actors not
+up yet are named (`waiting for router to start (12s)`; without a board, on stderr now and then).
+Ctrl-C or SIGTERM ends it with code 0, whatever signal state it inherited.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import itertools
 import json
 import math
 import re
+import signal
 import statistics
 import sys
 import time
@@ -35,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import zmq
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.text import Text
@@ -48,6 +59,9 @@ STALE_MIN_S = 5.0  # ... but never before this many seconds
 DEFAULT_INTERVAL_S = 20.0  # an actor's interval until it has two records
 HISTORY = 16  # record times kept per actor for the interval estimate (and read back on attach)
 REFRESH_S = 0.25
+GONE_S = 5.0  # nothing answers at the metrics address this long: the launcher is not running
+ENDED_GRACE_S = 1.0  # once exit.json is there, records still in flight may arrive this long
+PROGRESS_S = 10.0  # without a board, a wait (actors not up yet) is said again this often
 ROLE_ORDER = ("trainer", "rollout", "buffer", "teachers", "prefetcher", "worker", "other")
 # actor class module -> role, for actors whose metric names do not say it (yet)
 CLS_ROLES = {"actors.trainer": "trainer", "actors.rollout": "rollout", "actors.buffer": "buffer",
@@ -296,6 +310,13 @@ class Board:
         self.classes: dict[str, str] = {}  # actor -> class, from config.json
         self.gaps: dict[str, int] = {}  # records missing from the live stream, per actor
         self._exit: tuple[float, str] | None = None  # exit.json's mtime and 'exit N'
+        # the actors the launcher has started (endpoints.json lists them once every one is up):
+        # None = not known (no run directory), so every silent actor is 'no record yet'
+        self.up: set[str] | None = None
+        self.starting_since: float | None = None  # when the start began, while it goes on
+        self.start_noted = -math.inf  # the mtime of the endpoints.json read for those two
+        # (the metrics address, seconds it has not answered) while it does not
+        self.unanswered: tuple[str, float] | None = None
 
     # -- input
     def expect(self, classes: dict[str, str]) -> None:
@@ -333,8 +354,8 @@ class Board:
         return max(STALE_FACTOR * (a.interval() or DEFAULT_INTERVAL_S), STALE_MIN_S)
 
     def ended(self) -> str | None:
-        """'exit N' once the run ended (the launcher's exit.json, newer than every record:
-        a resumed run writes into the same folder), else None."""
+        """'exit N' once the run ended (the launcher's exit.json, newer than every record and
+        than the run's start: a resumed run writes into the same folder), else None."""
         if self.run_dir is None:
             return None
         path = self.run_dir / "exit.json"
@@ -345,7 +366,27 @@ class Board:
         except (OSError, ValueError):
             return None
         newest = max((a.last_time for a in self.actors.values()), default=-math.inf)
-        return self._exit[1] if mtime >= newest else None
+        return self._exit[1] if mtime >= max(newest, started_at(self.run_dir)) else None
+
+    def silent(self, ended: bool = False) -> tuple[list[str], list[str]]:
+        """The run's actors not heard from: (those not started yet, the others without any
+        record). Not started: not among the actors endpoints.json lists, and no record since
+        the start began (a resumed run's actors reported before it). Without a run directory,
+        or once the run ended, none counts as not started."""
+        waiting = []
+        if self.up is not None and not ended:
+            since = -math.inf if self.starting_since is None else self.starting_since
+            waiting = [n for n in self.classes if n not in self.up and (
+                n not in self.actors or self.actors[n].last_time < since)]
+        return waiting, [n for n in self.classes if n not in self.actors and n not in waiting]
+
+    def waiting_text(self, now: float) -> str:
+        """'waiting for a, b to start (12s)' while some actors of the run are not up, else ''."""
+        waiting, _ = self.silent()
+        if not waiting:
+            return ""
+        since = f" ({ago(now - self.starting_since)})" if self.starting_since is not None else ""
+        return f"waiting for {', '.join(waiting)} to start{since}"
 
     def rows(self, now: float, ended: bool = False) -> list[Row]:
         out = []
@@ -366,7 +407,7 @@ class Board:
         now = self.clock() if now is None else now
         ended = self.ended()
         rows = self.rows(now, ended=ended is not None)
-        silent = [n for n in self.classes if n not in self.actors]
+        waiting, silent = self.silent(ended is not None)
         n_stale = sum(r.stale for r in rows)
         title = " · ".join(p for p in (
             "rlx watch", shorten(self.label, 32), f"{len(rows)} actors",
@@ -374,6 +415,12 @@ class Board:
             time.strftime("%H:%M:%S", time.localtime(now))) if p)
         lines = [Text(_clip(title, width), style="bold")]
         footer = []
+        if self.unanswered is not None and not ended:
+            address, seconds = self.unanswered
+            footer.append(Text(_clip(f"no answer at {address} for {ago(seconds)}: is the "
+                                     f"launcher running?", width), style="bold yellow"))
+        if waiting:
+            footer.append(Text(_clip(self.waiting_text(now), width), style="yellow"))
         if silent:
             footer.append(Text(_clip("no record yet: " + ", ".join(silent), width),
                                style="yellow"))
@@ -544,6 +591,12 @@ def read_history(path: Path, per_actor: int = HISTORY, actors: set[str] | None =
 _PREFIX = b'{"type":"Metrics","actor":"'  # how msgspec.json.encode(Metrics) starts
 
 
+def load_history(board: Board, run_dir: Path) -> None:
+    """The board from the last records of the run's metrics.jsonl."""
+    for m in read_history(run_dir / "metrics.jsonl", actors=set(board.classes) or None):
+        board.update(m)
+
+
 def actor_classes(run_dir: Path) -> dict[str, str]:
     """name -> class of the actors in run_dir/config.json (empty if there is none)."""
     try:
@@ -551,6 +604,123 @@ def actor_classes(run_dir: Path) -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {name: a.get("cls", "") for name, a in actors.items() if isinstance(a, dict)}
+
+
+# ----------------------------------------------------------------------------- the run's state
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return -math.inf
+
+
+def started_at(run_dir: Path) -> float:
+    """When the run in `run_dir` last started: the launcher writes config.json, then
+    endpoints.json, at every start, a resumed run's too (-inf when neither is there)."""
+    return max(_mtime(run_dir / "config.json"), _mtime(run_dir / "endpoints.json"))
+
+
+def run_end(run_dir: Path) -> dict | None:
+    """exit.json when it records the end of the run now in `run_dir` (written after the run's
+    last start), else None: the run goes on, or its launcher died before it could say."""
+    path = run_dir / "exit.json"
+    try:
+        mtime = path.stat().st_mtime
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or mtime < started_at(run_dir):
+        return None
+    return doc
+
+
+def end_text(run_dir: Path, doc: dict) -> str:
+    reason = doc.get("reason")
+    return (f"the run in {run_dir} has ended: exit code {doc.get('exit_code')}"
+            + (f", {reason}" if reason else "")
+            + "; nothing more will come (exit.json there says how each actor ended)")
+
+
+def gone_text(endpoint: str, seconds: float, run_dir: Path | None, refused: str) -> str:
+    text = f"nothing answers at {endpoint} for {seconds:g}s" + (
+        f" (the last attempt: {refused})" if refused else "")
+    if run_dir is None:
+        return text + ": no launcher is running there (its run ended, or it never started)"
+    try:
+        source = json.loads((run_dir / "config.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        source = None
+    return (f"{text}, and {run_dir} records no end of the run (no exit.json since it started): "
+            f"its launcher is not running (it was killed, or its host went down); continue the "
+            f"run with python -m launch.cluster {source or '<hosts.toml>'} --resume {run_dir}")
+
+
+def note_start(board: Board, run_dir: Path) -> None:
+    """Which actors the launcher has started: endpoints.json lists them once every one is up
+    (until then, none is known to be, and the start began when the file was written)."""
+    try:
+        mtime = (run_dir / "endpoints.json").stat().st_mtime
+        if mtime == board.start_noted:
+            return
+        doc = json.loads((run_dir / "endpoints.json").read_text())
+    except (OSError, ValueError):
+        return
+    board.start_noted = mtime
+    actors = doc.get("actors") if isinstance(doc, dict) else None
+    if isinstance(actors, dict):
+        board.up, board.starting_since = set(actors), None
+    else:
+        board.up, board.starting_since = set(), mtime
+
+
+class Link:
+    """Whether anything answers at the subscriber's address, from its socket's events. A
+    connection made before the monitor was attached goes unseen, so the address counts as
+    answering until an event says otherwise; a refused or dropped connection is retried every
+    100 ms, so it always shows."""
+
+    FAILED = frozenset({zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CONNECT_RETRIED,
+                        zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH})
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.mon = sock.get_monitor_socket()
+        self.since: float | None = None  # time.monotonic() since which nothing answers
+        self.refused = ""  # the last handshake failure (CURVE keys), said when giving up
+
+    def poll(self) -> None:
+        """Take the events so far."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self.mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.since, self.refused = None, ""
+            elif event in self.FAILED:
+                if self.since is None:
+                    self.since = time.monotonic()
+                if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                    self.refused = ("the launcher refused our CURVE keys (--keys-dir)"
+                                    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                                    "the handshake failed (CURVE on one side only?)")
+
+    def unanswered(self) -> float:
+        """Seconds nothing has answered (0 while connected, or not known otherwise)."""
+        return 0.0 if self.since is None else time.monotonic() - self.since
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.mon.close(linger=0)
+
+
+def _say(text: str) -> None:
+    print(f"rlx watch: {text}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -593,17 +763,32 @@ def security_of(target: str, keys_dir: str | None) -> Security:
 async def watch(endpoint: str, jsonl: str | None, duration_s: float | None,
                 live: bool, security: Security | None = None, run_dir: Path | None = None,
                 console: Console | None = None, stale_s: float | None = None,
-                clock: Callable[[], float] = time.time) -> int:
-    factory = SocketFactory(security=security)
-    sub = MetricsSubscriber(factory, endpoint)  # subscribed before the history is read
+                clock: Callable[[], float] = time.time, gone_s: float = GONE_S,
+                say: Callable[[str], None] = _say, stop: asyncio.Event | None = None) -> int:
+    """Follow the metrics at `endpoint` until `duration_s` has passed, `stop` is set or the run
+    is over (what ended it is said through `say`). 0, or 1 when nothing answered at `endpoint`
+    for `gone_s` while the run directory (if any) records no end."""
+    console = console or Console()
     board = Board(clock=clock, stale_s=stale_s, run_dir=run_dir,
                   label="" if run_dir else endpoint)
+    if run_dir is not None:
+        board.expect(actor_classes(run_dir))
+        end = run_end(run_dir)
+        if end is not None:  # nothing will come: the last known state, and how the run ended
+            if live:
+                load_history(board, run_dir)
+                console.print(board)
+            say(end_text(run_dir, end))
+            return 0
+        note_start(board, run_dir)
+    factory = SocketFactory(security=security)
+    sub = MetricsSubscriber(factory, endpoint)  # subscribed before the history is read
+    link = Link(sub.sock.sock)
     board.gaps = sub.gaps
     if live and run_dir is not None:
-        board.expect(actor_classes(run_dir))
-        for m in read_history(run_dir / "metrics.jsonl", actors=set(board.classes) or None):
-            board.update(m)
+        load_history(board, run_dir)
     out = open(jsonl, "a") if jsonl else None
+    stop = stop or asyncio.Event()
 
     async def receive() -> None:
         async for m in sub:
@@ -612,36 +797,90 @@ async def watch(endpoint: str, jsonl: str | None, duration_s: float | None,
                 out.write(msgspec.json.encode(m).decode() + "\n")
                 out.flush()
 
-    async def refresh(view: Live) -> None:
-        while True:
-            await asyncio.sleep(REFRESH_S)
-            view.refresh()
-
-    console = console or Console()
     # a terminal gets a live view, refreshed from this loop (not rich's thread: the board is
-    # only touched here); other outputs get the board once, at the end
+    # only touched here); other outputs get the board once, at the end, and the waits on stderr
     view = Live(board, console=console, auto_refresh=False) if live and console.is_terminal \
         else None
     receiver = asyncio.ensure_future(receive())
-    refresher = asyncio.ensure_future(refresh(view)) if view is not None else None
+    stopped = asyncio.ensure_future(stop.wait())
+    deadline = None if duration_s is None else time.monotonic() + duration_s
+    code, last_words = 0, ""
+    ended_seen: float | None = None  # when exit.json was first seen ending the run
+    said: tuple[tuple[str, ...], float] = ((), -math.inf)  # the wait said last, and when
+    said_unanswered = False
     try:
         with view or contextlib.nullcontext():
-            try:
-                await asyncio.wait_for(asyncio.shield(receiver), duration_s)
-            except TimeoutError:
-                pass
+            while True:
+                link.poll()
+                now, unanswered = time.monotonic(), link.unanswered()
+                board.unanswered = (endpoint, unanswered) if unanswered >= min(
+                    1.0, gone_s / 2) else None
+                if run_dir is not None:
+                    note_start(board, run_dir)
+                    end = run_end(run_dir)
+                    if end is not None:  # the launcher is going: its last records may follow
+                        ended_seen = now if ended_seen is None else ended_seen
+                        if unanswered > 0 or now - ended_seen >= ENDED_GRACE_S:
+                            last_words = end_text(run_dir, end)
+                            break
+                if unanswered >= gone_s:
+                    code, last_words = 1, gone_text(endpoint, gone_s, run_dir, link.refused)
+                    break
+                if stopped.done() or deadline is not None and now >= deadline:
+                    break
+                if receiver.done():
+                    receiver.result()  # its error ends the watch
+                if view is not None:
+                    view.refresh()
+                else:  # no board to show the waits: said now and then
+                    waiting = tuple(board.silent()[0])
+                    if waiting and (waiting != said[0] or now - said[1] >= PROGRESS_S):
+                        say(board.waiting_text(board.clock()))
+                        said = (waiting, now)
+                    if board.unanswered is not None and not said_unanswered:
+                        say(f"no answer at {endpoint} yet (is the launcher running?); giving "
+                            f"up after {gone_s:g}s")
+                        said_unanswered = True
+                timeout = REFRESH_S if deadline is None else min(REFRESH_S, deadline - now)
+                await asyncio.wait({receiver, stopped}, timeout=max(0.0, timeout))
     finally:
-        tasks = [t for t in (receiver, refresher) if t is not None]
-        for task in tasks:
+        for task in (receiver, stopped):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(receiver, stopped, return_exceptions=True)
         if out is not None:
             out.close()
+        link.close()
         sub.close()
         factory.close()
         if live and view is None:
             console.print(board)
-    return 0
+    if last_words:
+        say(last_words)
+    return code
+
+
+def reach_signals() -> None:
+    """Let SIGINT and SIGTERM reach this process whatever it inherited: a blocked mask and an
+    ignored disposition both survive exec. A shell without job control (a script, a CI step)
+    starts a background command (`cmd &`) with SIGINT ignored, and so does every process it
+    starts in turn (a test suite and its subprocesses); Python then raises no KeyboardInterrupt
+    and asyncio.run installs no handler, so Ctrl-C would do nothing. The loop's own handlers
+    (watch_command) take over once it runs; until then, Ctrl-C raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+async def watch_command(*args, **kwargs) -> int:
+    """`watch` until SIGINT or SIGTERM, which end it like its other ends (code 0)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await watch(*args, stop=stop, **kwargs)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -656,6 +895,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stale-s", type=float,
                         help=f"an actor silent this long is stale (default: {STALE_FACTOR:g} "
                              f"times its usual interval, at least {STALE_MIN_S:g} s)")
+    parser.add_argument("--gone-s", type=float, default=GONE_S,
+                        help="stop (exit code 1) when nothing answers at the metrics address "
+                             "this long and the run directory records no end (default: "
+                             "%(default)g s)")
     args = parser.parse_args(argv)
     try:
         endpoint = resolve(args.target)
@@ -663,10 +906,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        reach_signals()
         security = security_of(args.target, args.keys_dir)
-        return asyncio.run(watch(endpoint, args.jsonl, args.duration_s, not args.no_live,
-                                 security, run_dir_of(args.target, endpoint),
-                                 stale_s=args.stale_s))
+        return asyncio.run(watch_command(endpoint, args.jsonl, args.duration_s,
+                                         not args.no_live, security,
+                                         run_dir_of(args.target, endpoint),
+                                         stale_s=args.stale_s, gone_s=args.gone_s))
     except KeyboardInterrupt:
         return 0
 

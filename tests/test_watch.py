@@ -9,6 +9,10 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -378,12 +382,18 @@ def run_dir():
     shutil.rmtree(run, ignore_errors=True)
 
 
-def make_run(run: Path, endpoint: str, t_hist: float) -> None:
-    (run / "endpoints.json").write_text(json.dumps({"metrics": endpoint}))
-    (run / "config.json").write_text(json.dumps({"actors": {
-        "trainer": {"cls": "actors.trainer:TrainerActor"},
-        "worker0": {"cls": "actors.inference:InferenceWorker"},
-        "router": {"cls": "actors.router:RouterActor"}}}))
+ACTORS = {"trainer": {"cls": "actors.trainer:TrainerActor"},
+          "worker0": {"cls": "actors.inference:InferenceWorker"},
+          "router": {"cls": "actors.router:RouterActor"}}
+
+
+def make_run(run: Path, endpoint: str, t_hist: float, started: bool = True) -> None:
+    """A run directory as the launcher writes it: config.json, then endpoints.json (listing the
+    actors once every one is up, when `started`), and a trainer's history."""
+    (run / "config.json").write_text(json.dumps({"source": "/somewhere/hosts.toml",
+                                                 "actors": ACTORS}))
+    (run / "endpoints.json").write_text(json.dumps({"metrics": endpoint, **(
+        {"actors": {n: {"host": "local"} for n in ACTORS}} if started else {})}))
     write_jsonl(run / "metrics.jsonl", [
         Metrics(actor="trainer", seq=i, time_s=t_hist + i, values={**TRAINER, "train/loss": i / 8},
                 step=i, total_steps=200) for i in range(1, 9)])
@@ -453,3 +463,181 @@ async def test_a_terminal_gets_a_live_board_refreshed_while_it_waits(run_dir):
         if abs(float(age) - watch.STALE_MIN_S) > 0.05:
             assert bool(stale) == (float(age) > watch.STALE_MIN_S), ages
     assert ages[0][0] is None and ages[-1][0] == "stale "
+
+
+# ----------------------------------------------------------------------------- the run's end
+ROOT = Path(__file__).resolve().parent.parent
+END = {"exit_code": 0, "reason": "trainer completed", "completed": "trainer", "actors": {}}
+
+
+def command(*args: str, pre: str = "") -> list[str]:
+    """`python -m launch.watch ARGS`, after the Python statements `pre` (run in a process that
+    then becomes the watcher: what they leave, the watcher inherits)."""
+    argv = ["-m", "launch.watch", *args]
+    if not pre:
+        return [sys.executable, *argv]
+    return [sys.executable, "-c", (f"import os, signal, sys\n{pre}\n"
+                                   f"os.execv(sys.executable, [sys.executable, *{argv!r}])")]
+
+
+def test_the_end_of_a_run_is_exit_json_written_after_its_last_start(run_dir):
+    make_run(run_dir, f"ipc://{run_dir}/sock/metrics-out", T0)
+    assert watch.run_end(run_dir) is None
+    exit_json = run_dir / "exit.json"
+    exit_json.write_text(json.dumps(END))
+    start = watch.started_at(run_dir)
+    os.utime(exit_json, (start + 1, start + 1))
+    assert watch.run_end(run_dir) == END
+    os.utime(exit_json, (start - 60, start - 60))  # a resumed run: started since its end
+    assert watch.run_end(run_dir) is None
+    b = Board(clock=Clock(start), run_dir=run_dir)
+    feed(b, "trainer", [start - T0 - 10, start - T0 - 9], TRAINER)  # before the start
+    assert b.ended() is None
+    os.utime(exit_json, (start + 1, start + 1))
+    assert b.ended() == "exit 0"
+    exit_json.write_text("{not json")
+    assert watch.run_end(run_dir) is None
+
+
+@pytest.mark.parametrize("args", [[], ["--no-live", "--jsonl", "{run}/w.jsonl"]])
+def test_the_command_on_a_finished_run_says_how_it_ended_and_exits(run_dir, args):
+    """No --duration-s: the watcher does not wait for a run that has ended (it used to wait
+    for its silent actors, the router, forever)."""
+    make_run(run_dir, f"ipc://{run_dir}/sock/metrics-out", time.time() - 100)
+    (run_dir / "exit.json").write_text(json.dumps(END))
+    t0 = time.monotonic()
+    done = subprocess.run(command(str(run_dir), *(a.format(run=run_dir) for a in args)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 30
+    assert (f"the run in {run_dir} has ended: exit code 0, trainer completed; nothing more "
+            f"will come") in done.stderr
+    if not args:  # its last known state, from metrics.jsonl
+        lines = done.stdout.rstrip("\n").split("\n")
+        assert "run ended (exit 0)" in lines[0]
+        assert row(lines, "trainer").split()[:2] == ["trainer", "8/200"]
+        assert lines[-1] == "no record yet: worker0, router"
+    else:
+        assert done.stdout == ""
+
+
+def test_a_run_whose_launcher_is_gone_without_an_end_is_said_so(run_dir):
+    """Nobody binds the metrics address (its launcher was killed: a stale socket file) and no
+    exit.json says the run ended: the watcher gives up after --gone-s, exit code 1."""
+    stale = run_dir / "sock" / "metrics-out"
+    with socket.socket(socket.AF_UNIX) as s:  # left behind, nobody listening
+        s.bind(str(stale))
+    make_run(run_dir, f"ipc://{stale}", time.time() - 100)
+    t0 = time.monotonic()
+    done = subprocess.run(command(str(run_dir), "--no-live", "--gone-s", "1"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - t0 < 30
+    assert f"no answer at ipc://{stale} yet (is the launcher running?)" in done.stderr
+    assert (f"nothing answers at ipc://{stale} for 1s, and {run_dir} records no end of the run "
+            f"(no exit.json since it started): its launcher is not running") in done.stderr
+    assert (f"continue the run with python -m launch.cluster /somewhere/hosts.toml --resume "
+            f"{run_dir}") in done.stderr
+    # an address alone: nothing to read the run from, the same wait
+    said: list[str] = []
+    assert asyncio.run(watch.watch(f"ipc://{stale}", None, None, False, gone_s=0.5,
+                                   say=said.append)) == 1
+    assert said[-1].startswith(f"nothing answers at ipc://{stale} for 0.5s: no launcher is "
+                               f"running there")
+
+
+async def until(condition, timeout_s: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_run_starting_names_its_actors_not_up_then_ends_the_watch_when_it_ends(run_dir):
+    factory = SocketFactory()
+    proxy = MetricsProxy(factory, f"ipc://{run_dir}/sock/metrics-in",
+                         f"ipc://{run_dir}/sock/metrics-out")
+    make_run(run_dir, proxy.backend, time.time() - 100, started=False)  # the start goes on
+    pub = MetricsPublisher(factory, proxy.frontend, "worker0")
+    said: list[str] = []
+    out = io.StringIO()
+    console = Console(file=out, width=80, height=24, force_terminal=True, color_system=None,
+                      record=True)
+    boards = asyncio.ensure_future(watch.watch(proxy.backend, None, None, True, run_dir=run_dir,
+                                               console=console, say=said.append))
+    task = asyncio.ensure_future(watch.watch(proxy.backend, None, None, False, run_dir=run_dir,
+                                             say=said.append))
+    try:
+        # the trainer reported before this start (a resumed run): not up yet either
+        await until(lambda: any(s.startswith("waiting for trainer, worker0, router to start (")
+                                for s in said), what="the first wait")
+        assert await pub.wait_subscribed(5.0)
+        await until(lambda: pub.publish(WORKER) and any(
+            s.startswith("waiting for trainer, router to start (") for s in said),
+            what="worker0 to count as up")
+        await until(lambda: "waiting for trainer, router to start (" in console.export_text(
+            clear=False), what="the board's footer")
+        assert not task.done() and not boards.done()
+        # every actor is up: endpoints.json lists them; the router never reports (the board
+        # has the trainer's history)
+        (run_dir / "endpoints.json").write_text(json.dumps({"metrics": proxy.backend, "actors": {
+            n: {"host": "local"} for n in ACTORS}}))
+        await until(lambda: console.export_text(clear=False).rstrip().endswith(
+            "\nno record yet: router"), what="the footer once every actor is up")
+        n_said = len(said)
+        # the run ends: exit.json, then the launcher closes its sockets
+        (run_dir / "exit.json").write_text(json.dumps(END))
+        pub.close()
+        proxy.close()
+        assert await asyncio.wait_for(task, 20) == 0
+        assert await asyncio.wait_for(boards, 20) == 0
+    finally:
+        for t in (task, boards):
+            t.cancel()
+        await asyncio.gather(task, boards, return_exceptions=True)
+        pub.close()
+        proxy.close()
+        factory.close()
+    ends = [s for s in said[n_said:] if not s.startswith("waiting")]
+    assert ends == [(f"the run in {run_dir} has ended: exit code 0, trainer completed; nothing "
+                     f"more will come (exit.json there says how each actor ended)")] * 2
+    assert "run ended (exit 0)" in console.export_text().split("rlx watch · ")[-1]
+
+
+@pytest.mark.parametrize("sig, pre", [
+    (signal.SIGINT, "signal.signal(signal.SIGINT, signal.SIG_IGN)"),  # `cmd &` in a script
+    (signal.SIGINT, "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})"),
+    (signal.SIGTERM, "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})"),
+    (signal.SIGINT, ""),
+], ids=["sigint-ignored", "sigint-blocked", "sigterm-blocked", "sigint"])
+async def test_ctrl_c_and_sigterm_end_the_watcher_whatever_it_inherited(run_dir, tmp_path, sig,
+                                                                        pre):
+    """A process started in the background by a shell without job control (a CI step, a test
+    suite run with `&`) has SIGINT ignored, and its children inherit that, and a blocked mask,
+    across exec: the watcher's Ctrl-C did nothing there, however often it came."""
+    factory = SocketFactory()
+    proxy = MetricsProxy(factory, f"ipc://{run_dir}/sock/metrics-in",
+                         f"ipc://{run_dir}/sock/metrics-out")
+    make_run(run_dir, proxy.backend, time.time() - 100)
+    pub = MetricsPublisher(factory, proxy.frontend, "worker0")
+    jsonl = tmp_path / "w.jsonl"
+    proc = await asyncio.create_subprocess_exec(
+        *command(str(run_dir), "--no-live", "--jsonl", str(jsonl), pre=pre), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        # its first record: the watcher is in its loop
+        await until(lambda: pub.publish(WORKER) and jsonl.is_file() and jsonl.stat().st_size,
+                    30, "the watcher's first record")
+        proc.send_signal(sig)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+        except TimeoutError:
+            raise AssertionError(f"the watcher outlived {sig.name} by 20 s") from None
+        assert proc.returncode == 0, err.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.communicate()
+        pub.close()
+        proxy.close()
+        factory.close()
