@@ -73,6 +73,11 @@ SET_MODES = ("full", "top_p", "top_k")
 # are a few of these, and each side's logits in the input dtype)
 HEAD_CHUNK_BYTES = 256 << 20
 _SUM, _MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+# sets given as ids: their logits picked from each chunk's h W^T and their gradient made by two
+# GEMMs over a [chunk, Vs] row (True), or from the gathered weight rows W[ids] [chunk, k, H] with
+# an index_add into dL/dW (False); None: GEMMs on CUDA (its matrix units make the vocabulary's
+# product cheaper than the gather and the atomic adds), gathers elsewhere
+IDS_BY_GEMM: bool | None = None
 
 
 def chunk_tokens_for(width: int, requested: int | None = None, itemsize: int = 4) -> int:
@@ -347,15 +352,20 @@ class _IdSets:
     the teacher as its values over the set ([N, k], -inf outside) or its hidden states and
     weight. State kept for the backward: (p_S [N, k], log p_S - log q_S [N, k], KL [N])."""
 
-    def __init__(self, ids, keep, scores, teacher_hidden, teacher_weight, t, chunk, group):
+    def __init__(self, ids, keep, scores, teacher_hidden, teacher_weight, t, chunk, group,
+                 by_gemm=False):
         self.ids, self.keep, self.scores = ids, keep, scores
         self.th, self.tw = teacher_hidden, teacher_weight
-        self.t, self.chunk, self.group = t, chunk, group
+        self.t, self.chunk, self.group, self.by_gemm = t, chunk, group, by_gemm
 
-    def _at(self, h, rows, owned, dtype):
-        """[c, k] logits / T at the ids from rows = W[ids] [c, k, H], summed over the group."""
-        z = torch.bmm(rows, h[:, :, None])[..., 0].to(dtype).masked_fill_(~owned, 0.0)
-        return _all_reduce(z, _SUM, self.group).div_(self.t)
+    def _at(self, h, w, local, owned, dtype):
+        """[c, k] logits / T at the ids, summed over the group: from the gathered rows W[ids]
+        [c, k, H], or (`by_gemm`) picked from the chunk's logits h W^T [c, Vs]."""
+        if self.by_gemm:
+            z = (h @ w.T).gather(-1, local)
+        else:
+            z = torch.bmm(w[local], h[:, :, None])[..., 0]
+        return _all_reduce(z.to(dtype).masked_fill_(~owned, 0.0), _SUM, self.group).div_(self.t)
 
     def run(self, hidden, weight, scale=None, state=None, needs=(True, True)):
         """As `_RowSets.run`."""
@@ -369,27 +379,31 @@ class _IdSets:
         for s in range(0, n, self.chunk):
             sl = slice(s, s + self.chunk)
             local, owned = _local(self.ids[sl], lo, weight.shape[0])
-            rows = weight[local]  # [c, k, H]
             if fresh:
-                self._values(hidden[sl], rows, local, owned, sl, state, dtype)
+                self._values(hidden[sl], weight, local, owned, sl, state, dtype)
             if scale is not None:
                 p, diff, kl = (x[sl] for x in state)
                 gz = (diff - kl[:, None]).mul_(p).mul_(scale[sl, None].to(dtype) / self.t)
-                self._grads(gz.masked_fill_(~owned, 0.0), hidden[sl], rows, local, owned, s,
-                            gh, gw)
+                gz.masked_fill_(~owned, 0.0)
+                if self.by_gemm:  # dL/dz as a [c, Vs] row of the vocabulary: two GEMMs
+                    dense = gz.new_zeros((gz.shape[0], weight.shape[0]))
+                    _add_grads(dense.scatter_add_(1, local, gz), hidden[sl], weight, s, gh, gw)
+                else:
+                    self._grads(gz, hidden[sl], weight[local], local, owned, s, gh, gw)
         if fresh:
             self.th = self.tw = self.scores = None  # the teacher is not needed any more
         return (state[2], state, *_finish(gh, gw, hidden, weight, self.group)) \
             if scale is not None else (state[2], state, None, None)
 
-    def _values(self, h, rows, local, owned, sl, state, dtype):
+    def _values(self, h, w, local, owned, sl, state, dtype):
         """p_S, log p_S - log q_S and KL of the chunk `sl` into `state`."""
         off = ~self.keep[sl]
-        zs = self._at(h, rows, owned, dtype).masked_fill_(off, float("-inf"))
+        zs = self._at(h, w, local, owned, dtype).masked_fill_(off, float("-inf"))
         if self.scores is not None:
             zt = self.scores[sl]
         else:
-            zt = self._at(self.th[sl], self.tw[local], owned, dtype).masked_fill_(off, float("-inf"))
+            zt = self._at(self.th[sl], self.tw, local, owned, dtype).masked_fill_(off,
+                                                                                 float("-inf"))
         ls, lt = torch.log_softmax(zs, dim=-1), torch.log_softmax(zt, dim=-1)
         p = ls.exp()
         diff = torch.where(p > 0, ls - lt, torch.zeros_like(ls))
@@ -506,8 +520,10 @@ def _set_walker(hidden, weight, mode, temperature, *, teacher_hidden=None, teach
                              "(top_k: needed; top_p: the recorded nucleus; full: none)")
         ids, keep, scores = _id_set(ids, valid, teacher_logprobs, teacher_temperature, t, dtype,
                                     vocab)
-        chunk = chunk_tokens_for(ids.shape[1] * hidden.shape[1], chunk_tokens)
-        return _IdSets(ids, keep, scores, teacher_hidden, teacher_weight, t, chunk, group)
+        by_gemm = IDS_BY_GEMM if IDS_BY_GEMM is not None else hidden.is_cuda
+        width = weight.shape[0] if by_gemm else ids.shape[1] * hidden.shape[1]
+        return _IdSets(ids, keep, scores, teacher_hidden, teacher_weight, t,
+                       chunk_tokens_for(width, chunk_tokens), group, by_gemm)
     if not has_teacher:
         raise ValueError(f"mode {mode!r} over rows of the vocabulary needs teacher_hidden and "
                          "teacher_weight (the teacher's logits)")

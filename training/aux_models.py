@@ -42,6 +42,7 @@ from memory.store import WeightStore, weight_tensors
 from models.invariant import decoder_for, is_enabled
 from training.batching import MicroBatch
 from training.config import CriticConfig
+from training.heads import head_response_logprobs, response_head
 from training.master_weights import make_optimizer
 from training.weight_sets import hollow_copy, optimizer_tensors
 
@@ -54,8 +55,13 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
     (see training.step: padding changes the fp32 reduction order of attention).
     A model marked by `models.invariant.enable` (true on-policy mode) runs the batch-invariant
     forward instead: one padded forward whose values do not depend on the padding, the batch
-    or the micro-batch size (so `by_length` changes nothing there).
+    or the micro-batch size (so `by_length` changes nothing there). Otherwise a model with a
+    plain output head computes them from the response positions' hidden states chunk by chunk
+    (training/heads.py: no logits held), others from their logits.
     """
+    head = None if is_enabled(model) or by_length else response_head(model, mb)
+    if head is not None:
+        return head_response_logprobs(head, mb, temperature, with_entropy)
     if is_enabled(model):
         logp, ent = decoder_for(model).token_logprobs(mb.input_ids, mb.attention_mask,
                                                       temperature, with_entropy)

@@ -57,6 +57,7 @@ from memory.config import TeacherMemoryConfig
 from memory.manager import WeightMemory
 from training.batching import MicroBatch
 from training.config import TrainConfig
+from training.heads import ResponseHead, head_response_logprobs, response_head
 from training.teacher_weights import (  # noqa: F401 - meta_skeleton re-exported
     RowShard,
     load_teachers,
@@ -73,6 +74,9 @@ class OpdInputs:
     configs: list[Any]  # [B] each sample's OpdConfig (its teacher's, else the run's)
     teacher_logp: torch.Tensor | None = None  # [B, R] (sampled)
     teacher_logits: torch.Tensor | None = None  # [B, R, V] (colocated loss terms), its dtype
+    # or, when the student gives its head (training/heads.py), each colocated loss-term
+    # teacher's head over its rows of the micro-batch: [(rows, ResponseHead of those rows)]
+    teacher_heads: list[tuple[list[int], ResponseHead]] | None = None
     topk_ids: torch.Tensor | None = None  # [B, R, k] (server top_k)
     topk_logp: torch.Tensor | None = None  # [B, R, k]
     # the nucleus the rollout sampled each token from (top_p, top_p_replay): ids [B, R, K] and
@@ -126,11 +130,16 @@ def response_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> t
         handle.remove()
 
 
-def student_pass(model: Any, mb: MicroBatch, temperature: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def student_pass(model: Any, mb: MicroBatch, temperature: float, heads: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | ResponseHead]:
     """(log-probs [B, R], entropies [B, R], logits [B, R, V]) from one forward, the same
-    formulas as algos.logprobs (used when an OPD loss term needs the student's logits); the
-    output head runs on the response positions only (`response_logits`)."""
+    formulas as algos.logprobs (used when an OPD loss term needs the student's distribution);
+    the output head runs on the response positions only (`response_logits`). With `heads` (a
+    model with a plain output head, training/heads.py), the head (hidden states and weight)
+    instead of the logits, which are never made."""
+    head = response_head(model, mb) if heads else None
+    if head is not None:
+        return *head_response_logprobs(head, mb, temperature), head
     logits = response_logits(model, mb)
     logprobs = logits_to_logprobs(logits, temperature)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
@@ -167,8 +176,8 @@ class TeacherStream:
 
     def __init__(self, owner: ColocatedTeachers, mbs: list[MicroBatch], order: list[int],
                  temperature: float, logit_teachers: set[str], next_teachers: list[str] = (),
-                 replay_teachers: set[str] = frozenset()):
-        self.owner, self.mbs, self.temperature = owner, mbs, temperature
+                 replay_teachers: set[str] = frozenset(), heads: bool = False):
+        self.owner, self.mbs, self.temperature, self.heads = owner, mbs, temperature, heads
         self.logit_teachers, self.replay_teachers = logit_teachers, set(replay_teachers)
         rank = {t: i for i, t in enumerate(owner.teacher_order(mbs))}
         self.order = list(order)
@@ -198,8 +207,9 @@ class TeacherStream:
 
     def get(self, j: int, nucleus: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> dict[str, tuple[list[int], torch.Tensor]]:
-        """{teacher: (its rows of micro-batch j, [b, R, V] logits in the teacher's dtype, or
-        [b, R] float32 log-probs of the response tokens for teachers not in logit_teachers)};
+        """{teacher: (its rows of micro-batch j, [b, R, V] logits in the teacher's dtype (with
+        `heads`: its ResponseHead instead), or [b, R] float32 log-probs of the response tokens
+        for teachers not in logit_teachers)};
         micro-batches must be asked for in `order`. `nucleus`: micro-batch j's recorded nuclei
         (ids, valid), both [B, R, K]: the log-probs of teachers in `replay_teachers` are
         renormalised over them where a token has one."""
@@ -216,14 +226,32 @@ class TeacherStream:
             params = self._switch_to(name)
             rows = [b for b, s in enumerate(mb.samples) if s.teacher == name]
             part = sub_batch(mb, rows)
-            with torch.no_grad():
-                logits = response_logits(self.owner.skeletons[name], part, params)
-                if name not in self.logit_teachers:
-                    nuclei = nucleus if name in self.replay_teachers else None
-                    logits = self._token_logprobs(part, rows, logits, nuclei)
-            out[name] = (rows, logits)
+            out[name] = (rows, self._output(name, part, rows, params, nucleus))
         self.time_s += time.perf_counter() - t0
         return out
+
+    @torch.no_grad()
+    def _output(self, name: str, part: MicroBatch, rows: list[int], params: dict,
+                nucleus: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+        """One teacher's output for its rows: its head, its logits or its token log-probs. The
+        log-probs of a teacher with a plain head and no replayed nucleus come from its hidden
+        states (no logits made); a head is asked for only with a plain one."""
+        skeleton = self.owner.skeletons[name]
+        replayed = name in self.replay_teachers and nucleus is not None
+        if (self.heads or name not in self.logit_teachers) and not replayed:
+            head = response_head(skeleton, part, params)
+            if head is not None and name not in self.logit_teachers:
+                return head_response_logprobs(head, part, self.temperature, False)[0]
+            if head is not None:
+                return head
+            if self.heads:
+                raise RuntimeError(f"teacher {name!r}: its output layer is no plain linear head "
+                                   f"(training/heads.py), so the student's head cannot be "
+                                   f"compared with it")
+        logits = response_logits(skeleton, part, params)
+        if name not in self.logit_teachers:
+            return self._token_logprobs(part, rows, logits, nucleus if replayed else None)
+        return logits
 
     def _token_logprobs(self, part: MicroBatch, rows: list[int], logits: torch.Tensor,
                         nucleus: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -304,11 +332,11 @@ class ColocatedTeachers:
 
     def stream(self, mbs: list[MicroBatch], order: list[int], temperature: float,
                logit_teachers: set[str], next_teachers: list[str] = (),
-               replay_teachers: set[str] = frozenset()) -> TeacherStream:
+               replay_teachers: set[str] = frozenset(), heads: bool = False) -> TeacherStream:
         """Teacher outputs of `mbs`, computed when asked for, micro-batch by micro-batch in
-        `order` (`TeacherStream.get`)."""
+        `order` (`TeacherStream.get`); `heads`: logit teachers give their ResponseHead."""
         return TeacherStream(self, mbs, order, temperature, logit_teachers, next_teachers,
-                             replay_teachers)
+                             replay_teachers, heads)
 
     def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool | set[str],
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
@@ -344,7 +372,7 @@ class OpdSignals:
 
     def __init__(self, mbs: list[MicroBatch], cfg: TrainConfig, temperature: float,
                  teachers: ColocatedTeachers | None, order: list[int] | None = None,
-                 next_teachers: list[str] = ()):
+                 next_teachers: list[str] = (), heads: bool = False):
         self.mbs, self.cfg, self.teachers = mbs, cfg, teachers
         self.configs = opd_configs(cfg.teachers, cfg.opd)
         self.coefs = {t.name: t.coef for t in cfg.teachers}
@@ -356,7 +384,7 @@ class OpdSignals:
             logit_teachers = {n for n, c in self.configs.items() if wants_teacher_logits(c)}
             replay = {n for n, c in self.configs.items() if c.mode == "sampled" and c.top_p_replay}
             self.stream = teachers.stream(mbs, self.order, temperature, logit_teachers,
-                                          next_teachers, replay)
+                                          next_teachers, replay, heads)
 
     @property
     def time_s(self) -> float:
@@ -414,10 +442,13 @@ def _has_signal(s: Any, teachers: ColocatedTeachers | None, mode: str) -> bool:
 def _fill_colocated(inp: OpdInputs, mb: MicroBatch,
                     outs: dict[str, tuple[list[int], torch.Tensor]]) -> None:
     """Teacher log-probs [B, R] and/or logits [B, R, V] (the teacher's dtype), rows of samples
-    without them zero. A micro-batch of one logit teacher uses its output as it is."""
+    without them zero, or heads (each with its rows). A micro-batch of one logit teacher uses
+    its output as it is."""
     B = len(mb.samples)
     for rows, out in outs.values():
-        if out.dim() == 2:
+        if isinstance(out, ResponseHead):
+            inp.teacher_heads = (inp.teacher_heads or []) + [(rows, out)]
+        elif out.dim() == 2:
             if inp.teacher_logp is None:
                 inp.teacher_logp = out.new_zeros((B,) + tuple(out.shape[1:]))
             inp.teacher_logp[rows] = out

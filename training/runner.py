@@ -8,7 +8,8 @@ passes it needs:
 - `forward_backward(mbs, temperature, loss_fn, with_logits, by_length)`: forward with grad and
   backward of every micro-batch, where `loss_fn(i, logp, ent, logits)` turns micro-batch i's
   response-aligned log-probs and entropies [B, R] (and, when `with_logits`, the response
-  logits [B, R, V], else None) into the loss to backpropagate. Only stages with logits call it.
+  logits [B, R, V], or with `heads` a training.heads.ResponseHead where the runner can give
+  one, else None) into the loss to backpropagate. Only stages with logits call it.
 plus `is_last_stage` (this rank computes losses and statistics) and `share(stats)` (the last
 stage's statistics on every rank of the model, so global rank 0 reports them).
 
@@ -27,6 +28,7 @@ import torch
 
 from training.aux_models import micro_batch_logprobs
 from training.colocated_teachers import student_pass
+from training.heads import plain_head
 
 # (micro-batch index, log-probs [B, R], entropies [B, R], response logits [B, R, V] or None)
 # -> the loss tensor to backpropagate
@@ -36,13 +38,15 @@ LossFn = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torc
 class ModelRunner(Protocol):
     is_last_stage: bool  # this rank has the logits: it computes losses and statistics
     whole_model: bool  # this rank can run the model's whole forward by itself
+    gives_heads: bool  # forward_backward(heads=True) gives loss_fn a ResponseHead, not logits
     device: torch.device
 
     def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
                  ) -> list[torch.Tensor] | None: ...
 
     def forward_backward(self, mbs: Sequence[Any], temperature: float, loss_fn: LossFn,
-                         with_logits: bool = False, by_length: bool = False) -> None: ...
+                         with_logits: bool = False, by_length: bool = False,
+                         heads: bool = False) -> None: ...
 
     def share(self, stats: dict[str, float]) -> dict[str, float]: ...
 
@@ -57,6 +61,7 @@ class TorchRunner:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.device = next(model.parameters()).device
+        self.gives_heads = plain_head(model) is not None
 
     def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
                  ) -> list[torch.Tensor]:
@@ -65,10 +70,11 @@ class TorchRunner:
                     for mb in mbs]
 
     def forward_backward(self, mbs: Sequence[Any], temperature: float, loss_fn: LossFn,
-                         with_logits: bool = False, by_length: bool = False) -> None:
+                         with_logits: bool = False, by_length: bool = False,
+                         heads: bool = False) -> None:
         for i, mb in enumerate(mbs):
-            if with_logits:  # the distribution terms need the logits: one padded forward
-                logp, ent, logits = student_pass(self.model, mb, temperature)
+            if with_logits:  # the distribution terms need the logits (or the head): one forward
+                logp, ent, logits = student_pass(self.model, mb, temperature, heads)
             else:
                 (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
                                                            by_length), None

@@ -89,6 +89,8 @@ from training.colocated_teachers import (
     sampled_ratio,
 )
 from training.config import TrainConfig
+from training.heads import ResponseHead
+from training.opd_heads import opd_head_loss
 from training.data_parallel import NO_CAP, SingleProcess, plan_micro_batches
 from training.runner import ModelRunner, TorchRunner
 from training.state import TrainState
@@ -150,12 +152,13 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     prep = prepare(state, runner, samples, groups, mbs, cfg, dp, totals, by_length)
     opd_sums: dict[str, list[float]] = {}
     order = opd_order(state, mbs, cfg, runner)
+    heads = runner.gives_heads and not any(c.top_p_replay for c in opd_configs_of(cfg))
     signals = (OpdSignals(mbs, cfg, state.temperature, state.teachers, order,
-                          state.next_teachers)
+                          state.next_teachers, heads)
                if cfg.opd is not None and last else None)
     try:
         current = policy_pass(state, runner, mbs, prep, cfg, len(samples), totals, opd_sums,
-                              by_length, signals, order)
+                              by_length, signals, order, heads)
     finally:
         if signals is not None:
             signals.close()
@@ -335,13 +338,14 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
                 prep: list[Prepared] | None, cfg: TrainConfig, num_samples: int,
                 totals: dict[str, float], opd_sums: dict[str, list[float]] | None = None,
                 by_length: bool = False, signals: OpdSignals | None = None,
-                order: list[int] | None = None) -> list[torch.Tensor]:
+                order: list[int] | None = None, heads: bool = False) -> list[torch.Tensor]:
     """Backward of every micro-batch's policy loss, the micro-batches in `order` (default: as
     given); returns the log-probs before the update, indexed like `mbs` (on the last stage; []
     on other pipeline stages, which only run their part of the passes). `signals` gives each
-    micro-batch's OPD inputs when its loss is built (teacher forwards streamed)."""
+    micro-batch's OPD inputs when its loss is built (teacher forwards streamed); with `heads`
+    the OPD loss terms come from the student's and teachers' heads (training/opd_heads.py)."""
     order = list(range(len(mbs))) if order is None else list(order)
-    configs = [] if cfg.opd is None else [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]
+    configs = opd_configs_of(cfg)
     opd_term = any(is_loss_term(c.mode) for c in configs)
     replay = any(c.top_p_replay for c in configs)
     current: list[Any] = [None] * len(mbs)
@@ -371,7 +375,10 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
             kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl.estimator), mb.mask) / num_samples
             loss = loss + cfg.kl.coef * kl
             totals["kl_loss"] += float(kl.detach())
-        if opd_term and inp is not None:
+        if opd_term and inp is not None and isinstance(logits, ResponseHead):
+            loss = loss + opd_head_loss(state.temperature, mb, inp, logits, num_samples,
+                                        opd_sums, signals.counts)
+        elif opd_term and inp is not None:
             loss = loss + opd_term_loss(cfg, state.temperature, mb, inp, logits, num_samples,
                                         opd_sums, signals.counts)
         del inp  # the teacher outputs of this micro-batch go before the next one's come
@@ -380,8 +387,14 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
 
     state.optimizer.zero_grad(set_to_none=True)
     runner.forward_backward([mbs[j] for j in order], state.temperature, loss_fn,
-                            with_logits=opd_term or replay, by_length=by_length)
+                            with_logits=opd_term or replay, by_length=by_length,
+                            heads=heads and not replay)
     return current if runner.is_last_stage else []
+
+
+def opd_configs_of(cfg: TrainConfig) -> list[Any]:
+    """The run's OPD configs: its own and the teachers' that set one."""
+    return [] if cfg.opd is None else [cfg.opd] + [t.opd for t in cfg.teachers if t.opd]
 
 
 def shaped_opd_advantages(adv: torch.Tensor, student_logp: torch.Tensor, inp: OpdInputs,

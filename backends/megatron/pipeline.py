@@ -53,6 +53,7 @@ class PipelineRunner:
     """The train step's model passes over megatron's pipeline schedule (any PP, TP)."""
 
     whole_model = False
+    gives_heads = False  # its loss callback gets the gathered logits
 
     def __init__(self, model: MegatronCausalLM):
         self.model = model
@@ -79,7 +80,8 @@ class PipelineRunner:
         return [_response(out, mb, temperature)[0] for out, mb in zip(outputs, mbs)]
 
     def forward_backward(self, mbs: Sequence[Any], temperature: float, loss_fn: Callable,
-                         with_logits: bool = False, by_length: bool = False) -> None:
+                         with_logits: bool = False, by_length: bool = False,
+                         heads: bool = False) -> None:
         """Forward and backward of every micro-batch; `loss_fn(i, logp, ent, logits or None)`
         on the last stage gives micro-batch i's loss. Tied embedding gradients summed after."""
         num_mbs = len(mbs)

@@ -1,0 +1,111 @@
+"""A model's output head as hidden states and weight, so the trainer never holds the logits.
+
+Role: at a vocabulary of 150k, one micro-batch's logits [B, R, V] and their float32 copies are
+most of a step's memory. A causal LM's logits are z = h W^T, h its final hidden states and W its
+output layer's weight, so every quantity the step needs (the response tokens' log-probs and
+entropies, every OPD set KL) is computed by `algos/loss_head.py` from (h, W), chunk by chunk.
+
+- `response_head(model, mb)`: one forward of the model in which the output layer sees only the
+  response positions' hidden states and computes nothing (a pre-hook on
+  `get_output_embeddings()` records them and hands the layer an empty tensor): the hidden
+  states [B, R, H] (column j of row b: the position predicting response token j, as
+  `algos.logprobs.response_slice`) and W [V, H]. Gradients flow to both when called with grad.
+  Works on a skeleton with `params` (a colocated teacher's weight set) as well.
+- `plain_head(model)`: the output layer when it is a bias-free `nn.Linear` whose output is the
+  model's logits as they are (no soft-capping or logit scaling in its config): the models this
+  project trains (Qwen2/Qwen3/Llama and the tiny test models). Other models keep the logits
+  path (`training/colocated_teachers.py` `response_logits`).
+- `head_response_logprobs(head, mb, T)`: the response tokens' log-probs and entropies [B, R],
+  the values `algos.logprobs.response_logprobs` gives, float32.
+Invariant: for the same weights, the values equal the logits path's up to float summation order
+(the product h W^T is the output layer's, in the model's dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from algos.logprobs import position_ids_from_mask, response_slice
+from algos.loss_head import head_logprobs
+from training.batching import MicroBatch
+
+# config attributes that rescale a model's logits after its output layer (their neutral value)
+LOGIT_RESCALES = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
+                  "output_multiplier_scale": None}
+
+
+@dataclass
+class ResponseHead:
+    """The response positions' final hidden states and the output weight: z = hidden W^T."""
+
+    hidden: torch.Tensor  # [B, R, H], the model's dtype
+    weight: torch.Tensor  # [V, H]
+
+    def rows(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """[n, H]: the hidden states at (rows[i], cols[i])."""
+        return self.hidden[rows, cols]
+
+
+def plain_head(model: Any) -> torch.nn.Linear | None:
+    """The model's output layer if z = h W^T is its logits as they are, else None."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    config = getattr(model, "config", None)
+    for name, neutral in LOGIT_RESCALES.items():
+        if getattr(config, name, neutral) not in (neutral, None):
+            return None
+    return head
+
+
+def response_head(model: Any, mb: MicroBatch, params: dict | None = None) -> ResponseHead | None:
+    """(hidden [B, R, H], W [V, H]) of one forward of `model` (on `params`, a skeleton's
+    weights, if given) over the micro-batch, the output layer computing nothing; None for a
+    model without a plain head (`plain_head`)."""
+    head = plain_head(model)
+    if head is None:
+        return None
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(module, args):
+        hidden = args[0]
+        if hidden.dim() != 3 or hidden.shape[1] != mb.input_ids.shape[1]:
+            raise RuntimeError(f"the output head saw hidden states {tuple(hidden.shape)}, not "
+                               f"one per input position {tuple(mb.input_ids.shape)}")
+        seen["hidden"] = response_slice(hidden[:, :-1], mb.prompt_lens, mb.num_response_cols)
+        seen["weight"] = module.weight  # under functional_call: the weight set's tensor
+        return (hidden[:, :0],) + tuple(args[1:])  # the layer makes [B, 0, V]: nothing
+
+    kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
+              "position_ids": position_ids_from_mask(mb.attention_mask), "use_cache": False}
+    handle = head.register_forward_pre_hook(record)
+    try:
+        if params is None:
+            model(**kwargs)
+        else:
+            torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+    finally:
+        handle.remove()
+    return ResponseHead(seen["hidden"], seen["weight"])
+
+
+def response_tokens(mb: MicroBatch) -> torch.Tensor:
+    """[B, R] the response tokens (padding columns: the last token, clamped as the slice)."""
+    return response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
+
+
+def head_response_logprobs(head: ResponseHead, mb: MicroBatch, temperature: float,
+                           with_entropy: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Response-aligned [B, R] (log-probs, entropies or None) of the response tokens, float32,
+    differentiable in the head (algos/loss_head.py `head_logprobs`)."""
+    B, R, H = head.hidden.shape
+    logp, ent = head_logprobs(head.hidden.reshape(B * R, H), head.weight,
+                              response_tokens(mb).reshape(-1), temperature,
+                              with_entropy=with_entropy)
+    # float32 as algos.logprobs (a float64 model's values are made in float64, then rounded)
+    return logp.view(B, R).float(), None if ent is None else ent.view(B, R).float()

@@ -1,0 +1,117 @@
+"""The OPD loss terms from the student's and teachers' heads: no logits held.
+
+Role: `training.step.opd_term_loss` computes the distribution terms of on-policy distillation
+(top-k, top-p, full vocabulary: algos/opd.py) from the response logits [B, R, V] of the student
+and of each colocated teacher. When the runner gives the student's head instead
+(training/heads.py `ResponseHead`: hidden states and output weight) and the teachers theirs,
+`opd_head_loss` computes the same terms with algos/loss_head.py, at the policy tokens only
+(those with a teacher signal), chunk by chunk: nothing of size [B, R, V] is ever made.
+
+The terms are those of `opd_term_loss`, term for term: for each distinct loss-term OPD config
+of the micro-batch's samples, and each colocated teacher's rows (or the server replies' top-k),
+the token sets are
+- `top_k`: the k most likely ids of the student's or the teacher's distribution
+  (`top_k_from`), the teacher read at them from its head; or a server's top-k ids and
+  log-probs;
+- `top_p`: the nucleus the rollout recorded, where a token has one; the rest rebuilt from the
+  student's detached logits (`top_p` < 1) or the whole vocabulary (`full`);
+and each set's loss is sum_t w_t KL_t with `algos.opd.opd_weights` (kl_coef x the teacher's
+coefficient over the sample's policy tokens and the step's samples), its gradient made in the
+same pass (`head_weighted_set_kl`). Each teacher's KL per token is added to `sums` for the
+per-teacher metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from algos.loss_head import head_top_k_ids, head_weighted_set_kl
+from algos.opd import is_loss_term, opd_weights, teacher_kl_sums
+from training.batching import MicroBatch
+from training.colocated_teachers import OpdInputs, rows_with
+from training.heads import ResponseHead
+
+# a token set of one term: (its [B, R] mask, the keyword arguments of head_weighted_set_kl at
+# the set's positions (rows b, columns j) as a function of them)
+TermSet = tuple[torch.Tensor, Any]
+
+
+def opd_head_loss(temperature: float, mb: MicroBatch, inp: OpdInputs, head: ResponseHead,
+                  num_samples: int, sums: dict[str, list[float]] | None,
+                  counts: dict[str, int] | None = None) -> torch.Tensor:
+    """The OPD loss terms of one micro-batch (module docstring), a differentiable scalar in the
+    student's head."""
+    total = head.hidden.new_zeros((), dtype=torch.float32)
+    teachers = [s.teacher for s in mb.samples]
+    for config in {id(c): c for c in inp.configs if is_loss_term(c.mode)}.values():
+        mask = inp.mask * rows_with(inp, config)[:, None]
+        if not mask.any():
+            continue
+        sample_tokens = mask.sum(dim=1)  # a sample's mean spans all its tokens, whatever the set
+        for part, args in _sets(config, mask, inp, head, counts):
+            b, j = part.nonzero(as_tuple=True)
+            if not len(b):
+                continue
+            w = opd_weights(part, inp.coef, num_samples, config.kl_coef, sample_tokens)[b, j]
+            loss, kl = head_weighted_set_kl(head.hidden[b, j], head.weight, w,
+                                            temperature=temperature, **args(b, j))
+            total = total + loss
+            if sums is not None:
+                per_token = part.new_zeros(part.shape, dtype=kl.dtype)
+                per_token[b, j] = kl
+                teacher_kl_sums(per_token, part, teachers, sums)
+    return total
+
+
+def _sets(config: Any, mask: torch.Tensor, inp: OpdInputs, head: ResponseHead,
+          counts: dict[str, int] | None) -> Iterator[TermSet]:
+    """The token sets of one config's term (module docstring)."""
+    if not inp.teacher_heads:  # teacher servers: their top-k (top_k_from = "teacher")
+        if config.mode != "top_k" or inp.topk_ids is None:
+            raise ValueError(f"opd mode {config.mode!r} without colocated teachers needs the "
+                             f"servers' top-k replies (mode 'top_k', top_k_from 'teacher')")
+        yield mask, lambda b, j: {"mode": "top_k", "ids": inp.topk_ids[b, j],
+                                  "teacher_logprobs": inp.topk_logp[b, j]}
+        return
+    for rows, teacher in inp.teacher_heads:
+        part = mask * _row_mask(rows, mask)[:, None]
+        local = torch.full((mask.shape[0],), -1, dtype=torch.long, device=mask.device)
+        local[rows] = torch.arange(len(rows), device=mask.device)  # row in the teacher's batch
+        yield from _teacher_sets(config, part, inp, head, teacher, local, counts)
+
+
+def _teacher_sets(config: Any, part: torch.Tensor, inp: OpdInputs, head: ResponseHead,
+                  teacher: ResponseHead, local: torch.Tensor,
+                  counts: dict[str, int] | None) -> Iterator[TermSet]:
+    def side(b, j):  # the teacher's hidden states and weight at the positions
+        return {"teacher_hidden": teacher.hidden[local[b], j], "teacher_weight": teacher.weight}
+
+    if config.mode == "top_k":
+        def top_k(b, j):
+            h, w = ((head.hidden[b, j], head.weight) if config.top_k_from == "student"
+                    else (teacher.hidden[local[b], j], teacher.weight))
+            return {"mode": "top_k", "ids": head_top_k_ids(h.detach(), w, config.top_k),
+                    **side(b, j)}
+        yield part, top_k
+        return
+    recorded = torch.zeros_like(part)
+    if config.mode == "top_p" and inp.nucleus_rows is not None:
+        recorded = part * inp.nucleus_tokens.to(part.dtype)
+    if recorded.any():  # the nucleus each token was sampled from
+        yield recorded, lambda b, j: {"mode": "top_p", "ids": inp.nucleus_ids[b, j],
+                                      "valid": inp.nucleus_valid[b, j], **side(b, j)}
+    rest = part - recorded
+    top_p = config.top_p if config.mode == "top_p" else 1.0
+    if top_p < 1 and counts is not None and rest.any():
+        counts["student_nucleus_samples"] += int((rest.sum(1) > 0).sum())
+    mode = "top_p" if top_p < 1 else "full"  # the nucleus rebuilt from the student's logits
+    yield rest, lambda b, j: {"mode": mode, "top_p": top_p, **side(b, j)}
+
+
+def _row_mask(rows: list[int], mask: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(mask.shape[0], dtype=mask.dtype, device=mask.device)
+    out[rows] = 1
+    return out
