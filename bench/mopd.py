@@ -399,7 +399,8 @@ def auto_samples(args, big: dict | None, disk_s: float) -> int:
 
 def run_opd_memory(args) -> float:
     ns = SimpleNamespace(device=args.device, vocab=args.opd_vocab, hidden=args.opd_hidden,
-                         batch=args.opd_batch, response=args.opd_response, top_k=20, top_p=0.95)
+                         batch=args.opd_batch, response=args.opd_response, top_k=20, top_p=0.95,
+                         repeat=1)
     dtype = model_dtype("bfloat16" if args.device.startswith("cuda") else "float32")
     peaks = {m: run_mode(m, ns, dtype)[0] for m in ("sampled", "full")}
     ratio = peaks["full"] / peaks["sampled"]

@@ -100,3 +100,14 @@ def test_a_damaged_checkpoint_behind_a_compacted_journal_loses_nothing(tmp_path)
     config = msgspec.convert(json.loads((tmp_path / "run" / "config.json").read_text())
                              ["actors"]["buffer"]["config"], BufferConfig)
     assert config.journal_compact_bytes == 4096
+
+
+def test_opd_memory_reports_each_modes_peak_over_one_micro_batch_of_logits():
+    from bench.opd_memory import logits_bytes, result_line
+
+    unit = logits_bytes(2, 48, 1000)  # 2 x (16 + 48) x 1000 bf16 logits
+    assert unit == 256_000
+    line = result_line({"sampled": 64_000, "top_p_student": 128_000, "full": 64_000}, unit)
+    assert line == ("RESULT sampled_peak_over_logits=0.250 topp_student_peak_over_logits=0.500 "
+                    "full_peak_over_logits=0.250 topp_student_peak_over_sampled=2.000 "
+                    "full_peak_over_sampled=1.000")
