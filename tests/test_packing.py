@@ -31,12 +31,21 @@ from training.packing import (
 )
 from transport.schema import Sample
 
-torch.set_num_threads(1)
 TEMPERATURE = 0.7
 # (prompt, response) lengths: very different, one empty response, one sample (90) longer than
 # the cap of 64 and one exactly at it, so both sit alone in their rows
 SHAPES = [(3, 40), (5, 2), (1, 1), (10, 30), (4, 0), (30, 60), (2, 62), (7, 9)]
 CAP = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread while a test here runs (restored after it: the rest of
+    the suite compares this process's numbers with other processes')."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def samples(shapes=SHAPES, seed: int = 0) -> list[Sample]:
