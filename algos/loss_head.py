@@ -63,6 +63,10 @@ Invariant: no function changes its inputs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -80,12 +84,32 @@ _SUM, _MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 IDS_BY_GEMM = False
 
 
+# the chunk's bytes in effect where a caller set them (`chunk_bytes`; None: HEAD_CHUNK_BYTES)
+_CHUNK_BYTES: contextvars.ContextVar[int | None] = contextvars.ContextVar("head_chunk_bytes",
+                                                                          default=None)
+
+
+@contextlib.contextmanager
+def chunk_bytes(nbytes: int) -> Iterator[None]:
+    """Within the block (this thread or task), chunks hold `nbytes` of float32 logits instead of
+    HEAD_CHUNK_BYTES: the trainer's `micro_batches.head_chunk_mib`, set for its step."""
+    if nbytes < 1:
+        raise ValueError(f"a loss-head chunk needs at least 1 byte, got {nbytes}")
+    token = _CHUNK_BYTES.set(int(nbytes))
+    try:
+        yield
+    finally:
+        _CHUNK_BYTES.reset(token)
+
+
 def chunk_tokens_for(width: int, requested: int | None = None, itemsize: int = 4) -> int:
-    """Tokens per chunk: `requested`, else as many as fit HEAD_CHUNK_BYTES at `width` values of
-    `itemsize` bytes per token (Vs logits, or k x H gathered weights), at least 1."""
+    """Tokens per chunk: `requested`, else as many as fit the chunk's bytes (`chunk_bytes`,
+    default HEAD_CHUNK_BYTES) at `width` values of `itemsize` bytes per token (Vs logits, or
+    k x H gathered weights), at least 1."""
     if requested is not None:
         return max(1, int(requested))
-    return max(1, HEAD_CHUNK_BYTES // (itemsize * max(1, width)))
+    budget = _CHUNK_BYTES.get() or HEAD_CHUNK_BYTES
+    return max(1, budget // (itemsize * max(1, width)))
 
 
 # --- vocabulary-parallel plumbing (no collectives on one rank) ---------------------------------

@@ -15,6 +15,7 @@ from algos import loss_head, opd
 from algos.logprobs import effective_temperature, response_logprobs
 from algos.loss_head import (
     HEAD_CHUNK_BYTES,
+    chunk_bytes,
     chunk_tokens_for,
     head_logprobs,
     head_set_kl,
@@ -414,3 +415,18 @@ def test_two_vocabulary_shards_equal_one_rank(tmp_path):
                 dtype = torch.float64 if "float64" in key else torch.float32
                 assert value <= TOL[dtype], (key, value)
         assert len(report) == 16
+
+
+def test_a_caller_sets_the_chunk_for_its_block_only():
+    """`chunk_bytes` (the trainer's micro_batches.head_chunk_mib) scopes the chunk to a block;
+    outside it the default holds again, and the values do not depend on it."""
+    default = chunk_tokens_for(V)
+    h, w, _, _, y = inputs(torch.float32)
+    want = head_logprobs(h, w, y, 0.7)[0]
+    with chunk_bytes(4 * V * 2):  # two tokens of logits
+        assert chunk_tokens_for(V) == 2
+        close(head_logprobs(h, w, y, 0.7)[0], want, torch.float32)
+    assert chunk_tokens_for(V) == default
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        with chunk_bytes(0):
+            pass

@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from algos import loss_head
 from algos.opd import OpdConfig
 from bench.opd_memory import cpu_peak_bytes
 from engine.sampling import filter_probs, nucleus, top_list
@@ -175,21 +174,22 @@ def test_peak_memory_does_not_grow_with_the_micro_batches(tmp_path):
 @pytest.mark.parametrize("opd", [OpdConfig(mode="sampled"), OpdConfig(mode="full"),
                                  OpdConfig(mode="top_k", top_k=8),
                                  OpdConfig(mode="top_p", top_p=0.9)], ids=lambda c: c.mode)
-def test_the_step_never_holds_a_micro_batch_of_logits(tmp_path, monkeypatch, opd):
+def test_the_step_never_holds_a_micro_batch_of_logits(tmp_path, opd):
     """A whole step (recompute, policy pass with a colocated teacher, backward, AdamW) of each
-    OPD mode peaks below a quarter of one micro-batch's float32 logits, once the loss head's
-    chunks are a fraction of them (training/heads.py; the logits path held several copies).
+    OPD mode peaks below half of one micro-batch's float32 logits, once the loss head's
+    chunks are a fraction of them (`micro_batches.head_chunk_mib`, training/heads.py; the logits
+    path held several copies).
     One padded forward per micro-batch, as on a GPU (the CPU's default by-length forwards keep
     the logits path: their point is the engine's exact reduction order)."""
-    monkeypatch.setattr(loss_head, "HEAD_CHUNK_BYTES", 1 << 16)  # 4 tokens of V = 4096
-    response, n = 200, 4
+    response, n = 400, 4
     logits_bytes = n * (8 + response) * VOCAB * 4
     student = tiny(0)
     state = TrainState(student, _Tok(), torch.optim.AdamW(student.parameters(), lr=1e-3))
     state.teachers = colocated(tmp_path, {"a": tiny(1)})
     cfg = TrainConfig(model="code", opd=opd, teachers=[TeacherSpec(name="a", model="code")],
                       loss=LossConfig(advantage_estimator="none"),
-                      micro_batches=MicroBatchConfig(size=n, forward_by_length=False))
+                      micro_batches=MicroBatchConfig(size=n, forward_by_length=False,
+                                                     head_chunk_mib=1))  # 64 tokens of V = 4096
     step = partial(train_on_batch, state, samples(n, response, ["a"]), cfg)
     try:
         cpu_peak_bytes(step)  # warm-up, seen by the profiler (see cpu_peak_bytes)
@@ -197,7 +197,7 @@ def test_the_step_never_holds_a_micro_batch_of_logits(tmp_path, monkeypatch, opd
     finally:
         state.teachers.close()
     assert stats["opd/a/reverse_kl"] > 0  # the teacher's signal was computed
-    assert peak < 0.25 * logits_bytes, (peak, logits_bytes)
+    assert peak < 0.5 * logits_bytes, (peak, logits_bytes)
 
 
 def test_signals_hold_one_micro_batch_of_teacher_outputs(tmp_path):

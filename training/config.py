@@ -61,11 +61,17 @@ class MicroBatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     size: int = 16  # samples per micro-batch (when max_tokens = 0)
     max_tokens: int = 0  # token cap per micro-batch, first-fit-decreasing packing (0 = off)
     forward_by_length: bool | None = None  # unpadded forward per length; None = fp32 on CPU only
+    # float32 logits the loss head makes at once (algos/loss_head.py: a chunk of tokens x V);
+    # 256 MiB is 441 tokens at V = 151,936
+    head_chunk_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.max_tokens < 0:
             raise ValueError(f"micro_batches needs size >= 1 and max_tokens >= 0 (0 = no cap); "
                              f"got size = {self.size}, max_tokens = {self.max_tokens}")
+        if self.head_chunk_mib < 1:
+            raise ValueError(f"micro_batches.head_chunk_mib must be >= 1 (MiB of float32 logits "
+                             f"per loss-head chunk), got {self.head_chunk_mib}")
 
 
 class LossConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -60,6 +60,7 @@ from algos.advantages import estimator, sample_scores, token_advantages, whiten_
 from algos.dp_schedule import pack
 from algos.kl import approx_kl
 from algos.logprobs import response_slice
+from algos.loss_head import chunk_bytes
 from algos.mismatch import correction_weights, mismatch_metrics
 from algos.opd import (
     gather_scores,
@@ -128,7 +129,14 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     """One optimizer step; with `dp` (training.data_parallel.DataParallel) this rank's share of
     it; `runner` runs the model over the micro-batches (default: `TorchRunner`, a whole forward;
     a backend's pipeline runner for pipeline stages, training/backends.py `model_runner`).
-    Returns the statistics on every rank of the model (computed on the last stage)."""
+    Returns the statistics on every rank of the model (computed on the last stage). The loss
+    head's chunks hold `micro_batches.head_chunk_mib` of logits."""
+    with chunk_bytes(cfg.micro_batches.head_chunk_mib << 20):
+        return _train_on_batch(state, samples, cfg, dp, runner)
+
+
+def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, dp: Any,
+                    runner: ModelRunner | None) -> dict[str, float]:
     dp = dp or SingleProcess()
     if cfg.true_on_policy:  # every policy log-prob pass below runs the invariant forward
         enable_invariant(state.model)
