@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import tomllib
-import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +31,20 @@ from models.load import is_checkpoint_dir
 from runtime import passthrough as pt
 from runtime.actor import ActorView
 from runtime.facts import RunFacts, fact_hint
-from runtime.loading import ConfigError, actor_config, import_actor
+from runtime.loading import (
+    ConfigError,
+    actor_config,
+    close_fields,
+    dotted,
+    error_path,
+    explain,
+    field_names,
+    import_actor,
+    python_path_hint,
+    suggest,
+    type_at,
+    unwrap,
+)
 from transport.codec import Limits
 from transport.shm import ShmConfig
 from transport.sockets import Security
@@ -134,6 +146,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
     facts: dict[str, RunFacts] = {}
 
 
+RL_DOCS = " (fields of [rl]: launch/rl.py RLConfig)"  # ends every [rl] schema error
+CONFIG_DOCS = " (every field is listed in launch/config.py)"  # ends an unknown field's error
+
 DERIVED = frozenset({"facts"})  # ClusterConfig fields made at load, never written in the file
 
 # actor config fields (at any depth) that name a model checkpoint: a relative path that is a
@@ -214,14 +229,38 @@ def _expand_rl(raw: dict[str, Any], path: Path) -> set[str]:
     if "rl" in raw and not isinstance(raw["rl"], dict):
         raise ConfigError(f"{path}: `rl` must be a table ([rl]), got {raw['rl']!r}")
     try:
-        return rl_table.expand(raw)
+        derived = rl_table.expand(raw)
     except msgspec.ValidationError as e:
-        text = str(e)
-        if " - at `" not in text and " field `" not in text:  # RLConfig.__post_init__
-            raise ConfigError(f"{path}: table [rl]: {text}") from None
-        raise ConfigError(f"{path}: {_describe(text, ['rl'])}") from None
+        raise ConfigError(f"{path}: {_describe(str(e), ['rl'], rl_table.RLConfig, '')}"
+                          f"{RL_DOCS}") from None
     except ValueError as e:
         raise ConfigError(f"{path}: table [rl]: {e}") from None
+    _check_rl_envs(raw, path)
+    return derived
+
+
+def _check_rl_envs(raw: dict[str, Any], path: Path) -> None:
+    """[rl]'s `envs` entries against the rollout's schema of one (its Config's `envs`), so that
+    a mistake in one is named where it is written: `[rl]`, field `envs[i]...`."""
+    if "rl" not in raw:
+        return
+    rollout = raw["actors"].get("rollout")
+    try:
+        config = import_actor(rollout["cls"]).Config
+    except (ConfigError, KeyError, TypeError):
+        return  # reported with the rollout's table
+    schema = type_at(config, ["envs"])
+    if schema is Any:
+        return
+    try:
+        msgspec.convert(raw["rl"]["envs"], schema)
+    except msgspec.ValidationError as e:
+        field, problem = explain(str(e), schema, ["envs"])
+        entry = unwrap(type_at(schema, [0]))
+        docs = f"; of an env entry: {entry.__module__}.{entry.__qualname__}" \
+            if field_names(entry) else ""
+        raise ConfigError(f"{path}: table [rl], field `{field}`: {problem}"
+                          f"{RL_DOCS[:-1]}{docs})") from None
 
 
 def _derived_hint(message: str, derived: set[str]) -> str:
@@ -247,14 +286,15 @@ def _load_document(raw: dict[str, Any], path: Path,
         try:  # one by one: msgspec's error path does not name dict keys
             msgspec.convert(entry, ActorEntry)
         except msgspec.ValidationError as e:
-            raise ConfigError(f"{path}: {_describe(str(e), ['actors', name])}") from None
+            raise ConfigError(f"{path}: {_describe(str(e), ['actors', name], ActorEntry)}"
+                              ) from None
     for key in DERIVED & set(raw):
         raise ConfigError(f"{path}: `{key}` is derived from the actors at load, not written: "
                           f"remove the [{key}] table (set [rl] or the actors' tables instead)")
     try:
         cfg = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{path}: {_describe(str(e))}") from None
+        raise ConfigError(f"{path}: {_describe(str(e), [], ClusterConfig)}") from None
     _check(cfg, path, notes if notes is not None else [])
     return cfg
 
@@ -277,14 +317,6 @@ def _blame(message: str, overrides: list[Override], created: dict[str, list[str]
     return f"{message} (set on the command line by --set {', --set '.join(blamed)})"
 
 
-def _unwrap(tp: Any) -> Any:
-    """`X | None` -> X (a table that may be absent is still that table)."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else Any
-    return tp
-
-
 def _child(schema: Any, key: str, node: dict[str, Any], where: str, table: str) -> Any:
     """The schema type of `node[key]` (Any where anything goes); ConfigError when the schema
     of `table` has no field `key`."""
@@ -295,12 +327,17 @@ def _child(schema: Any, key: str, node: dict[str, Any], where: str, table: str) 
             what = "the top level of hosts.toml" if table == "top level" else f"table [{table}]"
             inner = table.partition(".config")[2].lstrip(".")  # the path in an actor's config
             hint = fact_hint(f"{inner}.{key}" if inner else key) if ".config" in table else ""
+            at = [] if table == "top level" else table.split(".")
+            close = close_fields(key, list(fields))
+            if close and not hint:  # the whole --set path, as it would be written
+                hint = f" (did you mean {' or '.join(f'`{dotted([*at, c])}`' for c in close)}?)"
+            docs = RL_DOCS if at[:1] == ["rl"] else \
+                " (every field is listed in launch/config.py and the actor's Config)"
             raise ConfigError(f"{where}: {what} has no field `{key}`{hint or ''}; its fields "
-                              f"are {', '.join(sorted(fields))} (every field is listed in "
-                              f"launch/config.py and the actor's Config)")
+                              f"are {', '.join(sorted(fields))}{docs}")
         if schema is ActorEntry and key == "config" and isinstance(node.get("cls"), str):
             return import_actor(node["cls"], f"{where}: table [{table}], field `cls`").Config
-        return _unwrap(fields[key])
+        return unwrap(fields[key])
     if typing.get_origin(schema) is dict:
         return typing.get_args(schema)[1] if typing.get_args(schema) else Any
     return Any
@@ -394,19 +431,31 @@ def _merge_passthrough(actors: Any, tables: dict[str, dict[str, Any]], path: Pat
                           f"an actor of that kind")
 
 
-def _describe(err: str, prefix: list[str] | None = None) -> str:
-    """msgspec's 'problem - at `$.a.b`' as 'table [a], field `b`: problem'."""
-    problem, _, where = err.partition(" - at `")
-    parts = re.findall(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", where.rstrip("`").removeprefix("$"))
-    keys = [*(prefix or []), *(name or f"#{int(idx) + 1}" for name, idx in parts)]
+def _describe(err: str, prefix: list[str], schema: Any, docs: str = CONFIG_DOCS) -> str:
+    """msgspec's 'problem - at `$.a.b`' as 'table [a], field `b`: problem', where the document
+    below `prefix` was converted to `schema`: an unknown field gets the closest fields of its
+    table and `docs`; a struct's own check (its __post_init__) is put on the field its message
+    names, if any."""
+    problem, steps = error_path(err)
+    keys = [*prefix, *(s if isinstance(s, str) else f"#{s + 1}" for s in steps if s != "...")]
     named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
     if named:
         field, table = named.group(1), keys
-        hint = " (check the spelling; every field is listed in launch/config.py)" \
-            if "unknown" in problem else ""
+        if "unknown" in problem:
+            problem += suggest(field, field_names(type_at(schema, steps)), []) + docs
     else:
-        field, table, hint = (keys[-1] if keys else "?"), keys[:-1], ""
-    return f"table [{_table(table)}], field `{field}`: {problem}{hint}"
+        field, table = _named_field(problem, type_at(schema, steps)), keys
+        if not field:
+            if not keys:
+                return f"table [top level]: {problem}"
+            field, table = keys[-1], keys[:-1]
+    return f"table [{_table(table)}], field `{field}`: {problem}"
+
+
+def _named_field(problem: str, schema: Any) -> str:
+    """The field of `schema` a check's message is about: the first it names ('' if none)."""
+    names = field_names(schema)
+    return next((w for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", problem) if w in names), "")
 
 
 def _table(keys: list[str]) -> str:
@@ -448,7 +497,8 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
             views[name] = ActorView(cls, config, host, cls.gpus(config, env, host),
                                     list(entry.after))
         except EnvSpecError as e:  # the environments it constructed: where they were written
-            raise ConfigError(f"{path}: {_envs_table(cfg, name, e.index)} {e}") from None
+            raise ConfigError(f"{path}: {_envs_table(cfg, name, e.index)} {e}"
+                              f"{_env_import_hint(e)}") from None
         except ValueError as e:
             raise ConfigError(f"{path}: table [{table}.config]: {e}") from None
         except Exception as e:  # a class its check constructs failed in its own way
@@ -462,6 +512,15 @@ def _check(cfg: ClusterConfig, path: Path, notes: list[str]) -> None:
     except PlanError as e:
         raise ConfigError(f"{path}: table [actors.{e.actor}.config]: {e}") from None
     start_order(cfg, path)
+
+
+def _env_import_hint(e: EnvSpecError) -> str:
+    """For an environment class whose own module is not found: [run] python_path."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, ModuleNotFoundError):
+        cause = cause.__cause__ or cause.__context__
+    module = e.cls.partition(":")[0] if isinstance(e.cls, str) else ""
+    return python_path_hint(cause, module) if cause is not None else ""
 
 
 def _envs_table(cfg: ClusterConfig, name: str, index: int) -> str:

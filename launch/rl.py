@@ -76,6 +76,9 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers = {self.workers}: at least one inference worker")
+        for name in ("group_size", "groups_per_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: use 1 or more")
         if self.threads < 0:
             raise ValueError(f"threads = {self.threads}: use 0 (unset) or a positive count")
         if self.max_staleness is not None and self.max_staleness < 0:

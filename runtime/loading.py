@@ -6,8 +6,11 @@ Errors are `ConfigError` (a ValueError) naming where the bad value came from (`w
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
+import types
+import typing
 from typing import Any
 
 import msgspec
@@ -28,7 +31,8 @@ def import_actor(dotted: str, where: str = "actor class") -> type:
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{where}: cannot import {dotted!r}: {e}") from None
+        raise ConfigError(f"{where}: cannot import {dotted!r}: {e}"
+                          f"{python_path_hint(e, module_name)}") from None
     if not (isinstance(obj, type) and issubclass(obj, Actor)):
         raise ConfigError(f"{where}: {dotted!r} is not a subclass of runtime.actor.Actor")
     return obj
@@ -40,14 +44,106 @@ def actor_config(cls: type, raw: dict[str, Any], where: str) -> Any:
     try:
         return msgspec.convert(raw, cls.Config)
     except msgspec.ValidationError as e:
-        problem, _, at = str(e).partition(" - at `")
-        keys = re.findall(r"\.([A-Za-z0-9_\-]+)", at)
-        named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
-        field = named.group(1) if named else (keys[-1] if keys else None)
-        hint = fact_hint(".".join([*keys, field])) if "unknown" in problem else ""
-        raise ConfigError(f"{where}, field `{field}`: {problem}{hint}" if field else
+        field, problem = explain(str(e), cls.Config)
+        raise ConfigError(f"{where}, field `{field}`: {problem}" if field else
                           f"{where}: {problem}") from None
     except Exception as e:  # a __post_init__ that raises something else than ValueError
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"{where}: {cls.Config.__name__} raised {type(e).__name__}: "
                           f"{first}") from None
+
+
+# ----------------------------------------------------------------------------- error hints
+PATH_STEP = re.compile(r"\.([A-Za-z0-9_\-]+)|\[(\d+|\.\.\.)\]")
+CLOSE = 0.6  # difflib's cutoff for a did-you-mean suggestion
+LISTED = 40  # fields listed at most when no field is close
+
+
+def explain(err: str, schema: Any, at: list[str | int] | None = None) -> tuple[str, str]:
+    """msgspec's error converting a value to `schema` (found at `at` of its table) as (the
+    field's dotted path, '' when the error names none; the problem, with where a run fact is set
+    or the closest fields for an unknown field)."""
+    problem, keys = error_path(err)
+    named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
+    field = dotted([*(at or []), *keys, *([named.group(1)] if named else [])])
+    if named and "unknown" in problem:
+        names = field_names(type_at(schema, keys))
+        problem += fact_hint(field) or suggest(named.group(1), names, [*(at or []), *keys])
+    return field, problem
+
+
+def python_path_hint(e: Exception, module: str) -> str:
+    """For a class whose own module (or a package above it) is not found: where to put it."""
+    name = getattr(e, "name", None)
+    if not isinstance(e, ModuleNotFoundError) or not name or not (
+            module == name or module.startswith(name + ".")):
+        return ""
+    return ("; if it is your own module, put its folder in [run] python_path = [...] "
+            "(relative to hosts.toml)")
+
+
+def error_path(err: str) -> tuple[str, list[str | int]]:
+    """msgspec's 'problem - at `$.a[0].b`' as ('problem', ['a', 0, 'b']); a dict key, which
+    msgspec does not say, is '...'."""
+    problem, _, at = err.partition(" - at `")
+    steps = PATH_STEP.findall(at.rstrip("`").removeprefix("$"))
+    return problem, [name or (int(i) if i.isdigit() else i) for name, i in steps]
+
+
+def dotted(keys: list[str | int]) -> str:
+    """['a', 0, 'b'] as 'a[0].b' (a dict's unknown key as '[...]')."""
+    out = ""
+    for key in keys:
+        out += f"[{key}]" if isinstance(key, int) or key == "..." else (
+            f".{key}" if out else key)
+    return out
+
+
+def unwrap(tp: Any) -> Any:
+    """`X | None` -> X (a table that may be absent is still that table)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return tp
+
+
+def type_at(schema: Any, keys: list[str | int]) -> Any:
+    """The type found at `keys` below `schema`: struct fields, list items, dict values (Any
+    where the schema does not say)."""
+    for key in keys:
+        tp, args = unwrap(schema), typing.get_args(unwrap(schema))
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct) and isinstance(key, str):
+            schema = {f.name: f.type for f in msgspec.structs.fields(tp)}.get(key, Any)
+        elif typing.get_origin(tp) in (list, tuple, set, frozenset) and args:
+            schema = args[0]
+        elif typing.get_origin(tp) is dict and len(args) == 2:
+            schema = args[1]
+        else:
+            return Any
+    return unwrap(schema)
+
+
+def field_names(schema: Any) -> list[str]:
+    """The fields of a struct type ([] for anything else)."""
+    if isinstance(schema, type) and issubclass(schema, msgspec.Struct):
+        return [f.name for f in msgspec.structs.fields(schema)]
+    return []
+
+
+def close_fields(key: str, names: list[str]) -> list[str]:
+    """The names in `names` closest to the unknown `key` (up to 3, best first; may be none)."""
+    return difflib.get_close_matches(key, names, n=3, cutoff=CLOSE)
+
+
+def suggest(key: str, names: list[str], at: list[str | int]) -> str:
+    """For an unknown `key` among the fields `names` of the table at `at`: '; did you mean
+    `at.field`?' with the closest ones, else the fields listed ('' when there are none)."""
+    if not names:
+        return ""
+    close = close_fields(key, names)
+    if close:
+        return f"; did you mean {' or '.join(f'`{dotted([*at, c])}`' for c in close)}?"
+    shown = sorted(names)
+    more = f" and {len(shown) - LISTED} more" if len(shown) > LISTED else ""
+    here = f" of `{dotted(at)}`" if at else ""
+    return f"; no field is close to it: the fields{here} are {', '.join(shown[:LISTED])}{more}"

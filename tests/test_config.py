@@ -210,7 +210,8 @@ OK_LOOP = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.built
      ["table [actors.trainer.config]: mode = 'colocated' here needs max_staleness = 0 in "
       "[actors.buffer.config] (it is 1)", "set max_staleness = 0 there, or mode = 'decoupled'"]),
     (('workers = ["w"] }', 'workers = ["w"], loss = { temperature = 0.7 } }'),
-     ["table [actors.trainer.config], field `temperature`", "temperature is a fact of the run, "
+     ["table [actors.trainer.config], field `loss.temperature`",
+      "temperature is a fact of the run, "
       "said once (in [rl], or as `temperature` of the rollout) and read by every other actor: "
       "remove `loss.temperature` here"]),
     (('after = ["router", "buffer"]', 'after = ["buffer"]'),

@@ -73,7 +73,8 @@ def test_override_errors_name_the_set_and_the_path():
     message = error_of(LOCAL, "actors.trainer.config.optimizer.lrate=1e-5")
     assert "table [actors.trainer.config.optimizer] has no field `lrate`" in message
     message = error_of(LOCAL, "actors.trainer.config.optimizer.lr=fast")
-    assert "table [actors.trainer.config], field `lr`: Expected `float`, got `str`" in message
+    assert "table [actors.trainer.config], field `optimizer.lr`: Expected `float`, got " \
+           "`str`" in message
     assert "(set on the command line by --set actors.trainer.config.optimizer.lr=fast)" in message
     message = error_of(LOCAL, "run.name.first=x")
     assert "--set run.name.first=x: `run.name` is a value in local.toml, not a table" in message

@@ -139,7 +139,8 @@ def test_sglang_engine_derives_registering_servers_after_the_router(tmp_path):
 
 
 @pytest.mark.parametrize("edit, words", [
-    ("workers = 0\n", ["table [rl]: workers = 0: at least one inference worker"]),
+    ("workers = 0\n",
+     ["table [rl], field `workers`: workers = 0: at least one inference worker"]),
     ("grup_size = 4\n", ["table [rl], field `grup_size`", "unknown field"]),
     ('mode = "colocated"\nmax_staleness = 1\n', ["max_staleness must be 0"]),
     ("lr = \"fast\"\n", ["table [rl], field `lr`: Expected `float`, got `str`"]),
