@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -19,6 +21,7 @@ from logic.buffer import BufferConfig
 from runtime.facts import RunFacts
 from transport.schema import Sample, SampleGroup
 
+ROOT = Path(__file__).resolve().parent.parent
 CONFIG = BufferConfig(max_staleness=1)
 FACTS = RunFacts(group_size=2, groups_per_batch=1)
 
@@ -111,3 +114,21 @@ def test_opd_memory_reports_each_modes_peak_over_one_micro_batch_of_logits():
     assert line == ("RESULT sampled_peak_over_logits=0.250 topp_student_peak_over_logits=0.500 "
                     "full_peak_over_logits=0.250 topp_student_peak_over_sampled=2.000 "
                     "full_peak_over_sampled=1.000")
+
+
+def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
+    from bench.train_mfu import lengths_for, useful_flops
+
+    # 8 N T + four passes of causal attention: 2 s^2 d per layer and sample
+    assert useful_flops(1000, [10, 20], hidden=4, layers=3) == \
+        8 * 1000 * 30 + 4 * (2 * 100 * 4 * 3 + 2 * 400 * 4 * 3)
+    lengths = lengths_for(5000, 4096)
+    assert 5000 <= sum(lengths) < 5000 + 4096 and min(lengths) >= 2 and max(lengths) <= 4096
+    out = subprocess.run([sys.executable, "-m", "bench.train_mfu", "--device", "cpu", "--shape",
+                          "tiny", "--tokens", "512", "--mb-tokens", "256", "--steps", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    fields = dict(kv.split("=") for kv in last.split()[1:])
+    assert last.startswith("RESULT ") and 0 < float(fields["mfu_torch"]) < 1
+    assert fields["mfu_megatron"] == "n/a" and fields["packed_vs_padded"] == "n/a"

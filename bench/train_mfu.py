@@ -1,0 +1,196 @@
+"""Model FLOPs utilisation of one RL optimizer step at real shapes.
+
+    python -m bench.train_mfu                                  # H200: 1.5B and 3B, 32k tokens
+    python -m bench.train_mfu --device cpu --shape tiny --tokens 768 --steps 1   # the script
+
+One step is the trainer's `training.step.train_on_batch` (the recompute pass, the policy pass
+with its backward, AdamW through fp32 master weights, and the pass after it for the policy KL
+metric) on a random-init model of a real HF config (Qwen2.5-1.5B: hidden 1536, 28 layers, 12/2
+heads, ffn 8960; Qwen2.5-3B: hidden 2048, 36 layers, 16/2 heads, ffn 11008; both V = 151,936,
+tied embeddings), bf16 on CUDA, over samples whose lengths follow `bench.dp_schedule`'s
+long-tailed distribution (lognormal around 1,500 tokens, a tenth of each the prompt) until
+`--tokens` real tokens, in micro-batches of at most `--mb-tokens` tokens (first-fit decreasing,
+right-padded to the longest row).
+
+Useful FLOPs per step: 8 N T (recompute 2 + forward 2 + backward 4, N the parameters, T the
+real tokens) plus causal attention, 4 x 2 s^2 d per layer and sample (s its length, d the hidden
+size; the same four passes); the after-step forward and the padding are not counted (they are
+overhead). MFU = useful FLOPs / step time / the peak of a bf16 matrix product measured in the
+same run (8192^3). Printed per shape: step time (median of `--steps` after a warm-up, with the
+spread), tokens/s, MFU, the padding fraction, and memory: torch's peak reserved and NVML's used
+(the user-visible number) after the steps.
+
+Measured here: the torch backend with padded micro-batches. Megatron and packed micro-batches
+are not measured by this script yet (packing is not in the train step; bench.megatron_gpu times
+the megatron backend): their RESULT keys say `n/a`.
+Final line: `RESULT mfu_best=... mfu_torch=... mfu_megatron=n/a packed_vs_padded=n/a` (the
+largest shape's MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from actors.trainer import TrainerConfig
+from models.tiny import build_char_tokenizer
+from training.config import MicroBatchConfig, OptimizerConfig
+from training.data_parallel import plan_micro_batches
+from training.master_weights import make_optimizer
+from training.step import TrainState, train_on_batch
+from transport.schema import Sample
+
+# (hidden, layers, heads, kv heads, ffn, vocab): real HF configs' shapes, written out
+SHAPES = {"1.5b": (1536, 28, 12, 2, 8960, 151936), "3b": (2048, 36, 16, 2, 11008, 151936),
+          "tiny": (64, 2, 4, 2, 128, 1024)}
+
+
+def hf_model(shape: str, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=ffn,
+                      max_position_embeddings=32768, tie_word_embeddings=True,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def lengths_for(tokens: int, vocab_cap: int, seed: int = 0) -> list[int]:
+    """Long-tailed sample lengths (bench.dp_schedule's lognormal) summing to about `tokens`,
+    each at most `vocab_cap` and at least 2."""
+    rng = np.random.default_rng(seed)
+    scale = min(1500.0, tokens / 8)  # small runs keep several samples
+    out: list[int] = []
+    while sum(out) < tokens:
+        out.append(int(np.clip(rng.lognormal(np.log(scale), 1.0), 2, vocab_cap)))
+    return out
+
+
+def samples_of(lengths: list[int], vocab: int, seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        prompt = max(1, n // 10)
+        ids = rng.integers(3, vocab, n).tolist()
+        out.append(Sample(group_id=f"g{i // 4}", index=i % 4, domain="d", prompt_ids=ids[:prompt],
+                          response_ids=ids[prompt:], loss_mask=[1] * (n - prompt),
+                          rollout_logprobs=[-5.0] * (n - prompt), reward=float(i % 2)))
+    return out
+
+
+def useful_flops(params: int, lengths: list[int], hidden: int, layers: int) -> float:
+    """8 N T + 4 passes x causal attention (2 s^2 d per layer and sample)."""
+    return 8.0 * params * sum(lengths) + 4 * sum(2.0 * s * s * hidden * layers for s in lengths)
+
+
+def matmul_peak(device: str, dtype: torch.dtype, n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of an n^3 matrix product in `dtype` (the best of `reps`)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def run_shape(shape: str, args, dtype: torch.dtype, peak: float) -> dict[str, float]:
+    hidden, layers, _, _, _, vocab = SHAPES[shape]
+    model = hf_model(shape, args.device, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    tok = build_char_tokenizer()  # only its pad id is read
+    state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6))
+    cfg = TrainerConfig(model="bench", workers=["w"], dtype=str(dtype).split(".")[-1],
+                        device=args.device, optimizer=OptimizerConfig(lr=1e-6),
+                        micro_batches=MicroBatchConfig(max_tokens=args.mb_tokens,
+                                                       forward_by_length=False))
+    lengths = lengths_for(args.tokens, args.mb_tokens)
+    samples = samples_of(lengths, vocab)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    train_on_batch(state, samples, cfg)  # warm-up: optimizer state, kernels
+    sync()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        train_on_batch(state, samples, cfg)
+        sync()
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    plan = plan_micro_batches(samples, 16, args.mb_tokens).micro_batches
+    computed = sum(len(mb) * max(lengths[i] for i in mb) for mb in plan)  # rows x longest
+    out = {"params": params, "tokens": sum(lengths), "samples": len(lengths),
+           "padding": 1 - sum(lengths) / computed,
+           "step_s": step, "min_s": min(times), "max_s": max(times),
+           "tokens_per_s": sum(lengths) / step,
+           "mfu": useful_flops(params, lengths, hidden, layers) / step / peak}
+    if cuda:
+        out["torch_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        out["nvml_used_gib"] = nvml_used_gib()
+    del state, model
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def nvml_used_gib() -> float:
+    """The device memory NVML says is used (what `nvidia-smi` shows); nan without pynvml."""
+    try:
+        import pynvml
+    except ImportError:
+        return float("nan")
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def result_line(results: dict[str, dict[str, float]]) -> str:
+    """The largest shape's torch MFU; megatron and packing are not measured here (n/a)."""
+    largest = max(results, key=lambda s: results[s]["params"])
+    mfu = results[largest]["mfu"]
+    return f"RESULT mfu_best={mfu:.3f} mfu_torch={mfu:.3f} mfu_megatron=n/a packed_vs_padded=n/a"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="1.5b,3b", help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--tokens", type=int, default=32768, help="real tokens per step")
+    p.add_argument("--mb-tokens", type=int, default=8192, help="token cap per micro-batch "
+                   "(16,384 runs out of an H200's memory at 3B: no activation checkpointing)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per shape (median shown)")
+    args = p.parse_args()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    peak = matmul_peak(args.device, dtype, 8192 if args.device.startswith("cuda") else 512, 5)
+    print(f"{args.device}, {str(dtype).split('.')[-1]}: matrix product peak "
+          f"{peak / 1e12:.1f} TFLOP/s (measured)", flush=True)
+    results = {}
+    for shape in args.shape.split(","):
+        r = results[shape] = run_shape(shape, args, dtype, peak)
+        memory = (f", memory: torch reserved {r['torch_reserved_gib']:.1f} GiB, NVML used "
+                  f"{r['nvml_used_gib']:.1f} GiB" if "nvml_used_gib" in r else "")
+        print(f"{shape}: {r['params'] / 1e9:.2f}B params, {r['samples']} samples, "
+              f"{r['tokens']} tokens: step {r['step_s']:.3f} s (median of {args.steps}, "
+              f"{r['min_s']:.3f}-{r['max_s']:.3f}), {r['tokens_per_s']:.0f} tokens/s, "
+              f"MFU {100 * r['mfu']:.1f}%, padding {100 * r['padding']:.0f}% of the tokens "
+              f"computed{memory}", flush=True)
+    print("megatron and packed micro-batches: not measured by this script yet (n/a)")
+    print(result_line(results))
+
+
+if __name__ == "__main__":
+    main()
