@@ -34,9 +34,10 @@ makes it):
     computed at `teacher_temperature` T' and rescaled exactly, `log_softmax(lp' T' / T)` over S
     (`top_k_reverse_kl`), or as its hidden states and weight read at the ids.
   Sets given as ids never build a row of the vocabulary: the logits at the ids are h . W[ids]
-  (the weight's rows gathered, [chunk, k, H]; the teacher's h' . W'[ids] the same way). `head_weighted_set_kl` takes per-token weights w
-  and returns sum_t w_t KL_t with its gradient computed in the same pass (each side's logits
-  made once, and the teacher not kept until the backward).
+  (the weight's rows gathered, [chunk, k, H]; the teacher's h' . W'[ids] the same way).
+  `head_weighted_set_kl` takes per-token weights w and returns sum_t w_t KL_t with its gradient
+  computed in the same pass (each side's logits made once, and the teacher not kept until the
+  backward).
 
 Vocabulary parallel (`group`, a torch.distributed process group of tp ranks; None = one rank):
 rank r holds rows [r Vs, (r + 1) Vs) of W (and of W'), equal shards; h, targets, ids and the
@@ -56,8 +57,9 @@ shard's, without collective.
 Memory: per chunk, a few [chunk, Vs] float32 temporaries (each side's logits, probabilities,
 the gradient; the rebuilt nucleus's sort adds its values and int64 indices); kept for the
 backward: the inputs (by reference) and per-token values ([N]; [N, k] for sets given as ids);
-in the backward, float32 accumulators of dL/dW [Vs, H] and dL/dh [N, H]. `head_set_kl`'s full and rebuilt-nucleus sets keep the teacher's hidden states until the
-backward (they are read again there); `head_weighted_set_kl` keeps the two gradients instead.
+in the backward, float32 accumulators of dL/dW [Vs, H] and dL/dh [N, H]. `head_set_kl`'s full
+and rebuilt-nucleus sets keep the teacher's hidden states until the backward (they are read
+again there); `head_weighted_set_kl` keeps the two gradients instead.
 Invariant: no function changes its inputs.
 """
 
@@ -77,11 +79,6 @@ SET_MODES = ("full", "top_p", "top_k")
 # are a few of these, and each side's logits in the input dtype)
 HEAD_CHUNK_BYTES = 256 << 20
 _SUM, _MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
-# sets given as ids: their logits picked from each chunk's h W^T and their gradient made by two
-# GEMMs over a [chunk, Vs] row (True), or from the gathered weight rows W[ids] [chunk, k, H] with
-# an index_add into dL/dW (False, the default: on an H200 at V = 151,936 and k ~ 50, 0.60 s
-# against 0.68 s for the GEMMs in bench.opd_memory's top-k and top-p steps)
-IDS_BY_GEMM = False
 
 
 # the chunk's bytes in effect where a caller set them (`chunk_bytes`; None: HEAD_CHUNK_BYTES)
@@ -378,19 +375,16 @@ class _IdSets:
     the teacher as its values over the set ([N, k], -inf outside) or its hidden states and
     weight. State kept for the backward: (p_S [N, k], log p_S - log q_S [N, k], KL [N])."""
 
-    def __init__(self, ids, keep, scores, teacher_hidden, teacher_weight, t, chunk, group,
-                 by_gemm=False):
+    def __init__(self, ids, keep, scores, teacher_hidden, teacher_weight, t, chunk, group):
         self.ids, self.keep, self.scores = ids, keep, scores
         self.th, self.tw = teacher_hidden, teacher_weight
-        self.t, self.chunk, self.group, self.by_gemm = t, chunk, group, by_gemm
+        self.t, self.chunk, self.group = t, chunk, group
 
     def _at(self, h, w, local, owned, dtype):
-        """[c, k] logits / T at the ids, summed over the group: from the gathered rows W[ids]
-        [c, k, H], or (`by_gemm`) picked from the chunk's logits h W^T [c, Vs]."""
-        if self.by_gemm:
-            z = (h @ w.T).gather(-1, local)
-        else:
-            z = torch.bmm(w[local], h[:, :, None])[..., 0]
+        """[c, k] logits / T at the ids from the gathered rows W[ids] [c, k, H], summed over the
+        group. (Picking them from each chunk's h W^T with two GEMMs for the gradient was slower
+        on an H200: 0.68 s against 0.60 s in bench.opd_memory's top-k and top-p steps.)"""
+        z = torch.bmm(w[local], h[:, :, None])[..., 0]
         return _all_reduce(z.to(dtype).masked_fill_(~owned, 0.0), _SUM, self.group).div_(self.t)
 
     def run(self, hidden, weight, scale=None, state=None, needs=(True, True)):
@@ -410,12 +404,8 @@ class _IdSets:
             if scale is not None:
                 p, diff, kl = (x[sl] for x in state)
                 gz = (diff - kl[:, None]).mul_(p).mul_(scale[sl, None].to(dtype) / self.t)
-                gz.masked_fill_(~owned, 0.0)
-                if self.by_gemm:  # dL/dz as a [c, Vs] row of the vocabulary: two GEMMs
-                    dense = gz.new_zeros((gz.shape[0], weight.shape[0]))
-                    _add_grads(dense.scatter_add_(1, local, gz), hidden[sl], weight, s, gh, gw)
-                else:
-                    self._grads(gz, hidden[sl], weight[local], local, owned, s, gh, gw)
+                self._grads(gz.masked_fill_(~owned, 0.0), hidden[sl], weight[local], local, owned,
+                            s, gh, gw)
         if fresh:
             self.th = self.tw = self.scores = None  # the teacher is not needed any more
         return (state[2], state, *_finish(gh, gw, hidden, weight, self.group)) \
@@ -546,10 +536,8 @@ def _set_walker(hidden, weight, mode, temperature, *, teacher_hidden=None, teach
                              "(top_k: needed; top_p: the recorded nucleus; full: none)")
         ids, keep, scores = _id_set(ids, valid, teacher_logprobs, teacher_temperature, t, dtype,
                                     vocab)
-        by_gemm = bool(IDS_BY_GEMM)
-        width = weight.shape[0] if by_gemm else ids.shape[1] * hidden.shape[1]
-        return _IdSets(ids, keep, scores, teacher_hidden, teacher_weight, t,
-                       chunk_tokens_for(width, chunk_tokens), group, by_gemm)
+        chunk = chunk_tokens_for(ids.shape[1] * hidden.shape[1], chunk_tokens)
+        return _IdSets(ids, keep, scores, teacher_hidden, teacher_weight, t, chunk, group)
     if not has_teacher:
         raise ValueError(f"mode {mode!r} over rows of the vocabulary needs teacher_hidden and "
                          "teacher_weight (the teacher's logits)")

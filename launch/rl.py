@@ -16,9 +16,9 @@ model, dtype, mode and true_on_policy to the trainer (the model to the workers t
 serve), group_size, groups_per_batch, temperature and top_p to the rollout, max_staleness to the
 buffer; every other actor reads them from its context (launch/plan.py derives them at load).
 Embedded workers on CUDA get the trainer's `weight_sync.path = "auto"` (CUDA IPC on its GPU,
-NCCL to the others; disk stays the default elsewhere); the teachers and `opd` go to the pool and the trainer (with opd mode "top_p" or
-`top_p_replay`, the rollout records each token's nucleus: `nucleus_top_logprobs`); the worker
-names to the trainer.
+NCCL to the others; disk stays the default elsewhere); the teachers and `opd` go to the pool and
+the trainer (with opd mode "top_p" or `top_p_replay`, the rollout records each token's nucleus:
+`nucleus_top_logprobs`); the worker names to the trainer.
 
 Per-actor tables stay the way to change anything else or to lay out a custom cluster: a table
 `[actors.<name>]` the file also has is merged over the derived one (tables key by key, any other
@@ -76,9 +76,10 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers = {self.workers}: at least one inference worker")
-        for name in ("group_size", "groups_per_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)}: use 1 or more")
+        for name, value in (("group_size", self.group_size),
+                            ("groups_per_batch", self.groups_per_batch)):
+            if value < 1:
+                raise ValueError(f"{name} = {value}: use 1 or more")
         if self.threads < 0:
             raise ValueError(f"threads = {self.threads}: use 0 (unset) or a positive count")
         if self.max_staleness is not None and self.max_staleness < 0:

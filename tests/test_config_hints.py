@@ -9,18 +9,8 @@ from pathlib import Path
 import pytest
 
 from launch.config import ConfigError, load, parse_overrides
+from tests.test_rl_table import BASE as RL  # a small [rl] run
 
-RL = """
-[run]
-name = "t"
-
-[rl]
-model = "tiny-qwen2"
-group_size = 4
-groups_per_batch = 2
-num_steps = 3
-envs = [{ cls = "envs.builtin.arith:ArithEnv" }]
-"""
 RL_DOCS = "(fields of [rl]: launch/rl.py RLConfig"
 PYTHON_PATH = ("if it is your own module, put its folder in [run] python_path = [...] "
                "(relative to hosts.toml)")

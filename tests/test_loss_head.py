@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from algos import loss_head, opd
+from algos import opd
 from algos.logprobs import effective_temperature, response_logprobs
 from algos.loss_head import (
     HEAD_CHUNK_BYTES,
@@ -159,21 +159,6 @@ def test_set_kl_equals_the_logits_definition(case, dtype, chunk, temperature):
     loss = head_weighted_set_kl(h, w, g, temperature=temperature, chunk_tokens=chunk, **args)[0]
     for a, b in zip(torch.autograd.grad(2.0 * loss, (h, w)), got):  # an upstream scale
         assert torch.equal(a, 2.0 * b)
-
-
-@pytest.mark.parametrize("case", ["top_p_ids", "top_k_logprobs", "top_k_teacher"])
-@pytest.mark.parametrize("chunk", [3, None])
-def test_id_sets_by_gemm_equal_the_logits_definition(monkeypatch, case, chunk):
-    """The other way to read sets given as ids (the default on CUDA): each chunk's logits
-    h W^T picked at the ids, the gradient by two GEMMs over a dense row of the vocabulary."""
-    monkeypatch.setattr(loss_head, "IDS_BY_GEMM", True)
-    h, w, th, tw, _ = inputs(torch.float32)
-    args, ref = set_case(case, h, w, th, tw, 0.7)
-    g = upstream(N, torch.float32)
-    loss, kl = head_weighted_set_kl(h, w, g, temperature=0.7, chunk_tokens=chunk, **args)
-    close(kl, ref, torch.float32)
-    for a, b in zip(torch.autograd.grad(loss, (h, w)), grads([ref], [g], h, w)):
-        close(a, b, torch.float32)
 
 
 def test_greedy_counts_as_temperature_one():

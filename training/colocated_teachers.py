@@ -45,19 +45,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from algos.logprobs import (
-    gather_logprobs,
-    logits_to_logprobs,
-    position_ids_from_mask,
-    response_slice,
-)
+from algos.logprobs import gather_logprobs, logits_to_logprobs
 from algos.opd import nucleus_logprobs, sampled_log_ratio, token_logprobs_chunked
 from logic.teachers import TeacherSpec, opd_configs, teacher_order
 from memory.config import TeacherMemoryConfig
 from memory.manager import WeightMemory
 from training.batching import MicroBatch
 from training.config import TrainConfig
-from training.heads import ResponseHead, head_response_logprobs, response_head
+from training.heads import (
+    ResponseHead,
+    head_response_logprobs,
+    response_head,
+    response_logits,
+    response_tokens,
+)
 from training.teacher_weights import (  # noqa: F401 - meta_skeleton re-exported
     RowShard,
     load_teachers,
@@ -92,44 +93,6 @@ class OpdInputs:
     teacher_replayed: torch.Tensor | None = None
 
 
-def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
-    """Next-token logits [B, L-1, V] of a micro-batch (optionally on `params` of a skeleton)."""
-    return _call(model, mb, params).logits[:, :-1]
-
-
-def _call(model: Any, mb: MicroBatch, params: dict | None) -> Any:
-    kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
-              "position_ids": position_ids_from_mask(mb.attention_mask), "use_cache": False}
-    if params is None:
-        return model(**kwargs)
-    return torch.func.functional_call(model, params, args=(), kwargs=kwargs)
-
-
-def response_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
-    """Response-aligned logits [B, R, V] (row b, column j: the logits predicting response token
-    j), in the model's dtype. The output head is applied to the response positions' hidden
-    states only (a pre-hook on `get_output_embeddings()` selects them), so no [B, L, V] tensor
-    is made; a model without that module gives `response_slice(forward_logits(...))`."""
-    cols = mb.num_response_cols
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if not isinstance(head, torch.nn.Module):
-        return response_slice(forward_logits(model, mb, params), mb.prompt_lens, cols)
-
-    def select(_module, args):
-        hidden = args[0]
-        if hidden.dim() != 3 or hidden.shape[1] != mb.input_ids.shape[1]:
-            raise RuntimeError(f"the output head saw hidden states {tuple(hidden.shape)}, not "
-                               f"one per input position {tuple(mb.input_ids.shape)}")
-        return (response_slice(hidden[:, :-1], mb.prompt_lens, cols),) + tuple(args[1:])
-
-    handle = head.register_forward_pre_hook(select)
-    try:
-        return _call(model, mb, params).logits
-    finally:
-        handle.remove()
-
-
 def student_pass(model: Any, mb: MicroBatch, temperature: float, heads: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | ResponseHead]:
     """(log-probs [B, R], entropies [B, R], logits [B, R, V]) from one forward, the same
@@ -143,8 +106,7 @@ def student_pass(model: Any, mb: MicroBatch, temperature: float, heads: bool = F
     logits = response_logits(model, mb)
     logprobs = logits_to_logprobs(logits, temperature)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
-    tokens = response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
-    return gather_logprobs(logprobs, tokens), entropy, logits
+    return gather_logprobs(logprobs, response_tokens(mb)), entropy, logits
 
 
 def sub_batch(mb: MicroBatch, rows: list[int]) -> MicroBatch:
@@ -233,31 +195,31 @@ class TeacherStream:
     @torch.no_grad()
     def _output(self, name: str, part: MicroBatch, rows: list[int], params: dict,
                 nucleus: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
-        """One teacher's output for its rows: its head, its logits or its token log-probs. The
-        log-probs of a teacher with a plain head and no replayed nucleus come from its hidden
-        states (no logits made); a head is asked for only with a plain one."""
+        """One teacher's output for its rows: its head (`heads`), its logits, or its token
+        log-probs, from its head when it has a plain one and no nucleus is replayed (no
+        logits made)."""
         skeleton = self.owner.skeletons[name]
-        replayed = name in self.replay_teachers and nucleus is not None
-        if (self.heads or name not in self.logit_teachers) and not replayed:
+        if name in self.logit_teachers:
+            if not self.heads:
+                return response_logits(skeleton, part, params)
             head = response_head(skeleton, part, params)
-            if head is not None and name not in self.logit_teachers:
-                return head_response_logprobs(head, part, self.temperature, False)[0]
-            if head is not None:
-                return head
-            if self.heads:
+            if head is None:
                 raise RuntimeError(f"teacher {name!r}: its output layer is no plain linear head "
                                    f"(training/heads.py), so the student's head cannot be "
                                    f"compared with it")
-        logits = response_logits(skeleton, part, params)
-        if name not in self.logit_teachers:
-            return self._token_logprobs(part, rows, logits, nucleus if replayed else None)
-        return logits
+            return head
+        replayed = nucleus if name in self.replay_teachers else None
+        head = None if replayed is not None else response_head(skeleton, part, params)
+        if head is not None:
+            return head_response_logprobs(head, part, self.temperature, False)[0]
+        return self._token_logprobs(part, rows, response_logits(skeleton, part, params),
+                                    replayed)
 
     def _token_logprobs(self, part: MicroBatch, rows: list[int], logits: torch.Tensor,
                         nucleus: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """[b, R] log-probs of the response tokens; with `nucleus`, renormalised over each
         token's recorded nucleus (top-p replay), plain where a token has none."""
-        tokens = response_slice(part.input_ids[:, 1:], part.prompt_lens, part.num_response_cols)
+        tokens = response_tokens(part)
         plain = token_logprobs_chunked(logits, tokens, self.temperature)
         if nucleus is None:
             return plain

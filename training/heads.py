@@ -14,7 +14,8 @@ entropies, every OPD set KL) is computed by `algos/loss_head.py` from (h, W), ch
 - `plain_head(model)`: the output layer when it is a bias-free `nn.Linear` whose output is the
   model's logits as they are (no soft-capping or logit scaling in its config): the models this
   project trains (Qwen2/Qwen3/Llama and the tiny test models). Other models keep the logits
-  path (`training/colocated_teachers.py` `response_logits`).
+  path: `response_logits`, the same forward with the output layer applied to the response
+  positions only.
 - `head_response_logprobs(head, mb, T)`: the response tokens' log-probs and entropies [B, R],
   the values `algos.logprobs.response_logprobs` gives, float32.
 Invariant: for the same weights, the values equal the logits path's up to float summation order
@@ -44,10 +45,6 @@ class ResponseHead:
     hidden: torch.Tensor  # [B, R, H], the model's dtype
     weight: torch.Tensor  # [V, H]
 
-    def rows(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """[n, H]: the hidden states at (rows[i], cols[i])."""
-        return self.hidden[rows, cols]
-
 
 def plain_head(model: Any) -> torch.nn.Linear | None:
     """The model's output layer if z = h W^T is its logits as they are, else None."""
@@ -69,28 +66,60 @@ def response_head(model: Any, mb: MicroBatch, params: dict | None = None) -> Res
     head = plain_head(model)
     if head is None:
         return None
-    seen: dict[str, torch.Tensor] = {}
+    seen: list[ResponseHead] = []
 
-    def record(module, args):
+    def record(module, hidden):
+        seen.append(ResponseHead(hidden, module.weight))  # under functional_call: the set's
+        return hidden[:, :0]  # the layer makes [B, 0, V]: nothing
+
+    _through_head(model, head, mb, params, record)
+    return seen[0]
+
+
+def response_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
+    """Response-aligned logits [B, R, V] (row b, column j: the logits predicting response token
+    j), in the model's dtype. The output head is applied to the response positions' hidden
+    states only, so no [B, L, V] tensor is made; a model without that module gives
+    `response_slice(forward_logits(...))`."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Module):
+        return response_slice(forward_logits(model, mb, params), mb.prompt_lens,
+                              mb.num_response_cols)
+    return _through_head(model, head, mb, params, lambda _module, hidden: hidden).logits
+
+
+def forward_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> torch.Tensor:
+    """Next-token logits [B, L-1, V] of a micro-batch (optionally on `params` of a skeleton)."""
+    return _call(model, mb, params).logits[:, :-1]
+
+
+def _through_head(model: Any, head: torch.nn.Module, mb: MicroBatch, params: dict | None,
+                  on_hidden: Any) -> Any:
+    """The model's output for the micro-batch, its output layer (`head`) fed
+    `on_hidden(head, response hidden states [B, R, H])` instead of every position's (a
+    forward pre-hook)."""
+    def select(module, args):
         hidden = args[0]
         if hidden.dim() != 3 or hidden.shape[1] != mb.input_ids.shape[1]:
             raise RuntimeError(f"the output head saw hidden states {tuple(hidden.shape)}, not "
                                f"one per input position {tuple(mb.input_ids.shape)}")
-        seen["hidden"] = response_slice(hidden[:, :-1], mb.prompt_lens, mb.num_response_cols)
-        seen["weight"] = module.weight  # under functional_call: the weight set's tensor
-        return (hidden[:, :0],) + tuple(args[1:])  # the layer makes [B, 0, V]: nothing
+        response = response_slice(hidden[:, :-1], mb.prompt_lens, mb.num_response_cols)
+        return (on_hidden(module, response),) + tuple(args[1:])
 
-    kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
-              "position_ids": position_ids_from_mask(mb.attention_mask), "use_cache": False}
-    handle = head.register_forward_pre_hook(record)
+    handle = head.register_forward_pre_hook(select)
     try:
-        if params is None:
-            model(**kwargs)
-        else:
-            torch.func.functional_call(model, params, args=(), kwargs=kwargs)
+        return _call(model, mb, params)
     finally:
         handle.remove()
-    return ResponseHead(seen["hidden"], seen["weight"])
+
+
+def _call(model: Any, mb: MicroBatch, params: dict | None) -> Any:
+    kwargs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
+              "position_ids": position_ids_from_mask(mb.attention_mask), "use_cache": False}
+    if params is None:
+        return model(**kwargs)
+    return torch.func.functional_call(model, params, args=(), kwargs=kwargs)
 
 
 def response_tokens(mb: MicroBatch) -> torch.Tensor:

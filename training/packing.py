@@ -302,7 +302,7 @@ def _select_responses(hidden: torch.Tensor, packed: PackedBatch, flat: bool) -> 
 def packed_response_logits(model: Any, packed: PackedBatch, mechanism: str | None = None
                            ) -> torch.Tensor:
     """Response-aligned logits [B, R, V] from one packed forward. As in
-    training/colocated_teachers.py `response_logits`, a pre-hook on `get_output_embeddings()`
+    training/heads.py `response_logits`, a pre-hook on `get_output_embeddings()`
     hands the output head the response positions' hidden states only, so no [rows, L, V]
     tensor is made; a model without that module has its full logits gathered instead."""
     mechanism = mechanism or attention_mechanism(model)

@@ -59,7 +59,6 @@ import torch
 from algos.advantages import estimator, sample_scores, token_advantages, whiten_sums, whiten_with
 from algos.dp_schedule import pack
 from algos.kl import approx_kl
-from algos.logprobs import response_slice
 from algos.loss_head import chunk_bytes
 from algos.mismatch import correction_weights, mismatch_metrics
 from algos.opd import (
@@ -90,9 +89,9 @@ from training.colocated_teachers import (
     sampled_ratio,
 )
 from training.config import TrainConfig
-from training.heads import ResponseHead
-from training.opd_heads import opd_head_loss
 from training.data_parallel import NO_CAP, SingleProcess, plan_micro_batches
+from training.heads import ResponseHead, response_tokens
+from training.opd_heads import opd_head_loss
 from training.runner import ModelRunner, TorchRunner
 from training.state import TrainState
 from transport.schema import Sample
@@ -432,7 +431,7 @@ def replayed_logprobs(logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, inp
     if inp.nucleus_rows is None or not (rows & inp.nucleus_rows).any():
         return logp, old, mb.rollout_logp
     rows = (rows & inp.nucleus_rows)[:, None] & inp.nucleus_tokens & (mb.mask > 0)
-    tokens = response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
+    tokens = response_tokens(mb)
     renorm = nucleus_logprobs(logits, tokens, inp.nucleus_ids, inp.nucleus_valid, rows,
                               temperature)
     log_mass = (logp - renorm).detach()
