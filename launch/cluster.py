@@ -50,23 +50,19 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
-from rich.table import Table
 
 from launch import files, plot, sinks
-from launch.agent import agent_command
 from launch.config import (
     ClusterConfig,
     ConfigError,
-    is_distributed,
-    launcher_address,
     load,
     parse_overrides,
-    placement,
-    processes,
     start_order,
 )
 from launch.console import Story
+from launch.dryrun import print_plan
 from launch.files import write_json
+from launch.resume import already_complete, resume_overrides
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
 from transport.metrics import MetricsSubscriber
@@ -99,55 +95,6 @@ def socket_dir(run_dir: Path) -> tuple[Path, bool]:
         path.mkdir(exist_ok=True)
         return path, False
     return Path(tempfile.mkdtemp(prefix="rlx-")), True
-
-
-def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
-    table = Table(title=f"plan for {path} (run {cfg.run.name!r}, transport {cfg.run.transport})")
-    for col in ("#", "actor", "host", "class", "after", "primary", "max restarts", "command"):
-        table.add_column(col)
-    entries = processes(cfg)  # the actors and trainers' ranks
-    for i, name in enumerate(order, 1):
-        e = entries[name]
-        table.add_row(str(i), name, e.host or cfg.hosts[0].name, e.cls, ", ".join(e.after),
-                      "yes" if e.primary else "", str(e.restart.max_restarts),
-                      f"python -m runtime.child <run_dir>/specs/{name}.json")
-    Console(width=200).print(table)
-    if is_distributed(cfg):
-        print_hosts(cfg)
-    if cfg.rl is not None:  # what [rl] wrote, merged with the file's own actor tables
-        print("actor configs (derived from [rl], merged with the file's [actors.*] tables):")
-        for name in order:
-            if name not in cfg.actors:
-                continue  # a trainer's rank: its config is the trainer's
-            e = cfg.actors[name]
-            env = f" env={json.dumps(e.env)}" if e.env else ""
-            print(f"  {name}:{env} {json.dumps(e.config)}")
-    said: dict[str, list[str]] = {}  # what the actors agree on (launch/plan.py): who reads it
-    for name, facts in cfg.facts.items():
-        said.setdefault(json.dumps(msgspec.to_builtins(facts)), []).append(name)
-    for facts, names in said.items():
-        print(f"run facts: {facts}" if len(said) == 1 else f"run facts of {names}: {facts}")
-    print(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
-          "(--dry-run)")
-
-
-def print_hosts(cfg: ClusterConfig) -> None:
-    """The placement per host, how each remote host is reached, and the transport."""
-    table = Table(title="placement per host")
-    for col in ("host", "address", "actors", "gpus", "started through"):
-        table.add_column(col)
-    for host in cfg.hosts:
-        names = placement(cfg)[host.name]
-        how = "the launcher (this machine)" if not host.exec else " ".join(agent_command(
-            host.exec, host.python or sys.executable, host.workdir or os.getcwd(), host.shell))
-        table.add_row(host.name, host.address, ", ".join(names) or "(none)",
-                      str(host.gpus or "-"), how)
-    Console(width=200).print(table)
-    sec = cfg.security
-    keys = (f"keys from {sec.keys_dir}" if sec.keys_dir else
-            "keys made for the run in <run_dir>/keys") if sec.curve else "OFF (security.curve)"
-    print(f"transport {cfg.run.transport}; launcher sockets on {launcher_address(cfg)}; CURVE "
-          f"{'on, ' + keys + ', handed to each agent over its stdin' if sec.curve else keys}")
 
 
 def prepare_keys(cfg: ClusterConfig, run_dir: Path) -> Path | None:
@@ -213,28 +160,6 @@ def completion_line(run_dir: Path, completed: str, started: float) -> str:
 def format_duration(seconds: float) -> str:
     minutes, s = divmod(int(round(seconds)), 60)
     return f"{minutes} min {s} s" if minutes else f"{s} s"
-
-
-def already_complete(run_dir: Path, cfg: ClusterConfig) -> str | None:
-    """Why the run in `run_dir` has nothing left to do, or None: its primary actor completed
-    (exit.json) and, when that actor counts `num_steps` (the trainer), the latest checkpoint is
-    at or past the configured number (a file that raises it continues the run)."""
-    try:
-        done = json.loads((run_dir / "exit.json").read_text())
-    except (OSError, ValueError):
-        return None
-    name = done.get("completed") if isinstance(done, dict) and done.get("exit_code") == 0 \
-        else None
-    if not isinstance(name, str) or name not in cfg.actors:
-        return None
-    steps = cfg.actors[name].config.get("num_steps")
-    if not isinstance(steps, int):
-        return f"{name} finished; exit.json"
-    saved = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
-             if p.name[5:].isdigit()]
-    if not saved or max(saved) < steps:
-        return None
-    return f"{name} finished at step {max(saved)} of num_steps = {steps}"
 
 
 def write_plots(cfg: ClusterConfig, run_dir: Path) -> None:
@@ -334,26 +259,6 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         say(f"run {reason}, unfinished (exit code {code}); continue it with: python -m "
             f"launch.cluster {source} --resume {run_dir}")
     return code
-
-
-def resume_overrides(run_dir: Path, given: list[str]) -> list[str]:
-    """The `--set` options of a resumed run: the ones recorded in its config.json, when none
-    or the same are given; ConfigError for a different set."""
-    try:
-        recorded = json.loads((run_dir / "config.json").read_text()).get("overrides", [])
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--resume {run_dir}: cannot read its config.json ({e})") from None
-    if not given:
-        return list(recorded)
-    as_set = {tuple(o.keys): o.value for o in parse_overrides(given)}
-    if as_set != {tuple(o.keys): o.value for o in parse_overrides(recorded)}:
-        was = " ".join(f"--set {o}" for o in recorded) or "no --set"
-        now = " ".join(f"--set {o}" for o in given)
-        raise ConfigError(f"--resume {run_dir}: the run was started with {was}, this command "
-                          f"gives {now}; a resumed run keeps its settings: give the same --set "
-                          f"options, or none (the recorded ones are applied), or start a new "
-                          f"run (without --resume) to change them")
-    return list(given)
 
 
 def main(argv: list[str] | None = None) -> int:

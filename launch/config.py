@@ -75,6 +75,13 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 1.0  # actors report liveness this often
     heartbeat_timeout_s: float = 30.0  # an actor silent this long is killed and restarted
     progress_interval_s: float = 5.0  # console progress lines per actor at most this often
+    # the console prints one rollout sample (prompt, response, reward) per domain every this many
+    # rollout batches (0 = never); <run_dir>/samples/*.jsonl gets samples of every batch anyway
+    show_samples_every: int = 10
+    # false: a run in which any episode failed (an environment's reward() or step that raised)
+    # ends with exit code 1 and a summary of what failed, even when every step ran; true: such a
+    # run exits 0 when it completes (the summary is still printed)
+    tolerate_failures: bool = False
     stall_report_s: float = 60.0  # a wait on a peer longer than this is said on the console
     request_retry_s: float = 30.0  # idempotent requests (permits, batches) re-sent this often
     # where every metrics record goes (launch/sinks.py): "jsonl" <run_dir>/metrics.jsonl,

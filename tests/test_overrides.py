@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cluster import resume_overrides
+from launch.resume import resume_overrides
 from launch.config import ConfigError, load, parse_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
