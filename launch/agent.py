@@ -21,6 +21,10 @@ the agent's own log (the launcher writes it to `logs/<host>/agent.log`). The exc
     launcher -> Signal(actor, seq, sig)    SIGTERM / SIGKILL escalation, heartbeat kills
     launcher -> PickPort(seq, address)     agent -> PortPicked(port) | a free port there, for a
                                            server an actor binds (a trainer's TCP store)
+    launcher -> Probe(seq, address, ...)   agent -> Probed(port, errors): before any actor starts,
+                                           the host's address binds there, the launcher's
+                                           sockets are reached from there (and the address from
+                                           the launcher), the fixed ports are free
     both     -> Beat()                     every heartbeat_interval_s
     launcher -> Bye(reason)                the run ended: stop what is left, remove the keys, exit
 
@@ -59,6 +63,7 @@ from typing import Any, Callable, Union
 import msgspec
 import psutil
 
+from transport.addresses import bind_advice, connect_advice, probe_bind
 from transport.errors import RlxError
 
 ROOT = Path(__file__).resolve().parent.parent  # the project's folder
@@ -220,6 +225,27 @@ class PortPicked(ChannelMsg):
     error: str = ""
 
 
+class Probe(ChannelMsg):
+    """Can this host serve the run? Its `address` is bound (port 0) and listened on for
+    `timeout_s` (the launcher connects to it), every `connect` target (host:port, the
+    launcher's sockets) is connected to, and every fixed port (`ports`: [address, port,
+    the field that binds it]) is bound once."""
+
+    seq: int
+    address: str
+    connect: list[str] = []
+    ports: list[tuple[str, int, str]] = []
+    timeout_s: float = 5.0
+
+
+class Probed(ChannelMsg):
+    seq: int
+    port: int = 0  # where it listens on the address (0: it could not bind it)
+    # one (kind, line) each; kind: "address" (it does not bind there), "connect" (the
+    # launcher's sockets are not reached from there), "port" (a fixed port is taken there)
+    errors: list[tuple[str, str]] = []
+
+
 class Exited(ChannelMsg):
     actor: str
     seq: int
@@ -240,7 +266,7 @@ class Bye(ChannelMsg):
 
 
 AnyMsg = Union[AgentHello, Init, Start, Started, StartFailed, Signal, PickPort, PortPicked,
-               Exited, Log, Beat, Bye]
+               Probe, Probed, Exited, Log, Beat, Bye]
 
 
 class ChannelClosed(RlxError):
@@ -360,6 +386,10 @@ def pick_port(msg: PickPort) -> PortPicked:
         return PortPicked(seq=msg.seq, error=f"cannot bind {msg.address}: {e}")
 
 
+async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
 def _leftovers(spec_path: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
@@ -434,6 +464,8 @@ class Agent:
                         pass
             elif isinstance(msg, PickPort):
                 self._spawn(self._answer(pick_port(msg)))
+            elif isinstance(msg, Probe):
+                self._spawn(self._probe(msg))
             elif isinstance(msg, Bye):
                 self.say(f"launcher says bye ({msg.reason})")
                 return "bye"
@@ -443,6 +475,36 @@ class Agent:
             await self.chan.send(msg)
         except ChannelClosed:
             pass  # the reader notices the lost launcher
+
+    async def _probe(self, msg: Probe) -> None:
+        """Answer a Probe: listen on the host's address while the launcher connects, reach
+        the launcher's sockets, try the fixed ports."""
+        errors, server, port = [], None, 0
+        try:
+            server = await asyncio.start_server(_hang_up, msg.address, 0)
+            port = server.sockets[0].getsockname()[1]
+        except OSError as e:
+            why = bind_advice(e.errno, msg.address, 0, "that host") if e.errno else str(e)
+            errors.append(("address", f"cannot bind its address {msg.address} (port 0) there: "
+                                      f"{why}"))
+        for target in msg.connect:
+            address, _, target_port = target.rpartition(":")
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(
+                    address.strip("[]"), int(target_port)), msg.timeout_s)
+                writer.close()
+            except (OSError, TimeoutError) as e:
+                errors.append(("connect", f"cannot reach the launcher at {target} from there: "
+                                          f"{connect_advice(e)}"))
+        for address, fixed, field in msg.ports:
+            why = probe_bind(address, fixed)
+            if why:
+                errors.append(("port", f"{field} = {fixed} cannot be bound on {address} there: "
+                                       f"{why}"))
+        await self._answer(Probed(seq=msg.seq, port=port, errors=errors))
+        if server is not None:  # the launcher connects now; then the socket goes
+            await asyncio.sleep(msg.timeout_s + 1.0)
+            server.close()
 
     async def _beat(self) -> None:
         assert self.init is not None
@@ -715,6 +777,26 @@ class AgentLink:
         return await self._ask(("", seq), PickPort(seq=seq, address=address), timeout_s,
                                "picked no port")  # no actor: a port's answer
 
+    async def probe(self, address: str, connect: list[str],
+                    ports: list[tuple[str, int, str]], timeout_s: float = 5.0
+                    ) -> list[tuple[str, str]]:
+        """Whether this host can serve the run (see Probe): its answers, then the launcher's
+        own connect to the host's address (kind "reach"); (kind, line) per problem."""
+        seq = self._next_seq()
+        answer = await self._ask(("", seq), Probe(seq=seq, address=address, connect=connect,
+                                                  ports=ports, timeout_s=timeout_s),
+                                 timeout_s * (len(connect) + 2) + 10.0, "did not answer a probe")
+        errors = [tuple(e) for e in answer.errors]
+        if answer.port:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(
+                    address, answer.port), timeout_s)
+                writer.close()
+            except (OSError, TimeoutError) as e:
+                errors.append(("reach", f"the launcher cannot reach {address}:{answer.port} "
+                                        f"there: {connect_advice(e)}"))
+        return errors
+
     def _next_seq(self) -> int:
         """The next request number; AgentError when the agent is gone."""
         if not self.alive or self.chan is None:
@@ -779,6 +861,10 @@ class AgentLink:
                 proc = self._procs.get(msg.actor)
                 if proc is not None and proc.seq == msg.seq:
                     proc.exited(msg.code)
+            elif isinstance(msg, Probed):
+                fut = self._starting.get(("", msg.seq))
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
             elif isinstance(msg, PortPicked):
                 fut = self._starting.get(("", msg.seq))
                 if fut is not None and not fut.done():

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -65,7 +66,7 @@ from launch.config import (
 )
 from launch.files import write_json
 from runtime.actor import ActorContext
-from runtime.loading import import_actor
+from runtime.loading import actor_config, import_actor
 from runtime.procs import log_tail, terminate, wait_exit
 from transport.errors import RlxError
 from transport.metrics import MetricsProxy
@@ -80,7 +81,7 @@ from transport.schema import (
     Shutdown,
     Stopped,
 )
-from transport.sockets import SocketFactory, free_port
+from transport.sockets import BindError, SocketFactory, free_port
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,12 @@ class ActorProcess:
 
 class RunFailed(RlxError):
     """The run cannot continue; the message names the actor and its error."""
+
+
+class AddressError(RunFailed, OSError):
+    """A host's address or port cannot serve the run (the launcher's sockets do not bind, a
+    host does not reach another): one line per problem, naming the host, the address and the
+    port, and what to change."""
 
 
 class StartFailed(RunFailed):
@@ -168,6 +175,7 @@ class Supervisor:
         self.links: dict[str, AgentLink] = {}  # remote host -> its agent
         self.lost_hosts: dict[str, list[str]] = {}  # host -> why, each time it was lost
         self._local_report: dict | None = None
+        self._probed: set[str] = set()  # remote hosts whose address and ports were checked
 
     # ------------------------------------------------------------------ endpoints and specs
     def endpoint(self, name: str, host: HostConfig | None = None) -> str:
@@ -190,12 +198,29 @@ class Supervisor:
         counters: collections.Counter = collections.Counter()
         handlers = {Ready: self._on_ready, Heartbeat: self._on_heartbeat, Dead: self._on_dead,
                     Stopped: self._on_stopped, Notice: self._on_notice}
-        self.server = RpcServer(self.factory, self.endpoint("supervisor"), "launcher", handlers,
-                                counters, self.cfg.limits, prefix="supervisor")
-        self._tasks.append(asyncio.ensure_future(self.server.serve()))
-        self.proxy = MetricsProxy(self.factory, self.endpoint("metrics-in"),
-                                  self.endpoint("metrics-out"))
+        try:
+            self.server = RpcServer(self.factory, self.endpoint("supervisor"), "launcher",
+                                    handlers, counters, self.cfg.limits, prefix="supervisor")
+            self._tasks.append(asyncio.ensure_future(self.server.serve()))
+            self.proxy = MetricsProxy(self.factory, self.endpoint("metrics-in"),
+                                      self.endpoint("metrics-out"))
+        except BindError as e:
+            raise AddressError(self._launcher_bind_error(e)) from None
         return self.endpoints_document()
+
+    def _launcher_bind_error(self, e: BindError) -> str:
+        """One line: the launcher's sockets do not bind; which host entry to change."""
+        local = next((h for h in self.cfg.hosts if not h.exec), None)
+        if local is None:  # every host has exec: the launcher's name is its address
+            fix = "give the launcher's machine a [[hosts]] entry without `exec`, with its address"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            fix = f"set `address` of [[hosts]] {local.name!r} (the launcher's host) to one of them"
+        else:
+            fix = f"check `address` of [[hosts]] {local.name!r} (the launcher's host)"
+        name = local.name if local is not None else "of the launcher"
+        return (f"host {name}: the launcher's sockets cannot bind {e.address} (port {e.port}: "
+                f"{'any free port' if e.port == '0' else 'as given'}): "
+                f"{str(e).partition(': ')[2]}; {fix}")
 
     @property
     def supervisor_endpoint(self) -> str:
@@ -309,6 +334,7 @@ class Supervisor:
             report = await link.open(run.ready_timeout_s)
         except AgentError as e:
             raise RunFailed(str(e)) from None
+        first = host.name not in self._probed
         if self._local_report is None:
             self._local_report = await asyncio.to_thread(environment_report)
         errors, notes = compare(self._local_report, report)
@@ -325,10 +351,46 @@ class Supervisor:
                              heartbeat_interval_s=run.heartbeat_interval_s,
                              heartbeat_timeout_s=run.heartbeat_timeout_s,
                              term_timeout_s=run.term_timeout_s))
+        if first:  # before its first actor: its address, the way to the launcher, its ports
+            self._probed.add(host.name)
+            await self._probe(host, link)
         self.say(f"host {host.name}: agent pid {link.agent_pid} ready ({report.get('hostname')}, "
                  f"python {report.get('python')}, {len(report.get('files', {}))} project files "
                  f"as here)")
         return link
+
+    async def _probe(self, host: HostConfig, link: AgentLink) -> None:
+        """AddressError naming the host, address, port and the fix, for each way `host`
+        cannot serve the run: its address does not bind there, the launcher's supervisor
+        socket is not reached from there (or the host's address from here), a fixed port of
+        one of its actors is taken there."""
+        target = self.supervisor_endpoint.partition("://")[2]
+        ports = []
+        for name, entry in self.entries.items():
+            if (entry.host or self.cfg.hosts[0].name) != host.name or name not in self.cfg.actors:
+                continue
+            cls = import_actor(entry.cls)
+            config = actor_config(cls, entry.config, f"[actors.{name}.config]")
+            for table, field_, address, port in cls.bound_ports(config):
+                if isinstance(port, int) and not isinstance(port, bool) and port > 0:
+                    where = f"[actors.{name}.config{'.' + table if table else ''}] {field_}"
+                    ports.append((address, port, where))
+        try:
+            errors = await link.probe(host.address, [target], ports)
+        except AgentError as e:
+            raise RunFailed(str(e)) from None
+        if not errors:
+            return
+        await link.close("its address or ports cannot serve the run")
+        local = next((h.name for h in self.cfg.hosts if not h.exec), "")
+        fixes = {"address": f"set `address` of [[hosts]] {host.name!r} to an address of it",
+                 "connect": (f"set `address` of [[hosts]] {local!r} (the launcher's host) to "
+                             f"an address {host.name} reaches, or let it reach that port"),
+                 "reach": (f"set `address` of [[hosts]] {host.name!r} to an address the "
+                           f"launcher's host reaches, or let it reach that port"),
+                 "port": "pick another port there, or 0 (any free port)"}
+        raise AddressError("\n".join(f"host {host.name}: {text}; {fixes[kind]}"
+                                     for kind, text in errors))
 
     def _key_files(self) -> dict[str, bytes]:
         """The run's CURVE key files, for the agents (over their stdin, never a command line)."""

@@ -26,6 +26,9 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from transport.addresses import bind_advice
+from transport.errors import RlxError
+
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +51,19 @@ def port_is_free(host: str, port: int) -> bool:
         return True
 
 
+class BindError(RlxError, OSError):
+    """A socket could not bind its endpoint: `address` and `port` say where, `reason` is the
+    system's word (errno, strerror), and the message is one line that says what to change."""
+
+    def __init__(self, endpoint: str, error: zmq.ZMQError):
+        scheme, _, rest = endpoint.partition("://")
+        address, _, port = rest.rpartition(":") if scheme == "tcp" else (rest, "", "")
+        self.endpoint, self.address, self.port = endpoint, address.strip("[]"), port
+        super().__init__(f"cannot bind {endpoint}: "
+                         f"{bind_advice(error.errno, self.address, port)}")
+        self.errno = error.errno
+
+
 class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Transport security for tcp:// endpoints (ipc:// is protected by the run directory)."""
 
@@ -60,19 +76,40 @@ class Security(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def make_curve_keys(keys_dir: str | Path) -> None:
-    """Write one server and one client keypair (zmq's certificate files) into keys_dir; the
-    folder is made 0700 and the secret files 0600 (readable by their owner only)."""
-    Path(keys_dir).mkdir(parents=True, exist_ok=True)
-    os.chmod(keys_dir, 0o700)
-    old = os.umask(0o077)  # the secret file is never readable by others, not even briefly
+    """Write one server and one client keypair (zmq's certificate format) into keys_dir. The
+    folder is made 0700 (an existing one must be this user's, and is set to 0700); each file is
+    created new (an old one is removed first), the secret ones 0600 from their creation, so no
+    other user can read a secret key at any moment, not even through a pre-existing file."""
+    folder = Path(keys_dir)
+    folder.parent.mkdir(parents=True, exist_ok=True)  # the run directory: its own mode
+    old = os.umask(0o077)  # the folder and its files are never readable by others
     try:
-        for name in ("server", "client"):
-            zmq.auth.create_certificates(str(keys_dir), name)
+        folder.mkdir(mode=0o700, exist_ok=True)
     finally:
         os.umask(old)
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ValueError(f"{folder} is not a folder of this user: the run's CURVE keys go "
+                         f"into a private folder (give another keys_dir)")
+    os.chmod(folder, 0o700)
     for name in ("server", "client"):
-        os.chmod(Path(keys_dir) / f"{name}.key_secret", 0o600)
-        os.chmod(Path(keys_dir) / f"{name}.key", 0o644)
+        public, secret = zmq.curve_keypair()
+        _write_certificate(folder / f"{name}.key_secret", public, secret, 0o600)
+        _write_certificate(folder / f"{name}.key", public, None, 0o644)
+
+
+def _write_certificate(path: Path, public: bytes, secret: bytes | None, mode: int) -> None:
+    """One certificate file as zmq.auth writes it, created (O_EXCL) with `mode`."""
+    path.unlink(missing_ok=True)
+    kind = "Secret" if secret else "Public"
+    text = (f"#   ZeroMQ CURVE **{kind}** Certificate (rlx run keys)\n\nmetadata\ncurve\n"
+            f"    public-key = \"{public.decode()}\"\n")
+    if secret:
+        text += f"    secret-key = \"{secret.decode()}\"\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, mode)  # the umask may have narrowed a public file's mode
 
 
 def check_secret_file(path: Path) -> None:
@@ -199,7 +236,11 @@ class SocketFactory:
             sock.curve_server = True
             sock.curve_secretkey = secret
             sock.curve_publickey = public
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            sock.close()
+            raise BindError(endpoint, e) from None
         return sock
 
     def bind_thread_socket(self, kind: int, endpoint: str, hwm: int | None = None) -> zmq.Socket:
