@@ -27,7 +27,7 @@ import msgspec
 from envs.loader import EnvSpecError, one_line
 from launch import rl as rl_table
 from launch.plan import PlanError, check_plan
-from models.load import is_checkpoint_dir
+from models import hub
 from runtime import passthrough as pt
 from runtime.actor import ActorView
 from runtime.facts import RunFacts, fact_hint
@@ -159,7 +159,7 @@ CONFIG_DOCS = " (every field is listed in launch/config.py)"  # ends an unknown 
 DERIVED = frozenset({"facts"})  # ClusterConfig fields made at load, never written in the file
 
 # actor config fields (at any depth) that name a model checkpoint: a relative path that is a
-# checkpoint directory next to hosts.toml is made absolute (models.load.is_checkpoint_dir)
+# checkpoint directory or hub id is made a local absolute path at load (models/hub.py)
 MODEL_FIELDS = frozenset({"model", "model_path", "ref_model", "tokenizer_path"})
 
 
@@ -194,9 +194,10 @@ def load(path: str | Path,
     actors' `check_config` notes (things to know that are no error) are appended to `notes`.
 
     Paths: `[run] python_path` folders are resolved against the file's folder and put on
-    sys.path; an actor config's model field (MODEL_FIELDS) holding a relative path that is a
-    checkpoint directory next to the file is made absolute (else it is left as it is: a built-in
-    name, a hub id, or a path relative to the working directory)."""
+    sys.path; an actor config's model field (MODEL_FIELDS) is resolved by models/hub.py: a
+    checkpoint directory relative to the file's folder, the working directory or the packaged
+    examples is made absolute, a hub id (`org/name[@revision]`) is fetched into the hub cache
+    and replaced by its local folder, a built-in name stays as written."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
@@ -218,7 +219,10 @@ def load(path: str | Path,
         for o in overrides:
             if o.keys[0] not in ("run", "rl"):
                 created[o.text] = _apply_override(raw, o, path)
-        _resolve_model_paths(raw.get("actors"), path.resolve().parent)
+        try:
+            _resolve_model_paths(raw.get("actors"), path.resolve().parent)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         return _load_document(raw, path, passthrough, notes)
     except ConfigError as e:
         message = _blame(str(e), overrides, created)
@@ -408,20 +412,26 @@ def _python_path(raw: dict[str, Any], path: Path) -> None:
             sys.path.insert(0, folder)
 
 
-def _resolve_model_paths(node: Any, base: Path) -> None:
-    """In place: model fields (MODEL_FIELDS, at any depth of the actors' tables) holding a
-    relative path that is a checkpoint directory under `base` become absolute."""
+def _resolve_model_paths(node: Any, base: Path, fetched: dict[str, str] | None = None,
+                         where: str = "actors") -> None:
+    """In place: model fields (MODEL_FIELDS, at any depth of the actors' tables) become what
+    every actor can load (models/hub.py: a checkpoint folder next to the file, in the working
+    directory or the packaged examples made absolute; a hub id fetched into the cache and
+    replaced by its local folder); ConfigError naming the field when a hub id cannot be had."""
+    fetched = {} if fetched is None else fetched
     if isinstance(node, list):
-        for item in node:
-            _resolve_model_paths(item, base)
+        for i, item in enumerate(node):
+            _resolve_model_paths(item, base, fetched, f"{where}[{i}]")
     if not isinstance(node, dict):
         return
     for key, value in node.items():
-        if (key in MODEL_FIELDS and isinstance(value, str) and value
-                and not os.path.isabs(value) and is_checkpoint_dir(str(base / value))):
-            node[key] = str((base / value).resolve())
+        if key in MODEL_FIELDS and isinstance(value, str):
+            try:
+                node[key] = hub.resolve(value, base, fetched)
+            except hub.HubError as e:
+                raise ConfigError(f"field {where}.{key}: {e}") from None
         else:
-            _resolve_model_paths(value, base)
+            _resolve_model_paths(value, base, fetched, f"{where}.{key}")
 
 
 def _merge_passthrough(actors: Any, tables: dict[str, dict[str, Any]], path: Path) -> None:

@@ -41,7 +41,9 @@ import msgspec
 class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     """The run-level table `[rl]` (launch/rl.py derives the actors from it)."""
 
-    model: str  # the policy's checkpoint: HF directory (relative to this file or not) or tiny name
+    # the policy: an HF checkpoint directory (next to this file, in the working directory or
+    # the packaged examples), a tiny name, or a hub id org/name[@revision] (models/hub.py)
+    model: str
     envs: list[dict[str, Any]]  # the task mix: { cls, weight, options, domain } per environment
     engine: Literal["embedded", "sglang"] = "embedded"  # inference workers: embedded or SGLang
     workers: int = 2  # inference worker actors, named worker0 .. worker<N-1>

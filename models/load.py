@@ -1,4 +1,5 @@
-"""Loading and saving models: built-in tiny names or local Hugging Face checkpoint directories.
+"""Loading and saving models: built-in tiny names or local Hugging Face checkpoint directories
+(a hub id is fetched into a local folder by the launcher before this runs: models/hub.py).
 
 Role: the one place that turns a model reference (a string in a config) into (model, tokenizer),
 and writes checkpoints the same loader (and SGLang's /update_weights_from_disk) can read back.
@@ -41,8 +42,10 @@ def check_model_path(path: str) -> None:
     """ValueError (naming the path and what is expected) unless `path` can be loaded."""
     if path not in TINY and not is_checkpoint_dir(path):
         raise ValueError(f"cannot load model {path!r}: expected a built-in tiny model name "
-                         f"({', '.join(sorted(TINY))}) or a local Hugging Face checkpoint "
-                         f"directory containing config.json")
+                         f"({', '.join(sorted(TINY))}), a Hugging Face checkpoint directory "
+                         f"containing config.json (absolute, or relative to the hosts file's "
+                         f"folder, the working directory or the packaged examples/), or a hub "
+                         f"id org/name (models/hub.py)")
 
 
 def load_tokenizer(path: str):

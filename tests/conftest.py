@@ -10,6 +10,10 @@ import time
 import psutil
 import pytest
 
+# no test reaches the network: a hub id is read from the cache only (tests/test_hub_models.py
+# serves its own stand-in hub and sets these itself)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))

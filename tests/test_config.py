@@ -147,8 +147,8 @@ def test_missing_checkpoint_and_bad_env_fail_before_anything_starts(tmp_path):
     ok = LOOP.replace("MODEL", "examples/base-tiny").replace("ENV", "envs.builtin.arith:ArithEnv")
     load(write(tmp_path, ok))
     message = error_of(tmp_path, ok.replace('model = "examples/base-tiny", workers',
-                                            'model = "ckpt/nowhere", workers'))
-    assert "table [actors.trainer.config]" in message and "'ckpt/nowhere'" in message
+                                            'model = "ckpt/deep/nowhere", workers'))
+    assert "table [actors.trainer.config]" in message and "'ckpt/deep/nowhere'" in message
     assert "config.json" in message  # says what a checkpoint directory must hold
     message = error_of(tmp_path, ok.replace("envs.builtin.arith:ArithEnv", "envs.nope:Env"))
     assert '[actors.rollout.config] envs[0] (cls = "envs.nope:Env"): module' in message
@@ -275,7 +275,7 @@ SERVER = [('mode = "colocated"', 'mode = "server"\nopd = { mode = "sampled" }'),
        '{ name = "reverse", model = "examples/teacher-reverse", domains = ["rev"] },\n]\n\n'
        '[actors.prefetcher]')],
      ["table [actors.trainer.config]: `teachers` here and in [actors.teachers.config] differ",
-      "('reverse', 'examples/teacher-reverse', ('reverse',))", "give both the same list"]),
+      "examples/teacher-reverse', ('reverse',))", "give both the same list"]),
     ([('mode = "colocated"', 'mode = "server"'),
       ('domains = ["math"] },', 'domains = ["math"], worker = "worker0" },'),
       ('domains = ["reverse"] },', 'domains = ["reverse"], worker = "worker1" },')],
