@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq.auth
 
 from launch.agent import (
     PROJECT_PACKAGES,
@@ -35,6 +36,8 @@ from launch.agent import (
 from launch.cluster import main
 from launch.config import ConfigError, load
 from tests.test_cluster import launch as run_launcher
+from transport.addresses import local_addresses
+from transport.sockets import make_curve_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -378,6 +381,133 @@ def test_a_host_lost_past_the_restart_budget_ends_the_run_naming_it(netns, tmp_p
     assert (folder / "keys" / "client.key_secret").stat().st_mode & 0o777 == 0o600
     assert folder.stat().st_mode & 0o777 == 0o700
     assert folder in remove_abandoned(folder.parent) and not folder.exists()
+
+
+# ----------------------------------------------------------------------------- bad addresses
+UNASSIGNED = ("198.51.100.77", "198.51.100.78")  # TEST-NET-2: no machine's own address
+
+
+def this_machines_address() -> str:
+    """A non-loopback IPv4 address of this machine (the test is skipped without one)."""
+    found = [a for a in local_addresses() if "." in a and not a.startswith("127.")]
+    if not found or set(UNASSIGNED) & set(local_addresses()):
+        pytest.skip("needs a non-loopback IPv4 address, and none of TEST-NET-2's")
+    return found[0]
+
+
+def far_host(main_address: str, far_address: str, exec_: list[str]) -> str:
+    return textwrap.dedent(f"""
+        [run]
+        name = "bad-address"
+        heartbeat_interval_s = 0.3
+        plots = false
+        [[hosts]]
+        name = "main"
+        address = "{main_address}"
+        [[hosts]]
+        name = "far"
+        address = "{far_address}"
+        exec = {json.dumps(exec_)}
+        [actors.idle]
+        cls = "tests.misbehaving:Idle"
+        host = "far"
+        """)
+
+
+def one_line_failure(result: subprocess.CompletedProcess, host: str) -> str:
+    """The launcher's one line about `host` (and nothing like a traceback anywhere)."""
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "Traceback" not in out and "ZMQError" not in out, out
+    said = [line for line in out.splitlines() if f"host {host}:" in line]
+    assert len(said) == 1, out
+    return said[0]
+
+
+def test_an_address_that_is_not_the_hosts_is_one_line_and_nothing_stays(tmp_path):
+    """The launcher's host entry with an address of no interface here, then a remote host's
+    (its agent through a plain local `exec` prefix): one line each, exit code 1, no actor
+    started, the agent gone with its private folder, the run's keys removed."""
+    here = this_machines_address()
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(far_host(UNASSIGNED[0], UNASSIGNED[1], ["env"]))
+    line = one_line_failure(run_launcher(hosts, tmp_path / "run1"), "main")
+    assert line.startswith(f"error: AddressError: host main: the launcher's sockets cannot "
+                           f"bind {UNASSIGNED[0]} (port 0: any free port): {UNASSIGNED[0]} is "
+                           f"not an address of this machine (its addresses: {here}"), line
+    assert "set `address` of [[hosts]] 'main' (the launcher's host) to one of them" in line
+    hosts.write_text(far_host(here, UNASSIGNED[1], ["env"]))
+    run_dir = tmp_path / "run2"
+    result = run_launcher(hosts, run_dir)
+    line = one_line_failure(result, "far")
+    assert line.startswith(f"RUN FAILED: host far: cannot bind its address {UNASSIGNED[1]} "
+                           f"(port 0) there: {UNASSIGNED[1]} is not an address of that host "
+                           f"(its addresses: {here}"), line
+    assert line.endswith("set `address` of [[hosts]] 'far' to an address of it"), line
+    assert "READY" not in result.stdout
+    done = json.loads((run_dir / "exit.json").read_text())
+    assert done["exit_code"] == 1 and done["actors"] == {}
+    agent_pid = done["hosts"]["far"]["agent"]["agent_pid"]
+    assert agent_pid and not psutil.pid_exists(agent_pid)
+    assert not agent_folder(str(run_dir.resolve()), "far").exists()  # its copy of the keys
+    assert not (run_dir / "keys").exists()
+
+
+def test_hosts_that_do_not_reach_each_other_are_one_line_each(netns, tmp_path):
+    """The namespace host at an address of its own that the launcher's namespace has no route
+    to, then the launcher's host at an address of this machine the namespace has no route to:
+    each said in one line naming the host, the address and the port, exit code 1."""
+    hidden = netns.address.rsplit(".", 1)[0] + ".6"  # outside the veth pair's /30
+    assert _ip("-n", netns.name, "addr", "add", f"{hidden}/32", "dev", "lo").returncode == 0
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(far_host(netns.root_address, hidden, netns.exec))
+    line = one_line_failure(run_launcher(hosts, tmp_path / "run1"), "far")
+    assert re.fullmatch(rf"RUN FAILED: host far: the launcher cannot reach "
+                        rf"{re.escape(hidden)}:\d+ there: .+; set `address` of \[\[hosts\]\] "
+                        rf"'far' to an address the launcher's host reaches, or let it reach "
+                        rf"that port", line), line
+    elsewhere = next((a for a in local_addresses() if "." in a and not a.startswith("127.")
+                      and a != netns.root_address), None)
+    if elsewhere is None:
+        pytest.skip("this machine has no second non-loopback IPv4 address")
+    hosts.write_text(far_host(elsewhere, netns.address, netns.exec))
+    line = one_line_failure(run_launcher(hosts, tmp_path / "run2"), "far")
+    assert re.fullmatch(rf"RUN FAILED: host far: cannot reach the launcher at "
+                        rf"{re.escape(elsewhere)}:\d+ from there: .+; set `address` of "
+                        rf"\[\[hosts\]\] 'main' \(the launcher's host\) to an address far "
+                        rf"reaches, or let it reach that port", line), line
+
+
+def test_run_keys_are_private_from_their_creation_whatever_was_there(tmp_path):
+    """make_curve_keys under a umask that lets everyone read, into a folder that already holds
+    a world-readable secret key file and is itself open: the folder ends 0700 and every secret
+    file 0600 with a new key (the old file was replaced, not rewritten in place); the run
+    directory above keeps its own mode."""
+    folder = tmp_path / "run" / "keys"
+    folder.mkdir(parents=True, mode=0o777)
+    folder.chmod(0o777)
+    old = folder / "server.key_secret"
+    old.write_text("old secret")
+    old.chmod(0o644)
+    held = open(old)  # keeps the old file's inode: it must not be the one written
+    mask = os.umask(0)
+    try:
+        make_curve_keys(folder)
+        make_curve_keys(tmp_path / "fresh" / "keys")
+    finally:
+        os.umask(mask)
+    for keys in (folder, tmp_path / "fresh" / "keys"):
+        assert keys.stat().st_mode & 0o777 == 0o700
+        modes = {f.name: f.stat().st_mode & 0o777 for f in keys.iterdir()}
+        assert modes == {"server.key_secret": 0o600, "client.key_secret": 0o600,
+                         "server.key": 0o644, "client.key": 0o644}
+        public, secret = zmq.auth.load_certificate(str(keys / "server.key_secret"))
+        assert len(public) == len(secret) == 40
+        assert zmq.auth.load_certificate(str(keys / "server.key"))[0] == public
+    assert held.read() == "old secret"
+    assert (folder / "server.key_secret").stat().st_ino != os.fstat(held.fileno()).st_ino
+    held.close()
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o777  # made under umask 0
 
 
 # ----------------------------------------------------------------------------- version check
