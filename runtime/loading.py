@@ -67,8 +67,9 @@ def explain(err: str, schema: Any, at: list[str | int] | None = None) -> tuple[s
     named = re.search(r"(?:unknown|missing required) field `([^`]+)`", problem)
     field = dotted([*(at or []), *keys, *([named.group(1)] if named else [])])
     if named and "unknown" in problem:
-        names = field_names(type_at(schema, keys))
-        problem += fact_hint(field) or suggest(named.group(1), names, [*(at or []), *keys])
+        table = type_at(schema, keys)
+        problem += fact_hint(field) or suggest(named.group(1), field_names(table),
+                                               [*(at or []), *keys], table)
     return field, problem
 
 
@@ -135,12 +136,40 @@ def close_fields(key: str, names: list[str]) -> list[str]:
     return difflib.get_close_matches(key, names, n=3, cutoff=CLOSE)
 
 
-def suggest(key: str, names: list[str], at: list[str | int]) -> str:
-    """For an unknown `key` among the fields `names` of the table at `at`: '; did you mean
-    `at.field`?' with the closest ones, else the fields listed ('' when there are none)."""
+def nested_fields(schema: Any, depth: int = 2) -> list[list[str]]:
+    """The paths of the fields of the tables inside struct `schema`, up to `depth` levels below
+    its own fields (`optimizer.lr`, `checkpoint.save_every`)."""
+    out: list[list[str]] = []
+    if depth <= 0 or not (isinstance(schema, type) and issubclass(schema, msgspec.Struct)):
+        return out
+    for f in msgspec.structs.fields(schema):
+        for sub in field_names(unwrap(f.type)):
+            out.append([f.name, sub])
+            out += [[f.name, *p] for p in nested_fields(unwrap(f.type), depth - 1)
+                    if p[0] == sub]
+    return out
+
+
+def moved_to(key: str, schema: Any) -> list[list[str]]:
+    """Where a field written at the wrong depth most likely lives: the nested fields named
+    `key` (`lr` -> optimizer.lr), else those whose path joined by '_' is close to it
+    (`micro_batch_size` -> micro_batches.size)."""
+    paths = nested_fields(schema)
+    same = [p for p in paths if p[-1] == key]
+    if same:
+        return same[:3]
+    joined = {"_".join(p): p for p in paths}
+    return [joined[j] for j in difflib.get_close_matches(key, list(joined), n=2, cutoff=0.8)]
+
+
+def suggest(key: str, names: list[str], at: list[str | int], schema: Any = None) -> str:
+    """For an unknown `key` among the fields `names` of the table at `at` (struct `schema`,
+    when known): '; did you mean `at.field`?' with the closest ones, the fields of its tables
+    first (an old flat name that moved into a table), else the fields listed ('' when there
+    are none)."""
     if not names:
         return ""
-    close = close_fields(key, names)
+    close = [".".join(p) for p in moved_to(key, schema)] + close_fields(key, names)
     if close:
         return f"; did you mean {' or '.join(f'`{dotted([*at, c])}`' for c in close)}?"
     shown = sorted(names)

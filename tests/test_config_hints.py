@@ -39,6 +39,13 @@ def error_of(tmp_path: Path, text: str, *sets: str) -> str:
      ["field `loss.eps_clp`", "did you mean `loss.eps_clip`"]),
     (RL + "[actors.trainer.config]\nnum_stepz = 3\n",
      ["field `num_stepz`", "did you mean `num_steps`?"]),
+    # an old flat name that moved into a table: the table's field is named first
+    (RL + "[actors.trainer.config]\nlr = 1e-5\n",
+     ["field `lr`", "did you mean `optimizer.lr`"]),
+    (RL + "[actors.trainer.config]\nsave_every = 5\n",
+     ["field `save_every`", "did you mean `checkpoint.save_every`?"]),
+    (RL + "[actors.trainer.config]\nmicro_batch_size = 4\n",
+     ["field `micro_batch_size`", "did you mean `micro_batches.size`"]),
     (RL + "[run.wandb]\nprojekt = 'x'\n",
      ["table [run.wandb], field `projekt`", "did you mean `project`?",
       "every field is listed in launch/config.py"]),
