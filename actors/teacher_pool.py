@@ -15,7 +15,17 @@ else "" and counted in `opd/unrouted_samples`). Then:
   from its weight memory (`training/colocated_teachers.py`).
 The group then goes on to the buffer. Per teacher it publishes tokens scored, scoring time and
 the sampled reverse-KL estimate mean(log pi_student - log pi_teacher) over the rollout's tokens.
-Teachers whose tokenizer differs from the student's are refused before the run starts.
+A teacher declared with the student's tokenizer (the default) whose vocabulary differs is refused
+before the run starts. One with its own (`tokenizer = "auto"` or a directory, server mode) is
+scored across vocabularies: each sample is re-tokenized for it (logic/teachers.py `CrossVocab`:
+the request carries the teacher's own token ids), the teacher's scores are moved onto the
+student's tokens by aligned character spans (algos/cross_tokenizer.py: each student token of a
+span gets `teacher_logprobs = rollout log-prob - the span's difference`, so the trainer's r_t is
+the span's; top-k mapped to student ids by token text at spans of one token on each side), and
+per teacher it publishes `aligned_char_frac` (response characters inside aligned spans),
+`aligned_spans_per_sample`, and for top-k `topk_matched_frac` (policy tokens with a mapped set)
+and `topk_dropped_mass` (the teacher's top-k probability without a student token, per matched
+token). A colocated teacher with another vocabulary is refused (use mode "server").
 Invariant: every group that arrives leaves, once, in arrival order per teacher batch.
 """
 
@@ -29,22 +39,27 @@ import time
 from typing import Literal
 
 import msgspec
+import numpy as np
 
+from algos.cross_tokenizer import map_topk, spread_sampled
 from algos.opd import OpdConfig, check_placement
 from engine.client import SglangClient
 from logic.teachers import (
+    CrossVocab,
     ScoreError,
     TeacherSpec,
     check_vocab,
     parse_scores,
     route,
     route_table,
+    same_vocab,
     score_request,
+    tokenizer_source,
 )
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor
 from runtime.facts import RunFacts
-from transport.schema import Msg, Sample, SampleGroup
+from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE, Msg, Sample, SampleGroup
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +96,10 @@ class TeacherPool(Actor):
 
     @classmethod
     def check_facts(cls, config: TeacherPoolConfig, facts: RunFacts) -> None:
-        """Every teacher shares the student's (the run's model's) vocabulary; teachers score
-        at the run's sampling temperature."""
-        if not facts.model:
-            raise ValueError("no trainer on this pool's buffer decides the student model, whose "
-                             f"vocabulary teachers must share: add a trainer with buffer = "
-                             f"{config.buffer!r}")
-        student = load_tokenizer(facts.model)
-        for t in config.teachers:
-            check_vocab(student, load_tokenizer(t.model), t.name)
+        """Every teacher shares the student's (the run's model's) vocabulary, or declares its
+        own tokenizer and is served (scored across vocabularies); teachers score at the run's
+        sampling temperature."""
+        cross_teachers(config, facts)
 
     @classmethod
     def peers(cls, config: TeacherPoolConfig) -> dict[str, str]:
@@ -108,6 +118,7 @@ class TeacherPool(Actor):
                 self.clients[t.name] = SglangClient(url, timeout_s=cfg.request_timeout_s,
                                                     retries=cfg.max_retries)
                 self._closers.append(self.clients[t.name].close)
+        self.cross = cross_teachers(cfg, self.facts) if cfg.mode == "server" else {}
         self.out = self.stream_to(cfg.buffer)
         self.stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -136,9 +147,15 @@ class TeacherPool(Actor):
         t0 = time.perf_counter()
         for start in range(0, len(samples), cfg.max_batch):
             part = samples[start:start + cfg.max_batch]
+            cross = self.cross.get(name)
             try:
-                bodies = [score_request(s.prompt_ids, s.response_ids, self.facts.temperature, k)
-                          for s in part]
+                # a teacher of another vocabulary scores the sample in its own tokens
+                asked = [cross.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
+                         if cross else None for s in part]
+                bodies = [score_request(r.prompt_ids if r else s.prompt_ids,
+                                        r.response_ids if r else s.response_ids,
+                                        self.facts.temperature, k)
+                          for s, r in zip(part, asked)]
                 replies = await self.clients[name].generate(
                     [b["input_ids"] for b in bodies], bodies[0]["sampling_params"],
                     logprob_start_len=[b["logprob_start_len"] for b in bodies],
@@ -149,11 +166,15 @@ class TeacherPool(Actor):
                 log.warning("teacher %s failed to score %d samples: %s", name, len(part), e)
                 self._fail(name, part)
                 continue
-            for s, reply in zip(part, replies):
+            for s, reply, r in zip(part, replies, asked):
                 where = f"teacher {name!r}, sample {s.group_id}/{s.index}"
                 try:
-                    s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs = \
-                        parse_scores(reply, s.prompt_ids, s.response_ids, k, where)
+                    if r is None:
+                        s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs = \
+                            parse_scores(reply, s.prompt_ids, s.response_ids, k, where)
+                    else:
+                        self._cross_scores(s, r, parse_scores(
+                            reply, r.prompt_ids, r.response_ids, k, where), cross, st)
                 except ScoreError as e:  # this reply only: the batch's others stand
                     log.warning("%s", e)
                     self._fail(name, [s])
@@ -163,6 +184,27 @@ class TeacherPool(Actor):
                         st["tokens"] += 1
                         st["kl_sum"] += lp - tlp
         st["time_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _cross_scores(s: Sample, r, scores, cross: CrossVocab,
+                      st: collections.Counter) -> None:
+        """The teacher's scores of its own tokens moved onto the student's (module docstring),
+        and the alignment's counts."""
+        logprobs, top_ids, top_lps = scores
+        al = r.alignment
+        s.teacher_logprobs = spread_sampled(s.rollout_logprobs, logprobs, al).tolist()
+        if top_ids is not None:
+            m = map_topk(top_ids, top_lps, s.response_ids, al, cross.id_map)
+            s.teacher_topk_ids = m.ids.astype(TOPK_IDS_DTYPE)
+            s.teacher_topk_logprobs = m.logprobs.astype(TOPK_LOGPROBS_DTYPE)
+            policy = np.asarray(s.loss_mask, dtype=bool)
+            st["topk_policy_tokens"] += int(policy.sum())
+            st["topk_matched"] += int((m.matched & policy).sum())
+            st["topk_dropped_mass"] += float(m.dropped_mass[m.matched & policy].sum())
+        st["cross_samples"] += 1
+        st["chars"] += al.total_chars
+        st["aligned_chars"] += al.aligned_chars
+        st["spans"] += al.num_spans
 
     def _fail(self, name: str, samples: list[Sample]) -> None:
         """No signal for these samples: trained without distillation, counted per teacher."""
@@ -180,4 +222,45 @@ class TeacherPool(Actor):
             values[f"opd/{name}/score_time_s"] = st["time_s"]
             if st["tokens"]:
                 values[f"opd/{name}/sampled_reverse_kl"] = st["kl_sum"] / st["tokens"]
+            if st["cross_samples"]:
+                values[f"opd/{name}/aligned_char_frac"] = (
+                    st["aligned_chars"] / st["chars"] if st["chars"] else 1.0)
+                values[f"opd/{name}/aligned_spans_per_sample"] = \
+                    st["spans"] / st["cross_samples"]
+            if st["topk_policy_tokens"]:
+                values[f"opd/{name}/topk_matched_frac"] = \
+                    st["topk_matched"] / st["topk_policy_tokens"]
+                values[f"opd/{name}/topk_dropped_mass"] = \
+                    st["topk_dropped_mass"] / max(st["topk_matched"], 1)
         self.metrics.publish(values)
+
+
+def cross_teachers(config: TeacherPoolConfig, facts: RunFacts) -> dict[str, CrossVocab]:
+    """{teacher: CrossVocab} for the teachers whose tokenizer differs from the student's (the
+    run's model's); ValueError for one declared with the student's tokenizer
+    (`tokenizer = "student"`, the default), or one that is colocated (the trainer runs
+    teachers on the student's token ids)."""
+    if not facts.model:
+        raise ValueError("no trainer on this pool's buffer decides the student model, whose "
+                         f"tokenizer the teachers are checked against: add a trainer with "
+                         f"buffer = {config.buffer!r}")
+    student = load_tokenizer(facts.model)
+    out: dict[str, CrossVocab] = {}
+    for t in config.teachers:
+        teacher = load_tokenizer(tokenizer_source(t))
+        if same_vocab(student, teacher):
+            continue
+        if t.tokenizer == "student":
+            check_vocab(student, teacher, t.name)  # raises, naming the differences
+        if config.mode != "server":
+            raise ValueError(f"teacher {t.name!r} has a tokenizer of its own (tokenizer = "
+                             f"{t.tokenizer!r}) that differs from the student's; teachers of "
+                             f"another vocabulary are scored by a teacher server: set the "
+                             f"teacher mode to \"server\" ([rl] teacher_mode = \"server\" "
+                             f"with the teacher's `worker` or `url`)")
+        if not getattr(teacher, "is_fast", False):
+            raise ValueError(f"teacher {t.name!r}: its tokenizer gives no character offsets "
+                             "(a fast, tokenizers-library tokenizer is needed to align it with "
+                             "the student's)")
+        out[t.name] = CrossVocab(student, teacher)
+    return out

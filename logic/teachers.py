@@ -3,8 +3,16 @@
 A run declares teachers (name, checkpoint, the sample domains routed to it, a coefficient) and
 optionally a default teacher for domains no teacher claims. Routing is by the sample's domain;
 a domain with no teacher and no default gets teacher "" (no distillation signal; counted).
-A teacher whose vocabulary differs from the student's is refused before anything runs: token
-ids are compared, not texts, since distillation compares log-probs of the same token ids.
+A teacher declared with the student's tokenizer (`tokenizer = "student"`, the default) whose
+vocabulary differs is refused before anything runs: token ids are compared, not texts, since
+distillation compares log-probs of the same token ids. A teacher with its own tokenizer
+(`tokenizer = "auto"`: the teacher checkpoint's, or a tokenizer directory) that differs is
+scored across vocabularies (`CrossVocab`): the student's prompt and response are decoded and
+re-encoded with the teacher's tokenizer, each segment of text between special tokens on its own
+(so no teacher token straddles a special token or the prompt/response boundary), with character
+offsets; a special token of the response counts as one character and maps to the teacher's
+token of the same role (bos, eos, pad), else its span is unaligned. The spans and signals are
+algos/cross_tokenizer.py's.
 
 Server replies: a teacher server (the embedded worker or SGLang) scores `prompt + response` with
 `max_new_tokens = 0`, `logprob_start_len = len(prompt) - 1` and, for top-k, `top_logprobs_num = k`.
@@ -28,11 +36,13 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from algos.cross_tokenizer import Alignment, align, vocab_map
 from algos.opd import OpdConfig
 from transport.errors import RlxError
 from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
@@ -50,6 +60,20 @@ class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     worker: str = ""  # server mode: peer name of the inference worker serving this teacher
     url: str = ""  # server mode: base URL of an external teacher server (e.g. SGLang)
     opd: OpdConfig | None = None  # this teacher's signal (colocated only; None = the run's opd)
+    # "student": the teacher shares the student's tokenizer (refused if its vocabulary differs);
+    # "auto": the teacher checkpoint's own tokenizer, scored across vocabularies where it
+    # differs (server mode); or a tokenizer directory
+    tokenizer: str = "student"
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer:
+            raise ValueError(f"teacher {self.name!r}: tokenizer must be 'student', 'auto' or a "
+                             "tokenizer directory")
+
+
+def tokenizer_source(spec: TeacherSpec) -> str:
+    """Where the teacher's tokenizer is loaded from: its checkpoint, or its `tokenizer` path."""
+    return spec.model if spec.tokenizer in ("student", "auto") else spec.tokenizer
 
 
 def route_table(teachers: Sequence[TeacherSpec], default: str = "") -> dict[str, str]:
@@ -80,6 +104,13 @@ def route(domain: str, table: dict[str, str], default: str = "") -> str:
     return table.get(domain, default)
 
 
+def same_vocab(student: Any, teacher: Any) -> bool:
+    """The two tokenizers map every token to the same id and agree on bos / eos / pad."""
+    return student.get_vocab() == teacher.get_vocab() and all(
+        getattr(student, a, None) == getattr(teacher, a, None)
+        for a in ("bos_token_id", "eos_token_id", "pad_token_id"))
+
+
 def check_vocab(student: Any, teacher: Any, name: str) -> None:
     """Refuse a teacher whose tokenizer maps tokens to other ids than the student's."""
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
@@ -88,10 +119,120 @@ def check_vocab(student: Any, teacher: Any, name: str) -> None:
         raise ValueError(
             f"teacher {name!r} has a different vocabulary from the student ({len(t_vocab)} vs "
             f"{len(s_vocab)} tokens; first differences {diff}): distillation compares log-probs "
-            "of the same token ids, so the teacher must use the student's tokenizer")
+            "of the same token ids, so the teacher must use the student's tokenizer, or declare "
+            "its own (tokenizer = \"auto\", teacher mode \"server\": scored across "
+            "vocabularies, docs/mopd.md)")
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(student, attr, None) != getattr(teacher, attr, None):
             raise ValueError(f"teacher {name!r}: {attr} differs from the student's")
+
+
+SPECIAL_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@dataclass(frozen=True)
+class Retokenized:
+    """One sample in the teacher's tokens, and the spans it shares with the student's."""
+
+    prompt_ids: list[int]  # the teacher's tokens of the decoded prompt
+    response_ids: list[int]  # the teacher's tokens of the decoded response
+    alignment: Alignment  # student response tokens <-> teacher response tokens
+
+
+def token_strings(tokenizer: Any) -> list[str | None]:
+    """Each id's decoded text (None for special tokens): what `vocab_map` compares."""
+    special = set(tokenizer.all_special_ids)
+    size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    return [None if i in special else tokenizer.decode([i]) for i in range(size)]
+
+
+def _char_offsets(tokenizer: Any, ids: list[int], text: str) -> list[tuple[int, int]]:
+    """Each token's [start, end) in `text` (its decoding): one decode per token when they
+    concatenate to the text, else by decoding prefixes (a token that completes no character,
+    e.g. a partial UTF-8 byte, gets zero width)."""
+    pieces = [tokenizer.decode([i]) for i in ids]
+    if "".join(pieces) == text:
+        ends = np.cumsum([len(p) for p in pieces]).tolist()
+    else:
+        ends, end = [], 0
+        for n in range(1, len(ids) + 1):
+            prefix = tokenizer.decode(ids[:n])
+            if text.startswith(prefix) and len(prefix) >= end:
+                end = len(prefix)
+            ends.append(end)
+    starts = [0] + ends[:-1]
+    return list(zip(starts, ends))
+
+
+class CrossVocab:
+    """A student tokenizer and a teacher tokenizer of another vocabulary: re-tokenization of
+    samples for the teacher, the aligned spans, and the exact-match id map (see the module
+    docstring)."""
+
+    def __init__(self, student: Any, teacher: Any):
+        self.student, self.teacher = student, teacher
+        self.student_special = set(student.all_special_ids)
+        self.roles = {getattr(student, r): getattr(teacher, r, None) for r in SPECIAL_ROLES
+                      if getattr(student, r, None) is not None}
+        self.teacher_unk = getattr(teacher, "unk_token_id", None)
+        self._id_map: np.ndarray | None = None
+
+    @property
+    def id_map(self) -> np.ndarray:
+        """Teacher id -> student id of the same text (-1: none); built on first use."""
+        if self._id_map is None:
+            self._id_map = vocab_map(token_strings(self.student), token_strings(self.teacher))
+        return self._id_map
+
+    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def _convert(self, ids: list[int]) -> tuple[list, list[int], list, int]:
+        """(student offsets, teacher ids, teacher offsets, characters) of a token list: text
+        between special tokens re-encoded segment by segment; a special token is one
+        character, mapped to the teacher's token of its role where there is one."""
+        s_off: list[tuple[int, int]] = []
+        t_ids: list[int] = []
+        t_off: list[tuple[int, int]] = []
+        pos = i = 0
+        while i < len(ids):
+            if ids[i] in self.student_special:
+                s_off.append((pos, pos + 1))
+                mapped = self.roles.get(ids[i])
+                if mapped is not None:
+                    t_ids.append(mapped)
+                    t_off.append((pos, pos + 1))
+                pos += 1
+                i += 1
+                continue
+            j = i
+            while j < len(ids) and ids[j] not in self.student_special:
+                j += 1
+            segment = ids[i:j]
+            text = self.student.decode(segment)
+            s_off += [(pos + a, pos + b) for a, b in _char_offsets(self.student, segment, text)]
+            enc_ids, enc_off = self._encode(text)
+            t_ids += enc_ids
+            t_off += [(pos + a, pos + b) for a, b in enc_off]
+            pos += len(text)
+            i = j
+        return s_off, t_ids, t_off, pos
+
+    def retokenize(self, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                   loss_mask: Sequence[int] | None = None) -> Retokenized:
+        """The sample in the teacher's tokens (prompt and response converted separately, so
+        the boundary stays a boundary) and the spans its response shares with the student's;
+        `loss_mask`: a span mixing policy and observation tokens is not aligned."""
+        t_prompt = self._convert(list(prompt_ids))[1]
+        if not t_prompt:
+            raise ScoreError("the prompt converts to no teacher token: a response cannot be "
+                             "scored without one")
+        s_off, t_ids, t_off, chars = self._convert(list(response_ids))
+        t_ok = [t != self.teacher_unk for t in t_ids]
+        al = align(s_off, t_off, chars, teacher_ok=t_ok,
+                   student_group=None if loss_mask is None else list(loss_mask))
+        return Retokenized(t_prompt, t_ids, al)
 
 
 class ScoreError(RlxError, ValueError):

@@ -7,6 +7,13 @@ refused) and is supervised on its own domain only, with fixed seeds, until it is
 it may forget the other domain. Arithmetic uses max_operand 9, reversal the main job's options
 (`examples/local.toml`).
 
+`--cross-vocab` writes `examples/teacher-arith-bpe/` instead: the arithmetic teacher with a
+vocabulary of its own (`build_bpe_tokenizer`: the base's characters at other ids plus BPE merges
+"10".."19", so a two-digit sum is one teacher token against two student tokens), for the
+demo of distillation across vocabularies (`examples/mopd-cross-vocab.toml`). It starts from the
+base's weights too: each of its tokens' embedding rows is the base's row of the same text, a
+merge's the mean of its characters' rows (the embeddings are tied, so the output head follows).
+
 Invariant: every number printed and written to `<teacher>/eval.json` is measured with the
 project's own evaluation on the environments' fixed "eval" split: greedy exact match (as
 `scripts/train_base.py` measures, what the rollout's evaluation reports) and sampled accuracy at
@@ -24,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from envs.builtin.arith import ArithEnv
 from envs.builtin.reverse import ReverseEnv
@@ -52,12 +61,52 @@ class TeacherSpec:
     lr: float  # AdamW peak learning rate (cosine decay to 10% over num_steps)
     batch_size: int  # tasks per step
     seed: int  # torch seed (dropout-free model: only the data order and sampling depend on it)
+    vocab: str = "student"  # "student": the base's tokenizer; "bpe": build_bpe_tokenizer's
 
 
 TEACHERS = [
     TeacherSpec("teacher-arith", "math", num_steps=200, lr=3e-3, batch_size=64, seed=1),
     TeacherSpec("teacher-reverse", "reverse", num_steps=300, lr=3e-3, batch_size=64, seed=2),
 ]
+
+CROSS_VOCAB_TEACHERS = [
+    TeacherSpec("teacher-arith-bpe", "math", num_steps=400, lr=3e-3, batch_size=64, seed=1,
+                vocab="bpe"),
+]
+BPE_MERGES = [("1", str(d)) for d in range(10)]  # "10".."19": every two-digit sum of a+b <= 18
+
+
+def build_bpe_tokenizer(base) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer over the base's characters with other ids (in reverse order, after the
+    same special tokens) and the merges `BPE_MERGES`; the same special strings and roles."""
+    specials = list(base.all_special_tokens)
+    base_vocab = base.get_vocab()
+    ordered = sorted((t for t in base_vocab if t not in specials), key=base_vocab.get,
+                     reverse=True)
+    vocab = {t: base_vocab[t] for t in specials}
+    for t in ordered + [a + b for a, b in BPE_MERGES]:
+        vocab[t] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=BPE_MERGES, unk_token=base.unk_token))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=base.pad_token,
+                                   bos_token=base.bos_token, eos_token=base.eos_token,
+                                   unk_token=base.unk_token, padding_side="left")
+
+
+@torch.no_grad()
+def move_to_vocab(model, base, tokenizer) -> None:
+    """Give `model` (with `base`'s vocabulary) the vocabulary of `tokenizer`: each token's
+    embedding row is the base's row of the same text, a merge's the mean of its characters'."""
+    old = model.get_input_embeddings().weight.detach().clone()
+    base_vocab = base.get_vocab()
+    vocab = tokenizer.get_vocab()
+    model.resize_token_embeddings(len(vocab), mean_resizing=False)
+    new = model.get_input_embeddings().weight
+    for text, i in vocab.items():
+        parts = [text] if text in base_vocab else list(text)
+        new[i] = old[[base_vocab[p] for p in parts]].mean(0)
+    model.config.vocab_size = len(vocab)
 
 
 @torch.no_grad()
@@ -91,6 +140,9 @@ def train_teacher(spec: TeacherSpec, env, base_dir: str = BASE_DIR):
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
     model, tokenizer = load_model(base_dir)
+    if spec.vocab == "bpe":
+        base, tokenizer = tokenizer, build_bpe_tokenizer(tokenizer)
+        move_to_vocab(model, base, tokenizer)
     stream = env.tasks("train", DATA_SEED + spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, spec.num_steps,
@@ -133,10 +185,14 @@ def write_eval(path: str, spec: TeacherSpec, base: dict, teacher: dict, seconds:
         f.write("\n")
 
 
-def save_teacher(model, tokenizer, directory: str, base_dir: str = BASE_DIR) -> None:
-    """The checkpoint, with the base's tokenizer files copied byte for byte: re-saving a loaded
-    tokenizer adds loader bookkeeping keys, and the teacher's tokenizer must be the student's."""
+def save_teacher(model, tokenizer, directory: str, base_dir: str = BASE_DIR,
+                 vocab: str = "student") -> None:
+    """The checkpoint, with the base's tokenizer files copied byte for byte (re-saving a loaded
+    tokenizer adds loader bookkeeping keys, and the teacher's tokenizer must be the student's),
+    or for a teacher of its own vocabulary, its tokenizer as built."""
     save_checkpoint(model, tokenizer, directory)
+    if vocab != "student":
+        return
     for name in TOKENIZER_FILES:
         shutil.copyfile(os.path.join(base_dir, name), os.path.join(directory, name))
 
@@ -145,16 +201,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", default="examples",
                         help="parent directory of teacher-arith/ and teacher-reverse/")
+    parser.add_argument("--cross-vocab", action="store_true",
+                        help="train only the teachers of their own vocabulary "
+                             "(teacher-arith-bpe/)")
     args = parser.parse_args()
     envs = demo_envs()
     base_model, tokenizer = load_model(BASE_DIR)
     results = {"base-tiny": evaluate(base_model, tokenizer, envs)}
     t_start = time.time()
-    for spec in TEACHERS:
+    for spec in CROSS_VOCAB_TEACHERS if args.cross_vocab else TEACHERS:
         model, tokenizer, seconds = train_teacher(spec, envs[spec.domain])
         results[spec.name] = evaluate(model, tokenizer, envs)
         out = os.path.join(args.out_dir, spec.name)
-        save_teacher(model, tokenizer, out)
+        save_teacher(model, tokenizer, out, vocab=spec.vocab)
         write_eval(os.path.join(out, "eval.json"), spec, results["base-tiny"],
                    results[spec.name], seconds)
         print(f"saved {out} (trained in {seconds:.0f} s)", flush=True)

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from algos.cross_tokenizer import repeated_entries
 from algos.logprobs import gather_logprobs, logits_to_logprobs
 from algos.opd import nucleus_logprobs, sampled_log_ratio, token_logprobs_chunked
 from logic.teachers import TeacherSpec, opd_configs, teacher_order
@@ -427,7 +428,9 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
     dev = mb.mask.device
     if mode == "top_k":
         # each sample's [n, k] arrays into rows of [B, R, k] (built on the host, one copy to
-        # the device); positions past a row's end: id 0, log-prob -inf (off the mask)
+        # the device); positions past a row's end: id 0, log-prob -inf (off the mask); an id
+        # repeated within a row is padding (a teacher of another vocabulary's rows, mapped to
+        # student ids: algos/cross_tokenizer.py `map_topk`), out of the set too
         rows = [(b, s) for b, s in enumerate(mb.samples) if s.teacher_topk_ids is not None]
         k = max((s.teacher_topk_ids.shape[1] for _, s in rows), default=1)
         ids = torch.zeros(B, R, k, dtype=torch.long)
@@ -437,6 +440,7 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
             n, width = s.teacher_topk_ids.shape
             ids_np[b, :n, :width] = s.teacher_topk_ids
             lps_np[b, :n, :width] = s.teacher_topk_logprobs
+        lps.masked_fill_(repeated_entries(ids), -math.inf)
         inp.topk_ids, inp.topk_logp = ids.to(dev), lps.to(dev)
         return
     lp = torch.zeros(B, R, device=dev)
