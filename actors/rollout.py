@@ -9,6 +9,16 @@ so does one whose environment's own code (generation not counted: `GenerationClo
 `env_timeout_s`, named with its environment and task.
 Every `eval_every` batches it scores the eval tasks of each domain greedily.
 
+What a user reads: each batch's metrics record carries `samples_per_batch` of its episodes as
+text (one per domain in turn), plus the first failed episode of each domain with its error, and
+each evaluation's record carries every response it scored (`Metrics.samples`, texts cut by
+transport/metrics.py `sample_record`); the launcher writes them to <run_dir>/samples/*.jsonl
+and prints some (launch/console.py). Failed episodes are counted per batch as `rollout/failed`
+and, those whose environment's own code failed (it raised or ran past `env_timeout_s`; not a
+generation that failed on the workers), as `rollout/failed_env`; a sample record of a failed
+episode says which in `cause` ("env" or "generation"). The launcher ends a run with failed
+environment episodes with exit code 1 (launch/endings.py).
+
 Accounting: `samples_generated` counts the samples of every training group handed to the sink
 the first time (eval episodes are not), `samples_resent` those sent again to a restarted buffer.
 Both are run totals kept in `<run_dir>/rollout/<name>.totals.json` (rewritten before each send,
@@ -42,6 +52,7 @@ from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor, EndRun
 from runtime.facts import RunFacts
 from transport.errors import RlxError
+from transport.metrics import sample_record
 from transport.rpc import RemoteError
 from transport.schema import EvalReply, EvalRequest, RolloutPermit, SampleGroup
 
@@ -85,6 +96,10 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     # warn (naming the domain, with two responses) when every group of a domain scored the same
     # within the group, so GRPO has nothing to learn from it, this many batches in a row (0 = never)
     no_signal_batches: int = 3
+    # episodes of each batch sent to the launcher as text with the batch's metrics (one per
+    # domain in turn; the first failed episode of each domain comes on top): it writes them to
+    # <run_dir>/samples/rollout.jsonl; 0 = none (an evaluation always sends all its responses)
+    samples_per_batch: int = 4
     failure_notice_interval_s: float = 30.0  # failing episodes reach the console this often
     resend_batches: int = 4  # batches of groups kept to re-send to a restarted buffer
     request_timeout_s: float = 120.0
@@ -213,6 +228,8 @@ class RolloutActor(Actor):
         self.no_signal: collections.Counter = collections.Counter()  # batches in a row, by domain
         self.no_signal_said: dict[str, float] = {}  # when it was last said, by domain
         self.last_eval: tuple[int, dict[str, float], dict[str, int]] | None = None
+        # "<group id>-<index>" of episodes whose environment failed (cleared per batch / eval)
+        self.env_failed: set[str] = set()
 
     async def on_start(self) -> None:
         cfg = self.config
@@ -276,7 +293,8 @@ class RolloutActor(Actor):
             t0 = time.monotonic()
             groups = await asyncio.gather(*(self.play_group(task, f"b{batch_index}-g{j}")
                                             for j, task in enumerate(batch)))
-            self.report(batch_index, permit.trainer_version, groups, time.monotonic() - t0)
+            self.report(batch_index, permit.trainer_version, groups, time.monotonic() - t0,
+                        batch)
             self.check_failures(batch_index, groups)
             self.check_signal(batch_index, groups)
             batch_index += 1
@@ -365,6 +383,7 @@ class RolloutActor(Actor):
                 # is the workers', as a SessionFailed is)
                 if not isinstance(e, SessionFailed) and session.generation_error is None:
                     self.env_errors += 1
+                    self.env_failed.add(f"{group_id}-{index}")
                 self.last_failure = (f"{domain} task {task.id!r} (episode {group_id}-{index}): "
                                      f"{type(e).__name__}: {e}")
                 log.warning("%s: episode %s-%d failed: %s", self.name, group_id, index, e)
@@ -394,12 +413,17 @@ class RolloutActor(Actor):
                 by_domain[domain].append(task)
         greedy = {"temperature": 0.0}
         scores: dict[str, float] = {}
+        played: list[tuple] = []  # (sample, task) of every eval episode
         for domain, tasks in by_domain.items():
             samples = await asyncio.gather(*(self.play(t, greedy, f"eval{version}-{i}", 0)
                                              for i, t in enumerate(tasks)))
             scores[domain] = sum(s.reward for s in samples) / max(1, len(samples))
+            played += zip(samples, tasks)
         if self.metrics:
-            self.metrics.publish({f"eval/{d}": v for d, v in scores.items()}, step=version)
+            records = [self.sample_text("eval", s, t) for s, t in played]
+            self.env_failed -= {f"{s.group_id}-{s.index}" for s, _ in played}
+            self.metrics.publish({f"eval/{d}": v for d, v in scores.items()}, step=version,
+                                 samples=records)
         log.info("%s: eval of weight version %d: %s", self.name, version, scores)
         self.last_eval = (version, scores, {d: len(t) for d, t in by_domain.items()})
         return self.last_eval[1], self.last_eval[2]
@@ -468,12 +492,54 @@ class RolloutActor(Actor):
                         + ", ".join(f"{d}: {n}" for d, n in sorted(by_domain.items()))
                         + f"); last: {self.last_failure}")
 
-    def report(self, batch_index: int, trainer_version: int, groups: list, wall_s: float) -> None:
+    def sample_text(self, kind: str, sample, task):
+        """`sample` (of `task`) as a SampleRecord: decoded text, cut (transport/metrics.py)."""
+        episode = f"{sample.group_id}-{sample.index}"
+        cause = ""
+        if sample.status != "ok":
+            cause = "env" if episode in self.env_failed else "generation"
+        env = type(self.envs.env_for(task)).__name__ if task is not None else ""
+        return sample_record(
+            kind, domain=sample.domain, prompt=task.prompt if task is not None else
+            self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True),
+            response=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
+            reward=sample.reward, weight_version=sample.weight_version, status=sample.status,
+            error=sample.error.strip(), task=str(task.id) if task is not None else "", env=env,
+            episode=episode, cause=cause)
+
+    def batch_samples(self, groups: list, tasks: list) -> list:
+        """What of a batch goes to the launcher as text: the first failed episode of each
+        domain, then `samples_per_batch` episodes taken one per domain in turn (each group's
+        first successful one)."""
+        failed: dict[str, tuple] = {}
+        ok: dict[str, list[tuple]] = {}
+        for group, task in zip(groups, tasks):
+            for s in group:
+                if s.status != "ok":
+                    failed.setdefault(s.domain, (s, task))
+            first = next((s for s in group if s.status == "ok"), None)
+            if first is not None:
+                ok.setdefault(first.domain, []).append((first, task))
+        picked = list(failed.values())
+        want = self.config.samples_per_batch
+        for turn in range(max((len(v) for v in ok.values()), default=0)):
+            for domain in sorted(ok):
+                if want <= 0:
+                    break
+                if turn < len(ok[domain]):
+                    picked.append(ok[domain][turn])
+                    want -= 1
+        return [self.sample_text("rollout", s, t) for s, t in picked]
+
+    def report(self, batch_index: int, trainer_version: int, groups: list, wall_s: float,
+               tasks: list | None = None) -> None:
         samples = [s for g in groups for s in g]
         tokens = sum(sum(s.loss_mask) for s in samples)
+        env_failed = sum(f"{s.group_id}-{s.index}" in self.env_failed for s in samples)
         values: dict[str, float] = {"rollout/tokens_per_s": tokens / max(wall_s, 1e-9),
                                     "rollout/batch_s": wall_s,
                                     "rollout/failed": sum(s.status != "ok" for s in samples),
+                                    "rollout/failed_env": env_failed,
                                     "rollout/trainer_version": trainer_version,
                                     "rollout/samples_generated": self.totals.samples_generated,
                                     "rollout/samples_resent": self.totals.samples_resent,
@@ -489,4 +555,6 @@ class RolloutActor(Actor):
             values.update({f"rollout/agent/{k}": self.agent_batch[k] for k in AGENT_STATS})
             self.agent_batch.clear()
         if self.metrics:
-            self.metrics.publish(values, step=batch_index)
+            records = self.batch_samples(groups, tasks or [None] * len(groups))
+            self.metrics.publish(values, step=batch_index, samples=records)
+        self.env_failed -= {f"{s.group_id}-{s.index}" for s in samples}

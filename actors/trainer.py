@@ -56,6 +56,19 @@ from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
 log = logging.getLogger(__name__)
 
 
+def distill_kl(stats: dict[str, float]) -> dict[str, float]:
+    """`opd/reverse_kl`: the distillation signal of the whole step, every teacher's
+    `opd/<teacher>/reverse_kl` weighted by its `opd/<teacher>/tokens` (the console's and
+    plots' distillation line; a pure distillation run's `train/loss` is the policy-gradient
+    part, 0); none without per-teacher KL."""
+    total = tokens = 0.0
+    for key, kl in stats.items():
+        if key.startswith("opd/") and key.endswith("/reverse_kl") and key.count("/") == 2:
+            n = stats.get(f"{key[:-len('reverse_kl')]}tokens", 0.0)
+            total, tokens = total + kl * n, tokens + n
+    return {"opd/reverse_kl": total / tokens} if tokens else {}
+
+
 class TrainerConfig(TrainConfig, kw_only=True):
     """Settings of the trainer actor: the training library's (`training.config.TrainConfig`,
     one table per component) plus its peers, its loop, checkpoints and weight sync."""
@@ -197,6 +210,7 @@ class TrainerActor(Actor):
                           "version": self.state.version,
                           "weight_sync/fallbacks": self.counters["weight_sync.fallbacks"],
                           **self.push_stats})
+            stats.update(distill_kl(stats))
             host_sets = self.state.host_weight_sets_bytes()  # reference, critic, old actors
             if host_sets:
                 stats["memory/host_weight_sets_bytes"] = host_sets

@@ -8,6 +8,7 @@ import collections
 import random
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -16,9 +17,15 @@ import zmq
 from bench.transport import Blob
 from examples.demo import WorkItem
 from transport.codec import Codec
-from transport.metrics import TOPIC, MetricsProxy, MetricsPublisher, MetricsSubscriber
+from transport.metrics import (
+    TOPIC,
+    MetricsProxy,
+    MetricsPublisher,
+    MetricsSubscriber,
+    sample_record,
+)
 from transport.rpc import DeadlineExceeded
-from transport.schema import Kind, Metrics
+from transport.schema import SAMPLE_TEXT_CHARS, Header, Kind, Metrics, SampleRecord
 from transport.sockets import SocketFactory
 from transport.streams import StreamReceiver, StreamSender
 
@@ -304,3 +311,56 @@ async def test_publisher_without_subscribers_drops_nothing_silently(ipc, factory
         assert not await pub.wait_subscribed(0.05)
     finally:
         pub.close()
+
+
+class OldMetrics(msgspec.Struct, tag="Metrics", omit_defaults=True, kw_only=True):
+    """The Metrics record as it was before `samples` (what an older actor sends)."""
+
+    actor: str
+    seq: int
+    time_s: float
+    values: dict[str, float] = {}
+    step: int | None = None
+    total_steps: int | None = None
+    dropped: int = 0
+
+
+async def test_samples_ride_on_records_cut_and_old_or_malformed_records_are_handled(
+        proxy, factory):
+    pub = MetricsPublisher(factory, proxy.frontend, "rollout")
+    sub = MetricsSubscriber(factory, proxy.backend)
+    try:
+        assert await pub.wait_subscribed(3.0)
+        huge = "7" * (10 * SAMPLE_TEXT_CHARS)
+        sent = [sample_record("eval", domain="math", prompt="3+4=", response=huge, reward=0.0,
+                              weight_version=5, status="failed", error="ZeroDivisionError: x",
+                              task="eval-3", env="ArithEnv", episode="eval5-3-0", cause="env"),
+                sample_record("rollout", domain="reverse", prompt="rev ab=", response="ba",
+                              reward=1.0, weight_version=4)]
+        assert pub.publish({"eval/math": 0.5}, step=5, samples=sent)
+        got = await recv(sub)
+        assert got.values == {"eval/math": 0.5} and got.samples == sent
+        first = got.samples[0]
+        assert len(first.response) == SAMPLE_TEXT_CHARS and first.response.endswith("7...")
+        assert (first.status, first.error, first.task, first.env, first.cause) == (
+            "failed", "ZeroDivisionError: x", "eval-3", "ArithEnv", "env")
+        # a record of an older actor (no `samples` field) decodes, with no samples
+        old = msgspec.msgpack.encode(Header(v=2, kind=Kind.EVENT, id=0, body=Metrics(
+            actor="x", seq=1, time_s=0.0)))
+        assert b"samples" not in old  # omitted when empty: an older launcher reads it as before
+        header = msgspec.msgpack.encode([2, int(Kind.EVENT), 0, OldMetrics(
+            actor="old", seq=1, time_s=1.0, values={"loss": 1.0}, step=3)])
+        pub.sock.send_nowait([TOPIC, header])
+        got = await recv(sub)
+        assert (got.actor, got.step, got.values, got.samples) == ("old", 3, {"loss": 1.0}, [])
+        # a malformed sample (a reward that is text) is refused as a whole; the stream goes on
+        bad = msgspec.msgpack.encode([2, int(Kind.EVENT), 0, {
+            "type": "Metrics", "actor": "evil", "seq": 1, "time_s": 0.0,
+            "samples": [{"kind": "eval", "reward": "lots"}]}])
+        pub.sock.send_nowait([TOPIC, bad])
+        assert pub.publish({"x": 1.0}, samples=[SampleRecord(kind="rollout")])
+        got = await recv(sub)
+        assert (got.actor, got.values) == ("rollout", {"x": 1.0}) and sub.refused == 1
+    finally:
+        pub.close()
+        sub.close()

@@ -5,6 +5,10 @@ XPUB_NODROP so that a full queue surfaces as EAGAIN, which is counted (plain PUB
 silently); every record carries a per-publisher `seq` and the running `dropped` count, so a
 subscriber can tell loss from silence. Publishers connect to the cluster's metrics proxy (an
 XSUB/XPUB forwarder in the launcher) so that one address serves every actor's metrics.
+
+A record may carry a few episodes as text (`samples`, built with `sample_record`, which cuts
+every text to `SAMPLE_TEXT_CHARS`), so that what the model answers reaches the launcher with
+the numbers (launch/sinks.py: <run_dir>/samples/*.jsonl; launch/console.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import AsyncIterator
 import zmq
 
 from transport.codec import Codec, WireError
-from transport.schema import Kind, Metrics
+from transport.schema import SAMPLE_TEXT_CHARS, Kind, Metrics, SampleRecord
 from transport.sockets import SocketFactory
 
 TOPIC = b"metrics"
@@ -27,6 +31,23 @@ TOPIC = b"metrics"
 # are ~150 bytes, so the bound is ~15 MiB per subscriber. What is dropped past it shows as gaps
 # in the publishers' `seq` (MetricsSubscriber.gaps)
 FANIN_HWM = 100_000
+
+
+def cut(text: str, limit: int = SAMPLE_TEXT_CHARS) -> str:
+    """`text` whole when it has at most `limit` characters, else its start and "..." (`limit`
+    characters in all)."""
+    return text if len(text) <= limit else text[:max(0, limit - 3)] + "..."
+
+
+def sample_record(kind: str, *, domain: str, prompt: str, response: str, reward: float,
+                  weight_version: int, status: str = "ok", error: str = "", task: str = "",
+                  env: str = "", episode: str = "", cause: str = "") -> SampleRecord:
+    """A SampleRecord with every text cut to SAMPLE_TEXT_CHARS (names and ids to 200)."""
+    return SampleRecord(kind=kind, domain=cut(domain, 200), prompt=cut(prompt),
+                        response=cut(response), reward=float(reward),
+                        weight_version=int(weight_version), status=cut(status, 40),
+                        error=cut(error), task=cut(task, 200), env=cut(env, 200),
+                        episode=cut(episode, 200), cause=cut(cause, 40))
 
 
 class MetricsPublisher:
@@ -39,12 +60,13 @@ class MetricsPublisher:
         self.dropped = 0
 
     def publish(self, values: dict[str, float], step: int | None = None,
-                total_steps: int | None = None) -> bool:
+                total_steps: int | None = None,
+                samples: list[SampleRecord] | None = None) -> bool:
         """Send one record now or count it as dropped; True if it was queued."""
         self.seq += 1
         msg = Metrics(actor=self.actor, seq=self.seq, time_s=time.time(),
                       values={k: float(v) for k, v in values.items()}, step=step,
-                      total_steps=total_steps, dropped=self.dropped)
+                      total_steps=total_steps, dropped=self.dropped, samples=samples or [])
         try:
             self.sock.send_nowait([TOPIC, *self.codec.encode(Kind.EVENT, 0, msg)])
             return True

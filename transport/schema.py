@@ -179,8 +179,38 @@ class Stopped(Msg):
 
 
 # ----------------------------------------------------------------------------- metrics
+class SampleRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One episode as a user reads it, riding on a metrics record (`Metrics.samples`): text,
+    not tokens, each text cut to `SAMPLE_TEXT_CHARS` by the sender (transport/metrics.py
+    `sample_record`), so a huge response never makes a huge record."""
+
+    kind: str  # "rollout" (a training batch's sample) | "eval" (an evaluation's response)
+    domain: str = ""
+    prompt: str = ""
+    response: str = ""
+    reward: float = 0.0
+    weight_version: int = 0  # oldest weight version that produced any of its tokens
+    status: str = "ok"  # ok | failed | aborted (Sample.status)
+    error: str = ""  # the exception, when it failed
+    task: str = ""  # the task's id
+    env: str = ""  # the environment's class name
+    episode: str = ""  # "<group id>-<index>"
+    # why a failed episode failed: "env" (the environment's own code raised or ran past its
+    # time) or "generation" (the workers failed it); "" when it did not fail
+    cause: str = ""
+
+
+# the longest text of a SampleRecord field, characters (the rest is cut, marked with "...")
+SAMPLE_TEXT_CHARS = 2000
+
+
 class Metrics(Msg):
-    """One metrics record. `seq` increases by one per publisher so subscribers can count gaps."""
+    """One metrics record. `seq` increases by one per publisher so subscribers can count gaps.
+
+    `samples` (optional, later than the rest: a record without it decodes as before, and a
+    peer that does not know it ignores it): a few episodes in text form, the rollout's sample
+    of each batch and every response of an evaluation (launch/sinks.py writes them to
+    <run_dir>/samples/*.jsonl, not to metrics.jsonl)."""
 
     actor: str
     seq: int
@@ -189,6 +219,7 @@ class Metrics(Msg):
     step: int | None = None
     total_steps: int | None = None
     dropped: int = 0  # records this publisher dropped so far (never blocked on)
+    samples: list[SampleRecord] = []
 
 
 # ----------------------------------------------------------------------------- RL loop
