@@ -98,6 +98,8 @@ OWNED = {"host": "host", "port": "port", "worker_urls": "workers", "policy": "po
 class RouterActor(Actor):
     Config = RouterConfig
     role = "router"
+    # what it runs (engine/router_main.py), checked on its host by `--dry-run`
+    needs = {"sglang_router": "sglang-router==0.3.2"}
 
     @classmethod
     def check_config(cls, config: RouterConfig) -> None:

@@ -114,6 +114,10 @@ def argparse_error(path: Path) -> str:
 class SglangWorker(Actor):
     Config = SglangWorkerConfig
     role = "inference"
+    # what it runs, checked on its host by `--dry-run` (launch/dryrun.py): module -> the pip
+    # requirement that installs it, importable by the interpreter in config field `python`
+    needs = {"sglang": "sglang[all]"}
+    needs_python = "python"
 
     @classmethod
     def bound_ports(cls, config: SglangWorkerConfig) -> list[tuple[str, str, str, int]]:

@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -54,6 +55,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -376,6 +378,55 @@ def write_keys(folder: Path, keys: dict[str, bytes]) -> None:
         os.chmod(path, mode)
 
 
+IMPORTABLE = """import importlib.util, json, sys
+def found(m):
+    try:
+        return importlib.util.find_spec(m) is not None
+    except (ImportError, ValueError):
+        return False
+print(json.dumps([m for m in json.loads(sys.argv[1]) if not found(m)]))
+"""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken one
+        return False
+
+
+def check_needs(spec: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
+    """What this host lacks of what its actors run (`--dry-run`, launch/dryrun.py). `spec`:
+    {"modules": {python: [module, ...]}, "programs": [...], "address": "..."}: each module must
+    import in that interpreter ("" = this one; another is asked in a subprocess), each program
+    be on PATH, the address bind (port 0). Returns {"hostname", "python", "missing": {python:
+    [module, ...]}, "programs": [missing ...], "broken": {python: why it could not be asked},
+    "address": "" or why it does not bind}."""
+    out: dict[str, Any] = {"hostname": socket.gethostname(), "python": sys.executable,
+                           "missing": {}, "programs": [], "broken": {}, "address": ""}
+    for python, modules in spec.get("modules", {}).items():
+        if not python or python == sys.executable:
+            missing = [m for m in modules if not _importable(m)]
+        else:
+            try:
+                done = subprocess.run([python, "-c", IMPORTABLE, json.dumps(modules)],
+                                      capture_output=True, text=True, timeout=timeout_s)
+                missing = json.loads(done.stdout) if done.returncode == 0 else None
+                if missing is None:
+                    why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    out["broken"][python] = f"it exited with code {done.returncode}: {why}"
+                    continue
+            except (OSError, subprocess.SubprocessError, ValueError) as e:
+                out["broken"][python] = f"it cannot be run: {e}"
+                continue
+        if missing:
+            out["missing"][python] = missing
+    out["programs"] = [p for p in spec.get("programs", []) if shutil.which(p) is None]
+    if spec.get("address"):
+        out["address"] = probe_bind(spec["address"], 0)
+    return out
+
+
 def pick_port(msg: PickPort) -> PortPicked:
     """A TCP port free right now on `msg.address` of this host (the kernel's pick)."""
     try:
@@ -621,10 +672,14 @@ class AgentError(RlxError):
 
 
 def agent_command(exec_prefix: list[str], python: str, workdir: str,
-                  shell: bool | None = None) -> list[str]:
-    """`exec_prefix` + the words that start the agent in `workdir` with `python`. A prefix that
-    hands its command to a shell (ssh; `shell = True`) gets them as one quoted line."""
+                  shell: bool | None = None, needs: str = "") -> list[str]:
+    """`exec_prefix` + the words that start the agent in `workdir` with `python` (with `needs`,
+    a JSON spec of `check_needs`: the words that run that one check there instead). A prefix
+    that hands its command to a shell (ssh; `shell = True`) gets them as one quoted line."""
     words = ["sh", "-c", 'cd "$0" && exec "$1" -m launch.agent', workdir, python]
+    if needs:
+        words = ["sh", "-c", 'cd "$0" && exec "$1" -m launch.agent --needs "$2"', workdir,
+                 python, needs]
     if shell is None:
         shell = bool(exec_prefix) and os.path.basename(exec_prefix[0]) == "ssh"
     return [*exec_prefix, shlex.join(words)] if shell else [*exec_prefix, *words]
@@ -991,9 +1046,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="print this host's environment report (JSON) and exit")
+    parser.add_argument("--needs", metavar="JSON",
+                        help="print (JSON) what this host lacks of the modules, programs and "
+                             "address in JSON (check_needs; `--dry-run` asks it) and exit")
     args = parser.parse_args(argv)
     if args.check:
         print(json.dumps(environment_report(), indent=2))
+        return 0
+    if args.needs:
+        print(json.dumps(check_needs(json.loads(args.needs))))
         return 0
     chan_in, chan_out = _channel_streams()
     return asyncio.run(serve_channel(chan_in, chan_out))  # exits inside (os._exit)
