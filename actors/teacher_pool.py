@@ -36,6 +36,8 @@ import collections
 import logging
 import reprlib
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import msgspec
@@ -80,6 +82,8 @@ class TeacherPoolConfig(msgspec.Struct, forbid_unknown_fields=True):
 class TeacherPool(Actor):
     Config = TeacherPoolConfig
     role = "teacher_pool"
+    # teachers of another vocabulary than the student's (server mode), set at start
+    cross: Mapping[str, CrossVocab] = MappingProxyType({})
 
     @classmethod
     def check_config(cls, config: TeacherPoolConfig) -> None:

@@ -179,9 +179,14 @@ class CrossVocab:
 
     @property
     def id_map(self) -> np.ndarray:
-        """Teacher id -> student id of the same text (-1: none); built on first use."""
+        """Teacher id -> student id of the same text, or of the same role for bos / eos / pad
+        (-1: none); built on first use."""
         if self._id_map is None:
-            self._id_map = vocab_map(token_strings(self.student), token_strings(self.teacher))
+            m = vocab_map(token_strings(self.student), token_strings(self.teacher))
+            for s_id, t_id in self.roles.items():  # special tokens map by role (eos to eos)
+                if t_id is not None and 0 <= t_id < len(m):
+                    m[t_id] = s_id
+            self._id_map = m
         return self._id_map
 
     def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:

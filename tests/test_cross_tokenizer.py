@@ -1,0 +1,361 @@
+"""Distillation across vocabularies: span alignment, the signals (float64 references on
+hand-made tokenizations whose merges differ), the trainer's reading of them, the pool's
+re-tokenization against a served teacher of its own vocabulary, and its config checks."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actors.teacher_pool import TeacherPool, TeacherPoolConfig, cross_teachers
+from algos.cross_tokenizer import (
+    align,
+    map_topk,
+    repeated_entries,
+    sorted_prob_distance,
+    span_differences,
+    spread_sampled,
+    vocab_map,
+)
+from algos.opd import OpdConfig, sampled_log_ratio, top_k_reverse_kl
+from logic.teachers import CrossVocab, TeacherSpec
+from models.load import load_model, load_tokenizer
+from runtime.facts import RunFacts
+from tests.helpers import context
+from tests.test_engine import serve
+from training.batching import make_micro_batch
+from training.colocated_teachers import OpdInputs, _fill_server, sampled_ratio
+from transport.schema import Sample
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDENT = "examples/base-tiny"
+BPE_TEACHER = "examples/teacher-arith-bpe"
+
+
+def offsets(pieces: list[str]) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for p in pieces:
+        out.append((pos, pos + len(p)))
+        pos += len(p)
+    return out
+
+
+# --- alignment ----------------------------------------------------------------------------------
+
+def test_spans_are_the_shortest_stretches_both_tokenizations_cut():
+    # "abcdef": student ab|cd|ef, teacher a|b|cde|f: shared cuts 0, 2, 6
+    al = align(offsets(["ab", "cd", "ef"]), offsets(["a", "b", "cde", "f"]), 6)
+    assert al.spans.tolist() == [[0, 2], [2, 6]]
+    assert al.student_span.tolist() == [0, 1, 1]
+    assert al.teacher_span.tolist() == [0, 0, 1, 1]
+    assert al.char_frac == 1.0 and not al.one_to_one().any()
+    # "12+7=19": student by character, teacher 12|+|7=|19
+    al = align(offsets(list("12+7=19")), offsets(["12", "+", "7=", "19"]), 7)
+    assert al.spans.tolist() == [[0, 2], [2, 3], [3, 5], [5, 7]]
+    assert al.student_span.tolist() == [0, 0, 1, 2, 2, 3, 3]
+    assert al.one_to_one().tolist() == [False, False, True, False, False, False, False]
+    assert al.teacher_of().tolist() == [-1, -1, 1, -1, -1, -1, -1]
+    # the same cuts: every token is its own span, all one-to-one
+    al = align(offsets(["ab", "c"]), offsets(["ab", "c"]), 3)
+    assert al.one_to_one().all() and al.teacher_of().tolist() == [0, 1]
+
+
+def test_spans_without_an_exact_tiling_are_not_aligned():
+    # the teacher's unknown token spoils its span only
+    al = align(offsets(["a", "b", "c"]), offsets(["a", "b", "c"]), 3, teacher_ok=[1, 0, 1])
+    assert al.student_span.tolist() == [0, -1, 1] and al.aligned_chars == 2
+    assert al.char_frac == pytest.approx(2 / 3)
+    # a character the teacher's tokens skip (a normaliser dropped it): its stretch is lost
+    al = align(offsets(["ab", "c", "d"]), [(0, 1), (3, 4)], 4)
+    assert al.spans.tolist() == [[3, 4]] and al.student_span.tolist() == [-1, -1, 0]
+    # overlapping teacher tokens: the stretch they share is not tiled
+    al = align(offsets(["a", "b", "c"]), [(0, 2), (1, 3)], 3)
+    assert al.num_spans == 0 and al.char_frac == 0.0
+    # a span mixing policy and observation tokens is not aligned
+    al = align(offsets(["a", "b", "c"]), offsets(["ab", "c"]), 3, student_group=[1, 0, 0])
+    assert al.student_span.tolist() == [-1, -1, 0]
+    # zero-width tokens belong to the span starting at their offset (the last one at the end)
+    al = align([(0, 1), (1, 1), (1, 2), (2, 2)], offsets(["a", "b"]), 2)
+    assert al.student_span.tolist() == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="beyond the text"):
+        align([(0, 4)], [(0, 3)], 3)
+
+
+# --- sampled-token signal -------------------------------------------------------------------------
+
+# "12+7=19": student characters, teacher 12|+|7=|19; log-probs chosen by hand
+S_PIECES, T_PIECES = list("12+7=19"), ["12", "+", "7=", "19"]
+S_LP = [-0.5, -1.25, -0.125, -2.0, -0.25, -0.75, -1.5]
+T_LP = [-0.3, -0.2, -1.0, -3.0]
+
+
+def test_each_student_token_carries_its_spans_difference_float64():
+    al = align(offsets(S_PIECES), offsets(T_PIECES), 7)
+    # by hand: spans "12", "+", "7=", "19"
+    want_d = [(-0.5 - 1.25) - (-0.3), -0.125 - (-0.2), (-2.0 - 0.25) - (-1.0),
+              (-0.75 - 1.5) - (-3.0)]
+    assert span_differences(S_LP, T_LP, al).tolist() == pytest.approx(want_d, abs=1e-15)
+    spread = spread_sampled(S_LP, T_LP, al)
+    per_token = [want_d[i] for i in (0, 0, 1, 2, 2, 3, 3)]
+    assert (np.asarray(S_LP) - spread).tolist() == pytest.approx(per_token, abs=1e-15)
+    # the trainer's r_t = student - teacher (algos/opd.py), at the rollout's log-probs: D_S
+    r = sampled_log_ratio(torch.tensor([S_LP], dtype=torch.float64),
+                          torch.tensor([spread.tolist()], dtype=torch.float64),
+                          torch.ones(1, 7))
+    assert r[0].tolist() == pytest.approx(per_token, abs=1e-15)
+    # a one-token span on both sides is the same-tokenizer r_t
+    assert r[0, 2].item() == pytest.approx(S_LP[2] - T_LP[1], abs=1e-15)
+    # unaligned tokens: teacher value = the student's own (r = 0)
+    al = align(offsets(S_PIECES), offsets(T_PIECES), 7, teacher_ok=[1, 1, 0, 1])
+    spread = spread_sampled(S_LP, T_LP, al)
+    assert (np.asarray(S_LP) - spread).tolist() == pytest.approx(
+        [want_d[0]] * 2 + [want_d[1], 0.0, 0.0] + [want_d[3]] * 2, abs=1e-15)
+
+
+def sample(prompt: list[int], response: list[int], **kw) -> Sample:
+    return Sample(group_id="g", index=0, domain="math", prompt_ids=prompt,
+                  response_ids=response, loss_mask=[1] * len(response),
+                  rollout_logprobs=kw.pop("rollout", [-1.0] * len(response)),
+                  teacher=kw.pop("teacher", "t"), **kw)
+
+
+def server_inputs(samples: list[Sample], mode: str) -> OpdInputs:
+    mb = make_micro_batch(samples)
+    inp = OpdInputs(mask=mb.mask, coef=torch.ones(len(samples)),
+                    configs=[OpdConfig(mode=mode, top_k=3 if mode == "top_k" else 0,
+                                       top_k_from="teacher" if mode == "top_k" else "student")]
+                    * len(samples))
+    _fill_server(inp, mb, mode)
+    return inp
+
+
+def test_the_trainer_reads_the_spread_as_the_spans_difference():
+    """Through the sample and the trainer's own reading (training/colocated_teachers.py):
+    r_t = trainer log-prob - teacher value = D_S + the token's drift from the rollout."""
+    al = align(offsets(S_PIECES), offsets(T_PIECES), 7)
+    s = sample([1, 5], list(range(4, 11)), rollout=S_LP)
+    s.teacher_logprobs = spread_sampled(S_LP, T_LP, al).tolist()
+    inp = server_inputs([s], "sampled")
+    drift = torch.tensor([[0.0, 0.01, 0.0, -0.02, 0.0, 0.0, 0.03]])
+    student = torch.tensor([S_LP]) + drift  # the trainer's recomputed log-probs
+    r = sampled_ratio(student, inp)
+    want = torch.tensor([[span_differences(S_LP, T_LP, al)[i] for i in (0, 0, 1, 2, 2, 3, 3)]])
+    assert torch.allclose(r.double(), want + drift.double(), atol=1e-6, rtol=0)
+
+
+# --- distribution signals -----------------------------------------------------------------------
+
+# student vocabulary by id and a teacher's of other ids, merges ("12") and a repeated text
+S_VOCAB = ["<eos>", "1", "2", "+", "7", "=", "9", "x"]
+T_VOCAB = ["<eos>", "=", "+", "12", "9", "7", "1", "2", "y", "y"]
+
+
+def test_vocab_map_pairs_equal_unique_texts():
+    m = vocab_map([None] + S_VOCAB[1:], [None] + T_VOCAB[1:])
+    assert m.tolist() == [-1, 5, 3, -1, 6, 4, 1, 2, -1, -1]
+
+
+def topk_case():
+    """Student "1","2","+","7" vs teacher "12","+","7": spans "12" (2:1), "+" and "7" (1:1)."""
+    al = align(offsets(["1", "2", "+", "7"]), offsets(["12", "+", "7"]), 4)
+    id_map = vocab_map([None] + S_VOCAB[1:], [None] + T_VOCAB[1:])
+    lp = np.log
+    t_ids = np.array([[3, 6, 7], [2, 3, 8], [5, 4, 1]])  # teacher top-3 of its 3 tokens
+    t_lps = np.array([[lp(0.7), lp(0.2), lp(0.05)],
+                      [lp(0.6), lp(0.3), lp(0.05)],  # "12" has no student token: dropped
+                      [lp(0.5), lp(0.25), lp(0.125)]])
+    return al, id_map, t_ids, t_lps
+
+
+def test_topk_moves_onto_student_ids_and_reports_the_dropped_mass():
+    al, id_map, t_ids, t_lps = topk_case()
+    m = map_topk(t_ids, t_lps, [1, 2, 3, 4], al, id_map)
+    assert m.matched.tolist() == [False, False, True, True]
+    assert m.dropped_mass.tolist() == pytest.approx([0, 0, 0.3 + 0.05, 0.0], abs=1e-15)
+    # the 2:1 span's rows: the student's own token alone (log-prob 0), padded by repeats
+    assert m.ids[:2].tolist() == [[1, 1, 1], [2, 2, 2]]
+    assert m.valid[:2].tolist() == [[True, False, False]] * 2
+    assert m.ids[2].tolist() == [3, 3, 3] and m.valid[2].tolist() == [True, False, False]
+    assert m.logprobs[2, 0] == pytest.approx(math.log(0.6), abs=1e-15)
+    assert m.ids[3].tolist() == [4, 6, 5]  # "7", "9", "=" in the teacher's order
+    assert m.logprobs[3].tolist() == pytest.approx([math.log(0.5), math.log(0.25),
+                                                    math.log(0.125)], abs=1e-15)
+    assert repeated_entries(torch.from_numpy(m.ids)).tolist() == (~m.valid).tolist()
+
+
+def test_the_trainers_topk_kl_over_mapped_sets_equals_a_float64_reference():
+    """The mapped arrays as the pool sends them (int32 / float32 Sample arrays), read by the
+    trainer (repeated ids are padding) into the top-k reverse KL: the KL over the mapped set at
+    one-to-one spans, exactly 0 on the other rows."""
+    al, id_map, t_ids, t_lps = topk_case()
+    m = map_topk(t_ids, t_lps, [1, 2, 3, 4], al, id_map)
+    s = sample([1, 5], [1, 2, 3, 4], teacher_topk_ids=m.ids.astype(np.int32),
+               teacher_topk_logprobs=m.logprobs.astype(np.float32))
+    inp = server_inputs([s], "top_k")
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, len(S_VOCAB), dtype=torch.float64)
+    kl = top_k_reverse_kl(logits, inp.topk_ids, inp.topk_logp.double(), inp.mask, 1.0)
+
+    def ref(row: int, ids: list[int], q: list[float]) -> float:
+        z = logits[0, row].tolist()
+        zs = [z[i] for i in ids]
+        p = [math.exp(v - math.log(sum(math.exp(u) for u in zs))) for v in zs]
+        qs = [x / sum(q) for x in q]
+        return sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, qs))
+
+    assert kl[0, :3].tolist() == [0.0, 0.0, 0.0]
+    assert kl[0, 3].item() == pytest.approx(ref(3, [4, 6, 5], [0.5, 0.25, 0.125]), abs=1e-6)
+
+
+def test_sorted_probability_distance_float64():
+    logits = torch.log(torch.tensor([[[0.2, 0.5, 0.3], [0.1, 0.1, 0.8]]], dtype=torch.float64))
+    teacher = torch.log(torch.tensor([[[0.25, 0.6], [0.9, 0.05]]], dtype=torch.float64))
+    d = sorted_prob_distance(logits, teacher, torch.tensor([[1, 0]]))
+    # sorted: student .5 .3 .2 against teacher .6 .25 0
+    assert d[0].tolist() == pytest.approx([0.1 + 0.05 + 0.2, 0.0], abs=1e-15)
+    # temperature and the gradient: d/dz of |p_(i) - q_(i)| through the softmax
+    z = torch.tensor([[[0.3, -1.0, 2.0, 0.5]]], dtype=torch.float64, requires_grad=True)
+    q = torch.log(torch.tensor([[[0.5, 0.3, 0.1]]], dtype=torch.float64))
+    assert torch.autograd.gradcheck(
+        lambda x: sorted_prob_distance(x, q, torch.ones(1, 1), temperature=0.7), (z,))
+
+
+# --- the pool: re-tokenization, a served teacher of its own vocabulary, config checks ----------
+
+def test_retokenize_for_a_bpe_teacher():
+    student, teacher = load_tokenizer(STUDENT), load_tokenizer(BPE_TEACHER)
+    cv = CrossVocab(student, teacher)
+    enc = student.encode
+    r = cv.retokenize([student.bos_token_id] + enc("9+9=", add_special_tokens=False),
+                      enc("18", add_special_tokens=False) + [student.eos_token_id])
+    assert r.prompt_ids == [teacher.bos_token_id] + teacher.encode("9+9=",
+                                                                   add_special_tokens=False)
+    assert r.response_ids == [teacher.convert_tokens_to_ids("18"), teacher.eos_token_id]
+    assert r.alignment.student_span.tolist() == [0, 0, 1]  # "1","8" | <eos>
+    assert r.alignment.teacher_span.tolist() == [0, 1] and r.alignment.char_frac == 1.0
+    assert teacher.get_vocab() != student.get_vocab()
+    # every student character has a teacher token of its text, at another id
+    m = cv.id_map
+    for ch in "0123456789+=":
+        assert m[teacher.convert_tokens_to_ids(ch)] == student.convert_tokens_to_ids(ch)
+    assert m[teacher.convert_tokens_to_ids("12")] == -1
+    assert m[teacher.eos_token_id] == student.eos_token_id  # by role
+
+
+def pool_config(mode: str, tokenizer: str, top_k: int = 0, url: str = "") -> TeacherPoolConfig:
+    opd = OpdConfig(mode="top_k", top_k=top_k, top_k_from="teacher") if top_k else OpdConfig()
+    return TeacherPoolConfig(mode=mode, max_retries=1, request_timeout_s=30.0, opd=opd,
+                             teachers=[TeacherSpec(name="arith", model=BPE_TEACHER,
+                                                   domains=["math"], tokenizer=tokenizer,
+                                                   url=url or ("http://x" if mode == "server"
+                                                               else ""))])
+
+
+def test_the_pool_refuses_what_it_cannot_align():
+    facts = RunFacts(model=STUDENT)
+    with pytest.raises(ValueError, match="different vocabulary.*tokenizer = \"auto\""):
+        TeacherPool.check_facts(pool_config("server", "student"), facts)
+    with pytest.raises(ValueError, match='set the teacher mode to "server"'):
+        TeacherPool.check_facts(pool_config("colocated", "auto"), facts)
+    TeacherPool.check_facts(pool_config("server", "auto"), facts)
+    assert list(cross_teachers(pool_config("server", "auto"), facts)) == ["arith"]
+    # a teacher of the student's vocabulary declared with its own tokenizer: the plain path
+    same = TeacherPoolConfig(mode="colocated", teachers=[TeacherSpec(
+        name="a", model="examples/teacher-arith", tokenizer="auto")])
+    assert cross_teachers(same, facts) == {}
+
+
+def float64_teacher_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """[len(response), V] float64 log-probs of the teacher's distributions at its tokens."""
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([prompt + response])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k):
+    """TeacherPool._score against the embedded engine serving teacher-arith-bpe: the request
+    carries the teacher's token ids, and each student token gets the float64 reference of its
+    span's difference (sampled) or its mapped top-k; the alignment counts are published."""
+    student = load_tokenizer(STUDENT)
+    model, teacher = load_model(BPE_TEACHER, "cpu", torch.float32)
+    enc = student.encode
+    batch = [sample([student.bos_token_id] + enc(p, add_special_tokens=False),
+                    enc(a, add_special_tokens=False) + [student.eos_token_id],
+                    rollout=[-0.5, -0.25, -0.125][:len(a) + 1], teacher="arith")
+             for p, a in [("9+9=", "18"), ("3+4=", "7"), ("9+8=", "17")]]
+    facts = RunFacts(model=STUDENT)
+    async with serve(ipc, model=BPE_TEACHER) as (worker, client):
+        cfg = pool_config("server", "auto", top_k, url=worker.bound.http)
+        pool = TeacherPool(context("teachers", ipc, facts=facts), cfg)
+        pool.clients = {"arith": client}
+        pool.cross = cross_teachers(cfg, facts)
+        pool.stats = collections.defaultdict(collections.Counter)
+        try:
+            await pool._score("arith", batch)
+        finally:
+            pool.factory.close()
+    st = pool.stats["arith"]
+    assert st["failed_samples"] == 0 and all(s.teacher == "arith" for s in batch)
+    cv = pool.cross["arith"]
+    spans = 0
+    for s in batch:
+        r = cv.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
+        ref = float64_teacher_logprobs(model, r.prompt_ids, r.response_ids)
+        t_lp = ref.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0].tolist()
+        d = span_differences(s.rollout_logprobs, t_lp, r.alignment)
+        want = [d[j] for j in r.alignment.student_span]
+        got = [a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs)]
+        assert got == pytest.approx(want, abs=1e-5)
+        spans += r.alignment.num_spans
+        if top_k:
+            one = r.alignment.teacher_of()
+            for j, t in enumerate(one):
+                if t < 0:  # the student's own token alone
+                    assert set(s.teacher_topk_ids[j].tolist()) == {s.response_ids[j]}
+                    continue
+                top = ref[t].topk(top_k)
+                mapped = [(cv.id_map[i], v) for i, v in zip(top.indices.tolist(),
+                                                            top.values.tolist())
+                          if cv.id_map[i] >= 0]
+                n = len(mapped)
+                assert s.teacher_topk_ids[j, :n].tolist() == [i for i, _ in mapped]
+                assert s.teacher_topk_logprobs[j, :n].tolist() == pytest.approx(
+                    [v for _, v in mapped], abs=1e-5)
+    assert st["spans"] == spans and st["cross_samples"] == 3
+    assert st["aligned_chars"] == st["chars"] == 3 + 2 + 3  # "18<eos>", "7<eos>", "17<eos>"
+    assert st["tokens"] == sum(len(s.response_ids) for s in batch)
+
+
+# --- one short run through the launcher -----------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_a_cross_vocabulary_run_through_the_launcher(tmp_path):
+    """examples/mopd-cross-vocab.toml for two steps: the teacher of its own vocabulary is
+    served, every math sample scored, its alignment published, the trainer distils on it."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cluster", "examples/mopd-cross-vocab.toml", "--run-dir",
+         str(run_dir), "--set", "rl.num_steps=2", "--set", "rl.eval_every=0", "--set",
+         "rl.save_every=0", "--set", "rl.groups_per_batch=8", "--set", "rl.workers=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pool = [r["values"] for r in records if r["actor"] == "teachers"]
+    last = pool[-1]
+    assert last["opd/arith/tokens_scored"] > 0 and last["opd/arith/failed_samples"] == 0
+    assert 0.9 <= last["opd/arith/aligned_char_frac"] <= 1.0
+    assert last["opd/arith/aligned_spans_per_sample"] >= 1.0
+    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    assert [v["version"] for v in steps] == [1, 2]
+    assert all(v["opd/arith/tokens"] > 0 for v in steps)
