@@ -14,7 +14,14 @@ import torch
 
 from models.load import load_model
 from scripts.train_base import accuracy, greedy
-from scripts.train_teachers import BASE_DIR, TEACHERS, demo_envs, sample
+from scripts.train_teachers import (
+    BASE_DIR,
+    BPE_MERGES,
+    CROSS_VOCAB_TEACHERS,
+    TEACHERS,
+    demo_envs,
+    sample,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_TASKS = 50
@@ -46,7 +53,22 @@ def test_teacher_shares_student_vocab_and_config(spec, base):
     assert model.get_input_embeddings().weight.shape[0] == len(base_tok.get_vocab())
 
 
-@pytest.mark.parametrize("spec", TEACHERS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", CROSS_VOCAB_TEACHERS, ids=lambda s: s.name)
+def test_cross_vocab_teacher_has_its_own_vocabulary(spec, base):
+    """The same characters at other ids, the merges as single tokens, the same special roles."""
+    _, base_tok = base
+    model, tok = load_model(_dir(spec.name))
+    vocab, base_vocab = tok.get_vocab(), base_tok.get_vocab()
+    assert vocab != base_vocab and set(base_vocab) < set(vocab)
+    assert sum(vocab[t] != base_vocab[t] for t in base_vocab) > len(base_vocab) // 2
+    assert tok.encode("9+9=18", add_special_tokens=False) == [
+        vocab[t] for t in ("9", "+", "9", "=", "18")]
+    assert {a + b for a, b in BPE_MERGES} <= set(vocab)
+    assert (tok.bos_token_id, tok.eos_token_id) == (vocab["<bos>"], vocab["<eos>"])
+    assert model.get_input_embeddings().weight.shape[0] == len(vocab)
+
+
+@pytest.mark.parametrize("spec", TEACHERS + CROSS_VOCAB_TEACHERS, ids=lambda s: s.name)
 def test_teacher_beats_base_on_its_domain(spec, base):
     env = demo_envs()[spec.domain]
     base_model, base_tok = base
