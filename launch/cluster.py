@@ -62,7 +62,7 @@ from launch.config import (
 from launch.console import Story
 from launch.dryrun import print_plan
 from launch.files import write_json
-from launch.resume import already_complete, resume_overrides
+from launch.resume import already_complete, check_same_run, describe, resume_overrides
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
 from transport.metrics import MetricsSubscriber
@@ -269,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     parser.add_argument("--run-dir", help="use this run directory instead of <dir>/<name>-<time>")
     parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its latest checkpoint (with the "
-                             "--set overrides recorded there)")
+                        help="continue the run in RUN_DIR from its latest checkpoint, with the "
+                             "--set overrides recorded there; the config must be the run's, "
+                             "except num_steps (--set rl.num_steps=N), the layout (parallel, "
+                             "devices, hosts, weight sync, micro-batches, staleness) and [run]'s "
+                             "supervision fields (launch/resume.py)")
+    parser.add_argument("--allow-changes", action="store_true",
+                        help="with --resume: continue the run even though its config changed "
+                             "beyond those (each change is said and recorded)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE",
                         help="override one hosts.toml value before the checks (repeatable): "
@@ -287,20 +293,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             given = args.overrides
             args.overrides = resume_overrides(Path(args.resume), given)
-            if args.overrides and not given:
+            if args.overrides != given:
                 say(f"resume: applying the run's recorded "
-                    f"{' '.join(f'--set {o}' for o in args.overrides)}")
+                    f"{' '.join(f'--set {o}' for o in args.overrides if o not in given)}")
         notes: list[str] = []
         cfg = load(args.hosts, tables, parse_overrides(args.overrides), notes)
         order = start_order(cfg, args.hosts)
         sinks.check(cfg.run, args.hosts)
+        changes = check_same_run(Path(args.resume), msgspec.to_builtins(cfg),
+                                 args.allow_changes) if args.resume else []
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if changes:
+        say(f"resume: continuing with changes (recorded -> given): {describe(changes)}")
     done = already_complete(Path(args.resume), cfg) if args.resume else None
     if done:
         print(f"run {args.resume} is already complete ({done}); nothing to resume. Raise "
-              f"num_steps in the file to train further, or start a new run (without --resume).")
+              f"num_steps to train further (--set rl.num_steps=N, or in the file), or start a "
+              f"new run (without --resume).")
         return 0
     for note in notes:
         say(f"note: {note}")

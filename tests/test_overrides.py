@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.resume import resume_overrides
 from launch.config import ConfigError, load, parse_overrides
+from launch.resume import check_same_run, resume_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = ROOT / "examples" / "local.toml"
@@ -95,22 +95,49 @@ def test_override_errors_name_the_set_and_the_path():
     assert "--set actors.extra.config.x=1" in message
 
 
-def test_resume_reuses_the_recorded_overrides_and_refuses_others(tmp_path):
+def test_resume_reuses_the_recorded_overrides_with_the_given_ones_over_them(tmp_path):
     recorded = ["actors.trainer.config.optimizer.lr=3e-5", "run.name=x"]
     (tmp_path / "config.json").write_text(json.dumps({"overrides": recorded}))
     assert resume_overrides(tmp_path, []) == recorded
-    assert resume_overrides(tmp_path, ["run.name=x", "actors.trainer.config.optimizer.lr=0.00003"]
-                            ) == ["run.name=x", "actors.trainer.config.optimizer.lr=0.00003"]
+    assert resume_overrides(tmp_path, ["rl.num_steps=400", "run.name=y"]) == \
+        ["actors.trainer.config.optimizer.lr=3e-5", "run.name=y", "rl.num_steps=400"]
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="its config.json is not a JSON object"):
+        resume_overrides(tmp_path, [])
+
+
+def test_a_config_that_is_not_the_runs_is_refused_with_what_changed(tmp_path):
+    run = {"source": "/a/hosts.toml", "start_order": ["t"], "overrides": [],
+           "run": {"name": "r", "progress_interval_s": 5.0},
+           "security": {"keys_dir": "/run/keys"},
+           "rl": {"num_steps": 10, "lr": 1e-5, "envs": [{"cls": "a:B"}]},
+           "actors": {"t": {"host": "a", "config": {"num_steps": 10, "optimizer": {"lr": 1e-5},
+                                                    "parallel": {"dp": 1}}}}}
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    same = {k: v for k, v in run.items() if k not in ("source", "start_order", "overrides")}
+    assert check_same_run(tmp_path, same) == []
+    # how far, where and how it runs may change; each change is returned to be said
+    longer = json.loads(json.dumps(same))
+    longer["rl"]["num_steps"] = longer["actors"]["t"]["config"]["num_steps"] = 20
+    longer["actors"]["t"]["config"]["parallel"] = {"dp": 2, "shard": "fsdp2"}
+    longer["run"]["progress_interval_s"], longer["security"]["keys_dir"] = 1.0, ""
+    longer["actors"]["t"]["host"] = "b"
+    assert [c[0] for c in check_same_run(tmp_path, longer)] == [
+        "actors.t.config.num_steps", "actors.t.config.parallel.dp",
+        "actors.t.config.parallel.shard", "actors.t.host", "rl.num_steps",
+        "run.progress_interval_s"]  # the launcher's new keys are no change
+    # what it trains may not, unless allowed
+    other = json.loads(json.dumps(longer))
+    other["rl"]["lr"] = other["actors"]["t"]["config"]["optimizer"]["lr"] = 3e-5
+    other["rl"]["envs"] = [{"cls": "a:C"}]
+    other["actors"]["u"] = {"config": {}}
     with pytest.raises(ConfigError) as info:
-        resume_overrides(tmp_path, ["actors.trainer.config.optimizer.lr=1e-4"])
-    message = str(info.value)
-    assert "the run was started with --set actors.trainer.config.optimizer.lr=3e-5 --set " \
-           "run.name=x" in message
-    assert "gives --set actors.trainer.config.optimizer.lr=1e-4" in message
-    assert "start a new run" in message
-    (tmp_path / "config.json").write_text(json.dumps({}))  # a run from before --set existed
-    with pytest.raises(ConfigError, match="started with no --set"):
-        resume_overrides(tmp_path, ["run.name=x"])
+        check_same_run(tmp_path, other)
+    assert ("this config is not the run's (actors.t.config.optimizer.lr: 1e-05 -> 3e-05; "
+            "actors.u: (absent) -> {\"config\": {}}; rl.envs: [{\"cls\": \"a:B\"}] -> "
+            "[{\"cls\": \"a:C\"}]; rl.lr: 1e-05 -> 3e-05; recorded -> given)") in str(info.value)
+    assert "--allow-changes" in str(info.value)
+    assert len(check_same_run(tmp_path, other, allow_changes=True)) == 10
 
 
 def test_help_documents_set_and_the_pass_through_flags():
@@ -216,10 +243,10 @@ def test_python_path_and_model_paths_resolve_against_the_config_folder(tmp_path)
     assert cfg.actors["probe"].config["model"] == str((project / "ckpt").resolve())
     assert cfg.actors["trainer"].config["model"] == "tiny-qwen2"  # a built-in name: untouched
     assert cfg.facts["rollout"].model == "tiny-qwen2"  # the trainer's, which the rollout reads
-    # a relative path that is no checkpoint beside the file is left as written
+    # a path relative to the working directory is made absolute too
     text = hosts.read_text().replace('model = "ckpt"', 'model = "examples/base-tiny"')
     hosts.write_text(text)
-    assert load(hosts).actors["probe"].config["model"] == "examples/base-tiny"
+    assert load(hosts).actors["probe"].config["model"] == str(ROOT / "examples" / "base-tiny")
     hosts.write_text(text.replace('python_path = ["lib"]', 'python_path = ["nowhere"]'))
     with pytest.raises(ConfigError) as info:
         load(hosts)
@@ -248,9 +275,32 @@ def test_actors_get_python_path_and_absolute_model_paths(tmp_path):
     assert resolved["overrides"] == ["run.name=probe-run"] and resolved["run"]["name"] == \
         "probe-run"
     assert resolved["run"]["python_path"] == [lib]
-    # a resume with a different --set is refused before anything starts
-    result = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--resume",
-                             str(run_dir), "--set", "run.name=other"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    # a resume that changes a setting of the run, by --set or in the file, is refused before
+    # anything starts, naming what changed
+    def resume(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), "--resume",
+                               str(run_dir), *extra], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    result = resume("--set", "actors.probe.config.out=elsewhere")
     assert result.returncode == 2
-    assert "the run was started with --set run.name=probe-run" in result.stderr
+    assert "this config is not the run's (actors.probe.config.out: " in result.stderr
+    assert '-> "elsewhere"; recorded -> given)' in result.stderr
+    text = hosts.read_text()
+    hosts.write_text(text.replace("shutdown_timeout_s = 2.0", "shutdown_timeout_s = 3.0")
+                     .replace("probe.json", "probe2.json"))
+    result = resume()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "this config is not the run's (actors.probe.config.out: " in result.stderr
+    assert "probe2.json\"; recorded -> given)" in result.stderr  # only the one change: [run]'s
+    assert "shutdown_timeout_s" not in result.stderr  # supervision fields may change
+    result = resume("--allow-changes", "--dry-run")  # knowingly: said, then planned
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resume: continuing with changes (recorded -> given): actors.probe.config.out" in \
+        result.stdout
+    # the file as it was: the resume goes on (the run is complete, so nothing is left)
+    hosts.write_text(text)
+    result = resume("--set", "run.progress_interval_s=1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resume: applying the run's recorded --set run.name=probe-run" in result.stdout
+    assert "already complete" in result.stdout
