@@ -710,13 +710,24 @@ def test_hosts_from_slurm_with_a_fake_scontrol(tmp_path, monkeypatch, capsys):
     cfg = load(path)
     assert cfg.hosts[1].exec == ["srun", "-N1", "-w", "gpu08"]
     assert cfg.hosts[1].python == "/opt/env/bin/python" and cfg.hosts[1].gpus == 8
-    # the plan shows the placement per host and how each is reached
-    assert main([str(path), "--dry-run"]) == 0
+    # the plan shows the placement per host and how each is reached; its engine check runs
+    # one command through each remote host's srun prefix, and srun is not here: said, exit 1
+    with pytest.raises(SystemExit) as ended:
+        main([str(path), "--dry-run"])
+    assert ended.value.code == 1
     out = capsys.readouterr().out
-    assert "placement per host" in out
-    assert re.search(r"cpu1 .* scaler .* srun -N1 -w cpu1 sh -c", out), out
-    assert re.search(r"gpu07 .* consumer, producer .* the launcher", out), out
+    plan = out[out.index("plan for"):]
+    assert max(map(len, plan.splitlines())) <= 80, plan
+    assert re.search(r"\n  cpu1 \(cpu1, gpus 8\): started through\n    \$ srun -N1 -w cpu1 sh -c "
+                     r"'cd \"\$0\" && exec \"\$1\" -m launch.agent' [^\n]*\\\n[^\n]+\n    runs "
+                     r"scaler\n", plan), plan
+    assert re.search(r"\n  gpu07 \(gpu07, gpus 8\): the launcher \(this machine\)\n    runs "
+                     r"consumer, producer\n", plan), plan
     assert "CURVE on, keys made for the run" in out
+    assert "host cpu1: cannot check it (srun is not on PATH here)" in out, out
+    assert "host gpu08" not in out  # no actor there: nothing to check
+    assert re.search(r"host gpu07: its address gpu07 \(port 0\) does not bind here: gpu07 "
+                     r"does not\s+resolve on this machine", out), out
     monkeypatch.delenv("SLURM_JOB_NODELIST")
     with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST is not set"):
         load(path)
