@@ -8,7 +8,8 @@ follows the live stream; actors of config.json that never reported are listed un
 One line per actor, with the metrics that matter for its role (trainer: loss, reward per domain,
 step time; rollout: reward per domain, eval, tokens/s; workers: device memory; buffer: pending
 and emitted samples; ...), as many as fit the terminal's width (80 columns is enough for the
-main ones; narrower, the lower-priority metrics, then the `lost` and `step` columns, go). An
+main ones; narrower, the lower-priority metrics, then the `lost` and `step` columns, go); written
+to a file or a pipe, the board is 80 columns wide, and the messages on stderr are wrapped at 80. An
 actor silent for longer than a few times its usual publishing interval (estimated from its
 records; `--stale-s` sets one threshold for all) is shown as `stale` with how long ago it last
 reported. `lost` counts records the publisher dropped plus those missing from the stream.
@@ -38,6 +39,7 @@ import re
 import signal
 import statistics
 import sys
+import textwrap
 import time
 from collections import deque
 from collections.abc import Callable
@@ -70,6 +72,7 @@ CLS_ROLES = {"actors.trainer": "trainer", "actors.rollout": "rollout", "actors.b
 LABEL_MAX = 14  # longest metric label (a long domain or teacher name is shortened)
 ACTOR_MAX = 18  # widest actor column
 ACTOR_MIN = 6
+WIDTH = 80  # columns of the text written to a file or a pipe, and of the messages on stderr
 METRICS_MIN = 24  # below this, the lost and step columns go and the actor column shrinks
 
 
@@ -720,7 +723,11 @@ class Link:
 
 
 def _say(text: str) -> None:
-    print(f"rlx watch: {text}", file=sys.stderr, flush=True)
+    """A message on stderr in lines of at most WIDTH columns (a word longer than that, a long
+    path, stays whole so that it can be copied)."""
+    print(textwrap.fill(f"rlx watch: {text}", WIDTH, subsequent_indent="  ",
+                        break_long_words=False, break_on_hyphens=False),
+          file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -768,7 +775,7 @@ async def watch(endpoint: str, jsonl: str | None, duration_s: float | None,
     """Follow the metrics at `endpoint` until `duration_s` has passed, `stop` is set or the run
     is over (what ended it is said through `say`). 0, or 1 when nothing answered at `endpoint`
     for `gone_s` while the run directory (if any) records no end."""
-    console = console or Console()
+    console = console or make_console()
     board = Board(clock=clock, stale_s=stale_s, run_dir=run_dir,
                   label="" if run_dir else endpoint)
     if run_dir is not None:
@@ -857,6 +864,13 @@ async def watch(endpoint: str, jsonl: str | None, duration_s: float | None,
     if last_words:
         say(last_words)
     return code
+
+
+def make_console() -> Console:
+    """The terminal's width on a terminal; WIDTH columns when the output is a file or a pipe
+    (rich would take the width of whichever other stream is a terminal)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=WIDTH)
 
 
 def reach_signals() -> None:

@@ -480,6 +480,11 @@ def command(*args: str, pre: str = "") -> list[str]:
                                    f"os.execv(sys.executable, [sys.executable, *{argv!r}])")]
 
 
+def flat(text: str) -> str:
+    """Messages wrapped at 80 columns, as one line each again."""
+    return " ".join(text.split())
+
+
 def test_the_end_of_a_run_is_exit_json_written_after_its_last_start(run_dir):
     make_run(run_dir, f"ipc://{run_dir}/sock/metrics-out", T0)
     assert watch.run_end(run_dir) is None
@@ -510,8 +515,11 @@ def test_the_command_on_a_finished_run_says_how_it_ended_and_exits(run_dir, args
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - t0 < 30
+    # text output, board and messages, in 80 columns (the message wrapped between words)
+    assert all(cell_len(line) <= 80 for line in (done.stdout + done.stderr).splitlines())
+    assert len(done.stderr.splitlines()) > 1
     assert (f"the run in {run_dir} has ended: exit code 0, trainer completed; nothing more "
-            f"will come") in done.stderr
+            f"will come") in flat(done.stderr)
     if not args:  # its last known state, from metrics.jsonl
         lines = done.stdout.rstrip("\n").split("\n")
         assert "run ended (exit 0)" in lines[0]
@@ -533,11 +541,13 @@ def test_a_run_whose_launcher_is_gone_without_an_end_is_said_so(run_dir):
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1, done.stderr
     assert time.monotonic() - t0 < 30
-    assert f"no answer at ipc://{stale} yet (is the launcher running?)" in done.stderr
+    assert all(len(line) <= 80 for line in done.stderr.splitlines()), done.stderr
+    said = flat(done.stderr)
+    assert f"no answer at ipc://{stale} yet (is the launcher running?)" in said
     assert (f"nothing answers at ipc://{stale} for 1s, and {run_dir} records no end of the run "
-            f"(no exit.json since it started): its launcher is not running") in done.stderr
+            f"(no exit.json since it started): its launcher is not running") in said
     assert (f"continue the run with python -m launch.cluster /somewhere/hosts.toml --resume "
-            f"{run_dir}") in done.stderr
+            f"{run_dir}") in said
     # an address alone: nothing to read the run from, the same wait
     said: list[str] = []
     assert asyncio.run(watch.watch(f"ipc://{stale}", None, None, False, gone_s=0.5,
