@@ -38,6 +38,10 @@ Invariants:
   agent are gone before it starts that actor again, so the new one can bind the same ports.
 - The agent imports the standard library, msgspec and psutil only, so `--check` reports a host
   whose environment lacks the heavy packages instead of failing to import.
+
+`python -m launch.agent --needs JSON` (what `--dry-run` runs through a host's exec prefix,
+launch/dryrun.py) prints, as one JSON line, which of the given modules do not import there (in
+the given interpreters), which programs are not on PATH, and whether the host's address binds.
 """
 
 from __future__ import annotations
