@@ -1,10 +1,17 @@
 """`python -m launch.cluster HOSTS.toml`: run a cluster of actors and supervise it.
 
-Exit codes: 0 when a primary actor completed; 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, after
-an orderly stop of everything (the run is unfinished: the launcher prints the `--resume` command
-that continues it); 1 when an actor failed past its restart budget or never became READY (its
-error is printed); 2 for a bad hosts.toml or command line (nothing was started). exit.json holds
-the same code and the reason.
+Exit codes (exit.json holds the same code, the reason and, with `failures`, what failed):
+- 0: a primary actor completed and no episode failed in its environment (or some did and
+  `[run] tolerate_failures = true`: the summary of what failed is printed all the same);
+- 1: an actor failed past its restart budget or never became READY (its error is printed), or
+  the run completed but episodes failed in their environment (an env's reward() or episode()
+  raised or timed out, in training batches or evaluations): a summary line says how many, by
+  domain, and the first error with its environment and task (launch/endings.py); episodes
+  whose generation failed on the workers are said and do not count;
+- 2: a bad hosts.toml or command line, or a metrics sink that cannot be opened (nothing was
+  started);
+- 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, after an orderly stop of everything (the run is
+  unfinished: the launcher prints the `--resume` command that continues it).
 
 Overrides: `--set PATH=VALUE` (repeatable) sets one value of the hosts.toml document before it
 is checked: PATH is dotted (`actors.trainer.config.optimizer.lr`), VALUE is read as a TOML value
@@ -24,13 +31,19 @@ The run directory holds config.json (the resolved config, pass-through tables me
 `--set` overrides under "overrides"),
 endpoints.json (where the supervisor and metrics stream are), metrics.jsonl (every metrics
 record the launcher received; `[run] sinks` adds tensorboard/ and wandb/, launch/sinks.py),
+samples/rollout.jsonl and samples/eval.jsonl (episodes as text: a few of every rollout batch,
+every evaluation response),
 logs/<actor>.log, specs/<actor>.json and, at the end, exit.json (exit code and shutdown step of
 every actor) and plots/*.png (`[run] plots`, launch/plot.py; a failure there is only said).
 
 Several hosts (`[[hosts]] exec`, or `hosts = "slurm"`; docs/multihost.md): the launcher starts one
 agent per remote host (launch/agent.py), checks that host's code and environment against its own
 before starting any actor, and runs every socket on tcp:// with CURVE (keys made for the run in
-<run_dir>/keys, handed to each agent over its stdin, removed at the end). Logs are then
+<run_dir>/keys, handed to each agent over its stdin, removed at the end of the run whatever
+ends it).
+
+Console lines fit 80 columns (launch/console.py `fit`), except a path or a command, which is
+never broken. Logs are then
 logs/<host>/<actor>.log (and logs/<host>/agent.log); endpoints.json and exit.json list every host.
 """
 
@@ -59,8 +72,9 @@ from launch.config import (
     parse_overrides,
     start_order,
 )
-from launch.console import Story
+from launch.console import Story, fit, wrap
 from launch.dryrun import print_plan
+from launch.endings import Failures
 from launch.files import write_json
 from launch.resume import already_complete, check_same_run, describe, resume_overrides
 from launch.supervisor import RunFailed, Supervisor
@@ -116,8 +130,8 @@ def write_endpoints(run_dir: Path, doc: dict) -> None:
     try:
         write_json(run_dir / "endpoints.json", doc)
     except OSError as e:
-        say(f"cannot write {run_dir / 'endpoints.json'} ({e}); the run goes on, python -m "
-            f"launch.watch {run_dir} cannot find it: give it the metrics address instead")
+        say(wrap(f"cannot write {run_dir / 'endpoints.json'} ({e}); the run goes on, python -m "
+                 f"launch.watch {run_dir} cannot find it: give it the metrics address instead"))
 
 
 def write_exit(room: files.Reserved, done: dict) -> None:
@@ -131,30 +145,49 @@ def write_exit(room: files.Reserved, done: dict) -> None:
               f"{done['exit_code']} ({done['reason']})", file=sys.stderr)
 
 
-async def show_progress(endpoint: str, sup: Supervisor, interval_s: float,
-                        record: sinks.Sinks) -> None:
-    """Hand every metrics record to the run's sinks (metrics.jsonl, TensorBoard, W&B:
-    launch/sinks.py) and tell the story on the console (launch/console.py)."""
+async def show_progress(endpoint: str, sup: Supervisor, record: sinks.Sinks, story: Story,
+                        failures: Failures) -> None:
+    """Hand every metrics record to the run's sinks (metrics.jsonl, samples/*.jsonl,
+    TensorBoard, W&B: launch/sinks.py), tell the story on the console (launch/console.py) and
+    count what failed (launch/endings.py). A message that does not decode as a record (or is
+    over the limits) is dropped and said once; a record the console cannot tell is said and
+    the stream goes on."""
     sub = MetricsSubscriber(sup.factory, endpoint)
-    story = Story(say, interval_s)
+    refused_said = broken_said = False
     try:
         async for m in sub:
             record.write(m)
-            story.on_record(m)
+            try:
+                story.on_record(m)
+                failures.on_record(m)
+            except Exception as e:
+                if not broken_said:
+                    broken_said = True
+                    say(wrap(f"console: a record of {m.actor!r} could not be told "
+                             f"({type(e).__name__}: {e}); it is in the sinks, later ones "
+                             f"that fail are not said"))
+            if sub.refused and not refused_said:
+                refused_said = True
+                say(wrap(f"metrics: {sub.refused} message(s) on the metrics stream were not "
+                         f"records (malformed, or over [limits]) and were dropped; later ones "
+                         f"are counted, not said"))
     finally:
         sub.close()
 
 
 def completion_line(run_dir: Path, completed: str, started: float) -> str:
-    """What a finished run says last: who completed, the time, the final evaluation."""
-    text = f"run complete: {completed} finished in {format_duration(time.monotonic() - started)}"
+    """What a finished run says last: who completed, the time, the final evaluation, where the
+    results are (lines of 80 columns)."""
+    parts = [f"run complete: {completed} finished in",
+             f"{format_duration(time.monotonic() - started)};"]
     try:
         final = json.loads((run_dir / "final_eval.json").read_text())
-        scores = ", ".join(f"{d} {v:.3g}" for d, v in sorted(final["scores"].items()))
-        text += f"; final eval at step {final['step']}: {scores}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        scores = [f"{d} {v:.3g}" for d, v in sorted(final["scores"].items())]
+        parts += ["final", "eval", "at", "step", f"{final['step']}:",
+                  *[f"{s}," for s in scores[:-1]], f"{scores[-1]};"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
         pass  # not an RL run, or no final evaluation
-    return f"{text}; results in {run_dir}"
+    return fit([*parts, "results in", str(run_dir)])
 
 
 def format_duration(seconds: float) -> str:
@@ -165,26 +198,38 @@ def format_duration(seconds: float) -> str:
 def write_plots(cfg: ClusterConfig, run_dir: Path) -> None:
     """The end-of-run plots (launch/plot.py); any failure is said, never raised."""
     if "jsonl" not in cfg.run.sinks:
-        say("plots: none, they are drawn from metrics.jsonl and the jsonl sink is off")
+        say(wrap("plots: none, they are drawn from metrics.jsonl and the jsonl sink is off"))
         return
     try:
         result = plot.plot_run(run_dir)
     except (Exception, KeyboardInterrupt) as e:
-        say(f"plots failed ({type(e).__name__}: {e}); the run's result is unchanged; retry with "
-            f"python -m launch.plot {run_dir}")
+        say(wrap(f"plots failed ({type(e).__name__}: {e}); the run's result is unchanged; "
+                 f"retry with python -m launch.plot {run_dir}"))
         return
     if not result.written:  # not an RL run (the demo cluster, tests): one line is enough
-        say("plots: none, no series they draw is in metrics.jsonl (python -m launch.plot "
-            "--help lists them)")
+        say(wrap("plots: none, no series they draw is in metrics.jsonl (python -m launch.plot "
+                 "--help lists them)"))
         return
     for note in result.notes:
-        say(f"plots: {note}")
-    say(f"plots: {', '.join(sorted(result.written))} in {run_dir / 'plots'}")
+        say(wrap(f"plots: {note}"))
+    say(fit(["plots:", *[f"{n}," for n in sorted(result.written)][:-1],
+             sorted(result.written)[-1], "in", str(run_dir / "plots")]))
 
 
 async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
                       resume: bool = False, resolved: dict | None = None,
                       keys: Path | None = None) -> int:
+    """Run the cluster to its end and return the exit code (module docstring); the run's own
+    CURVE keys (`keys`, prepare_keys) are removed however it ends."""
+    try:
+        return await _run_cluster(cfg, order, run_dir, resume, resolved)
+    finally:
+        if keys is not None:
+            shutil.rmtree(keys, ignore_errors=True)
+
+
+async def _run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path, resume: bool,
+                       resolved: dict | None) -> int:
     try:
         record = sinks.open_sinks(cfg.run, run_dir, resolved or msgspec.to_builtins(cfg), say)
     except sinks.SinkError as e:
@@ -206,9 +251,12 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup,
-                                                   cfg.run.progress_interval_s, record))
-    say(f"run directory {run_dir}; metrics at {endpoints['metrics']}")
+    story = Story(say, cfg.run.progress_interval_s, cfg.run.show_samples_every)
+    failures = Failures()
+    progress = asyncio.ensure_future(show_progress(endpoints["metrics"], sup, record, story,
+                                                   failures))
+    say(fit(["run directory", str(run_dir)]))
+    say(fit(["metrics at", endpoints["metrics"]]))
     code, started, reason = 1, time.monotonic(), "the launcher failed (its traceback says why)"
     try:
         starter = asyncio.ensure_future(sup.start_all())
@@ -237,22 +285,38 @@ async def run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path,
         progress.cancel()
         await asyncio.gather(progress, return_exceptions=True)
         summary = sup.summary()
-        done = {"exit_code": code, "reason": reason,
-                "completed": sup.completed if code == 0 else None, "actors": summary}
+        totals = failures.totals()
+        env_failed = totals["env_failed"]
+        completed = sup.completed if code == 0 else None
+        if code == 0 and env_failed and not cfg.run.tolerate_failures:
+            code, reason = 1, (f"{sup.completed or 'the run'} completed, but {env_failed} "
+                               f"episode(s) failed in their environment "
+                               f"([run] tolerate_failures = false)")
+        done = {"exit_code": code, "reason": reason, "completed": completed,
+                "actors": summary}
+        if totals["episodes_failed"]:
+            done["failures"] = {**totals, "tolerated": cfg.run.tolerate_failures}
         if sup.distributed:
             done["hosts"] = sup.hosts_summary()
         write_exit(exit_room, done)
         sup.close()
         if temporary:
             shutil.rmtree(sock_dir, ignore_errors=True)
-        if keys is not None:  # the run's own CURVE keys (prepare_keys) go with it
-            shutil.rmtree(keys, ignore_errors=True)
         record.close(code)  # after exit.json: an online W&B run may take a while to finish
-    steps = ", ".join(f"{n}: {s['shutdown_step']}" for n, s in summary.items())
-    say(f"stopped ({steps}); exit code {code}")
+    steps = [f"{n}: {s['shutdown_step']}," for n, s in summary.items()]
+    if steps:
+        steps[0], steps[-1] = f"({steps[0]}", f"{steps[-1][:-1]});"
+    say(fit(["stopped", *steps, "exit", "code", str(code)]))
     if cfg.run.plots:
         write_plots(cfg, run_dir)
-    if code == 0 and sup.completed:
+    lines = failures.summary()
+    if lines:
+        say(wrap(lines))
+    if completed and env_failed and code == 1:
+        say(wrap(f"run ended with exit code 1: {completed} completed every step, but "
+                 f"{env_failed} episode(s) failed in their environment (samples/*.jsonl has "
+                 f"them); set [run] tolerate_failures = true to accept such a run"))
+    elif code == 0 and sup.completed:
         say(completion_line(run_dir, sup.completed, started))
     elif received and code > 128:
         source = (resolved or {}).get("source", "<hosts.toml>")

@@ -15,7 +15,16 @@ Written into <run_dir>/plots/ (or `--out DIR`), x = the record's step unless sai
   `time/weight_sync_s`, with the whole `time/step_s` as a line (the gap is checkpointing).
 - memory.png: device memory of every process publishing `memory/...bytes` (workers'
   `memory/device_bytes`, the trainer's `memory/<phase>/trainer_device_bytes`), in MiB, by
-  seconds since the run's first record.
+  seconds since the run's first record; drawn only where the metrics show a GPU or an NVMe
+  tier (a `...nvml_bytes` key, published on CUDA, or the prefetcher's `prefetch/bytes` above
+  0): on CPU alone the "device" is host memory, and the figure says nothing new.
+- opd.png (distillation runs): the reverse KL to each teacher by trainer step
+  (`opd/<teacher>/reverse_kl`, the whole step's `opd/reverse_kl`; the teacher pool's
+  `opd/<teacher>/sampled_reverse_kl`); teacher swaps, the trainer's running counts of teacher
+  loads onto the device (`opd/teacher_gpu_loads`), of those read from NVMe by GPUDirect
+  (`opd/teacher_gds_loads`) and of prefetcher misses read synchronously instead
+  (`opd/teacher_sync_fallbacks`); the prefetcher's NVMe reads (`prefetch/bytes`, MiB, by its
+  record number: what it prefetched ahead of the switches).
 
 A key is found whichever actor publishes it; a series published by several actors is labelled
 `<actor>: <key>`. When an actor sent several records for one step (a restarted trainer redoing
@@ -192,8 +201,17 @@ def step_time_panels(records: list[dict[str, Any]], notes: list[str]) -> list[Pa
     return panels or [Panel("step time", "seconds")]
 
 
+def has_gpu_or_nvme(records: list[dict[str, Any]]) -> bool:
+    """Whether the metrics show a GPU (an NVML reading: `...nvml_bytes`) or an NVMe tier
+    (the prefetcher read bytes from it)."""
+    return any(k.endswith("nvml_bytes") or (k == "prefetch/bytes" and v > 0)
+               for r in records for k, v in r["values"].items())
+
+
 def memory_panels(records: list[dict[str, Any]]) -> list[Panel]:
-    """Bytes in MiB over seconds since the first record of the run."""
+    """Bytes in MiB over seconds since the first record of the run (none on CPU alone)."""
+    if not has_gpu_or_nvme(records):
+        return [Panel("device memory per process", "MiB")]
     t0 = min((r["time_s"] for r in records if "time_s" in r), default=0.0)
     out: dict[str, Series] = {}
     for key in keys_like(records, "memory/", "bytes"):
@@ -207,25 +225,47 @@ def memory_panels(records: list[dict[str, Any]]) -> list[Panel]:
     return [Panel("device memory per process", "MiB", out, steps=True)]
 
 
+TEACHER_LOADS = ["opd/teacher_gpu_loads", "opd/teacher_gds_loads", "opd/teacher_sync_fallbacks"]
+
+
+def opd_panels(records: list[dict[str, Any]]) -> list[Panel]:
+    kl = [k for k in keys_like(records, "opd/", "/reverse_kl") if k.count("/") == 2]
+    reads = {label: Series(s.x, [v / 2**20 for v in s.y])
+             for label, s in lines(records, ["prefetch/bytes"]).items()}
+    pool = Panel("teacher pool (server mode): sampled-token reverse KL", "per token",
+                 lines(records, keys_like(records, "opd/", "/sampled_reverse_kl")), logy=True)
+    # the pool's and the prefetcher's panels only where they ran (no note without them)
+    return [Panel("reverse KL to each teacher", "per token",
+                  lines(records, kl + ["opd/reverse_kl"]), logy=True),
+            *[p for p in (pool,) if p.drawn()],
+            Panel("teacher swaps (running counts)", "loads", lines(records, TEACHER_LOADS)),
+            *[p for p in (Panel("prefetcher: NVMe bytes read (x: its record number)", "MiB",
+                                reads),) if p.drawn()]]
+
+
 FIGURES = [  # file, title, x label, what the missing series are called in a note
     ("reward.png", "reward and eval accuracy", "step", "rollout/reward/*, eval/*"),
     ("kl_mismatch.png", "KL and train-rollout mismatch", "step",
      "train/*_kl, mismatch/*, train/*logprob_abs_diff, train/staleness_*"),
     ("throughput.png", "throughput", "step", "rollout/tokens_per_s, train/tokens + time/step_s"),
     ("step_time.png", "trainer step time", "step", ", ".join(STEP_PARTS)),
-    ("memory.png", "memory", "seconds since the first record", "memory/*bytes"),
+    ("memory.png", "memory", "seconds since the first record",
+     "memory/*bytes with a GPU or NVMe tier (*nvml_bytes, prefetch/bytes)"),
+    ("opd.png", "on-policy distillation", "step",
+     "opd/*/reverse_kl, opd/teacher_*_loads, prefetch/bytes"),
 ]
 
 
 KEYS = {"train/ppo_kl", "train/policy_kl", "train/kl_loss", *MISMATCH, *OUTSIDE,
         "train/staleness_mean", "train/staleness_max", "rollout/tokens_per_s", "train/tokens",
-        *STEP_PARTS, "time/step_s"}
+        *STEP_PARTS, "time/step_s", *TEACHER_LOADS, "prefetch/bytes"}
 
 
 def plotted(key: str) -> bool:
     """Whether some figure draws `key`."""
     return key in KEYS or key.startswith(("rollout/reward/", "eval/", "final_eval/")) or (
-        key.startswith("memory/") and key.endswith("bytes"))
+        key.startswith("memory/") and key.endswith("bytes")) or (
+        key.startswith("opd/") and key.endswith("reverse_kl"))
 
 
 def _pyplot() -> Any:
@@ -305,7 +345,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> PlotResu
     makers = {"reward.png": reward_panels, "kl_mismatch.png": kl_panels,
               "throughput.png": throughput_panels,
               "step_time.png": lambda rs: step_time_panels(rs, result.notes),
-              "memory.png": memory_panels}
+              "memory.png": memory_panels, "opd.png": opd_panels}
     for name, title, xlabel, wanted in FIGURES:
         panels = [_finite(p) for p in makers[name](records)]
         empty = [p.title for p in panels if not p.drawn()]

@@ -12,6 +12,15 @@ Every record that any actor publishes reaches the launcher's metrics subscriber
   uploads it later. The run's config is the resolved config.json; a `--resume`d run logs under
   the same W&B run id (kept in <run_dir>/wandb/rlx-run-id).
 
+Samples: a record's `samples` (the rollout's text of a few episodes of each batch and of
+every evaluation response, transport/schema.py SampleRecord) go to
+<run_dir>/samples/<kind>.jsonl (`rollout.jsonl`, `eval.jsonl`; always, whatever `sinks` says),
+one JSON object per sample with the record's actor, step and time; with the tensorboard sink
+also as a text table per record (`<actor>/samples/<kind>`, add_text), with the wandb sink as a
+W&B table (same key). metrics.jsonl holds the values only. A text is cut again to
+SAMPLE_TEXT_CHARS and a record to MAX_SAMPLES_PER_RECORD samples here (a peer that did not cut
+them is said once), so a huge or malformed sample cannot flood the disk or stop the stream.
+
 TensorBoard and W&B get scalars keyed `<actor>/<metric>` (`trainer/train/loss`,
 `rollout/rollout/reward/math`) at the record's step. Records without a step (the inference
 workers' memory samples, the teacher pool) use the publisher's record number `seq` instead. W&B
@@ -37,11 +46,17 @@ import msgspec
 
 from launch.config import ConfigError, RunConfig, WandbConfig
 from transport.errors import RlxError
-from transport.schema import Metrics
+from transport.metrics import cut
+from transport.schema import SAMPLE_TEXT_CHARS, Metrics, SampleRecord
 
 # sink -> (module it imports, what to pip install); the extras of pyproject.toml say the same
 PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX>=2.6"),
             "wandb": ("wandb", "wandb>=0.19")}
+
+
+SAMPLE_KINDS = ("rollout", "eval")  # samples/<kind>.jsonl; any other kind goes to other.jsonl
+MAX_SAMPLES_PER_RECORD = 20_000  # samples of one record written; the rest is dropped and said
+TEXT_TABLE_CHARS = 300  # a text's characters in a TensorBoard text table / W&B table cell
 
 
 class SinkError(RlxError):
@@ -83,6 +98,32 @@ def step_of(m: Metrics) -> int:
 def scalars(m: Metrics) -> dict[str, float]:
     """The record's values keyed `<actor>/<metric>`."""
     return {f"{m.actor}/{k}": v for k, v in m.values.items()}
+
+
+def sample_kind(s: SampleRecord) -> str:
+    """The file a sample goes to (a kind that is no known one cannot name a path)."""
+    return s.kind if s.kind in SAMPLE_KINDS else "other"
+
+
+def sample_rows(m: Metrics) -> dict[str, list[dict[str, Any]]]:
+    """The record's samples by kind, as rows: the record's actor, step and time, then every
+    field of the sample, each text cut to SAMPLE_TEXT_CHARS."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for s in m.samples[:MAX_SAMPLES_PER_RECORD]:
+        row = {"actor": m.actor, "step": m.step, "time_s": m.time_s}
+        for k, v in msgspec.structs.asdict(s).items():
+            row[k] = cut(v, SAMPLE_TEXT_CHARS) if isinstance(v, str) else v
+        out.setdefault(sample_kind(s), []).append(row)
+    return out
+
+
+TABLE_COLUMNS = ["domain", "prompt", "response", "reward", "weight_version", "status", "error",
+                 "task", "env"]
+
+
+def table_cells(row: dict[str, Any]) -> list[Any]:
+    return [cut(row[c], TEXT_TABLE_CHARS) if isinstance(row[c], str) else row[c]
+            for c in TABLE_COLUMNS]
 
 
 class Sink(Protocol):
@@ -129,6 +170,8 @@ class JsonlSink:
         return str(self.path)
 
     def write(self, m: Metrics) -> None:
+        if m.samples:  # they go to samples/*.jsonl (SampleFiles)
+            m = msgspec.structs.replace(m, samples=[])
         data = msgspec.json.encode(m) + b"\n"
         try:
             if self.torn:
@@ -193,9 +236,58 @@ class TensorBoardSink:
         step = step_of(m)
         for tag, value in scalars(m).items():
             self.writer.add_scalar(tag, value, global_step=step, walltime=m.time_s)
+        for kind, rows in sample_rows(m).items() if m.samples else ():
+            self.writer.add_text(f"{m.actor}/samples/{kind}", markdown_table(rows),
+                                 global_step=step, walltime=m.time_s)
 
     def close(self, exit_code: int = 0) -> None:
         self.writer.close()
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Rows as a Markdown table (TensorBoard's text plugin renders it); `|` and backslashes in
+    a text are escaped and line breaks shown as ⏎, so a cell stays a cell."""
+    def cell(v: Any) -> str:
+        text = v if isinstance(v, str) else f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", " ⏎ ")
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(c) for c in table_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+class SampleFiles:
+    """<run_dir>/samples/<kind>.jsonl: every sample of every record, one JSON object a line,
+    appended (a resumed run goes on after the earlier lines)."""
+
+    name = "samples"
+
+    def __init__(self, folder: Path, say: Callable[[str], None] = lambda text: None):
+        self.folder, self.say = folder, say
+        self.files: dict[str, BinaryIO] = {}
+        self.cut_said = False
+
+    def where(self) -> str:
+        return str(self.folder)
+
+    def write(self, m: Metrics) -> None:
+        if not m.samples:
+            return
+        if len(m.samples) > MAX_SAMPLES_PER_RECORD and not self.cut_said:
+            self.cut_said = True
+            self.say(f"samples: a record of {m.actor} held {len(m.samples)} samples; the first "
+                     f"{MAX_SAMPLES_PER_RECORD} are kept (MAX_SAMPLES_PER_RECORD)")
+        for kind, rows in sample_rows(m).items():
+            f = self.files.get(kind)
+            if f is None:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                f = self.files[kind] = open(self.folder / f"{kind}.jsonl", "ab")
+            f.write(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+            f.flush()
+
+    def close(self, exit_code: int = 0) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}
 
 
 class WandbSink:
@@ -233,7 +325,13 @@ class WandbSink:
             self.actors.add(m.actor)
             self.run.define_metric(f"{m.actor}/step", hidden=True)
             self.run.define_metric(f"{m.actor}/*", step_metric=f"{m.actor}/step")
-        self.run.log({**scalars(m), f"{m.actor}/step": step_of(m)})
+        row: dict[str, Any] = {**scalars(m), f"{m.actor}/step": step_of(m)}
+        if m.samples:
+            wandb = _require("wandb")
+            for kind, rows in sample_rows(m).items():
+                row[f"{m.actor}/samples/{kind}"] = wandb.Table(
+                    columns=TABLE_COLUMNS, data=[table_cells(r) for r in rows])
+        self.run.log(row)
 
     def close(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)  # W&B marks a run that did not exit 0 as failed
@@ -273,7 +371,7 @@ def open_sinks(run: RunConfig, run_dir: Path, config: dict[str, Any],
                say: Callable[[str], None]) -> Sinks:
     """Open every sink of `run.sinks` (SinkError, with those already open closed, when one
     cannot be opened); `config` is the resolved config W&B records with its run."""
-    opened: list[Sink] = []
+    opened: list[Sink] = [SampleFiles(run_dir / "samples", say)]
     try:
         for name in run.sinks:
             if name == "jsonl":
@@ -291,6 +389,6 @@ def open_sinks(run: RunConfig, run_dir: Path, config: dict[str, Any],
         raise SinkError(f"metrics sink {name} could not be opened: {type(e).__name__}: {e}") \
             from e
     for sink in opened:
-        if sink.name != "jsonl":  # metrics.jsonl: the default, where it always was
+        if sink.name not in ("jsonl", "samples"):  # the defaults, where they always were
             say(f"metrics sink {sink.name}: {sink.where()}")
     return Sinks(opened, say)

@@ -29,12 +29,22 @@ TRAIN = {  # key -> value at each trainer step
     "time/weight_sync_s": [0.25, 0.5, 0.75, 1.0],
     "time/step_s": [2.75, 3.25, 4.0, 4.5],
 }
+OPD = {  # a distillation run's trainer values at each step
+    "opd/arith/reverse_kl": [0.5, 0.25, 0.125, 0.0625],
+    "opd/arith/tokens": [10.0, 10.0, 10.0, 10.0],
+    "opd/reverse/reverse_kl": [1.0, 0.5, 0.0, 0.25],
+    "opd/reverse/tokens": [30.0, 30.0, 30.0, 30.0],
+    "opd/reverse_kl": [0.875, 0.4375, 0.03125, 0.203125],
+    "opd/teacher_gpu_loads": [2.0, 3.0, 4.0, 5.0],
+    "opd/teacher_gds_loads": [0.0, 0.0, 1.0, 1.0],
+    "opd/teacher_sync_fallbacks": [0.0, 0.0, 0.0, 1.0],
+}
 REWARD = {"math": [0.5, 0.625, 0.75], "reverse": [0.125, 0.25, 0.125]}  # rollout batches 0..2
 
 
 def records() -> list[dict]:
     """What the launcher writes: trainer, rollout and two workers, interleaved in time."""
-    out, seq = [], {"trainer": 0, "rollout": 0, "worker0": 0, "worker1": 0}
+    out, seq = [], {"trainer": 0, "rollout": 0, "worker0": 0, "worker1": 0, "prefetcher": 0}
 
     def add(actor: str, values: dict, step: int | None, t: float) -> None:
         seq[actor] += 1
@@ -42,7 +52,8 @@ def records() -> list[dict]:
                     "step": step, "total_steps": 4 if actor == "trainer" else None,
                     "dropped": 0})
 
-    add("worker0", {"memory/device_bytes": 1 * 2**20, "memory/released": 0.0}, None, 0.0)
+    add("worker0", {"memory/device_bytes": 1 * 2**20, "memory/released": 0.0,
+                    "memory/nvml_bytes": 5 * 2**20}, None, 0.0)  # NVML: a GPU
     add("worker1", {"memory/device_bytes": 2 * 2**20, "memory/released": 0.0}, None, 0.5)
     for b in range(3):
         add("rollout", {"rollout/tokens_per_s": 100.0 * (b + 1),
@@ -50,7 +61,9 @@ def records() -> list[dict]:
     add("rollout", {"eval/math": 0.5, "eval/reverse": 0.125}, 0, 1.5)
     add("rollout", {"eval/math": 0.75, "eval/reverse": 0.25}, 2, 3.5)
     for i, step in enumerate(STEPS):
-        add("trainer", {k: v[i] for k, v in TRAIN.items()}, step, 2.0 + i)
+        add("trainer", {k: v[i] for k, v in (TRAIN | OPD).items()}, step, 2.0 + i)
+        add("prefetcher", {"prefetch/bytes": 2**20 * (i + 1), "prefetch/gbps": 1.0}, None,
+            2.5 + i)
         add("trainer", {"memory/generate/trainer_device_bytes": 4 * 2**20}, step, 2.25 + i)
     add("worker0", {"memory/device_bytes": 3 * 2**20, "memory/released": 0.0}, None, 6.0)
     add("trainer", {"final_eval/math": 0.875, "final_eval/reverse": 0.375}, 4, 7.0)
@@ -84,7 +97,8 @@ def assert_png(path: Path) -> None:
 def test_every_figure_draws_exactly_the_input_series(tmp_path):
     run_dir = write_run(tmp_path, records())
     result = plot.plot_run(run_dir)
-    names = ["reward.png", "kl_mismatch.png", "throughput.png", "step_time.png", "memory.png"]
+    names = ["reward.png", "kl_mismatch.png", "throughput.png", "step_time.png", "memory.png",
+             "opd.png"]
     assert sorted(result.written) == sorted(names)
     assert result.notes == []
     for name in names:
@@ -121,7 +135,35 @@ def test_every_figure_draws_exactly_the_input_series(tmp_path):
                                                                 [4.0] * 4),
         "worker0: memory/device_bytes": Series([0.0, 6.0], [1.0, 3.0]),
         "worker1: memory/device_bytes": Series([0.5], [2.0]),
+        "worker0: memory/nvml_bytes": Series([0.0], [5.0]),
     }}
+    assert drawn["opd.png"] == {
+        "reverse KL to each teacher": {k: Series(STEPS, OPD[k]) for k in (
+            "opd/arith/reverse_kl", "opd/reverse/reverse_kl", "opd/reverse_kl")},
+        "teacher swaps (running counts)": {k: Series(STEPS, OPD[k]) for k in (
+            "opd/teacher_gpu_loads", "opd/teacher_gds_loads", "opd/teacher_sync_fallbacks")},
+        "prefetcher: NVMe bytes read (x: its record number)": {
+            "prefetch/bytes": Series([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0])}}
+
+
+def test_memory_is_drawn_only_with_a_gpu_or_an_nvme_tier_in_the_metrics(tmp_path):
+    """CPU alone (no NVML reading, no NVMe read): memory.png is skipped with a note; an NVMe
+    tier (the prefetcher read bytes) draws it again; the trainer's distillation KL, without
+    any teacher pool, draws opd.png without the pool's panel."""
+    cpu = [r for r in records() if r["actor"] != "prefetcher"]
+    for r in cpu:
+        r["values"].pop("memory/nvml_bytes", None)
+    result = plot.plot_run(write_run(tmp_path / "cpu", cpu))
+    assert "memory.png" not in result.written
+    assert any(n.startswith("memory.png skipped: none of memory/*bytes with a GPU or NVMe "
+                            "tier") for n in result.notes), result.notes
+    assert list(result.drawn["opd.png"]) == ["reverse KL to each teacher",
+                                             "teacher swaps (running counts)"]
+    nvme = cpu + [{"actor": "prefetcher", "seq": 1, "time_s": T0 + 9, "step": None,
+                   "values": {"prefetch/bytes": 4096.0}}]
+    result = plot.plot_run(write_run(tmp_path / "nvme", nvme))
+    assert "worker0: memory/device_bytes" in result.drawn["memory.png"][
+        "device memory per process"]
 
 
 def test_missing_series_are_skipped_with_a_note_not_an_error(tmp_path, capsys):

@@ -25,7 +25,7 @@ import pytest
 from launch import cluster, sinks
 from launch.config import ConfigError, RunConfig, WandbConfig, load
 from runtime.actor import Actor
-from transport.schema import Metrics
+from transport.schema import Metrics, SampleRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -323,16 +323,33 @@ class RewardConfig(msgspec.Struct, forbid_unknown_fields=True):
     steps: int = 4  # records with a step to publish
 
 
+def rollout_sample(kind: str, i: int, response: str, **kw) -> SampleRecord:
+    return SampleRecord(kind=kind, domain="math", prompt=f"{i}+1=", response=response,
+                        reward=float(response == str(i + 1)), weight_version=i, task=f"t{i}",
+                        env="ArithEnv", **kw)
+
+
 class RewardActor(Actor):
-    """Publishes a known rollout-like series, then completes."""
+    """Publishes a known rollout-like series, with samples as the rollout sends them (batch 1
+    has a failed episode: a verifier that raised), then completes."""
 
     Config = RewardConfig
 
     async def run(self) -> None:
         assert self.metrics is not None and await self.metrics.wait_subscribed(20)
         for i in range(self.config.steps):
-            self.metrics.publish({"rollout/reward/math": i / 4, "eval/math": 0.5 + i / 8},
-                                 step=i)
+            failed = [rollout_sample("rollout", i, "", status="failed", cause="env",
+                                     error="Traceback ...\nZeroDivisionError: verifier bug")]
+            self.metrics.publish(
+                {"rollout/reward/math": i / 4, "rollout/failed": float(i == 1),
+                 "rollout/failed_env": float(i == 1), "rollout/failed/math": float(i == 1)},
+                step=i, samples=[rollout_sample("rollout", i, str(i + 1)),
+                                 *(failed if i == 1 else [])])
+            # the eval's 10 responses: one answer ("7") for 6 of them from step 2 on
+            answers = [str(j + 1) for j in range(10)] if i < 2 else ["7"] * 6 + list("1234")
+            self.metrics.publish({"eval/math": 0.5 + i / 8}, step=i,
+                                 samples=[rollout_sample("eval", j, a) for j, a in
+                                          enumerate(answers)])
         self.metrics.publish({"memory/device_bytes": 3 * 2**20})  # no step
         await asyncio.sleep(0.5)  # the launcher reads the records before it stops us
 
@@ -346,6 +363,8 @@ name = "t"
 heartbeat_interval_s = 0.2
 sinks = ["jsonl", "tensorboard", "wandb"]
 wandb = { project = "rlx-test" }
+show_samples_every = 2
+tolerate_failures = true
 
 [[hosts]]
 name = "local"
@@ -373,8 +392,47 @@ primary = true
             if "rollout/rollout/reward/math" in r} == expected
     config = {u.key: json.loads(u.value_json) for u in wb["run"].config.update}
     assert config["actors"]["rollout"]["cls"] == "tests.test_sinks:RewardActor"
-    # the end-of-run hook: reward and memory plots, the rest skipped with a note
-    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["memory.png", "reward.png"]
+    # the end-of-run hook: the reward plot (no GPU, no NVMe: no memory plot), the rest skipped
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["reward.png"]
     assert (run_dir / "plots" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plots: kl_mismatch.png skipped: none of" in proc.stdout
-    assert "plots: memory.png, reward.png in" in proc.stdout
+    assert "plots: memory.png skipped: none of memory/*bytes with a GPU or NVMe" in proc.stdout
+    assert "plots: reward.png in" in proc.stdout
+    # samples: every batch's in samples/rollout.jsonl, every eval response in eval.jsonl
+    rows = [json.loads(line) for line in
+            (run_dir / "samples" / "rollout.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"], r["response"], r["status"]) for r in rows] == [
+        (0, "0+1=", "1", "ok"), (1, "1+1=", "2", "ok"), (1, "1+1=", "", "failed"),
+        (2, "2+1=", "3", "ok"), (3, "3+1=", "4", "ok")]
+    assert rows[2]["error"].endswith("ZeroDivisionError: verifier bug") and \
+        rows[2]["env"] == "ArithEnv" and rows[2]["task"] == "t1" and \
+        rows[2]["actor"] == "rollout"
+    evals = [json.loads(line) for line in
+             (run_dir / "samples" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals] == [s for s in range(4) for _ in range(10)]
+    assert [r["response"] for r in evals if r["step"] == 3] == ["7"] * 6 + list("1234")
+    assert not any("samples" in r for r in jsonl)  # metrics.jsonl: values only
+    assert [s for s, _, _ in tb["rollout/samples/rollout/text_summary"]] == [0, 1, 2, 3]
+    assert [(r["rollout/step"], r["rollout/samples/eval.nrows"]) for r in wb["rows"]
+            if "rollout/samples/eval.nrows" in r] == [(s, 10) for s in range(4)]  # W&B tables
+    # the console: samples of batches 0 and 2 (show_samples_every = 2), the collapse warning
+    out = proc.stdout
+    assert "rollout: samples of batch 0:\n" in out and "rollout: samples of batch 2:\n" in out
+    assert "rollout: samples of batch 1:" not in out
+    assert "math: '2+1=' -> '3' (reward 1, v2)" in out
+    flat = " ".join(out.split())  # a message's later lines joined to its first
+    assert ("warning: 'math' answers collapsed at weight version 2: 6 of its 10 eval responses "
+            "are '7'") in flat
+    assert out.count("answers collapsed") == 1  # said when it started, not at every eval
+    # what failed: the summary, and exit code 0 all the same (tolerate_failures = true)
+    assert ("failures: 1 episode(s) failed (1 in their environment); 1 in training batches "
+            "(math 1); first: ArithEnv, math task 't1' (rollout): Traceback ... "
+            "ZeroDivisionError: verifier bug") in flat
+    assert "run complete: rollout finished in" in out
+    done = json.loads((run_dir / "exit.json").read_text())
+    assert done["exit_code"] == 0 and done["completed"] == "rollout"
+    assert done["failures"]["env_failed"] == 1 and done["failures"]["tolerated"] is True
+    assert done["failures"]["first"]["task"] == "t1"
+    # every line the console composed fits 80 columns (a path is never broken)
+    told = [ln for ln in out.splitlines() if str(run_dir) not in ln]
+    assert max(len(ln) for ln in told) <= 80, max(told, key=len)
