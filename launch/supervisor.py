@@ -388,8 +388,9 @@ class Supervisor:
                              f"an address {host.name} reaches, or let it reach that port"),
                  "reach": (f"set `address` of [[hosts]] {host.name!r} to an address the "
                            f"launcher's host reaches, or let it reach that port"),
-                 "port": "pick another port there, or 0 (any free port)"}
-        raise AddressError("\n".join(f"host {host.name}: {text}; {fixes[kind]}"
+                 "port": ""}  # the bind's own advice says it (another port, or 0)
+        raise AddressError("\n".join(f"host {host.name}: {text}"
+                                     + (f"; {fixes[kind]}" if fixes.get(kind) else "")
                                      for kind, text in errors))
 
     def _key_files(self) -> dict[str, bytes]:

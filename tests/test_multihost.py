@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -451,6 +452,19 @@ def test_an_address_that_is_not_the_hosts_is_one_line_and_nothing_stays(tmp_path
     assert agent_pid and not psutil.pid_exists(agent_pid)
     assert not agent_folder(str(run_dir.resolve()), "far").exists()  # its copy of the keys
     assert not (run_dir / "keys").exists()
+    # the host's address is right, but an actor's fixed port there is taken
+    with socket.socket() as taken:
+        taken.bind((here, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        hosts.write_text(far_host(here, here, ["env"]).replace(
+            'cls = "tests.misbehaving:Idle"',
+            f'cls = "actors.inference:InferenceWorker"\nconfig = {{ model = "tiny", '
+            f'port = {port} }}'))
+        line = one_line_failure(run_launcher(hosts, tmp_path / "run3"), "far")
+    assert line == (f"RUN FAILED: host far: [actors.idle.config] port = {port} cannot be bound "
+                    f"on {here} there: port {port} is in use on {here}: pick another port, or "
+                    f"0 (any free port)"), line
 
 
 def test_hosts_that_do_not_reach_each_other_are_one_line_each(netns, tmp_path):
