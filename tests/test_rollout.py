@@ -118,3 +118,63 @@ async def test_rollout_logprobs_equal_the_trainers_recompute(ipc, temperature):
     diff = ((logp - mb.rollout_logp).abs() * mb.mask).sum() / mb.mask.sum()
     assert mb.mask.sum() >= 8
     assert float(diff) < 1e-5
+
+
+class Echo(SingleTurnEnv):
+    domain = "echo"
+
+    def tasks(self, split="train", seed=0):
+        for i in range(1000):
+            yield Task(id=f"e{i}", prompt=f"say {i}:", answer="")
+
+    def reward(self, task, response):
+        return 1.0
+
+
+class Capture:
+    """A metrics publisher that keeps what it was given."""
+
+    def __init__(self):
+        self.records = []
+
+    def publish(self, values, step=None, total_steps=None, samples=None):
+        self.records.append((values, step, samples or []))
+        return True
+
+
+async def test_a_batch_sends_its_samples_as_text_and_tells_env_failures_from_generation(ipc):
+    """The record of a batch: samples_per_batch successful episodes one domain at a time, plus
+    the first failed one of each domain with its error and cause; rollout/failed_env counts only
+    the environment's failures (not a generation that failed on the workers)."""
+    tok = build_char_tokenizer()
+    actor = RolloutActor(context("rollout", ipc, facts=RunFacts(model="tiny-qwen2")),
+                         RolloutConfig(envs=[], samples_per_batch=3, retries=0))
+    actor.envs = EnvMix([Exploding(), Echo()], [1.0, 1.0])
+    actor.tokenizer, actor.gate, actor.metrics = tok, asyncio.Semaphore(4), Capture()
+    answer = tok.encode("hi", add_special_tokens=False) + [tok.eos_token_id]
+    down = aiohttp.ClientConnectionError("worker0 is down")
+    actor.client = ScriptedClient([reply(answer)] * 2 + [down] + [reply(answer)] * 4)
+    boom = Task(id="t", prompt="1+1=", answer="2", domain="boom")
+    echo = [Task(id=f"e{i}", prompt=f"say {i}:", domain="echo") for i in range(3)]
+    sampling = {"temperature": 1.0}
+    groups = [[await actor.play(boom, sampling, "b0-g0", i) for i in range(2)],
+              [await actor.play(echo[0], sampling, "b0-g1", i) for i in range(2)],
+              [await actor.play(echo[1], sampling, "b0-g2", i) for i in range(2)],
+              [await actor.play(echo[2], sampling, "b0-g3", 0)]]
+    assert [s.status for g in groups for s in g] == ["failed", "failed", "failed", "ok", "ok",
+                                                     "ok", "ok"]
+    actor.report(0, 5, groups, 1.0, [boom, *echo])
+    (values, step, samples), = actor.metrics.records
+    assert step == 0 and values["rollout/failed"] == 3 and values["rollout/failed_env"] == 2
+    assert values["rollout/failed/boom"] == 2 and values["rollout/failed/echo"] == 1
+    first_boom, first_echo, *ok = samples
+    assert (first_boom.domain, first_boom.status, first_boom.cause, first_boom.task,
+            first_boom.env, first_boom.episode) == ("boom", "failed", "env", "t", "Exploding",
+                                                    "b0-g0-0")
+    assert first_boom.error.endswith("RuntimeError: verifier crashed")
+    assert (first_echo.cause, first_echo.episode) == ("generation", "b0-g1-0")
+    assert "worker0 is down" in first_echo.error
+    assert [(s.kind, s.domain, s.prompt, s.response, s.reward, s.status) for s in ok] == [
+        ("rollout", "echo", f"say {i}:", "hi", 1.0, "ok") for i in range(3)]
+    assert actor.env_failed == set()  # forgotten once reported
+    actor.factory.close()
