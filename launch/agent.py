@@ -535,9 +535,19 @@ class Agent:
         """Answer a Probe: listen on the host's address while the launcher connects, reach
         the launcher's sockets, try the fixed ports."""
         errors, server, port = [], None, 0
-        try:
-            server = await asyncio.start_server(_hang_up, msg.address, 0)
-            port = server.sockets[0].getsockname()[1]
+        try:  # one socket of the address's family (as ZMQ binds it), not one per resolution
+            listener = socket.socket(socket.AF_INET6 if ":" in msg.address else socket.AF_INET)
+            try:
+                listener.bind((msg.address, 0))
+                listener.listen()
+            except OSError:
+                listener.close()
+                raise
+            server = await asyncio.start_server(_hang_up, sock=listener)
+            port = listener.getsockname()[1]
+        except socket.gaierror as e:
+            errors.append(("address", f"its address {msg.address} does not resolve there "
+                                      f"({e.strerror})"))
         except OSError as e:
             why = bind_advice(e.errno, msg.address, 0, "that host") if e.errno else str(e)
             errors.append(("address", f"cannot bind its address {msg.address} (port 0) there: "
@@ -849,7 +859,8 @@ class AgentLink:
         if answer.port:
             try:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(
-                    address, answer.port), timeout_s)
+                    address, answer.port, family=socket.AF_INET6 if ":" in address
+                    else socket.AF_INET), timeout_s)
                 writer.close()
             except (OSError, TimeoutError) as e:
                 errors.append(("reach", f"the launcher cannot reach {address}:{answer.port} "
