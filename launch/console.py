@@ -63,7 +63,15 @@ COLLAPSE_MIN = 8
 
 
 def fmt(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+    """A number in few columns: a whole one (a count) as an integer, one of 1000 or more
+    without decimals, else 3 significant digits; anything else as it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if value == 0:
+        return "0"
+    if math.isfinite(value) and abs(value) < 1e15 and (value == int(value) or abs(value) >= 1e3):
+        return f"{value:.0f}"
+    return f"{value:.3g}"
 
 
 def by_prefix(values: dict[str, Any], prefix: str) -> dict[str, Any]:
