@@ -90,12 +90,13 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
                 continue  # a trainer's rank: its config is the trainer's
             e = cfg.actors[name]
             env = f" env={json.dumps(e.env)}" if e.env else ""
-            packed(f"  {name}:{env} ", json.dumps(e.config), indent=4)
+            table(f"  {name}:{env} ", e.config, indent=4)
     said: dict[str, list[str]] = {}  # what the actors agree on (launch/plan.py): who reads it
     for name, facts in cfg.facts.items():
         said.setdefault(json.dumps(msgspec.to_builtins(facts)), []).append(name)
     for facts, names in said.items():
-        packed("run facts: " if len(said) == 1 else f"run facts of {names}: ", facts, indent=4)
+        table("run facts: " if len(said) == 1 else f"run facts of {names}: ",
+              json.loads(facts), indent=2)
     problems = check_engines(cfg)
     say(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
         f"(--dry-run)")
@@ -135,6 +136,20 @@ def say(text: str, indent: int = 0) -> None:
                           subsequent_indent=" " * (indent + 2), break_on_hyphens=False,
                           break_long_words=True)
     print("\n".join(lines or [""]))
+
+
+def table(head: str, doc: dict[str, Any], indent: int) -> None:
+    """`head` + `doc` as JSON: on one line when it fits, else one top-level field a line
+    (`indent` deep, each packed), between the braces."""
+    whole = json.dumps(doc)
+    if len(head) + len(whole) <= WIDTH:
+        print(head + whole)
+        return
+    print(head + "{")
+    for i, (key, value) in enumerate(doc.items()):
+        comma = "," if i < len(doc) - 1 else ""
+        packed(" " * indent + f"{json.dumps(key)}: ", json.dumps(value) + comma, indent + 2)
+    print(" " * (indent - 2) + "}")
 
 
 def packed(head: str, text: str, indent: int) -> None:
@@ -234,7 +249,7 @@ def check_engines(cfg: ClusterConfig) -> list[str]:
         if why and local is not None:
             problems.append(f"host {local.name}: its address {local.address} (port 0) does "
                             f"not bind here: {why}; set `address` of [[hosts]] "
-                            f"{local.name!r} to one of them")
+                            f"{local.name!r} to an address of this machine")
     for host in hosts:
         result = found[host.name]
         if isinstance(result, str):
@@ -260,9 +275,9 @@ def check_engines(cfg: ClusterConfig) -> list[str]:
     if problems:
         for text in problems:
             say(text, indent=0)
-        say(f"{len(problems)} problem(s) above: install what is missing on that host (with "
-            f"the interpreter that runs the actor), or place the actor elsewhere; the run "
-            f"would fail there")
+        say(f"{len(problems)} problem(s) above: the run would fail on those hosts (install "
+            f"what is missing with the interpreter that runs the actor, or place the actor "
+            f"elsewhere)")
     elif needs or distributed:
         there = sorted({f"{n.module} on {n.host}" for n in needs})
         say(f"engines: all there ({', '.join(there) or 'none needed'})"
