@@ -7,7 +7,9 @@ fast path (zmq.asyncio allocates several), which roughly doubles small-message r
 Invariant: actor code never sets socket security options itself. Every socket is made by a
 `SocketFactory`, which applies CURVE (encryption plus client authentication) to `tcp://` endpoints
 when the cluster's `Security` turns it on, and leaves `ipc://`/`inproc://` (same host, protected by
-file permissions) alone. Each process makes its own zmq context after it starts.
+file permissions) alone. Each process makes its own zmq context after it starts. A bind that
+fails raises `BindError`, one line naming the endpoint and what the failure means (an address
+of another machine, a port in use), never zmq's own error.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 class BindError(RlxError, OSError):
-    """A socket could not bind its endpoint: `address` and `port` say where, `reason` is the
-    system's word (errno, strerror), and the message is one line that says what to change."""
+    """A socket could not bind its endpoint: `address`, `port` and `errno` say where and why,
+    and the message is one line that says what it means (transport/addresses.py)."""
 
     def __init__(self, endpoint: str, error: zmq.ZMQError):
         scheme, _, rest = endpoint.partition("://")
@@ -89,8 +91,8 @@ def make_curve_keys(keys_dir: str | Path) -> None:
         os.umask(old)
     st = folder.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise ValueError(f"{folder} is not a folder of this user: the run's CURVE keys go "
-                         f"into a private folder (give another keys_dir)")
+        raise PermissionError(f"{folder} is not a folder of this user: the run's CURVE keys "
+                              f"go into a private folder (give another keys_dir)")
     os.chmod(folder, 0o700)
     for name in ("server", "client"):
         public, secret = zmq.curve_keypair()
