@@ -433,6 +433,7 @@ def test_an_address_that_is_not_the_hosts_is_one_line_and_nothing_stays(tmp_path
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(far_host(UNASSIGNED[0], UNASSIGNED[1], ["env"]))
     line = one_line_failure(run_launcher(hosts, tmp_path / "run1"), "main")
+    assert not (tmp_path / "run1" / "keys").exists()
     assert line.startswith(f"error: AddressError: host main: the launcher's sockets cannot "
                            f"bind {UNASSIGNED[0]} (port 0: any free port): {UNASSIGNED[0]} is "
                            f"not an address of this machine (its addresses: {here}"), line
