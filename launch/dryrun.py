@@ -65,9 +65,10 @@ class Need:
 
 
 # ----------------------------------------------------------------------------- the printout
-def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
-    """Print the plan and check the engines; SystemExit(1) when an engine is missing or a host
-    cannot be checked (what is missing is printed first)."""
+def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> int:
+    """Print the plan and check the engines: 0 when everything is there; SystemExit(1) when an
+    engine is missing, a host cannot be checked or an address does not bind (each printed
+    first), so that `--dry-run` exits with code 1 then."""
     entries = processes(cfg)  # the actors and trainers' ranks
     hosts = {h.name: h for h in cfg.hosts}
     say(f"plan for {path}")
@@ -102,6 +103,7 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> None:
         f"(--dry-run)")
     if problems:
         raise SystemExit(1)
+    return 0
 
 
 def print_hosts(cfg: ClusterConfig) -> None:
