@@ -130,8 +130,9 @@ def write_endpoints(run_dir: Path, doc: dict) -> None:
     try:
         write_json(run_dir / "endpoints.json", doc)
     except OSError as e:
-        say(wrap(f"cannot write {run_dir / 'endpoints.json'} ({e}); the run goes on, python -m "
-                 f"launch.watch {run_dir} cannot find it: give it the metrics address instead"))
+        say(fit([*f"cannot write {run_dir / 'endpoints.json'} ({e}); the run goes on,".split(" "),
+                 f"python -m launch.watch {run_dir}",  # a command stays whole
+                 *"cannot find it: give it the metrics address instead".split(" ")]))
 
 
 def write_exit(room: files.Reserved, done: dict) -> None:
@@ -203,8 +204,8 @@ def write_plots(cfg: ClusterConfig, run_dir: Path) -> None:
     try:
         result = plot.plot_run(run_dir)
     except (Exception, KeyboardInterrupt) as e:
-        say(wrap(f"plots failed ({type(e).__name__}: {e}); the run's result is unchanged; "
-                 f"retry with python -m launch.plot {run_dir}"))
+        say(fit([*f"plots failed ({type(e).__name__}: {e}); the run's result is unchanged;"
+                 .split(" "), f"retry with python -m launch.plot {run_dir}"]))
         return
     if not result.written:  # not an RL run (the demo cluster, tests): one line is enough
         say(wrap("plots: none, no series they draw is in metrics.jsonl (python -m launch.plot "
