@@ -31,6 +31,7 @@ from pathlib import Path
 
 from models.load import is_checkpoint_dir
 from models.tiny import TINY
+from transport.errors import RlxError
 
 # org/name, each part letters, digits, '-', '_', '.' (the hub's own rule), then @revision
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
@@ -39,7 +40,7 @@ NOT_FETCHED = ["*.msgpack", "*.h5", "*.onnx", "*.gguf", "*.ot", "*.tflite", "ori
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-class HubError(ValueError):
+class HubError(RlxError, ValueError):
     """A model reference that is neither local nor obtainable from the hub."""
 
 
