@@ -268,9 +268,10 @@ class Story:
             self.say(wrap(f"note: {ZERO_BY_CONSTRUCTION}"))
         keys = ["train/loss", "train/grad_norm", "train/entropy", "train/logprob_abs_diff",
                 "train/kl_loss", "train/value_loss"]
-        if teachers and v.get("train/loss") == 0:  # pure distillation: no policy-gradient loss
+        pure = bool(teachers) and v.get("train/loss") == 0
+        if pure:  # pure distillation: no policy-gradient loss, its clip statistics say nothing
             keys.remove("train/loss")
-        if not zero:
+        if not zero and not pure:
             keys[1:1] = ["train/clipfrac", "train/ppo_kl"]
         names = {"train/grad_norm": "grad_norm", "train/logprob_abs_diff": "lp_diff",
                  "train/entropy": "entropy"}

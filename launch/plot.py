@@ -235,8 +235,9 @@ def opd_panels(records: list[dict[str, Any]]) -> list[Panel]:
     pool = Panel("teacher pool (server mode): sampled-token reverse KL", "per token",
                  lines(records, keys_like(records, "opd/", "/sampled_reverse_kl")), logy=True)
     # the pool's and the prefetcher's panels only where they ran (no note without them)
-    return [Panel("reverse KL to each teacher", "per token",
-                  lines(records, kl + ["opd/reverse_kl"]), logy=True),
+    total = {f"{k} (all teachers)": v for k, v in lines(records, ["opd/reverse_kl"]).items()}
+    return [Panel("reverse KL to each teacher", "per token", {**lines(records, kl), **total},
+                  logy=True),
             *[p for p in (pool,) if p.drawn()],
             Panel("teacher swaps (running counts)", "loads", lines(records, TEACHER_LOADS)),
             *[p for p in (Panel("prefetcher: NVMe bytes read (x: its record number)", "MiB",

@@ -138,8 +138,10 @@ def test_every_figure_draws_exactly_the_input_series(tmp_path):
         "worker0: memory/nvml_bytes": Series([0.0], [5.0]),
     }}
     assert drawn["opd.png"] == {
-        "reverse KL to each teacher": {k: Series(STEPS, OPD[k]) for k in (
-            "opd/arith/reverse_kl", "opd/reverse/reverse_kl", "opd/reverse_kl")},
+        "reverse KL to each teacher": {
+            "opd/arith/reverse_kl": Series(STEPS, OPD["opd/arith/reverse_kl"]),
+            "opd/reverse/reverse_kl": Series(STEPS, OPD["opd/reverse/reverse_kl"]),
+            "opd/reverse_kl (all teachers)": Series(STEPS, OPD["opd/reverse_kl"])},
         "teacher swaps (running counts)": {k: Series(STEPS, OPD[k]) for k in (
             "opd/teacher_gpu_loads", "opd/teacher_gds_loads", "opd/teacher_sync_fallbacks")},
         "prefetcher: NVMe bytes read (x: its record number)": {

@@ -27,7 +27,7 @@ TRAIN = {"reward/math": 0.53125, "reward/reverse": 0.1234567, "train/loss": -1.2
          "train/kl_loss": 0.00123456, "time/step_s": 12.34567, "time/wait_batch_s": 0.1234567,
          "time/train_s": 10.71234, "time/weight_sync_s": 1.234567}
 MOPD = {"reward/math": 0.75, "reward/reverse": 0.5, "train/loss": 0.0, "train/clipfrac": 0.0,
-        "train/ppo_kl": 0.0, "train/grad_norm": 0.04567, "train/entropy": 0.81234,
+        "train/ppo_kl": -4.14e-08,  # (as a real distillation step: float noise around 0) "train/grad_norm": 0.04567, "train/entropy": 0.81234,
         "train/logprob_abs_diff": 3.4e-8, "opd/arith/reverse_kl": 0.0123456,
         "opd/arith/tokens": 40.0, "opd/reverse/reverse_kl": 0.2345678, "opd/reverse/tokens": 60.0,
         "opd/teacher_gpu_loads": 4.0, "time/step_s": 1.5, "time/wait_batch_s": 0.1,
@@ -95,6 +95,7 @@ def test_realistic_records_format_to_lines_of_80_columns_keeping_every_value():
     (mopd,) = [m for m in said if m.startswith("trainer: step 456/900")]
     flat = " ".join(mopd.split())
     assert "loss=" not in flat.replace("kl_loss", "")
+    assert "clipfrac" not in flat and "ppo_kl" not in flat  # no policy gradient to clip
     assert "distill_kl=0.146 kl arith=0.0123 reverse=0.235" in mopd.split("\n")[1]
     assert not any(m.startswith("note: train/clipfrac") for m in said)  # no advantages here
     assert "rollout: batch 125 reward math=0.531 reverse=0.112 failed=3 tok/s=912" in text
