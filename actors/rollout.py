@@ -193,6 +193,9 @@ class RolloutActor(Actor):
         check_chat_template(config.chat_template)
         if config.agent_drift not in DRIFT_RULES:
             raise ValueError(f"agent_drift = {config.agent_drift!r}: use one of {DRIFT_RULES}")
+        if config.samples_per_batch < 0:
+            raise ValueError(f"samples_per_batch = {config.samples_per_batch}: give a count >= 0 "
+                             f"(0 = no samples of the batches)")
         if not config.env_timeout_s >= 0:
             raise ValueError(f"env_timeout_s = {config.env_timeout_s}: give seconds >= 0 "
                              f"(0 = no limit)")

@@ -210,7 +210,7 @@ class Story:
     def show_samples(self, m: Any, samples: list) -> None:
         """Every `show_samples_every` rollout batches: one sample per domain, a line each."""
         every = self.show_samples_every
-        if not every or m.step is None or m.step % every:
+        if every <= 0 or m.step is None or m.step % every:
             return
         first: dict[str, Any] = {}
         for s in samples:

@@ -178,3 +178,8 @@ async def test_a_batch_sends_its_samples_as_text_and_tells_env_failures_from_gen
         ("rollout", "echo", f"say {i}:", "hi", 1.0, "ok") for i in range(3)]
     assert actor.env_failed == set()  # forgotten once reported
     actor.factory.close()
+
+
+def test_samples_per_batch_must_be_a_count():
+    with pytest.raises(ValueError, match=r"samples_per_batch = -1: give a count >= 0"):
+        RolloutActor.check_config(RolloutConfig(envs=[], samples_per_batch=-1))
