@@ -43,7 +43,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from algos.cross_tokenizer import map_topk, spread_sampled
+from algos.cross_tokenizer import map_topk, prefix_teacher_logprobs, spread_sampled
 from algos.opd import OpdConfig, check_placement
 from engine.client import SglangClient
 from logic.teachers import (
@@ -152,18 +152,22 @@ class TeacherPool(Actor):
         for start in range(0, len(samples), cfg.max_batch):
             part = samples[start:start + cfg.max_batch]
             cross = self.cross.get(name)
+            # "prefix" span credit reads the teacher's top-k prefix probabilities
+            spec = next(t for t in cfg.teachers if t.name == name)
+            prefix = cross is not None and spec.span_credit == "prefix"
+            asked_k = max(k, spec.prefix_top_k) if prefix else k
             try:
                 # a teacher of another vocabulary scores the sample in its own tokens
                 asked = [cross.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
                          if cross else None for s in part]
                 bodies = [score_request(r.prompt_ids if r else s.prompt_ids,
                                         r.response_ids if r else s.response_ids,
-                                        self.facts.temperature, k)
+                                        self.facts.temperature, asked_k)
                           for s, r in zip(part, asked)]
                 replies = await self.clients[name].generate(
                     [b["input_ids"] for b in bodies], bodies[0]["sampling_params"],
                     logprob_start_len=[b["logprob_start_len"] for b in bodies],
-                    **({"top_logprobs_num": k} if k else {}))
+                    **({"top_logprobs_num": asked_k} if asked_k else {}))
                 if not isinstance(replies, list) or len(replies) != len(part):
                     raise ScoreError(f"{len(part)} requests answered by {reprlib.repr(replies)}")
             except Exception as e:  # noqa: BLE001 - the teacher failed: mark, count, go on
@@ -178,7 +182,8 @@ class TeacherPool(Actor):
                             parse_scores(reply, s.prompt_ids, s.response_ids, k, where)
                     else:
                         self._cross_scores(s, r, parse_scores(
-                            reply, r.prompt_ids, r.response_ids, k, where), cross, st)
+                            reply, r.prompt_ids, r.response_ids, asked_k, where), cross, st,
+                            k, prefix)
                 except ScoreError as e:  # this reply only: the batch's others stand
                     log.warning("%s", e)
                     self._fail(name, [s])
@@ -190,15 +195,22 @@ class TeacherPool(Actor):
         st["time_s"] += time.perf_counter() - t0
 
     @staticmethod
-    def _cross_scores(s: Sample, r, scores, cross: CrossVocab,
-                      st: collections.Counter) -> None:
+    def _cross_scores(s: Sample, r, scores, cross: CrossVocab, st: collections.Counter,
+                      top_k: int, prefix: bool) -> None:
         """The teacher's scores of its own tokens moved onto the student's (module docstring),
         and the alignment's counts."""
         logprobs, top_ids, top_lps = scores
         al = r.alignment
-        s.teacher_logprobs = spread_sampled(s.rollout_logprobs, logprobs, al).tolist()
-        if top_ids is not None:
-            m = map_topk(top_ids, top_lps, s.response_ids, al, cross.id_map)
+        if prefix:
+            values = prefix_teacher_logprobs(s.rollout_logprobs, logprobs, al, r.text,
+                                             r.student_offsets, r.response_ids, top_ids,
+                                             top_lps, cross.teacher_strings)
+        else:
+            values = spread_sampled(s.rollout_logprobs, logprobs, al)
+        s.teacher_logprobs = values.tolist()
+        if top_k:  # the run's k (a prefix teacher may have asked for more)
+            m = map_topk(top_ids[:, :top_k], top_lps[:, :top_k], s.response_ids, al,
+                         cross.id_map)
             s.teacher_topk_ids = m.ids.astype(TOPK_IDS_DTYPE)
             s.teacher_topk_logprobs = m.logprobs.astype(TOPK_LOGPROBS_DTYPE)
             policy = np.asarray(s.loss_mask, dtype=bool)

@@ -46,6 +46,7 @@ Invariant: no function changes its inputs; every array out is new.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -323,3 +324,61 @@ def sorted_prob_distance(student_logits: torch.Tensor, teacher_logprobs: torch.T
     q = torch.nn.functional.pad(q, (0, width - q.shape[-1]))
     d = (p - q).abs().sum(-1)
     return torch.where(mask.bool(), d, torch.zeros_like(d))
+
+
+# --- sampled token, causal within a span: the teacher's prefix probabilities ---------------------
+
+def prefix_teacher_logprobs(student_logprobs: Sequence[float], teacher_logprobs: Sequence[float],
+                            al: Alignment, text: str, student_offsets: Sequence,
+                            teacher_ids: Sequence[int], top_ids: np.ndarray,
+                            top_logprobs: np.ndarray,
+                            teacher_strings: Sequence[str | None]) -> np.ndarray:
+    """[n_s] float64 per-student-token teacher values for `span_credit = "prefix"`: at a span
+    of one teacher token u and m >= 2 student tokens c_1..c_m (the student splits finer),
+    student token j gets `log P_j - log P_{j-1}`, P_j the teacher's probability, at u's
+    position, that its next token's text starts with c_1..c_j (summed over its top-k entries
+    with such a text, u itself always counted, and at least p_T(u)); P_0 = 1 and P_m = p_T(u),
+    so the span's values still sum to log pi_T(S). Each student token then has a causal
+    teacher log-prob of its own and the trainer's r_t = student_t - value_t needs no spread: it
+    is exact with the trainer's own log-probs. Spans of one student token get log pi_T(S);
+    other spans (several tokens on both sides) the spread of `spread_sampled`. `text`: the
+    response's characters in the alignment's coordinates; student_offsets [n_s, 2]; top_ids /
+    top_logprobs [n_t, k]: the teacher's top-k at its tokens; teacher_strings: each teacher
+    id's text (None: special)."""
+    s = np.asarray(student_logprobs, dtype=np.float64)
+    t_lp = np.asarray(teacher_logprobs, dtype=np.float64)
+    offs = _offsets(student_offsets, "student")
+    out = spread_sampled(s, t_lp, al)
+    n = al.num_spans
+    s_count = np.bincount(al.student_span[al.student_span >= 0], minlength=n)
+    t_count = np.bincount(al.teacher_span[al.teacher_span >= 0], minlength=n)
+    t_sum = span_sums(t_lp, al.teacher_span, n)
+    aligned = np.flatnonzero(al.student_span >= 0)
+    alone = aligned[s_count[al.student_span[aligned]] == 1]
+    out[alone] = t_sum[al.student_span[alone]]
+    teacher_of_span = np.full(n, -1, dtype=np.int64)
+    t_idx = np.flatnonzero(al.teacher_span >= 0)
+    teacher_of_span[al.teacher_span[t_idx]] = t_idx
+    for span in np.flatnonzero((t_count == 1) & (s_count >= 2)):
+        u = int(teacher_of_span[span])
+        u_id, u_lp = int(teacher_ids[u]), float(t_lp[u])
+        entries = [(teacher_strings[i] if 0 <= i < len(teacher_strings) else None, lp)
+                   for i, lp in zip(np.asarray(top_ids[u]).tolist(),
+                                    np.asarray(top_logprobs[u], dtype=np.float64).tolist())
+                   if i != u_id]
+        entries.append((teacher_strings[u_id], u_lp))
+        members = np.flatnonzero(al.student_span == span)
+        members = members[np.argsort(offs[members, 1], kind="stable")]
+        start = int(al.spans[span, 0])
+        prev = 0.0  # log P_0
+        for j, t in enumerate(members):
+            if j == len(members) - 1:
+                cur = u_lp
+            else:
+                prefix = text[start:int(offs[t, 1])]
+                mass = sum(math.exp(lp) for x, lp in entries
+                           if x is not None and x.startswith(prefix))
+                cur = min(max(math.log(mass) if mass > 0 else u_lp, u_lp), 0.0)
+            out[t] = cur - prev
+            prev = cur
+    return out

@@ -64,11 +64,21 @@ class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # "auto": the teacher checkpoint's own tokenizer, scored across vocabularies where it
     # differs (server mode); or a tokenizer directory
     tokenizer: str = "student"
+    # across vocabularies, sampled signal within a span of several student tokens: "spread"
+    # (each carries the span's difference) or "prefix" (each its own causal share, from the
+    # teacher's top-`prefix_top_k` prefix probabilities): algos/cross_tokenizer.py
+    span_credit: str = "spread"
+    prefix_top_k: int = 20
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
             raise ValueError(f"teacher {self.name!r}: tokenizer must be 'student', 'auto' or a "
                              "tokenizer directory")
+        if self.span_credit not in ("spread", "prefix"):
+            raise ValueError(f"teacher {self.name!r}: span_credit = {self.span_credit!r}; use "
+                             "'spread' or 'prefix'")
+        if self.prefix_top_k < 1:
+            raise ValueError(f"teacher {self.name!r}: prefix_top_k must be >= 1")
 
 
 def tokenizer_source(spec: TeacherSpec) -> str:
@@ -137,6 +147,8 @@ class Retokenized:
     prompt_ids: list[int]  # the teacher's tokens of the decoded prompt
     response_ids: list[int]  # the teacher's tokens of the decoded response
     alignment: Alignment  # student response tokens <-> teacher response tokens
+    text: str  # the response's characters (a special token: one NUL character)
+    student_offsets: list[tuple[int, int]]  # each student response token's [start, end)
 
 
 def token_strings(tokenizer: Any) -> list[str | None]:
@@ -176,13 +188,21 @@ class CrossVocab:
                       if getattr(student, r, None) is not None}
         self.teacher_unk = getattr(teacher, "unk_token_id", None)
         self._id_map: np.ndarray | None = None
+        self._teacher_strings: list[str | None] | None = None
+
+    @property
+    def teacher_strings(self) -> list[str | None]:
+        """Each teacher id's text (None: special); built on first use."""
+        if self._teacher_strings is None:
+            self._teacher_strings = token_strings(self.teacher)
+        return self._teacher_strings
 
     @property
     def id_map(self) -> np.ndarray:
         """Teacher id -> student id of the same text, or of the same role for bos / eos / pad
         (-1: none); built on first use."""
         if self._id_map is None:
-            m = vocab_map(token_strings(self.student), token_strings(self.teacher))
+            m = vocab_map(token_strings(self.student), self.teacher_strings)
             for s_id, t_id in self.roles.items():  # special tokens map by role (eos to eos)
                 if t_id is not None and 0 <= t_id < len(m):
                     m[t_id] = s_id
@@ -193,16 +213,18 @@ class CrossVocab:
         enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def _convert(self, ids: list[int]) -> tuple[list, list[int], list, int]:
-        """(student offsets, teacher ids, teacher offsets, characters) of a token list: text
+    def _convert(self, ids: list[int]) -> tuple[list, list[int], list, str]:
+        """(student offsets, teacher ids, teacher offsets, text) of a token list: text
         between special tokens re-encoded segment by segment; a special token is one
         character, mapped to the teacher's token of its role where there is one."""
         s_off: list[tuple[int, int]] = []
         t_ids: list[int] = []
         t_off: list[tuple[int, int]] = []
+        texts: list[str] = []
         pos = i = 0
         while i < len(ids):
             if ids[i] in self.student_special:
+                texts.append("\0")
                 s_off.append((pos, pos + 1))
                 mapped = self.roles.get(ids[i])
                 if mapped is not None:
@@ -220,9 +242,10 @@ class CrossVocab:
             enc_ids, enc_off = self._encode(text)
             t_ids += enc_ids
             t_off += [(pos + a, pos + b) for a, b in enc_off]
+            texts.append(text)
             pos += len(text)
             i = j
-        return s_off, t_ids, t_off, pos
+        return s_off, t_ids, t_off, "".join(texts)
 
     def retokenize(self, prompt_ids: Sequence[int], response_ids: Sequence[int],
                    loss_mask: Sequence[int] | None = None) -> Retokenized:
@@ -233,11 +256,11 @@ class CrossVocab:
         if not t_prompt:
             raise ScoreError("the prompt converts to no teacher token: a response cannot be "
                              "scored without one")
-        s_off, t_ids, t_off, chars = self._convert(list(response_ids))
+        s_off, t_ids, t_off, text = self._convert(list(response_ids))
         t_ok = [t != self.teacher_unk for t in t_ids]
-        al = align(s_off, t_off, chars, teacher_ok=t_ok,
+        al = align(s_off, t_off, len(text), teacher_ok=t_ok,
                    student_group=None if loss_mask is None else list(loss_mask))
-        return Retokenized(t_prompt, t_ids, al)
+        return Retokenized(t_prompt, t_ids, al, text, s_off)
 
 
 class ScoreError(RlxError, ValueError):

@@ -20,6 +20,7 @@ from actors.teacher_pool import TeacherPool, TeacherPoolConfig, cross_teachers
 from algos.cross_tokenizer import (
     align,
     map_topk,
+    prefix_teacher_logprobs,
     repeated_entries,
     sorted_prob_distance,
     span_differences,
@@ -119,6 +120,40 @@ def test_each_student_token_carries_its_spans_difference_float64():
     spread = spread_sampled(S_LP, T_LP, al)
     assert (np.asarray(S_LP) - spread).tolist() == pytest.approx(
         [want_d[0]] * 2 + [want_d[1], 0.0, 0.0] + [want_d[3]] * 2, abs=1e-15)
+
+
+def test_prefix_credit_gives_each_student_token_its_causal_share_float64():
+    """Student 1|8|+|34 against teacher 18|+|3|4: the 2:1 span "18" is split by the teacher's
+    prefix probability of "1" (its top-k texts starting with "1"), the 1:1 "+" is its own, the
+    1:2 "34" gets the sum of its teacher tokens; every span still sums to log pi_T(S)."""
+    strings = ["18", "1", "19", "8", "2", "+", "3", "4"]  # teacher id -> text
+    al = align(offsets(["1", "8", "+", "34"]), offsets(["18", "+", "3", "4"]), 5)
+    t_ids = [0, 5, 6, 7]
+    t_lp = [math.log(0.5), math.log(0.9), math.log(0.6), math.log(0.7)]
+    top_ids = np.array([[0, 1, 2, 4], [5, 6, 7, 4], [6, 7, 5, 4], [7, 6, 5, 4]])
+    top_lps = np.log(np.array([[0.5, 0.2, 0.1, 0.1], [0.9, 0.05, 0.03, 0.02],
+                               [0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05]]))
+    s_lp = [-0.1, -0.2, -0.3, -0.4]
+    got = prefix_teacher_logprobs(s_lp, t_lp, al, "18+34", offsets(["1", "8", "+", "34"]),
+                                  t_ids, top_ids, top_lps, strings)
+    p1 = 0.5 + 0.2 + 0.1  # "18", "1", "19" start with "1"
+    want = [math.log(p1), math.log(0.5) - math.log(p1), math.log(0.9),
+            math.log(0.6) + math.log(0.7)]
+    assert got.tolist() == pytest.approx(want, abs=1e-15)
+    # the trainer's r_t = its own log-prob - value: each token's causal gap, whatever its drift
+    student = torch.tensor([s_lp], dtype=torch.float64) + 0.01
+    r = sampled_log_ratio(student, torch.tensor([got.tolist()], dtype=torch.float64),
+                          torch.ones(1, 4))
+    assert r[0].tolist() == pytest.approx([x + 0.01 - w for x, w in zip(s_lp, want)],
+                                          abs=1e-15)
+    # u outside its own top-k still counts in every prefix: P_1 >= p_T(u)
+    top_ids[0] = [1, 2, 4, 3]
+    top_lps[0] = np.log([0.2, 0.1, 0.1, 0.05])
+    got = prefix_teacher_logprobs(s_lp, t_lp, al, "18+34", offsets(["1", "8", "+", "34"]),
+                                  t_ids, top_ids, top_lps, strings)
+    p1 = 0.5 + 0.2 + 0.1
+    assert got[:2].tolist() == pytest.approx([math.log(p1), math.log(0.5) - math.log(p1)],
+                                             abs=1e-15)
 
 
 def sample(prompt: list[int], response: list[int], **kw) -> Sample:
@@ -251,11 +286,13 @@ def test_retokenize_for_a_bpe_teacher():
     assert m[teacher.eos_token_id] == student.eos_token_id  # by role
 
 
-def pool_config(mode: str, tokenizer: str, top_k: int = 0, url: str = "") -> TeacherPoolConfig:
+def pool_config(mode: str, tokenizer: str, top_k: int = 0, url: str = "",
+                credit: str = "spread") -> TeacherPoolConfig:
     opd = OpdConfig(mode="top_k", top_k=top_k, top_k_from="teacher") if top_k else OpdConfig()
     return TeacherPoolConfig(mode=mode, max_retries=1, request_timeout_s=30.0, opd=opd,
                              teachers=[TeacherSpec(name="arith", model=BPE_TEACHER,
                                                    domains=["math"], tokenizer=tokenizer,
+                                                   span_credit=credit,
                                                    url=url or ("http://x" if mode == "server"
                                                                else ""))])
 
@@ -282,8 +319,8 @@ def float64_teacher_logprobs(model, prompt: list[int], response: list[int]) -> t
     return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
 
 
-@pytest.mark.parametrize("top_k", [0, 4])
-async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k):
+@pytest.mark.parametrize("top_k,credit", [(0, "spread"), (4, "spread"), (0, "prefix")])
+async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k, credit):
     """TeacherPool._score against the embedded engine serving teacher-arith-bpe: the request
     carries the teacher's token ids, and each student token gets the float64 reference of its
     span's difference (sampled) or its mapped top-k; the alignment counts are published."""
@@ -296,7 +333,7 @@ async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k):
              for p, a in [("9+9=", "18"), ("3+4=", "7"), ("9+8=", "17")]]
     facts = RunFacts(model=STUDENT)
     async with serve(ipc, model=BPE_TEACHER) as (worker, client):
-        cfg = pool_config("server", "auto", top_k, url=worker.bound.http)
+        cfg = pool_config("server", "auto", top_k, url=worker.bound.http, credit=credit)
         pool = TeacherPool(context("teachers", ipc, facts=facts), cfg)
         pool.clients = {"arith": client}
         pool.cross = cross_teachers(cfg, facts)
@@ -311,13 +348,26 @@ async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k):
     spans = 0
     for s in batch:
         r = cv.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
+        spans += r.alignment.num_spans
         ref = float64_teacher_logprobs(model, r.prompt_ids, r.response_ids)
         t_lp = ref.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0].tolist()
         d = span_differences(s.rollout_logprobs, t_lp, r.alignment)
         want = [d[j] for j in r.alignment.student_span]
         got = [a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs)]
+        if credit == "prefix":  # spans sum to the teacher's; a 2:1 span's first token: P_1
+            al = r.alignment
+            sums = np.bincount(al.student_span, weights=s.teacher_logprobs)
+            assert sums.tolist() == pytest.approx(
+                np.bincount(al.teacher_span, weights=t_lp).tolist(), abs=1e-5)
+            if len(s.response_ids) == 3:  # "1x<eos>": teacher "1x", <eos>
+                top = ref[0].topk(20)
+                mass = sum(math.exp(v) for i, v in zip(top.indices.tolist(),
+                                                       top.values.tolist())
+                           if (cv.teacher_strings[i] or "").startswith("1"))
+                assert s.teacher_logprobs[0] == pytest.approx(math.log(mass), abs=1e-5)
+            assert s.teacher_topk_ids is None
+            continue
         assert got == pytest.approx(want, abs=1e-5)
-        spans += r.alignment.num_spans
         if top_k:
             one = r.alignment.teacher_of()
             for j, t in enumerate(one):
