@@ -4,7 +4,7 @@ Every record that any actor publishes reaches the launcher's metrics subscriber
 (launch/cluster.py `show_progress`), which hands it to each sink of the run:
 
 - `jsonl` (the default): <run_dir>/metrics.jsonl, one JSON object per record, as received
-  (`launch.plot` and the tests read it).
+  but without its samples (below) (`launch.plot`, `launch.watch` and the tests read it).
 - `tensorboard`: event files under <run_dir>/tensorboard through tensorboardX's SummaryWriter
   (`pip install tensorboardX`); open them with `tensorboard --logdir <run_dir>/tensorboard`.
 - `wandb`: a W&B run under <run_dir>/wandb, offline unless `[run.wandb] mode` (or a WANDB_MODE
