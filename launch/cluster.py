@@ -239,7 +239,17 @@ async def _run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path, resu
     exit_room = files.Reserved(run_dir / "exit.json")  # a disk full at the end still gets it
     sock_dir, temporary = socket_dir(run_dir)
     sup = Supervisor(cfg, run_dir, sock_dir, order, say, resume)
-    endpoints = sup.open()
+    try:
+        endpoints = sup.open()
+    except BaseException as e:  # its sockets do not bind (AddressError): said by main()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        write_exit(exit_room, {"exit_code": 1, "reason": f"failed: {first}", "completed": None,
+                               "actors": {}})
+        sup.close()
+        if temporary:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        record.close(1)
+        raise
     write_endpoints(run_dir, endpoints)
     interrupted = asyncio.Event()
     received: list[signal.Signals] = []
@@ -331,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=passthrough.HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hosts", help="path of the cluster's hosts.toml")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and check each host's engines and address; start "
+                             "nothing; exit 1 when something is missing")
     parser.add_argument("--run-dir", help="use this run directory instead of <dir>/<name>-<time>")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its latest checkpoint, with the "
@@ -359,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             given = args.overrides
             args.overrides = resume_overrides(Path(args.resume), given)
             if args.overrides != given:
-                say(f"resume: applying the run's recorded "
-                    f"{' '.join(f'--set {o}' for o in args.overrides if o not in given)}")
+                say(wrap(f"resume: applying the run's recorded "
+                         f"{' '.join(f'--set {o}' for o in args.overrides if o not in given)}"))
         notes: list[str] = []
         cfg = load(args.hosts, tables, parse_overrides(args.overrides), notes)
         order = start_order(cfg, args.hosts)
@@ -371,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if changes:
-        say(f"resume: continuing with changes (recorded -> given): {describe(changes)}")
+        say(wrap(f"resume: continuing with changes (recorded -> given): {describe(changes)}"))
     done = already_complete(Path(args.resume), cfg) if args.resume else None
     if done:
         print(f"run {args.resume} is already complete ({done}); nothing to resume. Raise "
@@ -379,13 +391,13 @@ def main(argv: list[str] | None = None) -> int:
               f"new run (without --resume).")
         return 0
     for note in notes:
-        say(f"note: {note}")
+        say(wrap(f"note: {note}"))
     if cfg.run.python_path:  # every actor process (launch/supervisor.py) inherits PYTHONPATH
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [*cfg.run.python_path, *filter(None, [os.environ.get("PYTHONPATH")])])
     if args.dry_run:
-        print_plan(cfg, order, args.hosts)
-        return 0
+        return print_plan(cfg, order, args.hosts)
+    keys: Path | None = None
     try:
         run_dir = make_run_dir(cfg, args.run_dir)
         keys = prepare_keys(cfg, run_dir)  # before the config is recorded: its keys_dir
@@ -393,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                     "overrides": list(args.overrides), **msgspec.to_builtins(cfg)}
         write_json(run_dir / "config.json", resolved)
     except OSError as e:
+        if keys is not None:  # the run's own keys never outlive it
+            shutil.rmtree(keys, ignore_errors=True)
         print(f"error: cannot prepare the run directory: {e}; nothing was started",
               file=sys.stderr)
         return 1

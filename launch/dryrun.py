@@ -66,9 +66,9 @@ class Need:
 
 # ----------------------------------------------------------------------------- the printout
 def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> int:
-    """Print the plan and check the engines: 0 when everything is there; SystemExit(1) when an
-    engine is missing, a host cannot be checked or an address does not bind (each printed
-    first), so that `--dry-run` exits with code 1 then."""
+    """Print the plan and check the engines: the dry run's exit code, 0 when everything is
+    there, 1 when an engine is missing, a host cannot be checked or an address does not bind
+    (each printed first)."""
     entries = processes(cfg)  # the actors and trainers' ranks
     hosts = {h.name: h for h in cfg.hosts}
     say(f"plan for {path}")
@@ -101,9 +101,7 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> int:
     problems = check_engines(cfg)
     say(f"run directory: {cfg.run.dir}/{cfg.run.name}-<timestamp>; nothing was started "
         f"(--dry-run)")
-    if problems:
-        raise SystemExit(1)
-    return 0
+    return 1 if problems else 0
 
 
 def print_hosts(cfg: ClusterConfig) -> None:

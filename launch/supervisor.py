@@ -64,6 +64,7 @@ from launch.config import (
     rank_groups,
     rank_hosts,
 )
+from launch.console import wrap
 from launch.files import write_json
 from runtime.actor import ActorContext
 from runtime.loading import actor_config, import_actor
@@ -666,7 +667,7 @@ class Supervisor:
 
     async def _on_notice(self, msg: Notice) -> Ack:
         if self._known(msg.actor) is not None:
-            self.say(f"{msg.actor}: {msg.text[:2000]}")
+            self.say(wrap(f"{msg.actor}: {msg.text[:2000]}"))  # 80 columns, between words
         return Ack()
 
     async def _on_stopped(self, msg: Stopped) -> Ack:

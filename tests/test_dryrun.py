@@ -23,10 +23,7 @@ ACTOR = re.compile(r"^ *(\d+) (\S+) on (\S+?)(, primary)?: (\S+)$")
 
 def dry_run(argv: list[str], capsys) -> tuple[int, str]:
     """(exit code, the printout from the plan on) of `launch.cluster ... --dry-run`."""
-    try:
-        code = main([*argv, "--dry-run"])
-    except SystemExit as e:
-        code = e.code
+    code = main([*argv, "--dry-run"])
     out = capsys.readouterr().out
     return code, out[out.index("plan for"):]
 

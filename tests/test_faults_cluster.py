@@ -23,9 +23,11 @@ STEPS = 8
 
 
 def start(tmp_path: Path, env: str = "envs.builtin.arith:ArithEnv", steps: int = STEPS,
-          max_failed_batches: int = 3, only: bool = False) -> tuple[subprocess.Popen, Path]:
+          max_failed_batches: int = 3, only: bool = False, tolerate: bool = False
+          ) -> tuple[subprocess.Popen, Path]:
     """The short loop of tests/test_loop.py (staleness 1, a checkpoint every 2 steps) with
-    `env` for the arithmetic domain (`only`: no other domain)."""
+    `env` for the arithmetic domain (`only`: no other domain; `tolerate`: [run]
+    tolerate_failures, so failed episodes do not fail a run that completes)."""
     text = HOSTS.format(steps=steps, staleness=1, mode="decoupled", sync="disk", dp=1,
                         sync_opts="")
     if only:
@@ -36,7 +38,7 @@ def start(tmp_path: Path, env: str = "envs.builtin.arith:ArithEnv", steps: int =
     text = text.replace("eval_every = 0\n", f"eval_every = 0\nmax_failed_batches = "
                         f"{max_failed_batches}\nfailure_notice_interval_s = 0.0\n")
     text = text.replace("progress_interval_s = 1.0", "progress_interval_s = 0.0\n"
-                        "request_retry_s = 3.0")
+                        f"request_retry_s = 3.0\ntolerate_failures = {str(tolerate).lower()}")
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(text)
     run_dir = tmp_path / "run"
@@ -102,7 +104,7 @@ def test_kill_9_of_buffer_trainer_and_worker_with_a_flaky_verifier_and_the_run_c
     """One run, three faults in turn, while the verifier raises on about a quarter of the
     tasks: kill -9 of the buffer, then of the trainer between checkpoints, then of the only
     worker; the run completes every step and the buffer's books balance."""
-    proc, run_dir = start(tmp_path, env="tests.faulty_envs:SometimesBroken")
+    proc, run_dir = start(tmp_path, env="tests.faulty_envs:SometimesBroken", tolerate=True)
     lines: list[str] = []
     for victim, after_step in (("buffer", 2), ("trainer", 5), ("worker0", 6)):
         read_until(proc, rf"trainer: step {after_step}/", lines)
@@ -110,13 +112,17 @@ def test_kill_9_of_buffer_trainer_and_worker_with_a_flaky_verifier_and_the_run_c
         read_until(proc, rf"{victim} failed .*restart 1/", lines)
     out = finish(proc, lines)
     steps = assert_completed(out, proc.returncode, run_dir)
-    assert "buffer: restored from its journal" in out
+    flat = " ".join(out.split())  # notices are wrapped at 80 columns
+    assert "buffer: restored from its journal" in flat
     # the trainer resumed from its step-4 checkpoint and trained steps 4-5 again on the same
     # batches the buffer had handed out for them
-    assert "trainer restarted at step 4" in out
+    assert "trainer restarted at step 4" in flat
     assert max(r["values"].get("train/staleness_max", 0) for r in steps) <= 1
-    assert re.search(r"rollout: \d+/16 episodes failed in batch \d+ \(math: \d+.*\); last: "
-                     r"math task '.*' .*ZeroDivisionError: verifier bug on task", out), out[-3000:]
+    assert re.search(r"rollout: \d+/16 episodes failed in batch \d+ \(math: \d+.*?\); last: "
+                     r"math task '.*' .*ZeroDivisionError: verifier bug on task", flat), out[-3000:]
+    # tolerated: the run exits 0 (assert_completed) and still says what failed, at the end
+    assert re.search(r"failures: \d+ episode\(s\) failed \(\d+ in their environment", flat)
+    assert json.loads((run_dir / "exit.json").read_text())["failures"]["env_failed"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -125,5 +131,6 @@ def test_a_verifier_that_always_raises_ends_the_run_with_its_error(tmp_path):
                           only=True)
     out = finish(proc, [])
     assert proc.returncode == 1, out[-3000:]
-    assert "rollout ended the run: EndRun: every episode of 2 consecutive batches failed" in out
-    assert "RuntimeError: the verifier's service is down" in out
+    flat = " ".join(out.split())  # notices are wrapped at 80 columns
+    assert "rollout ended the run: EndRun: every episode of 2 consecutive batches failed" in flat
+    assert "RuntimeError: the verifier's service is down" in flat

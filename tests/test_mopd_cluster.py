@@ -4,6 +4,7 @@ sample, the trainer distills, versions advance, per-teacher metrics stream."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,16 @@ def test_multi_teacher_run(tmp_path, mode):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
     assert [v["version"] for v in steps] == [1, 2, 3]
+    # the console tells a distillation run by its KL to the teachers, not by a loss of 0, in
+    # 80 columns; its plots draw the KL per teacher
+    out = result.stdout
+    assert "trainer: step 3/3" in out and "distill_kl=" in out and "arith=" in out, out[-3000:]
+    said_loss = re.search(r"(?<![a-z_])loss=0(?![.\d])", out)
+    assert not said_loss, out[said_loss.start() - 400:said_loss.end() + 100]
+    assert "clipfrac" not in out
+    wide = [line for line in out.splitlines() if len(line) > 80 and " " in line.strip()]
+    assert not wide, wide
+    assert (run_dir / "plots" / "opd.png").stat().st_size > 0
     for v in steps:  # both teachers gave a signal on their own samples
         assert v["opd/arith/tokens"] > 0 and v["opd/reverse/tokens"] > 0
         assert v["opd/arith/reverse_kl"] >= 0 and v["opd/reverse/reverse_kl"] >= 0 or server

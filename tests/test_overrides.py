@@ -297,7 +297,7 @@ def test_actors_get_python_path_and_absolute_model_paths(tmp_path):
     result = resume("--allow-changes", "--dry-run")  # knowingly: said, then planned
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resume: continuing with changes (recorded -> given): actors.probe.config.out" in \
-        result.stdout
+        " ".join(result.stdout.split())  # wrapped at 80 columns
     # the file as it was: the resume goes on (the run is complete, so nothing is left)
     hosts.write_text(text)
     result = resume("--set", "run.progress_interval_s=1")
