@@ -18,7 +18,9 @@ is checked: PATH is dotted (`actors.trainer.config.optimizer.lr`), VALUE is read
 (`16`, `3e-5`, `true`, `[1, 2]`, `'"text"'`; a bare word that is not TOML is a string). A table
 missing on the way is created only where the schema has one; an unknown field is an error naming
 the `--set`. The overrides are recorded in the run directory's config.json; `--resume RUN_DIR`
-applies the recorded ones again and refuses a different set (start a new run to change them).
+applies the recorded ones again, given ones over them, and refuses a config that is not the
+run's beyond num_steps, the layout and [run]'s supervision fields, listing what changed
+(launch/resume.py; `--allow-changes` continues anyway).
 
 Engine options pass through natively (runtime/passthrough.py, `--help` lists the prefixes):
 `--<prefix>-<option> [value]` lands in the table of that name (`sglang`, `router`, ...) of every
