@@ -21,7 +21,8 @@ scored across vocabularies: each sample is re-tokenized for it (logic/teachers.p
 the request carries the teacher's own token ids), the teacher's scores are moved onto the
 student's tokens by aligned character spans (algos/cross_tokenizer.py: each student token of a
 span gets `teacher_logprobs = rollout log-prob - the span's difference`, so the trainer's r_t is
-the span's; top-k mapped to student ids by token text at spans of one token on each side), and
+the span's, or with `span_credit = "prefix"` its causal share from the teacher's top-k prefix
+probabilities, for which the request asks `top_logprobs_num = prefix_top_k`; top-k mapped to student ids by token text at spans of one token on each side), and
 per teacher it publishes `aligned_char_frac` (response characters inside aligned spans),
 `aligned_spans_per_sample`, and for top-k `topk_matched_frac` (policy tokens with a mapped set)
 and `topk_dropped_mass` (the teacher's top-k probability without a student token, per matched
