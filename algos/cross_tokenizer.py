@@ -29,6 +29,10 @@ Signals, with n_s student and n_t teacher tokens and spans S (all float64 here):
    Each token of S carries the whole D_S (not a share): the policy gradient of the span is then
    `-beta D_S grad log pi_s(S)`, the span-level form of the per-token estimator. Unaligned
    tokens get `teacher_t = s_t` (r_t = 0 up to drift).
+   Causal within a span (`prefix_teacher_logprobs`, a teacher's `span_credit = "prefix"`):
+   where the student splits one teacher token finer, each student token instead gets its own
+   teacher log-prob from the teacher's top-k prefix probabilities, which sum to the teacher
+   token's over the span; r_t is then exact with the trainer's own log-probs.
 2. distribution, exact-match (`map_topk`): at spans of one student and one teacher token, the
    teacher's top-k ids are mapped to student ids whose token strings are equal (`vocab_map`:
    strings unique on both sides), entries without a match are dropped and their teacher
