@@ -44,6 +44,7 @@ from training.batching import MicroBatch
 from training.config import CriticConfig
 from training.heads import head_response_logprobs, response_head
 from training.master_weights import make_optimizer
+from training.packing import packed_logprobs
 from training.weight_sets import hollow_copy, optimizer_tensors
 
 
@@ -57,11 +58,16 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
     forward instead: one padded forward whose values do not depend on the padding, the batch
     or the micro-batch size (so `by_length` changes nothing there). Otherwise a model with a
     plain output head computes them from the response positions' hidden states chunk by chunk
-    (training/heads.py: no logits held), others from their logits.
+    (training/heads.py: no logits held), others from their logits. A micro-batch with packed
+    rows (`mb.packed`, `micro_batches.pack`) runs one packed forward (training/packing.py),
+    `by_length` ignored, except under the invariant forward, which runs the padded rows.
     """
-    head = None if is_enabled(model) or by_length else response_head(model, mb)
+    packed = mb.packed is not None and not is_enabled(model)
+    head = None if is_enabled(model) or (by_length and not packed) else response_head(model, mb)
     if head is not None:
         return head_response_logprobs(head, mb, temperature, with_entropy)
+    if packed:
+        return packed_logprobs(model, mb.packed, temperature, with_entropy)
     if is_enabled(model):
         logp, ent = decoder_for(model).token_logprobs(mb.input_ids, mb.attention_mask,
                                                       temperature, with_entropy)

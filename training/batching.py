@@ -4,11 +4,15 @@ Invariant: for a sample with P prompt tokens and R response tokens, `input_ids` 
 tokens (right-padded), and the response-aligned tensors (`mask`, `rollout_logp`, and log-probs
 gathered with `algos.logprobs.response_slice`) have R valid columns: column j is the log-prob of
 response token j, which `token_logprobs(...)[:, P - 1 + j]` computes from the full sequence.
+With `micro_batches.pack` a micro-batch also carries its samples packed in rows (`packed`,
+training/packing.py) and the model passes run on those; the response-aligned tensors are the
+same either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +28,9 @@ class MicroBatch:
     mask: torch.Tensor  # [B, R] float, 1 on policy tokens
     rollout_logp: torch.Tensor  # [B, R]
     rewards: torch.Tensor  # [B]
+    # the same samples packed in rows (training.packing.PackedBatch), on the same device, with
+    # `micro_batches.pack`: the model passes then run on it instead of `input_ids`
+    packed: Any = None
 
     @property
     def num_response_cols(self) -> int:
@@ -33,7 +40,8 @@ class MicroBatch:
         """The same micro-batch with its tensors on `device`."""
         return MicroBatch(self.samples, *(t.to(device) for t in (
             self.input_ids, self.attention_mask, self.prompt_lens, self.mask,
-            self.rollout_logp, self.rewards)))
+            self.rollout_logp, self.rewards)),
+            packed=None if self.packed is None else self.packed.to(device))
 
 
 def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:

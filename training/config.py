@@ -64,11 +64,21 @@ class MicroBatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # float32 logits the loss head makes at once (algos/loss_head.py: a chunk of tokens x V);
     # 256 MiB is 441 tokens at V = 151,936
     head_chunk_mib: int = 256
+    # the model passes of the step (recompute, policy forward+backward, reference, old actors)
+    # run on packed rows: each micro-batch's samples end to end in rows of <= max_tokens tokens
+    # (no cap: one row), positions restarting per sample, attention kept per sample
+    # (training/packing.py), instead of right-padded rows. Torch backend, plain output head;
+    # true_on_policy, OPD top_p_replay and pipeline stages fall back to padding (logged)
+    pack: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.max_tokens < 0:
             raise ValueError(f"micro_batches needs size >= 1 and max_tokens >= 0 (0 = no cap); "
                              f"got size = {self.size}, max_tokens = {self.max_tokens}")
+        if self.pack and self.forward_by_length:
+            raise ValueError("micro_batches.pack = true and forward_by_length = true conflict: "
+                             "packed rows are already unpadded (one forward per micro-batch, "
+                             "attention per sample); drop forward_by_length")
         if self.head_chunk_mib < 1:
             raise ValueError(f"micro_batches.head_chunk_mib must be >= 1 (MiB of float32 logits "
                              f"per loss-head chunk), got {self.head_chunk_mib}")

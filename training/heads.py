@@ -10,7 +10,10 @@ entropies, every OPD set KL) is computed by `algos/loss_head.py` from (h, W), ch
   `get_output_embeddings()` records them and hands the layer an empty tensor): the hidden
   states [B, R, H] (column j of row b: the position predicting response token j, as
   `algos.logprobs.response_slice`) and W [V, H]. Gradients flow to both when called with grad.
-  Works on a skeleton with `params` (a colocated teacher's weight set) as well.
+  Works on a skeleton with `params` (a colocated teacher's weight set) as well. A micro-batch
+  with packed rows (`mb.packed`, `micro_batches.pack`) and no `params` runs one packed forward
+  (training/packing.py) instead, and the response positions' hidden states are gathered from
+  the rows: the same [B, R, H], so the head functions are the same and no logits are made.
 - `plain_head(model)`: the output layer when it is a bias-free `nn.Linear` whose output is the
   model's logits as they are (no soft-capping or logit scaling in its config): the models this
   project trains (Qwen2/Qwen3/Llama and the tiny test models). Other models keep the logits
@@ -32,6 +35,13 @@ import torch
 from algos.logprobs import position_ids_from_mask, response_slice
 from algos.loss_head import head_logprobs
 from training.batching import MicroBatch
+from training.packing import (
+    PackedBatch,
+    attention_mechanism,
+    packed_forward,
+    packed_response_logits,
+    response_positions,
+)
 
 # config attributes that rescale a model's logits after its output layer (their neutral value)
 LOGIT_RESCALES = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
@@ -72,7 +82,32 @@ def response_head(model: Any, mb: MicroBatch, params: dict | None = None) -> Res
         seen.append(ResponseHead(hidden, module.weight))  # under functional_call: the set's
         return hidden[:, :0]  # the layer makes [B, 0, V]: nothing
 
+    if mb.packed is not None and params is None:
+        return packed_response_head(model, head, mb.packed, record, seen)
     _through_head(model, head, mb, params, record)
+    return seen[0]
+
+
+def packed_response_head(model: Any, head: torch.nn.Module, packed: PackedBatch, record: Any,
+                         seen: list[ResponseHead]) -> ResponseHead:
+    """`response_head` on the packed rows of a micro-batch (training/packing.py): one packed
+    forward, the output layer's input cut to the response positions' hidden states [B, R, H]
+    (gathered from the rows, in the samples' order) before `record` takes them."""
+    flat = attention_mechanism(model) == "varlen"
+
+    def select(module, args):
+        hidden = args[0]
+        width = packed.num_tokens if flat else packed.input_ids.shape[1]
+        if hidden.dim() != 3 or hidden.shape[1] != width:
+            raise RuntimeError(f"the output head saw hidden states {tuple(hidden.shape)}, not "
+                               f"one per packed position (width {width})")
+        return (record(module, response_positions(hidden, packed, flat)),) + tuple(args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        packed_forward(model, packed)
+    finally:
+        handle.remove()
     return seen[0]
 
 
@@ -80,9 +115,12 @@ def response_logits(model: Any, mb: MicroBatch, params: dict | None = None) -> t
     """Response-aligned logits [B, R, V] (row b, column j: the logits predicting response token
     j), in the model's dtype. The output head is applied to the response positions' hidden
     states only, so no [B, L, V] tensor is made; a model without that module gives
-    `response_slice(forward_logits(...))`."""
+    `response_slice(forward_logits(...))`. Packed rows (`mb.packed`, no `params`): from one
+    packed forward (training/packing.py `packed_response_logits`)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    if mb.packed is not None and params is None:
+        return packed_response_logits(model, mb.packed)
     if not isinstance(head, torch.nn.Module):
         return response_slice(forward_logits(model, mb, params), mb.prompt_lens,
                               mb.num_response_cols)

@@ -292,11 +292,15 @@ def packed_forward(model: Any, packed: PackedBatch, mechanism: str | None = None
     raise ValueError(f"unknown attention mechanism {mechanism!r}; known: {MECHANISMS}")
 
 
-def _select_responses(hidden: torch.Tensor, packed: PackedBatch, flat: bool) -> torch.Tensor:
-    """The hidden states [B, R, H] at the positions predicting the response tokens."""
+def response_positions(per_position: torch.Tensor, packed: PackedBatch,
+                       flat: bool = False) -> torch.Tensor:
+    """Per-position outputs of one packed forward (rows [rows, L, ...], or with `flat` the
+    varlen forward's [1, T, ...]) at the positions predicting the response tokens: [B, R, ...],
+    row b column j predicting response token j of sample b (past its response: the sample's
+    last position, as `algos.logprobs.response_slice` clamps; mask them)."""
     if flat:  # varlen: [1, T, H] over the real tokens
-        return hidden[0, _flat_index(packed)]
-    return hidden[packed.resp_rows, packed.resp_cols]
+        return per_position[0, _flat_index(packed)]
+    return per_position[packed.resp_rows, packed.resp_cols]
 
 
 def packed_response_logits(model: Any, packed: PackedBatch, mechanism: str | None = None
@@ -311,10 +315,10 @@ def packed_response_logits(model: Any, packed: PackedBatch, mechanism: str | Non
     head = get_head() if callable(get_head) else None
     if not isinstance(head, torch.nn.Module):
         logits = packed_forward(model, packed, mechanism).logits
-        return _select_responses(logits, packed, flat)
+        return response_positions(logits, packed, flat)
 
     def select(_module, args):
-        return (_select_responses(args[0], packed, flat),) + tuple(args[1:])
+        return (response_positions(args[0], packed, flat),) + tuple(args[1:])
 
     handle = head.register_forward_pre_hook(select)
     try:

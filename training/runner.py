@@ -14,7 +14,10 @@ plus `is_last_stage` (this rank computes losses and statistics) and `share(stats
 stage's statistics on every rank of the model, so global rank 0 reports them).
 
 `TorchRunner` serves any model with a whole forward (transformers, or a model-parallel backend's
-model at pipeline size 1): it loops the micro-batches. A pipeline-parallel backend gives its own
+model at pipeline size 1): it loops the micro-batches. With `micro_batches.pack` a micro-batch
+carries its samples packed in rows (`mb.packed`, training/packing.py) and each of its passes is
+one packed forward (`packs`); loss_fn gets the same response-aligned [B, R] values either way.
+A runner without `packs` gets padded micro-batches only (training/step.py `packing_allowed`). A pipeline-parallel backend gives its own
 runner (training/backends.py `model_runner`) over its schedule. Invariant: on the same weights both give the same log-probs,
 gradients and losses (up to float summation order); a runner never changes what is computed,
 only where.
@@ -39,6 +42,7 @@ class ModelRunner(Protocol):
     is_last_stage: bool  # this rank has the logits: it computes losses and statistics
     whole_model: bool  # this rank can run the model's whole forward by itself
     gives_heads: bool  # forward_backward(heads=True) gives loss_fn a ResponseHead, not logits
+    packs: bool  # its passes run a micro-batch's packed rows (`mb.packed`) where it has them
     device: torch.device
 
     def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
@@ -57,6 +61,7 @@ class TorchRunner:
 
     is_last_stage = True
     whole_model = True
+    packs = True  # micro_batch_logprobs / response_head run `mb.packed` where it is set
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

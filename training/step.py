@@ -7,6 +7,11 @@ Phases of `train_on_batch`:
    longer than `micro_batches.max_tokens` is trained alone and counted in
    `train/oversized_samples`; with colocated teachers the rank's samples are packed again,
    teacher by teacher, by the same rule (`teacher_micro_batches`: one teacher per micro-batch);
+   with `micro_batches.pack` each micro-batch's samples are also packed end to end in rows of
+   at most `max_tokens` tokens (no cap: one row), `mb.packed` (training/packing.py), and the
+   model passes below (recompute, reference, old actors, the policy pass and the one after the
+   update) run on those rows instead of the padded ones (`packing_allowed`: where a combination
+   cannot, the padded rows run and the reason is logged); teachers and the critic stay padded;
 2. prepare (no grad): old-policy log-probs recomputed on exactly those micro-batches (the
    runner's log-prob pass, or the rollout's with `mismatch.bypass`; with decoupled PPO's
    `proximal = "rollout_version"` each sample's from the old-actor weight set of its version),
@@ -42,9 +47,10 @@ differs logs a warning naming the step and the count.
 Invariant: the old-policy log-probs are recomputed on exactly the micro-batches that training
 then uses (same split, same padding, same temperature), with the same function the inference
 worker uses for its log-probs (`algos.logprobs`), so the train-rollout mismatch measures the
-engines, not the bookkeeping. With `forward_by_length` the forward runs once per distinct
-sequence length inside a micro-batch, without padding: the key length of every attention sum is
-then the sequence's own, as in an unpadded forward (padding changes fp32 reduction order).
+engines, not the bookkeeping (packed rows too: every pass of the step runs the same packing).
+With `forward_by_length` the forward runs once per distinct sequence length inside a
+micro-batch, without padding: the key length of every attention sum is then the sequence's own,
+as in an unpadded forward (padding changes fp32 reduction order).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from typing import Any
 import torch
 
 from algos.advantages import estimator, sample_scores, token_advantages, whiten_sums, whiten_with
-from algos.dp_schedule import pack
+from algos.dp_schedule import pack as pack_lengths
 from algos.kl import approx_kl
 from algos.loss_head import chunk_bytes
 from algos.mismatch import correction_weights, mismatch_metrics
@@ -90,8 +96,9 @@ from training.colocated_teachers import (
 )
 from training.config import TrainConfig
 from training.data_parallel import NO_CAP, SingleProcess, plan_micro_batches
-from training.heads import ResponseHead, response_tokens
+from training.heads import ResponseHead, plain_head, response_tokens
 from training.opd_heads import opd_head_loss
+from training.packing import pack
 from training.runner import ModelRunner, TorchRunner
 from training.state import TrainState
 from transport.schema import Sample
@@ -152,8 +159,12 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     if cfg.opd is not None and cfg.teachers:  # colocated teachers: one per micro-batch
         groups = teacher_micro_batches(groups, samples, cfg.micro_batches.size,
                                        cfg.micro_batches.max_tokens)
-    mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id).to(runner.device)
-           for idx in groups]
+    mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id) for idx in groups]
+    if cfg.micro_batches.pack and packing_allowed(state, cfg, runner):
+        for mb in mbs:  # one row per micro-batch without a cap (its samples end to end)
+            cap = cfg.micro_batches.max_tokens or int(mb.attention_mask.sum())
+            mb.packed = pack(mb.samples, cap, state.pad_id)
+    mbs = [mb.to(runner.device) for mb in mbs]
     last = runner.is_last_stage  # the stage with logits: losses and statistics
     totals = dict.fromkeys(TOTALS, 0.0)
     prep = prepare(state, runner, samples, groups, mbs, cfg, dp, totals, by_length)
@@ -190,6 +201,30 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
                                                  for c, mb in zip(current, mbs)])])
     return runner.share(stats | mismatch_metrics(*_stack(parts)))
+
+
+_PACK_NOTES: set[str] = set()  # the padding fallbacks already logged in this process
+
+
+def packing_allowed(state: TrainState, cfg: TrainConfig, runner: ModelRunner) -> bool:
+    """Whether `micro_batches.pack` can run this step's passes on packed rows; where it cannot,
+    the padded micro-batches run and the reason is logged once per process."""
+    reason = None
+    if cfg.true_on_policy:
+        reason = "true_on_policy runs the batch-invariant forward, on padded rows"
+    elif any(c.top_p_replay for c in opd_configs_of(cfg)):
+        reason = "OPD top_p_replay reads the student's response logits of the padded forward"
+    elif not getattr(runner, "packs", False):
+        reason = "the backend's runner (pipeline stages) schedules padded micro-batches"
+    elif cfg.backend != "torch":
+        reason = f"the {cfg.backend} backend's model attends over padded rows"
+    elif plain_head(state.model) is None:
+        reason = ("the model's output layer is not a plain bias-free linear head "
+                  "(training/heads.py plain_head)")
+    if reason is not None and reason not in _PACK_NOTES:
+        _PACK_NOTES.add(reason)
+        log.warning("micro_batches.pack = true: the step runs padded micro-batches: %s", reason)
+    return reason is None
 
 
 def warn_unequal(totals: dict[str, float], step: int) -> None:
@@ -293,8 +328,8 @@ def teacher_micro_batches(planned: list[list[int]], samples: list[Sample], size:
     out = []
     for idx in by_teacher.values():
         lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
-        parts, _ = (pack(lengths, max_tokens) if max_tokens > 0
-                    else pack(lengths, NO_CAP, "fixed", size))
+        parts, _ = (pack_lengths(lengths, max_tokens) if max_tokens > 0
+                    else pack_lengths(lengths, NO_CAP, "fixed", size))
         out += [sorted(idx[p] for p in part) for part in parts]
     return sorted(out)
 

@@ -1,0 +1,217 @@
+"""The train step with `micro_batches.pack = true` equals the padded step, computing fewer tokens.
+
+On a tiny Qwen2 (fp32, CPU, random init, fixed seed) and samples of very different lengths: a
+GRPO step, a step with a KL loss to a reference and one with the entropy bonus give the same
+statistics, gradients and updated weights packed as padded (within float tolerance), while
+every model pass of the packed step runs on packed rows (training/heads.py `packed_forward`)
+with fewer tokens than the padded micro-batches' B x L. Where a combination cannot pack, the
+step runs padded and says why; the field loads from hosts.toml.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import training.heads
+from actors.trainer import TrainerConfig
+from launch.config import ConfigError, load
+from models.tiny import build_tiny
+from training.aux_models import AuxModel
+from training.batching import make_micro_batch
+from training.config import KlConfig, LossConfig, MicroBatchConfig, OptimizerConfig
+from training.data_parallel import plan_micro_batches
+from training.packing import pack
+from training.runner import TorchRunner
+from training.step import TrainState, packing_allowed, train_on_batch
+from transport.schema import Sample
+
+# (prompt, response) lengths: long-tailed, one response of one token, one 90-token sample
+SHAPES = [(3, 40), (5, 2), (1, 1), (10, 30), (4, 3), (30, 60), (2, 62), (7, 9), (6, 5),
+          (3, 14)]
+REL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread while a test here runs (restored after it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def samples() -> list[Sample]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i, (p, r) in enumerate(SHAPES):
+        ids = torch.randint(4, 54, (p + r,), generator=gen).tolist()
+        lps = (-torch.rand(r, generator=gen) * 4).tolist()
+        out.append(Sample(group_id=f"g{i // 2}", index=i % 2, domain="d", prompt_ids=ids[:p],
+                          response_ids=ids[p:], loss_mask=[1] * r, rollout_logprobs=lps,
+                          reward=float(i % 3 == 0)))
+    return out
+
+
+class Passes:
+    """Counts the packed forwards of training/heads.py and the tokens their rows hold."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.tokens = 0, 0
+        real = training.heads.packed_forward
+
+        def spy(model, packed, *args, **kwargs):
+            self.calls += 1
+            self.tokens += packed.num_computed_tokens
+            return real(model, packed, *args, **kwargs)
+
+        monkeypatch.setattr(training.heads, "packed_forward", spy)
+
+
+def run(pack_rows: bool, micro: dict, with_ref: bool = False, **overrides):
+    """(stats, gradients after the step, weights after the step) of one step."""
+    torch.manual_seed(0)
+    model, tok = build_tiny("tiny-qwen2", seed=0)
+    ref = AuxModel.frozen_copy(build_tiny("tiny-qwen2", seed=1)[0], "cpu") if with_ref else None
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=0.5), ref)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"],
+                        micro_batches=MicroBatchConfig(pack=pack_rows, **micro),
+                        optimizer=OptimizerConfig(lr=0.5, grad_clip=0.0), **overrides)
+    stats = train_on_batch(state, samples(), cfg)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return stats, grads, weights
+
+
+def assert_same(padded, packed):
+    stats_a, grads_a, weights_a = padded
+    stats_b, grads_b, weights_b = packed
+    assert stats_a.keys() == stats_b.keys()
+    for key, value in stats_a.items():
+        assert stats_b[key] == pytest.approx(value, rel=REL, abs=1e-6), key
+    for name, g in grads_a.items():
+        scale = g.abs().max().item()
+        assert scale > 0, name  # every parameter trains
+        assert (grads_b[name] - g).abs().max().item() <= REL * scale + 1e-8, name
+        assert torch.allclose(weights_b[name], weights_a[name], rtol=REL, atol=1e-7), name
+
+
+# no cap: micro-batches of 3 samples, one packed row each; a cap of 64 tokens: first-fit
+# decreasing micro-batches, the 90-token sample alone
+@pytest.mark.parametrize("micro", [{"size": 3}, {"max_tokens": 64}], ids=["size", "max_tokens"])
+def test_a_grpo_step_packed_equals_the_padded_step(monkeypatch, micro):
+    padded = run(False, micro)
+    passes = Passes(monkeypatch)
+    packed = run(True, micro)
+    assert_same(padded, packed)
+    assert padded[0]["train/grad_norm"] > 0 and padded[0]["train/policy_kl"] > 0
+    plan = plan_micro_batches(samples(), micro.get("size", 16), micro.get("max_tokens", 0))
+    batches = [[samples()[i] for i in idx] for idx in plan.micro_batches]
+    # recompute, policy pass, the pass after the update: three packed forwards per micro-batch
+    assert passes.calls == 3 * len(batches)
+    padded_tokens = sum(make_micro_batch(b).input_ids.numel() for b in batches)
+    assert passes.tokens < 0.8 * 3 * padded_tokens  # long-tailed: much less than B x L
+    real = sum(p + r for p, r in SHAPES)
+    if "max_tokens" in micro:  # every micro-batch fits its cap: one row of its real tokens
+        assert passes.tokens == 3 * real
+
+
+def test_a_step_with_kl_to_a_reference_packed_equals_the_padded_step(monkeypatch):
+    overrides = dict(kl=KlConfig(coef=0.5, use_kl_loss=True, estimator="k3"))
+    padded = run(False, {"size": 4}, with_ref=True, **overrides)
+    passes = Passes(monkeypatch)
+    packed = run(True, {"size": 4}, with_ref=True, **overrides)
+    assert_same(padded, packed)
+    assert padded[0]["train/kl_loss"] > 0.01  # a reference of other weights: a real KL term
+    assert passes.calls == 4 * 3  # the reference's pass is packed too
+
+
+def test_a_step_with_the_entropy_bonus_packed_equals_the_padded_step(monkeypatch):
+    overrides = dict(loss=LossConfig(entropy_coef=0.5))
+    padded = run(False, {"size": 4}, **overrides)
+    Passes(monkeypatch)
+    packed = run(True, {"size": 4}, **overrides)
+    assert_same(padded, packed)
+    plain = run(False, {"size": 4})
+    # the bonus changes the update, so equal updates above are the entropy's gradient too
+    assert any(not torch.allclose(plain[1][n], g, rtol=1e-3) for n, g in padded[1].items())
+
+
+def test_packed_rows_hold_fewer_tokens_than_padded_micro_batches():
+    batch = samples()
+    padded = make_micro_batch(batch).input_ids.numel()  # B x longest
+    rows = pack(batch, sum(p + r for p, r in SHAPES))
+    assert rows.input_ids.shape[0] == 1 and rows.num_computed_tokens == rows.num_tokens
+    assert rows.num_computed_tokens < 0.35 * padded
+
+
+def test_combinations_that_cannot_pack_run_padded_and_say_why(caplog):
+    model, _ = build_tiny("tiny-qwen2", seed=0)
+    state = TrainState(model, None, torch.optim.SGD(model.parameters(), lr=0.1))
+    runner = TorchRunner(model)
+    base = dict(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(pack=True))
+    assert packing_allowed(state, TrainerConfig(**base), runner)
+    with caplog.at_level(logging.WARNING, logger="training.step"):
+        assert not packing_allowed(state, TrainerConfig(**base, true_on_policy=True), runner)
+
+        class Pipeline:  # a runner without `packs` (the megatron pipeline runner)
+            whole_model, is_last_stage = False, True
+
+        assert not packing_allowed(state, TrainerConfig(**base), Pipeline())
+    text = caplog.text
+    assert "true_on_policy" in text and "pipeline" in text and "padded" in text
+
+
+def test_pack_with_forward_by_length_is_refused():
+    with pytest.raises(ValueError, match="forward_by_length"):
+        MicroBatchConfig(pack=True, forward_by_length=True)
+    assert MicroBatchConfig(pack=True, forward_by_length=False).pack
+
+
+HOSTS = """
+[run]
+name = "t"
+
+[[hosts]]
+name = "local"
+
+[actors.buffer]
+cls = "actors.buffer:BufferActor"
+
+[actors.w]
+cls = "actors.inference:InferenceWorker"
+
+[actors.router]
+cls = "actors.router:RouterActor"
+after = ["w"]
+
+[actors.trainer]
+cls = "actors.trainer:TrainerActor"
+after = ["buffer", "w"]
+[actors.trainer.config]
+model = "examples/base-tiny"
+workers = ["w"]
+micro_batches = { MICRO }
+
+[actors.rollout]
+cls = "actors.rollout:RolloutActor"
+after = ["router", "buffer"]
+[actors.rollout.config]
+envs = [{ cls = "envs.builtin.arith:ArithEnv" }]
+group_size = 4
+groups_per_batch = 2
+"""
+
+
+def test_pack_loads_from_hosts_toml(tmp_path: Path):
+    path = tmp_path / "hosts.toml"
+    path.write_text(HOSTS.replace("MICRO", "pack = true, max_tokens = 512"))
+    cfg = msgspec.convert(load(path).actors["trainer"].config, TrainerConfig)
+    assert cfg.micro_batches.pack and cfg.micro_batches.max_tokens == 512
+    path.write_text(HOSTS.replace("MICRO", "pack = true, forward_by_length = true"))
+    with pytest.raises(ConfigError, match="forward_by_length"):
+        load(path)
