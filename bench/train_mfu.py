@@ -20,11 +20,18 @@ same run (8192^3). Printed per shape: step time (median of `--steps` after a war
 spread), tokens/s, MFU, the padding fraction, and memory: torch's peak reserved and NVML's used
 (the user-visible number) after the steps.
 
-Measured here: the torch backend with padded micro-batches. Megatron and packed micro-batches
-are not measured by this script yet (packing is not in the train step; bench.megatron_gpu times
-the megatron backend): their RESULT keys say `n/a`.
-Final line: `RESULT mfu_best=... mfu_torch=... mfu_megatron=n/a packed_vs_padded=n/a` (the
-largest shape's MFU).
+Measured here: the torch backend with padded micro-batches, and with `--pack` also the same
+step with `micro_batches.pack = true` (training/packing.py: each micro-batch's samples end to
+end in rows of at most `--mb-tokens` tokens, attention per sample) on a model built with
+`training.packing.preferred_attn_implementation` (FlashAttention 2 varlen on CUDA with
+flash-attn installed: no padding computed at all; else sdpa with transformers' packed-sequence
+mask); the padded step keeps the default attention (sdpa), as before. The padding fraction of
+the packed step is 1 - real tokens / tokens its forwards compute (rows x the longest row, 0 with
+varlen). Megatron is not measured by this script (bench.megatron_gpu times it): `n/a`.
+Final line (the largest shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=n/a
+packed_vs_padded=n/a step_s=... padding=...`, and with `--pack` also `mfu_packed=...
+step_packed_s=... padding_packed=...` and `packed_vs_padded` = padded step time / packed step
+time (> 1: packing is faster); mfu_best is the better of the two.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from models.tiny import build_char_tokenizer
 from training.config import MicroBatchConfig, OptimizerConfig
 from training.data_parallel import plan_micro_batches
 from training.master_weights import make_optimizer
+from training.packing import attention_mechanism, pack, preferred_attn_implementation
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
@@ -49,7 +57,7 @@ SHAPES = {"1.5b": (1536, 28, 12, 2, 8960, 151936), "3b": (2048, 36, 16, 2, 11008
           "tiny": (64, 2, 4, 2, 128, 1024)}
 
 
-def hf_model(shape: str, device: str, dtype: torch.dtype):
+def hf_model(shape: str, device: str, dtype: torch.dtype, attn: str | None = None):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
@@ -59,7 +67,9 @@ def hf_model(shape: str, device: str, dtype: torch.dtype):
                       rope_theta=1000000.0, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        if attn is None:
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
 
 
 def lengths_for(tokens: int, vocab_cap: int, seed: int = 0) -> list[int]:
@@ -104,16 +114,33 @@ def matmul_peak(device: str, dtype: torch.dtype, n: int = 8192, reps: int = 20) 
     return 2.0 * n ** 3 / best
 
 
-def run_shape(shape: str, args, dtype: torch.dtype, peak: float) -> dict[str, float]:
+def computed_tokens(samples: list[Sample], mb_tokens: int, packed: bool, varlen: bool) -> int:
+    """Tokens the step's forwards compute per pass: each planned micro-batch's rows x its
+    longest row (padded: one row per sample; packed: rows of <= mb_tokens; varlen: the real
+    tokens only)."""
+    total = 0
+    for idx in plan_micro_batches(samples, 16, mb_tokens).micro_batches:
+        mine = [samples[i] for i in idx]
+        if not packed:
+            total += len(mine) * max(len(s.prompt_ids) + len(s.response_ids) for s in mine)
+            continue
+        rows = pack(mine, mb_tokens)
+        total += rows.num_tokens if varlen else rows.num_computed_tokens
+    return total
+
+
+def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = False
+              ) -> dict[str, float]:
     hidden, layers, _, _, _, vocab = SHAPES[shape]
-    model = hf_model(shape, args.device, dtype)
+    attn = preferred_attn_implementation(args.device) if packed else None
+    model = hf_model(shape, args.device, dtype, attn)
     params = sum(p.numel() for p in model.parameters())
     tok = build_char_tokenizer()  # only its pad id is read
     state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6))
     cfg = TrainerConfig(model="bench", workers=["w"], dtype=str(dtype).split(".")[-1],
                         device=args.device, optimizer=OptimizerConfig(lr=1e-6),
                         micro_batches=MicroBatchConfig(max_tokens=args.mb_tokens,
-                                                       forward_by_length=False))
+                                                       forward_by_length=False, pack=packed))
     lengths = lengths_for(args.tokens, args.mb_tokens)
     samples = samples_of(lengths, vocab)
     cuda = args.device.startswith("cuda")
@@ -127,8 +154,8 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float) -> dict[str, fl
         sync()
         times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    plan = plan_micro_batches(samples, 16, args.mb_tokens).micro_batches
-    computed = sum(len(mb) * max(lengths[i] for i in mb) for mb in plan)  # rows x longest
+    computed = computed_tokens(samples, args.mb_tokens, packed,
+                               attention_mechanism(model) == "varlen")
     out = {"params": params, "tokens": sum(lengths), "samples": len(lengths),
            "padding": 1 - sum(lengths) / computed,
            "step_s": step, "min_s": min(times), "max_s": max(times),
@@ -158,11 +185,30 @@ def nvml_used_gib() -> float:
         pynvml.nvmlShutdown()
 
 
-def result_line(results: dict[str, dict[str, float]]) -> str:
-    """The largest shape's torch MFU; megatron and packing are not measured here (n/a)."""
+def result_line(results: dict[str, dict[str, float]],
+                packed: dict[str, dict[str, float]] | None = None) -> str:
+    """The largest shape's torch MFU, step time and padding, padded and (with `packed`, the
+    same shapes' packed runs) packed; megatron is not measured here (n/a)."""
     largest = max(results, key=lambda s: results[s]["params"])
-    mfu = results[largest]["mfu"]
-    return f"RESULT mfu_best={mfu:.3f} mfu_torch={mfu:.3f} mfu_megatron=n/a packed_vs_padded=n/a"
+    r = results[largest]
+    if not packed:
+        return (f"RESULT mfu_best={r['mfu']:.3f} mfu_torch={r['mfu']:.3f} mfu_megatron=n/a "
+                f"packed_vs_padded=n/a step_s={r['step_s']:.4f} padding={r['padding']:.3f}")
+    q = packed[largest]
+    return (f"RESULT mfu_best={max(r['mfu'], q['mfu']):.3f} mfu_torch={r['mfu']:.3f} "
+            f"mfu_megatron=n/a packed_vs_padded={r['step_s'] / q['step_s']:.3f} "
+            f"step_s={r['step_s']:.4f} padding={r['padding']:.3f} mfu_packed={q['mfu']:.3f} "
+            f"step_packed_s={q['step_s']:.4f} padding_packed={q['padding']:.3f}")
+
+
+def describe(shape: str, r: dict[str, float], steps: int, mode: str) -> str:
+    memory = (f", memory: torch reserved {r['torch_reserved_gib']:.1f} GiB, NVML used "
+              f"{r['nvml_used_gib']:.1f} GiB" if "nvml_used_gib" in r else "")
+    return (f"{shape} {mode}: {r['params'] / 1e9:.2f}B params, {r['samples']} samples, "
+            f"{r['tokens']} tokens: step {r['step_s']:.3f} s (median of {steps}, "
+            f"{r['min_s']:.3f}-{r['max_s']:.3f}), {r['tokens_per_s']:.0f} tokens/s, "
+            f"MFU {100 * r['mfu']:.1f}%, padding {100 * r['padding']:.0f}% of the tokens "
+            f"computed{memory}")
 
 
 def main() -> None:
@@ -173,23 +219,25 @@ def main() -> None:
     p.add_argument("--mb-tokens", type=int, default=8192, help="token cap per micro-batch "
                    "(16,384 runs out of an H200's memory at 3B: no activation checkpointing)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per shape (median shown)")
+    p.add_argument("--pack", action="store_true", help="also time the step with packed "
+                   "micro-batches (micro_batches.pack = true) and compare")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     peak = matmul_peak(args.device, dtype, 8192 if args.device.startswith("cuda") else 512, 5)
     print(f"{args.device}, {str(dtype).split('.')[-1]}: matrix product peak "
           f"{peak / 1e12:.1f} TFLOP/s (measured)", flush=True)
-    results = {}
+    results: dict[str, dict[str, float]] = {}
+    packed: dict[str, dict[str, float]] = {}
     for shape in args.shape.split(","):
-        r = results[shape] = run_shape(shape, args, dtype, peak)
-        memory = (f", memory: torch reserved {r['torch_reserved_gib']:.1f} GiB, NVML used "
-                  f"{r['nvml_used_gib']:.1f} GiB" if "nvml_used_gib" in r else "")
-        print(f"{shape}: {r['params'] / 1e9:.2f}B params, {r['samples']} samples, "
-              f"{r['tokens']} tokens: step {r['step_s']:.3f} s (median of {args.steps}, "
-              f"{r['min_s']:.3f}-{r['max_s']:.3f}), {r['tokens_per_s']:.0f} tokens/s, "
-              f"MFU {100 * r['mfu']:.1f}%, padding {100 * r['padding']:.0f}% of the tokens "
-              f"computed{memory}", flush=True)
-    print("megatron and packed micro-batches: not measured by this script yet (n/a)")
-    print(result_line(results))
+        results[shape] = run_shape(shape, args, dtype, peak)
+        print(describe(shape, results[shape], args.steps, "padded"), flush=True)
+        if args.pack:
+            packed[shape] = run_shape(shape, args, dtype, peak, packed=True)
+            print(describe(shape, packed[shape], args.steps, "packed (attention "
+                           f"{preferred_attn_implementation(args.device)})"), flush=True)
+    print("megatron: not measured by this script (n/a)" + ("" if args.pack else
+          "; packed micro-batches: run with --pack"))
+    print(result_line(results, packed))
 
 
 if __name__ == "__main__":
