@@ -22,6 +22,7 @@ import torch
 import training.heads
 from actors.trainer import TrainerConfig
 from launch.config import ConfigError, load
+from logic.teachers import TeacherSpec
 from models.tiny import build_tiny
 from training.aux_models import AuxModel
 from training.batching import make_micro_batch
@@ -235,3 +236,49 @@ def test_the_mfu_bench_times_the_packed_step_beside_the_padded_one():
     assert float(fields["packed_vs_padded"]) == pytest.approx(ratio, rel=1e-2)
     # long-tailed lengths: the padded rows compute padding, one packed row per micro-batch none
     assert float(fields["padding"]) > 0.05 and float(fields["padding_packed"]) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["full", "top_k"])
+def test_a_distillation_step_packed_equals_the_padded_step(tmp_path, monkeypatch, mode):
+    """Colocated teachers (padded rows, their own forwards) and the student's packed passes:
+    the OPD loss terms from the student's head gathered from the packed rows give the update
+    and the per-teacher KL of the padded step."""
+    from algos.opd import OpdConfig
+    from tests.test_opd_stream import VOCAB, _Tok, colocated, tiny
+    from training.config import TrainConfig
+
+    gen = torch.Generator().manual_seed(3)
+    batch = []
+    for i, (p, r) in enumerate(SHAPES[:8]):
+        ids = torch.randint(3, VOCAB, (p + r,), generator=gen).tolist()
+        batch.append(Sample(group_id=f"g{i // 4}", index=i % 4, domain="d",
+                            prompt_ids=ids[:p], response_ids=ids[p:], loss_mask=[1] * r,
+                            rollout_logprobs=[-8.0] * r, reward=float(i % 3),
+                            teacher="ab"[(i // 2) % 2]))
+    teachers = {"a": tiny(1), "b": tiny(2)}
+    results, passes = [], None
+    for pack_rows in (False, True):
+        if pack_rows:
+            passes = Passes(monkeypatch)
+        student = tiny(0)
+        state = TrainState(student, _Tok(), torch.optim.SGD(student.parameters(), lr=1.0))
+        state.teachers = colocated(tmp_path / f"pack{pack_rows}", teachers)
+        state.temperature = 0.8
+        cfg = TrainConfig(model="code", opd=OpdConfig(mode=mode, top_k=16 if mode == "top_k"
+                                                      else 0),
+                          teachers=[TeacherSpec(name=t, model="code") for t in "ab"],
+                          micro_batches=MicroBatchConfig(size=2, pack=pack_rows))
+        try:
+            stats = train_on_batch(state, batch, cfg)
+        finally:
+            state.teachers.close()
+        results.append((stats, {n: p.detach().clone() for n, p in student.named_parameters()}))
+    (padded, weights), (packed, weights_packed) = results
+    assert passes.calls == 3 * 4  # recompute, policy (with the OPD terms), after the update
+    for name in "ab":
+        assert padded[f"opd/{name}/reverse_kl"] > 0.1
+    for key, value in padded.items():
+        if not key.startswith("opd/teacher_time"):
+            assert packed[key] == pytest.approx(value, rel=REL, abs=1e-6), key
+    for name, w in weights.items():
+        assert torch.allclose(weights_packed[name], w, rtol=REL, atol=1e-6), name
