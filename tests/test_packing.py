@@ -238,3 +238,35 @@ def test_packing_is_deterministic_and_a_micro_batch_packs_like_its_samples():
 def test_bad_input_is_refused_clearly(args, match):
     with pytest.raises(ValueError, match=match):
         pack(*args)
+
+
+@pytest.mark.parametrize("mechanism", ["varlen", "position_ids", "mask"])
+def test_a_micro_batch_with_packed_rows_gives_the_padded_head_values_and_gradients(
+        monkeypatch, mechanism):
+    """`mb.packed` set (micro_batches.pack): `micro_batch_logprobs` runs one packed forward and
+    the loss head on the response hidden states gathered from the rows (training/heads.py
+    `response_head`), under each attention mechanism (varlen: the stand-in)."""
+    import training.heads
+
+    model = build_tiny("tiny-qwen2", seed=3)[0].requires_grad_(True)
+    batch = samples(seed=3)
+    mb = make_micro_batch(batch)
+    want_lp, want_ent = micro_batch_logprobs(model, mb, TEMPERATURE)
+    want = grads(model, want_lp, want_ent, mb.mask)
+    calls: list = []
+    if mechanism == "varlen":
+        AttentionInterface.register("rlx_test_varlen", varlen_stand_in(calls))
+        model.set_attn_implementation("rlx_test_varlen")
+    monkeypatch.setattr(training.heads, "attention_mechanism", lambda _model: mechanism)
+    mb.packed = pack(batch, CAP)
+    assert make_micro_batch(batch).to("cpu").packed is None
+    assert mb.to("cpu").packed is not None  # a micro-batch moved keeps its rows
+    got_lp, got_ent = micro_batch_logprobs(model, mb, TEMPERATURE)
+    got = grads(model, got_lp, got_ent, mb.mask)
+    valid = valid_cols()
+    for g, w in ((got_lp, want_lp), (got_ent, want_ent)):
+        assert (g[valid] - w[valid]).abs().max().item() <= 1e-5
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item() + 1e-12
+    if mechanism == "varlen":  # the real tokens only, sample boundaries passed
+        assert calls and all(n == mb.packed.num_tokens for n, _ in calls)

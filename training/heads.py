@@ -93,7 +93,8 @@ def packed_response_head(model: Any, head: torch.nn.Module, packed: PackedBatch,
     """`response_head` on the packed rows of a micro-batch (training/packing.py): one packed
     forward, the output layer's input cut to the response positions' hidden states [B, R, H]
     (gathered from the rows, in the samples' order) before `record` takes them."""
-    flat = attention_mechanism(model) == "varlen"
+    mechanism = attention_mechanism(model)
+    flat = mechanism == "varlen"
 
     def select(module, args):
         hidden = args[0]
@@ -105,7 +106,7 @@ def packed_response_head(model: Any, head: torch.nn.Module, packed: PackedBatch,
 
     handle = head.register_forward_pre_hook(select)
     try:
-        packed_forward(model, packed)
+        packed_forward(model, packed, mechanism)
     finally:
         handle.remove()
     return seen[0]
