@@ -40,6 +40,10 @@ on the padded micro-batch of the same samples to float precision (positions rest
 `algos.logprobs.position_ids_from_mask` counts them); columns past a sample's response are 0.
 A model in true on-policy mode (models/invariant) has its own batch-invariant forward and is not
 packed here.
+The train step uses it with `micro_batches.pack` (training/step.py): each micro-batch carries
+its `pack`ed rows (`MicroBatch.packed`), and training/heads.py `response_head` gathers the
+response positions' hidden states from one `packed_forward` (`response_positions`) for the
+loss head, so the step's log-probs, entropies and OPD terms never make the logits.
 """
 
 from __future__ import annotations
