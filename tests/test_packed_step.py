@@ -282,3 +282,43 @@ def test_a_distillation_step_packed_equals_the_padded_step(tmp_path, monkeypatch
             assert packed[key] == pytest.approx(value, rel=REL, abs=1e-6), key
     for name, w in weights.items():
         assert torch.allclose(weights_packed[name], w, rtol=REL, atol=1e-6), name
+
+
+def test_a_ppo_step_with_a_critic_and_kl_in_the_reward_packed_equals_the_padded_step(
+        monkeypatch):
+    """The critic keeps its padded rows; the policy's, the reference's and the recompute's
+    passes run packed; TIS weights from the packed log-probs: the same step."""
+    from algos.mismatch import MismatchConfig
+    from training.aux_models import CriticConfig, CriticModel
+
+    results = []
+    for pack_rows in (False, True):
+        if pack_rows:
+            passes = Passes(monkeypatch)
+        torch.manual_seed(0)
+        cfg = TrainerConfig(model="tiny-qwen2", workers=["w"],
+                            micro_batches=MicroBatchConfig(max_tokens=48, pack=pack_rows),
+                            loss=LossConfig(advantage_estimator="ppo", gamma=0.99,
+                                            gae_lambda=0.9),
+                            critic=CriticConfig(lr=1e-3), kl=KlConfig(coef=0.1, in_reward=True),
+                            mismatch=MismatchConfig(correction="tis"),
+                            optimizer=OptimizerConfig(lr=1e-3, grad_clip=0.5))
+        model, tok = build_tiny("tiny-qwen2", seed=0)
+        ref = AuxModel.frozen_copy(build_tiny("tiny-qwen2", seed=1)[0], "cpu")
+        state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=0.5), ref,
+                           CriticModel(model, "cpu", cfg.critic))
+        stats = train_on_batch(state, samples(), cfg)
+        results.append((stats, {n: p.detach().clone() for n, p in model.named_parameters()},
+                        {n: t.clone() for n, t in state.critic.state().items()}))
+    (padded, weights, critic), (packed, weights_packed, critic_packed) = results
+    mbs = len(plan_micro_batches(samples(), 16, 48).micro_batches)
+    assert passes.calls == 4 * mbs  # recompute, reference, policy, after the update
+    assert padded["train/value_loss"] > 0
+    for key, value in padded.items():
+        assert packed[key] == pytest.approx(value, rel=REL, abs=1e-6), key
+    for name, w in weights.items():
+        assert torch.allclose(weights_packed[name], w, rtol=REL, atol=1e-7), name
+    # the critic's AdamW step divides by sqrt(v): its near-zero gradients turn the float noise
+    # of the returns (KL in the reward, from packed log-probs) into ~1e-7; lr is 1e-3
+    for name, w in critic.items():
+        assert torch.allclose(critic_packed[name], w, rtol=REL, atol=2e-6), name
