@@ -67,8 +67,9 @@ class MicroBatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # the model passes of the step (recompute, policy forward+backward, reference, old actors)
     # run on packed rows: each micro-batch's samples end to end in rows of <= max_tokens tokens
     # (no cap: one row), positions restarting per sample, attention kept per sample
-    # (training/packing.py), instead of right-padded rows. Torch backend, plain output head;
-    # true_on_policy, OPD top_p_replay and pipeline stages fall back to padding (logged)
+    # (training/packing.py), instead of right-padded rows; same values, fewer tokens. Torch
+    # backend, plain output head; true_on_policy, OPD top_p_replay, the megatron backend and
+    # other heads run padded (logged); forward_by_length = true is refused (docs/training.md)
     pack: bool = False
 
     def __post_init__(self) -> None:
