@@ -61,7 +61,9 @@ class TeacherSpec:
     lr: float  # AdamW peak learning rate (cosine decay to 10% over num_steps)
     batch_size: int  # tasks per step
     seed: int  # torch seed (dropout-free model: only the data order and sampling depend on it)
-    vocab: str = "student"  # "student": the base's tokenizer; "bpe": build_bpe_tokenizer's
+    # "student": the base's tokenizer; "bpe": build_bpe_tokenizer's; "permuted": the same
+    # without merges (the base's characters at other ids: a control for the alignment)
+    vocab: str = "student"
 
 
 TEACHERS = [
@@ -76,17 +78,18 @@ CROSS_VOCAB_TEACHERS = [
 BPE_MERGES = [("1", str(d)) for d in range(10)]  # "10".."19": every two-digit sum of a+b <= 18
 
 
-def build_bpe_tokenizer(base) -> PreTrainedTokenizerFast:
+def build_bpe_tokenizer(base, merges: list[tuple[str, str]] = BPE_MERGES
+                        ) -> PreTrainedTokenizerFast:
     """A BPE tokenizer over the base's characters with other ids (in reverse order, after the
-    same special tokens) and the merges `BPE_MERGES`; the same special strings and roles."""
+    same special tokens) and `merges`; the same special strings and roles."""
     specials = list(base.all_special_tokens)
     base_vocab = base.get_vocab()
     ordered = sorted((t for t in base_vocab if t not in specials), key=base_vocab.get,
                      reverse=True)
     vocab = {t: base_vocab[t] for t in specials}
-    for t in ordered + [a + b for a, b in BPE_MERGES]:
+    for t in ordered + [a + b for a, b in merges]:
         vocab[t] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=BPE_MERGES, unk_token=base.unk_token))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token=base.unk_token))
     core.decoder = decoders.Fuse()
     core.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=base.pad_token,
@@ -140,8 +143,9 @@ def train_teacher(spec: TeacherSpec, env, base_dir: str = BASE_DIR):
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
     model, tokenizer = load_model(base_dir)
-    if spec.vocab == "bpe":
-        base, tokenizer = tokenizer, build_bpe_tokenizer(tokenizer)
+    if spec.vocab != "student":  # "bpe", or "permuted": the base's characters at other ids
+        base = tokenizer
+        tokenizer = build_bpe_tokenizer(base, BPE_MERGES if spec.vocab == "bpe" else [])
         move_to_vocab(model, base, tokenizer)
     stream = env.tasks("train", DATA_SEED + spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
