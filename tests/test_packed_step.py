@@ -223,7 +223,7 @@ def test_pack_loads_from_hosts_toml(tmp_path: Path):
 def test_the_mfu_bench_times_the_packed_step_beside_the_padded_one():
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-m", "bench.train_mfu", "--device", "cpu", "--shape",
-                          "tiny", "--tokens", "512", "--mb-tokens", "256", "--steps", "1",
+                          "tiny", "--tokens", "256", "--mb-tokens", "128", "--steps", "1",
                           "--pack"], cwd=root, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
