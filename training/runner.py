@@ -17,10 +17,10 @@ stage's statistics on every rank of the model, so global rank 0 reports them).
 model at pipeline size 1): it loops the micro-batches. With `micro_batches.pack` a micro-batch
 carries its samples packed in rows (`mb.packed`, training/packing.py) and each of its passes is
 one packed forward (`packs`); loss_fn gets the same response-aligned [B, R] values either way.
-A runner without `packs` gets padded micro-batches only (training/step.py `packing_allowed`). A pipeline-parallel backend gives its own
-runner (training/backends.py `model_runner`) over its schedule. Invariant: on the same weights both give the same log-probs,
-gradients and losses (up to float summation order); a runner never changes what is computed,
-only where.
+A runner without `packs` gets padded micro-batches only (training/step.py `packing_allowed`).
+A pipeline-parallel backend gives its own runner (training/backends.py `model_runner`) over its
+schedule. Invariant: on the same weights both give the same log-probs, gradients and losses (up
+to float summation order); a runner never changes what is computed, only where.
 """
 
 from __future__ import annotations
