@@ -68,3 +68,33 @@ def two_gloo_ranks(module: str, tmp_path: Path, timeout_s: float = 120) -> list[
                 p.kill()
             p.communicate()
     return [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+
+
+def console_messages(stdout: str) -> list[str]:
+    """The launcher's console output as whole messages: a message's later lines (indented, as
+    launch/console.py wraps it at 80 columns) joined back to its first by single spaces."""
+    messages: list[str] = []
+    for line in stdout.splitlines():
+        if line.startswith(" ") and messages:
+            messages[-1] += " " + line.strip()
+        else:
+            messages.append(line)
+    return messages
+
+
+class MessageReader:
+    """Reads the launcher's console output from a pipe line by line and keeps the message the
+    last line belongs to whole (`message`: its later, indented lines joined back to its first
+    by single spaces), so that a test waits for a message that wraps at 80 columns."""
+
+    def __init__(self) -> None:
+        self.message = ""
+
+    def add(self, line: str) -> str:
+        """The message `line` belongs to, with `line` in it."""
+        text = line.rstrip("\n")
+        if text.startswith(" ") and self.message:
+            self.message += " " + text.strip()
+        else:
+            self.message = text
+        return self.message

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers import MessageReader
 from transport.metrics import MetricsPublisher, MetricsSubscriber
 from transport.sockets import Security, SocketFactory, make_curve_keys
 
@@ -66,7 +67,7 @@ config = {{ num_items = {num_items}, interval_s = 0.03 }}
 
 
 def test_demo_cluster_end_to_end_with_metrics_from_every_actor(tmp_path):
-    hosts = write_hosts(tmp_path, demo(120))
+    hosts = write_hosts(tmp_path, demo(120), shutdown_s=15.0)  # steps asserted: loaded bounds
     run_dir = tmp_path / "run"
     jsonl = tmp_path / "watch.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", str(hosts), "--run-dir",
@@ -270,13 +271,14 @@ restart = { max_restarts = 0 }
 
 def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 40) -> list[str]:
     lines: list[str] = []
+    reader = MessageReader()  # a message wrapped at 80 columns is matched whole
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
-        if text in line:
+        if text in reader.add(line):
             return lines
     raise AssertionError(f"never saw {text!r}; output: {''.join(lines)}")
 

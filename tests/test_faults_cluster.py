@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import MessageReader
 from tests.test_loop import HOSTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,12 +52,13 @@ def start(tmp_path: Path, env: str = "envs.builtin.arith:ArithEnv", steps: int =
 def read_until(proc: subprocess.Popen, pattern: str, lines: list[str],
                timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
+    reader = MessageReader()  # a message wrapped at 80 columns is matched whole
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             break
         lines.append(line)
-        if re.search(pattern, line):
+        if re.search(pattern, reader.add(line)):
             return
     raise AssertionError(f"never saw {pattern!r}:\n{''.join(lines[-60:])}")
 

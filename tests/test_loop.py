@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import console_messages
+
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = """
 [run]
@@ -111,8 +113,8 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     # generated wholly by the checkpoint's weights (later ones mix versions per token)
     first = steps[-2]["values"]
     assert first["train/fresh_tokens"] > 0 and first["train/engine_logprob_abs_diff"] < 1e-5
-    assert "resumed from the checkpoint of step 4 (weight version 4); 2 of 6 steps to go" in \
-        result.stdout  # said on the console
+    assert any("resumed from the checkpoint of step 4 (weight version 4); 2 of 6 steps to go"
+               in m for m in console_messages(result.stdout))  # said on the console
     # once more: nothing is left to do, and nothing starts
     again = subprocess.run([sys.executable, "-m", "launch.cluster", str(tmp_path / "hosts.toml"),
                             "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
@@ -183,7 +185,7 @@ def test_a_failing_distributed_push_falls_back_to_disk(tmp_path):
     # the first push (version 0) and one per step went through disk
     assert [r["values"]["weight_sync/fallbacks"] for r in steps] == [2, 3]
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v1", "v2"]
-    notices = [line for line in result.stdout.splitlines() if "sent through disk" in line]
+    notices = [m for m in console_messages(result.stdout) if "sent through disk" in m]
     assert len(notices) == 3, result.stdout[-3000:]
     assert "weight version 2 over distributed failed" in notices[-1]
     assert "master_address '192.0.2.1'" in notices[-1]

@@ -36,6 +36,7 @@ from launch.agent import (
 )
 from launch.cluster import main
 from launch.config import ConfigError, load
+from tests.helpers import MessageReader
 from tests.test_cluster import launch as run_launcher
 from transport.addresses import local_addresses
 from transport.sockets import make_curve_keys
@@ -130,12 +131,13 @@ def wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str],
                   timeout_s: float = 60) -> re.Match:
     """Read the launcher's output until a line matches `pattern` (kept in `lines`)."""
     deadline = time.monotonic() + timeout_s
+    reader = MessageReader()  # a message wrapped at 80 columns is matched whole
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
-        if m := re.search(pattern, line):
+        if m := re.search(pattern, reader.add(line)):
             return m
     raise AssertionError(f"never saw {pattern!r}; output:\n{''.join(lines)}")
 
