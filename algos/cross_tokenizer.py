@@ -337,18 +337,21 @@ def prefix_teacher_logprobs(student_logprobs: Sequence[float], teacher_logprobs:
                             teacher_ids: Sequence[int], top_ids: np.ndarray,
                             top_logprobs: np.ndarray,
                             teacher_strings: Sequence[str | None]) -> np.ndarray:
-    """[n_s] float64 per-student-token teacher values for `span_credit = "prefix"`: at a span
-    of one teacher token u and m >= 2 student tokens c_1..c_m (the student splits finer),
-    student token j gets `log P_j - log P_{j-1}`, P_j the teacher's probability, at u's
-    position, that its next token's text starts with c_1..c_j (summed over its top-k entries
-    with such a text, u itself always counted, and at least p_T(u)); P_0 = 1 and P_m = p_T(u),
-    so the span's values still sum to log pi_T(S). Each student token then has a causal
-    teacher log-prob of its own and the trainer's r_t = student_t - value_t needs no spread: it
-    is exact with the trainer's own log-probs. Spans of one student token get log pi_T(S);
-    other spans (several tokens on both sides) the spread of `spread_sampled`. `text`: the
-    response's characters in the alignment's coordinates; student_offsets [n_s, 2]; top_ids /
-    top_logprobs [n_t, k]: the teacher's top-k at its tokens; teacher_strings: each teacher
-    id's text (None: special)."""
+    """[n_s] float64 per-student-token teacher values for `span_credit = "prefix"`: causal
+    values from the teacher's prefix probabilities at spans of one teacher token u (and any
+    number m of student tokens c_1..c_m): student token j gets `log P_j - log P_{j-1}`, P_j the
+    teacher's probability, at u's position, that its next token's text starts with c_1..c_j
+    (summed over its top-k entries with such a text, u itself always counted; at least
+    p_T(u), at most 1), P_0 = 1. What is left of u's log-prob, `log p_T(u) - log P_m` (the
+    teacher's token ends exactly here, not in a longer token: "1" and not "12"), goes to the
+    next student token when that one starts a span of one teacher token too, else stays on
+    c_m. So the values sum to the teacher's log-prob of the whole aligned text, each student
+    token has a causal teacher log-prob of its own, and the trainer's r_t = student_t -
+    value_t is exact with the trainer's own log-probs. Spans of one student token and several
+    teacher tokens get log pi_T(S); spans of several tokens on both sides the spread of
+    `spread_sampled`. `text`: the response's characters in the alignment's coordinates;
+    student_offsets [n_s, 2]; top_ids / top_logprobs [n_t, k]: the teacher's top-k at its
+    tokens; teacher_strings: each teacher id's text (None: special)."""
     s = np.asarray(student_logprobs, dtype=np.float64)
     t_lp = np.asarray(teacher_logprobs, dtype=np.float64)
     offs = _offsets(student_offsets, "student")
@@ -363,7 +366,11 @@ def prefix_teacher_logprobs(student_logprobs: Sequence[float], teacher_logprobs:
     teacher_of_span = np.full(n, -1, dtype=np.int64)
     t_idx = np.flatnonzero(al.teacher_span >= 0)
     teacher_of_span[al.teacher_span[t_idx]] = t_idx
-    for span in np.flatnonzero((t_count == 1) & (s_count >= 2)):
+    causal = t_count == 1
+    carry = 0.0  # the previous span's remainder, owed to this span's first student token
+    for span in range(n):  # spans are in text order
+        if not causal[span]:
+            continue
         u = int(teacher_of_span[span])
         u_id, u_lp = int(teacher_ids[u]), float(t_lp[u])
         entries = [(teacher_strings[i] if 0 <= i < len(teacher_strings) else None, lp)
@@ -375,14 +382,18 @@ def prefix_teacher_logprobs(student_logprobs: Sequence[float], teacher_logprobs:
         members = members[np.argsort(offs[members, 1], kind="stable")]
         start = int(al.spans[span, 0])
         prev = 0.0  # log P_0
-        for j, t in enumerate(members):
-            if j == len(members) - 1:
-                cur = u_lp
-            else:
-                prefix = text[start:int(offs[t, 1])]
-                mass = sum(math.exp(lp) for x, lp in entries
-                           if x is not None and x.startswith(prefix))
-                cur = min(max(math.log(mass) if mass > 0 else u_lp, u_lp), 0.0)
+        for t in members:
+            prefix = text[start:int(offs[t, 1])]
+            mass = sum(math.exp(lp) for x, lp in entries
+                       if x is not None and prefix and x.startswith(prefix))
+            cur = min(max(math.log(mass) if mass > 0 else u_lp, u_lp), 0.0)
             out[t] = cur - prev
             prev = cur
+        out[members[0]] += carry
+        carry = u_lp - prev
+        nxt = members[-1] + 1
+        if not (nxt < len(s) and al.student_span[nxt] >= 0 and causal[al.student_span[nxt]]
+                and al.student_span[nxt] != span):
+            out[members[-1]] += carry  # no causal token next: the remainder stays here
+            carry = 0.0
     return out

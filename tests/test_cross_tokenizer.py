@@ -123,37 +123,43 @@ def test_each_student_token_carries_its_spans_difference_float64():
 
 
 def test_prefix_credit_gives_each_student_token_its_causal_share_float64():
-    """Student 1|8|+|34 against teacher 18|+|3|4: the 2:1 span "18" is split by the teacher's
-    prefix probability of "1" (its top-k texts starting with "1"), the 1:1 "+" is its own, the
-    1:2 "34" gets the sum of its teacher tokens; every span still sums to log pi_T(S)."""
+    """Student 1|8|+|34|1|+ against teacher 18|+|3|4|1|+: the 2:1 span "18" is split by the
+    teacher's prefix probability of "1" (its top-k texts starting with "1"), the 1:2 "34" gets
+    the sum of its teacher tokens, and after the 1:1 "1" (a prefix of "18", "19") what is left
+    of the teacher's "1" (it ends there) moves to the next token "+"; the values sum to the
+    teacher's log-prob of the text."""
     strings = ["18", "1", "19", "8", "2", "+", "3", "4"]  # teacher id -> text
-    al = align(offsets(["1", "8", "+", "34"]), offsets(["18", "+", "3", "4"]), 5)
-    t_ids = [0, 5, 6, 7]
-    t_lp = [math.log(0.5), math.log(0.9), math.log(0.6), math.log(0.7)]
-    top_ids = np.array([[0, 1, 2, 4], [5, 6, 7, 4], [6, 7, 5, 4], [7, 6, 5, 4]])
+    pieces_s, pieces_t = ["1", "8", "+", "34", "1", "+"], ["18", "+", "3", "4", "1", "+"]
+    al = align(offsets(pieces_s), offsets(pieces_t), 8)
+    t_ids = [0, 5, 6, 7, 1, 5]
+    t_lp = np.log([0.5, 0.9, 0.6, 0.7, 0.3, 0.8]).tolist()
+    top_ids = np.array([[0, 1, 2, 4], [5, 6, 7, 4], [6, 7, 5, 4], [7, 6, 5, 4],
+                        [0, 1, 2, 4], [5, 6, 7, 4]])
     top_lps = np.log(np.array([[0.5, 0.2, 0.1, 0.1], [0.9, 0.05, 0.03, 0.02],
-                               [0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05]]))
-    s_lp = [-0.1, -0.2, -0.3, -0.4]
-    got = prefix_teacher_logprobs(s_lp, t_lp, al, "18+34", offsets(["1", "8", "+", "34"]),
-                                  t_ids, top_ids, top_lps, strings)
+                               [0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05],
+                               [0.5, 0.3, 0.1, 0.05], [0.8, 0.1, 0.05, 0.05]]))
+    s_lp = [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6]
+    got = prefix_teacher_logprobs(s_lp, t_lp, al, "18+341+", offsets(pieces_s), t_ids,
+                                  top_ids, top_lps, strings)
     p1 = 0.5 + 0.2 + 0.1  # "18", "1", "19" start with "1"
-    want = [math.log(p1), math.log(0.5) - math.log(p1), math.log(0.9),
-            math.log(0.6) + math.log(0.7)]
+    q1 = 0.5 + 0.3 + 0.1  # at the second "1": "18" 0.5, "1" 0.3, "19" 0.1
+    log = math.log
+    want = [log(p1), log(0.5) - log(p1), log(0.9), log(0.6) + log(0.7), log(q1),
+            log(0.8) + log(0.3) - log(q1)]
     assert got.tolist() == pytest.approx(want, abs=1e-15)
+    assert got.sum() == pytest.approx(sum(t_lp), abs=1e-12)
     # the trainer's r_t = its own log-prob - value: each token's causal gap, whatever its drift
     student = torch.tensor([s_lp], dtype=torch.float64) + 0.01
     r = sampled_log_ratio(student, torch.tensor([got.tolist()], dtype=torch.float64),
-                          torch.ones(1, 4))
+                          torch.ones(1, 6))
     assert r[0].tolist() == pytest.approx([x + 0.01 - w for x, w in zip(s_lp, want)],
                                           abs=1e-15)
     # u outside its own top-k still counts in every prefix: P_1 >= p_T(u)
     top_ids[0] = [1, 2, 4, 3]
     top_lps[0] = np.log([0.2, 0.1, 0.1, 0.05])
-    got = prefix_teacher_logprobs(s_lp, t_lp, al, "18+34", offsets(["1", "8", "+", "34"]),
-                                  t_ids, top_ids, top_lps, strings)
-    p1 = 0.5 + 0.2 + 0.1
-    assert got[:2].tolist() == pytest.approx([math.log(p1), math.log(0.5) - math.log(p1)],
-                                             abs=1e-15)
+    got = prefix_teacher_logprobs(s_lp, t_lp, al, "18+341+", offsets(pieces_s), t_ids,
+                                  top_ids, top_lps, strings)
+    assert got[:2].tolist() == pytest.approx([log(p1), log(0.5) - log(p1)], abs=1e-15)
 
 
 def sample(prompt: list[int], response: list[int], **kw) -> Sample:
@@ -354,11 +360,8 @@ async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k, credi
         d = span_differences(s.rollout_logprobs, t_lp, r.alignment)
         want = [d[j] for j in r.alignment.student_span]
         got = [a - b for a, b in zip(s.rollout_logprobs, s.teacher_logprobs)]
-        if credit == "prefix":  # spans sum to the teacher's; a 2:1 span's first token: P_1
-            al = r.alignment
-            sums = np.bincount(al.student_span, weights=s.teacher_logprobs)
-            assert sums.tolist() == pytest.approx(
-                np.bincount(al.teacher_span, weights=t_lp).tolist(), abs=1e-5)
+        if credit == "prefix":  # the values sum to the teacher's; a 2:1 span's first: P_1
+            assert sum(s.teacher_logprobs) == pytest.approx(sum(t_lp), abs=1e-5)
             if len(s.response_ids) == 3:  # "1x<eos>": teacher "1x", <eos>
                 top = ref[0].topk(20)
                 mass = sum(math.exp(v) for i, v in zip(top.indices.tolist(),
