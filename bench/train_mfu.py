@@ -132,7 +132,7 @@ def computed_tokens(samples: list[Sample], mb_tokens: int, packed: bool, varlen:
 def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = False
               ) -> dict[str, float]:
     hidden, layers, _, _, _, vocab = SHAPES[shape]
-    attn = preferred_attn_implementation(args.device) if packed else None
+    attn = (args.pack_attn or preferred_attn_implementation(args.device)) if packed else None
     model = hf_model(shape, args.device, dtype, attn)
     params = sum(p.numel() for p in model.parameters())
     tok = build_char_tokenizer()  # only its pad id is read
@@ -221,6 +221,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per shape (median shown)")
     p.add_argument("--pack", action="store_true", help="also time the step with packed "
                    "micro-batches (micro_batches.pack = true) and compare")
+    p.add_argument("--pack-attn", default="", help="attn_implementation of the packed model "
+                   "(sdpa, flex_attention, flash_attention_2; default: "
+                   "training.packing.preferred_attn_implementation)")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     peak = matmul_peak(args.device, dtype, 8192 if args.device.startswith("cuda") else 512, 5)
@@ -234,7 +237,8 @@ def main() -> None:
         if args.pack:
             packed[shape] = run_shape(shape, args, dtype, peak, packed=True)
             print(describe(shape, packed[shape], args.steps, "packed (attention "
-                           f"{preferred_attn_implementation(args.device)})"), flush=True)
+                           f"{args.pack_attn or preferred_attn_implementation(args.device)})"),
+                  flush=True)
     print("megatron: not measured by this script (n/a)" + ("" if args.pack else
           "; packed micro-batches: run with --pack"))
     print(result_line(results, packed))

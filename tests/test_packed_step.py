@@ -322,3 +322,23 @@ def test_a_ppo_step_with_a_critic_and_kl_in_the_reward_packed_equals_the_padded_
     # of the returns (KL in the reward, from packed log-probs) into ~1e-7; lr is 1e-3
     for name, w in critic.items():
         assert torch.allclose(critic_packed[name], w, rtol=REL, atol=2e-6), name
+
+
+def test_a_packing_trainer_on_cuda_gets_an_attention_without_a_dense_mask(monkeypatch):
+    """sdpa on CUDA would build a dense [L, L] mask per packed row (an H200 ran out of memory at
+    1.5B, 8k-token rows): the trainer's model is switched to FlashAttention's varlen or, without
+    flash-attn, FlexAttention's document mask; on CPU it keeps sdpa."""
+    from training import packing
+
+    assert packing.preferred_attn_implementation("cpu") == "sdpa"
+    monkeypatch.setattr(packing, "flash_attn_available", lambda: False)
+    assert packing.preferred_attn_implementation("cuda") == "flex_attention"
+    monkeypatch.setattr(packing, "flash_attn_available", lambda: True)
+    assert packing.preferred_attn_implementation("cuda") == "flash_attention_2"
+    model, _ = build_tiny("tiny-qwen2", 0)
+    assert packing.use_packed_attention(model, "cpu") == "sdpa"
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(packing, "preferred_attn_implementation", lambda d: "flex_attention")
+    assert packing.use_packed_attention(model, "cuda") == "flex_attention"
+    assert model.config._attn_implementation == "flex_attention"
+    assert packing.attention_mechanism(model) == "position_ids"  # transformers' BlockMask

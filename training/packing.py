@@ -238,9 +238,27 @@ def flash_attn_available() -> bool:
 
 def preferred_attn_implementation(device: torch.device | str) -> str:
     """The `attn_implementation` to build a model with for packed rows on `device`:
-    FlashAttention 2 (varlen, no padding) on CUDA with flash-attn installed, else sdpa."""
-    cuda = torch.device(device).type == "cuda"
-    return "flash_attention_2" if cuda and flash_attn_available() else "sdpa"
+    FlashAttention 2 (varlen, no padding) on CUDA with flash-attn installed, else FlexAttention
+    on CUDA (transformers builds its document BlockMask; measured on one H200 at Qwen2.5-1.5B,
+    32k long-tailed tokens: 1.36x the padded step's speed at 0.56x its memory, where sdpa's
+    dense per-row mask ran out of memory), else sdpa (CPU: FlexAttention has no backward
+    there)."""
+    if torch.device(device).type != "cuda":
+        return "sdpa"
+    return "flash_attention_2" if flash_attn_available() else "flex_attention"
+
+
+def use_packed_attention(model: Any, device: torch.device | str) -> str:
+    """Switch a transformers `model` that will run packed rows on `device` to
+    `preferred_attn_implementation` (in place; the weights are untouched) unless it already
+    runs one that keeps samples apart without a dense mask; returns the one it runs."""
+    impl = str(getattr(model.config, "_attn_implementation", None) or "")
+    want = preferred_attn_implementation(device)
+    if want != "sdpa" and impl in ("sdpa", "eager", "") and hasattr(
+            model, "set_attn_implementation"):
+        model.set_attn_implementation(want)
+        return want
+    return impl
 
 
 def attention_mechanism(model: Any) -> str:

@@ -28,6 +28,7 @@ from training.colocated_teachers import ColocatedTeachers, RowShard
 from training.config import TrainConfig, distributed_optimizer
 from training.distributed_optimizer import DistributedOptimizer
 from training.master_weights import TrainOptimizer, make_optimizer
+from training.packing import use_packed_attention
 from training.state import TrainState
 from transport.dtypes import model_dtype
 
@@ -42,7 +43,10 @@ def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
             return policy
         if not path:  # a policy that is not a transformers model: built from the checkpoint
             path = cfg.model
-        return load_model(path, cfg.device, model_dtype(cfg.dtype), cfg.seed)[0]
+        model = load_model(path, cfg.device, model_dtype(cfg.dtype), cfg.seed)[0]
+        if cfg.micro_batches.pack:  # its passes run packed rows too
+            use_packed_attention(model, cfg.device)
+        return model
 
     store = new_store(cfg.device)
     ref = (AuxModel.frozen_copy(source(cfg.kl.ref_model), cfg.device, cfg.offload_aux_models,
@@ -81,6 +85,9 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
     torch.manual_seed(cfg.seed)
     dtype = model_dtype(cfg.dtype)
     model, tokenizer = backend.load_policy(cfg, dtype)
+    hf = backend.transformers_policy(model)
+    if cfg.micro_batches.pack and hf is not None:  # packed rows: an attention without a dense
+        log.info("packed micro-batches: attention %s", use_packed_attention(hf, cfg.device))
     model.train()
     opt = build_optimizer(cfg, backend, model, dtype)
     hf_policy = backend.transformers_policy(model)
