@@ -124,6 +124,7 @@ class TeacherPool(Actor):
                                                     retries=cfg.max_retries)
                 self._closers.append(self.clients[t.name].close)
         self.cross = cross_teachers(cfg, self.facts) if cfg.mode == "server" else {}
+        self.coefs = {t.name: t.coef for t in cfg.teachers}
         self.out = self.stream_to(cfg.buffer)
         self.stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -133,6 +134,7 @@ class TeacherPool(Actor):
             return
         for s in msg.samples:
             s.teacher = route(s.domain, self.table, self.config.default_teacher)
+            s.teacher_coef = self.coefs.get(s.teacher, 1.0)  # the trainer weighs by it
             if not s.teacher:
                 self.counters["unrouted_samples"] += 1
         if self.clients:

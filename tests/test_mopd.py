@@ -8,6 +8,7 @@ import copy
 import logging
 import math
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -41,7 +42,7 @@ from training.config import LossConfig, MicroBatchConfig, OptimizerConfig
 from training.state import TrainState
 from training.step import train_on_batch
 from transport.codec import Codec
-from transport.schema import Kind, Sample, TrainBatch
+from transport.schema import Kind, Sample, SampleGroup, TrainBatch
 
 TEACHERS = [TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"]),
             TeacherSpec(name="reverse", model="examples/teacher-reverse", domains=["reverse"])]
@@ -62,6 +63,40 @@ def samples(tok, n_per_domain: int = 4) -> list[Sample]:
                               rollout_logprobs=[-1.0] * len(ids), reward=0.0,
                               teacher="arith" if domain == "math" else "reverse"))
     return out
+
+
+async def test_a_server_teachers_coef_travels_with_its_samples_to_the_trainer(ipc):
+    """The pool routes each sample with its teacher's coef; the trainer of a server-mode run,
+    which holds no teacher list, weighs each sample's OPD term by it (after the wire)."""
+    cfg = TeacherPoolConfig(mode="colocated", teachers=[
+        TeacherSpec(name="arith", model="examples/teacher-arith", domains=["math"], coef=0.25),
+        TeacherSpec(name="reverse", model="examples/teacher-reverse", domains=["reverse"])])
+    pool = TeacherPool(context("teachers", ipc, facts=RunFacts(model="examples/base-tiny")), cfg)
+    sent = []
+
+    class Out:
+        async def send(self, msg):
+            sent.append(msg)
+
+    pool.table, pool.coefs, pool.clients = route_table(cfg.teachers), {"arith": 0.25}, {}
+    pool.out, pool._publish = Out(), lambda: None
+    _, tok = load_model("examples/base-tiny", "cpu", torch.float32)
+    batch = [msgspec.structs.replace(s, teacher="") for s in samples(tok)]
+    try:
+        await pool.on_inbox(SampleGroup(samples=batch))
+    finally:
+        pool.factory.close()
+    routed = sent[0].samples
+    assert [(s.teacher, s.teacher_coef) for s in routed] == \
+        [("arith", 0.25)] * 4 + [("reverse", 1.0)] * 4
+    frames = Codec().encode(Kind.REPLY, 1, TrainBatch(step=0, samples=routed))
+    received = Codec().decode([bytearray(f) for f in frames]).body.samples
+    trainer = TrainerConfig(model="examples/base-tiny", workers=["w"],  # no teachers: server
+                            opd=OpdConfig(mode="sampled"), loss=LossConfig(
+                                advantage_estimator="none"))
+    mb = make_micro_batch(received, tok.pad_token_id or 0)
+    (inp,) = prepare_opd([mb], [None], trainer, None, temperature=1.0)
+    assert inp.coef.tolist() == [0.25] * 4 + [1.0] * 4
 
 
 def test_routing_and_bad_registries():

@@ -361,7 +361,9 @@ class OpdSignals:
         row_cfgs = [self.configs.get(s.teacher, self.cfg.opd) for s in mb.samples]
         has = torch.tensor([_has_signal(s, self.teachers, c.mode)
                             for s, c in zip(mb.samples, row_cfgs)], device=dev)
-        coef = torch.tensor([self.coefs.get(s.teacher, 1.0) for s in mb.samples], device=dev)
+        # the trainer's own teacher list, else the pool's (server mode: the trainer has none)
+        coef = torch.tensor([self.coefs.get(s.teacher, s.teacher_coef) for s in mb.samples],
+                            device=dev)
         inp = OpdInputs(mask=mb.mask * has[:, None], coef=coef, configs=row_cfgs)
         if any(c.mode == "top_p" or c.top_p_replay for c in row_cfgs):
             _fill_nucleus(inp, mb, self.counts)

@@ -34,7 +34,8 @@ else:
 
 # 2: Sample.teacher_topk_ids / teacher_topk_logprobs are arrays (tensor frames), not nested lists
 # (Sample.rollout_nucleus_* came later as optional fields: a peer without them ignores them and
-# sends none, which the trainer reads as "no recorded nucleus"; no new version)
+# sends none, which the trainer reads as "no recorded nucleus"; no new version; likewise
+# Sample.teacher_coef, read as 1.0 when absent)
 PROTOCOL_VERSION = 2
 
 
@@ -249,6 +250,9 @@ class Sample(Msg):
     # TOPK_LOGPROBS_DTYPE log-probs), both or neither; arrays travel as tensor frames, not in
     # the header (a 64 x 4096-token batch of top-20 would otherwise be ~12 M msgpack numbers)
     teacher: str = ""
+    # that teacher's `coef` (logic/teachers.py TeacherSpec), set by the pool with the route: the
+    # trainer of a server-mode run, which holds no teacher list, weighs the sample's OPD term by it
+    teacher_coef: float = 1.0
     teacher_logprobs: list[float] = []
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
