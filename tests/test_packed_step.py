@@ -335,10 +335,14 @@ def test_a_packing_trainer_on_cuda_gets_an_attention_without_a_dense_mask(monkey
     assert packing.preferred_attn_implementation("cuda") == "flex_attention"
     monkeypatch.setattr(packing, "flash_attn_available", lambda: True)
     assert packing.preferred_attn_implementation("cuda") == "flash_attention_2"
-    model, _ = build_tiny("tiny-qwen2", 0)
+    model, _ = build_tiny("qwen2-0.5b-shape", 0)  # heads of 64 dimensions
     assert packing.use_packed_attention(model, "cpu") == "sdpa"
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setattr(packing, "preferred_attn_implementation", lambda d: "flex_attention")
+    assert packing.use_packed_attention(model, "cuda") == "sdpa"  # fp32: not where measured
+    model.to(torch.bfloat16)
     assert packing.use_packed_attention(model, "cuda") == "flex_attention"
     assert model.config._attn_implementation == "flex_attention"
     assert packing.attention_mechanism(model) == "position_ids"  # transformers' BlockMask
+    small, _ = build_tiny("tiny-qwen2", 0)  # heads of 16 dimensions: keeps sdpa
+    assert packing.use_packed_attention(small.to(torch.bfloat16), "cuda") == "sdpa"
