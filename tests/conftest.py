@@ -15,6 +15,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+MAX_WORKERS = 4  # test processes at most: each file may start a cluster of ~8 processes
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): one worker per core, at most MAX_WORKERS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
