@@ -71,3 +71,15 @@ def ipc(tmp_path_factory):
     import shutil
 
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread while a test runs (restored after it): tiny tensors on a busy
+    machine; a thread count set for good would change other tests' in-process numbers."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -100,13 +100,7 @@ def set_case(case, h, w, th, tw, temperature):
     return {"mode": "top_k", "ids": ids, **teacher}, ref
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread, so that a busy machine does not stall them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -24,6 +24,7 @@ from actors.trainer import TrainerConfig
 from launch.config import ConfigError, load
 from logic.teachers import TeacherSpec
 from models.tiny import build_tiny
+from tests.test_config import OK_LOOP
 from training.aux_models import AuxModel
 from training.batching import make_micro_batch
 from training.config import KlConfig, LossConfig, MicroBatchConfig, OptimizerConfig
@@ -39,13 +40,7 @@ SHAPES = [(3, 40), (5, 2), (1, 1), (10, 30), (4, 3), (30, 60), (2, 62), (7, 9), 
 REL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread while a test here runs (restored after it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def samples() -> list[Sample]:
@@ -175,47 +170,19 @@ def test_pack_with_forward_by_length_is_refused():
     assert MicroBatchConfig(pack=True, forward_by_length=False).pack
 
 
-HOSTS = """
-[run]
-name = "t"
-
-[[hosts]]
-name = "local"
-
-[actors.buffer]
-cls = "actors.buffer:BufferActor"
-
-[actors.w]
-cls = "actors.inference:InferenceWorker"
-
-[actors.router]
-cls = "actors.router:RouterActor"
-after = ["w"]
-
-[actors.trainer]
-cls = "actors.trainer:TrainerActor"
-after = ["buffer", "w"]
-[actors.trainer.config]
-model = "examples/base-tiny"
-workers = ["w"]
-micro_batches = { MICRO }
-
-[actors.rollout]
-cls = "actors.rollout:RolloutActor"
-after = ["router", "buffer"]
-[actors.rollout.config]
-envs = [{ cls = "envs.builtin.arith:ArithEnv" }]
-group_size = 4
-groups_per_batch = 2
-"""
+def with_micro(micro: str) -> str:
+    """tests/test_config.py's small loop with `micro_batches = { <micro> }` for the trainer."""
+    old = 'config = { model = "examples/base-tiny", workers = ["w"] }'
+    assert old in OK_LOOP
+    return OK_LOOP.replace(old, old[:-2] + f", micro_batches = {{ {micro} }} }}")
 
 
 def test_pack_loads_from_hosts_toml(tmp_path: Path):
     path = tmp_path / "hosts.toml"
-    path.write_text(HOSTS.replace("MICRO", "pack = true, max_tokens = 512"))
+    path.write_text(with_micro("pack = true, max_tokens = 512"))
     cfg = msgspec.convert(load(path).actors["trainer"].config, TrainerConfig)
     assert cfg.micro_batches.pack and cfg.micro_batches.max_tokens == 512
-    path.write_text(HOSTS.replace("MICRO", "pack = true, forward_by_length = true"))
+    path.write_text(with_micro("pack = true, forward_by_length = true"))
     with pytest.raises(ConfigError, match="forward_by_length"):
         load(path)
 

@@ -38,14 +38,7 @@ SHAPES = [(3, 40), (5, 2), (1, 1), (10, 30), (4, 0), (30, 60), (2, 62), (7, 9)]
 CAP = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread while a test here runs (restored after it: the rest of
-    the suite compares this process's numbers with other processes')."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def samples(shapes=SHAPES, seed: int = 0) -> list[Sample]:
