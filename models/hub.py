@@ -74,36 +74,26 @@ def resolve(value: str, base: Path, fetched: dict[str, str] | None = None) -> st
     return fetched[value]
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def cache_dir() -> str:
-    """The hub cache this process uses, as huggingface_hub resolves it from the environment."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    return os.path.join(home, "hub")
-
-
 def fetch(repo: str, revision: str | None, looked: list[Path] = ()) -> str:
     """The local snapshot folder of `repo` at `revision` (default branch when None), downloaded
     into the cache unless offline; HubError saying what to do otherwise."""
-    from huggingface_hub import errors as hf_errors  # here: only a hub id pays its import
-    from huggingface_hub import snapshot_download
-    offline, cache = _offline(), cache_dir()
-    endpoint = os.environ.get("HF_ENDPOINT") or None
+    from huggingface_hub import (
+        constants,  # here: only a hub id pays its import
+        snapshot_download,
+    )
+    from huggingface_hub import errors as hf_errors
+    # the library's own reading of HF_HUB_OFFLINE, HF_HOME / HF_HUB_CACHE and HF_ENDPOINT
+    offline, cache, endpoint = constants.HF_HUB_OFFLINE, constants.HF_HUB_CACHE, constants.ENDPOINT
     name = repo + (f"@{revision}" if revision else "")
     pre = (f"pre-download it on a host with network (hf download {repo}"
            f"{f' --revision {revision}' if revision else ''}, with the same HF_HOME or copying "
            f"its cache folder here), or set the field to a local checkpoint directory")
     if not offline:
-        print(f"model {name}: fetching from {endpoint or 'the Hugging Face hub'} into {cache} "
+        print(f"model {name}: fetching from {endpoint} into {cache} "
               f"(HF_HUB_OFFLINE=1 reads the cache only)", file=sys.stderr, flush=True)
     try:
-        path = snapshot_download(repo, revision=revision, cache_dir=cache, endpoint=endpoint,
-                                 local_files_only=offline, ignore_patterns=NOT_FETCHED)
+        path = snapshot_download(repo, revision=revision, local_files_only=offline,
+                                 ignore_patterns=NOT_FETCHED)
     except hf_errors.RevisionNotFoundError:
         raise HubError(f"model {name!r}: the hub has {repo} but no revision {revision!r} "
                        f"(a branch, tag or commit); fix the part after '@'") from None
@@ -119,7 +109,7 @@ def fetch(repo: str, revision: str | None, looked: list[Path] = ()) -> str:
         if offline:
             raise HubError(f"model {name!r}: not in the hub cache {cache} and HF_HUB_OFFLINE is "
                            f"set; {pre}") from None
-        raise HubError(f"model {name!r}: cannot reach {endpoint or 'the hub'} and it is not in "
+        raise HubError(f"model {name!r}: cannot reach {endpoint} and it is not in "
                        f"the cache {cache}; {pre}") from None
     except Exception as e:  # noqa: BLE001 - the network (httpx), a full disk, a bad cache
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -85,12 +85,12 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
     torch.manual_seed(cfg.seed)
     dtype = model_dtype(cfg.dtype)
     model, tokenizer = backend.load_policy(cfg, dtype)
-    hf = backend.transformers_policy(model)
-    if cfg.micro_batches.pack and hf is not None:  # packed rows: an attention without a dense
-        log.info("packed micro-batches: attention %s", use_packed_attention(hf, cfg.device))
     model.train()
     opt = build_optimizer(cfg, backend, model, dtype)
     hf_policy = backend.transformers_policy(model)
+    if cfg.micro_batches.pack and hf_policy is not None:  # an attention without a dense mask
+        log.info("packed micro-batches: attention %s",
+                 use_packed_attention(hf_policy, cfg.device))
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     state = TrainState(model, tokenizer, opt, ref, critic, backend)
     if cfg.mismatch.proximal == "rollout_version" and hf_policy is not None:
