@@ -215,6 +215,26 @@ class AuxModel:
             return micro_batch_logprobs(module, mb, temperature, by_length, False)[0]
 
 
+class AdaptersOffReference:
+    """A LoRA student's reference: the policy itself with its adapters off (the base weights,
+    frozen), no copy of any weight; `logprobs` as `AuxModel.logprobs`."""
+
+    update_interval = 0  # it never follows the actor (refused at load: training/config.py)
+
+    def __init__(self, policy: Any, adapters_off: Any):
+        self.policy, self._off = policy, adapters_off  # adapters_off(model): a context
+
+    def logprobs(self, mb: MicroBatch, temperature: float, by_length: bool = False
+                 ) -> torch.Tensor:
+        training = self.policy.training
+        self.policy.eval()  # no adapter dropout in a reference
+        try:
+            with torch.no_grad(), self._off(self.policy):
+                return micro_batch_logprobs(self.policy, mb, temperature, by_length, False)[0]
+        finally:
+            self.policy.train(training)
+
+
 def check_names(layout: FlatLayout, tensors: dict[str, torch.Tensor],
                 module: torch.nn.Module | None = None) -> None:
     """ValueError unless `tensors` has every name of `layout` with its shape, and nothing else

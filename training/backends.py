@@ -26,20 +26,27 @@ A backend answers:
   `load_hf(model, weights)` (HF-named tensors), `save_checkpoint(state, directory)` (every
   rank's part; False: the one-process HF checkpoint applies) and `load_checkpoint(state, path)`
   (True when `path` is in its own format and was loaded);
-- sleep: `sleep_tensors(model)`, the modules whose tensors colocated mode parks.
+- sleep: `sleep_tensors(model)`, the modules whose tensors colocated mode parks;
+- LoRA students (`lora`, training/lora.py): `attach_lora(model, cfg)` (adapters on the target
+  layers, everything else frozen), `adapter_tensors(model)` (the whole adapter under PEFT's
+  saved names, on rank 0; collective on every rank of a sharded model), `load_adapter(model,
+  tensors)` (each rank its part), `adapters_off(model)` (a context: the base model, the
+  reference of a KL term) and `merged_tensors(model)` (HF-named weights with the adapter merged
+  in, on rank 0; collective like `iter_hf_tensors`).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
 from memory.layout import module_tensors
 from models.load import load_model, save_checkpoint
-from training.config import TrainConfig, distributed_optimizer
+from training import lora
+from training.config import LoraConfig, TrainConfig, distributed_optimizer
 from training.fsdp import iter_full_state, save_pretrained, shard_state
 from training.master_weights import ClipFn
 from training.runner import ModelRunner, TorchRunner
@@ -88,6 +95,16 @@ class TrainingBackend(Protocol):
     def load_checkpoint(self, state: Any, path: Any) -> bool: ...
 
     def sleep_tensors(self, model: Any) -> list[torch.nn.Module]: ...
+
+    def attach_lora(self, model: Any, cfg: LoraConfig) -> None: ...
+
+    def adapter_tensors(self, model: Any) -> dict[str, torch.Tensor]: ...
+
+    def load_adapter(self, model: Any, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def adapters_off(self, model: Any) -> ContextManager[Any]: ...
+
+    def merged_tensors(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class TorchBackend:
@@ -174,6 +191,21 @@ class TorchBackend:
 
     def sleep_tensors(self, model: Any) -> list[torch.nn.Module]:
         return [model]
+
+    def attach_lora(self, model: Any, cfg: LoraConfig) -> None:
+        lora.attach(model, cfg)
+
+    def adapter_tensors(self, model: Any) -> dict[str, torch.Tensor]:
+        return lora.adapter_tensors(model)
+
+    def load_adapter(self, model: Any, tensors: dict[str, torch.Tensor]) -> None:
+        lora.load_adapter_tensors(model, tensors)
+
+    def adapters_off(self, model: Any) -> ContextManager[Any]:
+        return lora.adapters_off(model)
+
+    def merged_tensors(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return lora.merged_tensors(model)
 
 
 MEGATRON = "megatron"

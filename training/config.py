@@ -167,6 +167,36 @@ class CheckpointConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                              f"{self.save_every}")
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A LoRA student (training/lora.py): low-rank adapters on the policy's linear layers are
+    trained, the base weights stay frozen; pushes and checkpoints carry the adapter only (PEFT
+    format). Absent (`lora` unset) = full fine-tuning."""
+
+    rank: int = 32  # r: the adapters' inner dimension
+    alpha: float = 64.0  # scaling: the adapter's output is multiplied by alpha / rank
+    # the linear layers that get adapters, by their HF module names (Qwen/Llama: these seven)
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+    dropout: float = 0.0  # dropout on the adapters' input while training (0: none)
+    # the last checkpoint also holds `merged/`: an HF directory of the base with the adapter
+    # merged in (what a plain transformers or SGLang load serves without LoRA support)
+    merge_export: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank = {self.rank}: use 1 or more (8-64 is usual)")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha = {self.alpha}: use a positive scale (often 2 x rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout = {self.dropout}: use 0 <= dropout < 1")
+        if not self.target_modules or not all(isinstance(m, str) and m
+                                              for m in self.target_modules):
+            raise ValueError("lora.target_modules is empty: name the linear layers to adapt, "
+                             f"e.g. {LORA_TARGETS}")
+
+
 class RankHost(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """One host of `parallel.hosts` as the ranks see it (the launcher copies it from that
     [[hosts]] entry: launch/config.py HostConfig, and starts the ranks there)."""
@@ -333,6 +363,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # batch-invariant forward (models/invariant): bitwise the log-probs of inference workers with
     # `true_on_policy = true` on the same kind of device (docs/training.md, True on-policy mode)
     true_on_policy: bool = False
+    # LoRA adapters trained instead of the full weights (None = full fine-tuning); pushes and
+    # checkpoints carry the adapter only (docs/training.md, LoRA)
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -359,6 +392,23 @@ def check_algorithm(cfg: TrainConfig) -> None:
     if cfg.true_on_policy:
         _check_true_on_policy(cfg)
     _check_parallel(cfg)
+    if cfg.lora is not None:
+        _check_lora(cfg)
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    """What a LoRA student does not cover fails at load, naming what to change."""
+    why = {"true_on_policy = true (the invariant forward has no adapter path)":
+           cfg.true_on_policy,
+           "kl.ref_update_interval > 0 (the reference is the base with the adapter off)":
+           cfg.kl.ref_update_interval > 0,
+           "mismatch proximal = 'rollout_version' (old-weight copies of the whole model)":
+           cfg.mismatch.proximal == "rollout_version",
+           "parallel.shard = 'fsdp2' (frozen and trained tensors in one shard)":
+           cfg.parallel.shard == "fsdp2"}
+    for what, refused in why.items():
+        if refused:
+            raise ValueError(f"lora and {what} conflict: change it or remove lora")
 
 
 def distributed_optimizer(cfg: TrainConfig) -> bool:

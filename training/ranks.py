@@ -75,7 +75,7 @@ STORE_ENV = "RLX_TRAINER_STORE"
 
 
 class RankCommand(msgspec.Struct, forbid_unknown_fields=True):
-    op: str  # "step" | "sleep" | "wake" | "digest" | "hf" | "save" | "stop"
+    op: str  # "step" | "sleep" | "wake" | "digest" | "hf" | "adapter" | "merged" | "save" | "stop"
     samples: list[Sample] = []
     next_teachers: list[str] = []  # the buffer's hint (colocated teachers)
     temperature: float = 1.0  # "step": the run's sampling temperature (TrainState.temperature)
@@ -362,6 +362,18 @@ class RankGroup(Ranks):
             return state.save_weights(path, shard_bytes)
         return self.run(RankCommand("hf"), state.save_weights, path, shard_bytes)
 
+    def adapter_tensors(self, state: TrainState) -> dict[str, torch.Tensor]:
+        """A LoRA student's whole adapter on rank 0 (sharded: the `adapter` gather)."""
+        if not self.sharded:
+            return state.adapter_tensors()
+        return self.run(RankCommand("adapter"), state.adapter_tensors)
+
+    def save_merged(self, state: TrainState, path: Path) -> None:
+        """The HF export with the adapter merged in (sharded: the `merged` gather)."""
+        if not self.sharded:
+            return state.save_merged(path)
+        return self.run(RankCommand("merged"), state.save_merged, path)
+
     def save_checkpoint(self, state: TrainState, path: Path) -> None:
         """A checkpoint at `path`, complete or absent (training/checkpoints.py); a sharded
         model's ranks all take part (`save_shards`)."""
@@ -416,6 +428,12 @@ class SingleRank:
     def save_weights(self, state: TrainState, path: Path,
                      shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         state.save_weights(path, shard_bytes)
+
+    def adapter_tensors(self, state: TrainState) -> dict[str, torch.Tensor]:
+        return state.adapter_tensors()
+
+    def save_merged(self, state: TrainState, path: Path) -> None:
+        state.save_merged(path)
 
     def save_checkpoint(self, state: TrainState, path: Path) -> None:
         """The trainer's checkpoint at `path`, complete or absent: the backend's own format
@@ -492,6 +510,10 @@ def run_command(cmd: RankCommand, state: TrainState, cfg: TrainConfig, ranks: Ra
         ranks.digests(state.model)
     elif cmd.op == "hf":  # one gather of the HF tensors to rank 0, streamed there
         drain(state.iter_named_weights())
+    elif cmd.op == "adapter":  # a LoRA student's adapter, gathered to rank 0
+        state.adapter_tensors()
+    elif cmd.op == "merged":  # the merged export's tensors, gathered to rank 0
+        drain(state.backend.merged_tensors(state.model))
     elif cmd.op == "save":
         ranks.save_shards(state, Path(cmd.path))
     else:

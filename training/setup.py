@@ -21,7 +21,13 @@ import torch
 from memory.layout import FlatLayout
 from memory.store import WeightStore, weight_tensors
 from models.load import load_model
-from training.aux_models import AuxModel, CriticModel, OldActors, new_store
+from training.aux_models import (
+    AdaptersOffReference,
+    AuxModel,
+    CriticModel,
+    OldActors,
+    new_store,
+)
 from training.backends import TrainingBackend, backend_for
 from training.checkpoints import resumable_checkpoint
 from training.colocated_teachers import ColocatedTeachers, RowShard
@@ -49,9 +55,12 @@ def build_aux_models(cfg: TrainConfig, policy: torch.nn.Module | None):
         return model
 
     store = new_store(cfg.device)
-    ref = (AuxModel.frozen_copy(source(cfg.kl.ref_model), cfg.device, cfg.offload_aux_models,
-                                store=store, update_interval=cfg.kl.ref_update_interval)
-           if cfg.kl.coef > 0 else None)
+    if cfg.lora is not None and not cfg.kl.ref_model:  # the base: the policy, adapters off
+        ref = None  # load_train_state gives it the adapters-off reference once they are on
+    else:
+        ref = (AuxModel.frozen_copy(source(cfg.kl.ref_model), cfg.device, cfg.offload_aux_models,
+                                    store=store, update_interval=cfg.kl.ref_update_interval)
+               if cfg.kl.coef > 0 else None)
     if ref is not None and ref.update_interval and policy is not None:
         own = FlatLayout.from_state_dict(weight_tensors(policy))
         if own.fingerprint() != store.layout(ref.tag).fingerprint():
@@ -86,13 +95,20 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
     dtype = model_dtype(cfg.dtype)
     model, tokenizer = backend.load_policy(cfg, dtype)
     model.train()
-    opt = build_optimizer(cfg, backend, model, dtype)
     hf_policy = backend.transformers_policy(model)
     if cfg.micro_batches.pack and hf_policy is not None:  # an attention without a dense mask
         log.info("packed micro-batches: attention %s",
                  use_packed_attention(hf_policy, cfg.device))
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
+    if cfg.lora is not None:  # after the copies above: they hold the base, never adapters
+        backend.attach_lora(model, cfg.lora)
+        if cfg.kl.coef > 0 and ref is None:
+            ref = AdaptersOffReference(model, backend.adapters_off)
+        log.info("LoRA student: %d trainable tensors, %d parameters (%.3f%% of the model)",
+                 *lora_share(model))
+    opt = build_optimizer(cfg, backend, model, dtype)
     state = TrainState(model, tokenizer, opt, ref, critic, backend)
+    state.lora, state.base_model = cfg.lora, cfg.model
     if cfg.mismatch.proximal == "rollout_version" and hf_policy is not None:
         store = ref.store if ref is not None else critic.store if critic is not None \
             else new_store(cfg.device)
@@ -115,13 +131,21 @@ def build_optimizer(cfg: TrainConfig, backend: TrainingBackend, model: torch.nn.
     data-parallel replicas (`parallel.distributed_optimizer`: the backend's groups exist, the
     ranks joined them), else AdamW (through fp32 masters for 16-bit weights), clipping by the
     backend's global norm."""
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     if distributed_optimizer(cfg):
         group, counted, norm_group = backend.optimizer_groups()
-        return DistributedOptimizer(model.parameters(), group, cfg.optimizer.lr,
+        return DistributedOptimizer(params, group, cfg.optimizer.lr,
                                     cfg.optimizer.weight_decay, counted=counted,
                                     norm_group=norm_group)
-    return make_optimizer(model.parameters(), dtype, cfg.optimizer.master_weights,
+    return make_optimizer(params, dtype, cfg.optimizer.master_weights,
                           cfg.optimizer.lr, cfg.optimizer.weight_decay, backend.grad_clip(model))
+
+
+def lora_share(model: torch.nn.Module) -> tuple[int, int, float]:
+    """(trainable tensors, their parameters, their percent of all parameters)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    n, total = sum(p.numel() for p in trained), sum(p.numel() for p in model.parameters())
+    return len(trained), n, 100.0 * n / max(total, 1)
 
 
 def teacher_shard(cfg: TrainConfig, backend: TrainingBackend | None = None) -> RowShard | None:

@@ -13,6 +13,7 @@ resumed run continues with the copy it had.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -59,6 +60,10 @@ class TrainState:
         self.version = 0
         self.skipped_checkpoints: list[str] = []  # newer checkpoints a resume found damaged
         self._sleeper: TrainerSleep | None = None  # colocated mode's sleep (made on first use)
+        # a LoRA student (training/config.py LoraConfig, None = full weights) and the base
+        # checkpoint its adapter applies to (written into adapter_config.json)
+        self.lora: Any = None
+        self.base_model = ""
 
     @property
     def pad_id(self) -> int:
@@ -92,8 +97,12 @@ class TrainState:
         return sum(s.nbytes for s in stores.values())
 
     def write_files(self, path: Path) -> None:
-        """The checkpoint's files into the directory `path` (TrainState.save makes it atomic)."""
-        save_checkpoint(self.model, self.tokenizer, path)
+        """The checkpoint's files into the directory `path` (TrainState.save makes it atomic):
+        the HF directory of the model, or a LoRA student's PEFT adapter directory."""
+        if self.lora is not None:
+            self.save_adapter(path)
+        else:
+            save_checkpoint(self.model, self.tokenizer, path)
         if self.critic is not None:
             torch.save(self.critic.checkpoint(), path / "critic.pt")
         if self.follows_actor:
@@ -104,6 +113,38 @@ class TrainState:
         torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step,
                     "version": self.version, "rng": torch.get_rng_state()},
                    path / "trainer_state.pt")
+
+    # ---- a LoRA student (training/lora.py): the adapter is what is pushed and saved ----------
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The whole adapter under PEFT's names (on rank 0; collective on a sharded model)."""
+        return self.backend.adapter_tensors(self.model)
+
+    def save_adapter(self, directory: Path, tensors: dict[str, torch.Tensor] | None = None
+                     ) -> int:
+        """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, which
+        `peft.PeftModel.from_pretrained` loads as it is) plus the tokenizer; its bytes."""
+        from safetensors.torch import save_file
+
+        from training.lora import CONFIG_FILE, WEIGHTS_FILE, config_dict
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = tensors if tensors is not None else self.adapter_tensors()
+        host = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+        (directory / CONFIG_FILE).write_text(json.dumps(config_dict(self.lora, self.base_model),
+                                                        indent=1))
+        save_file(host, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        self.tokenizer.save_pretrained(str(directory))
+        return sum(t.numel() * t.element_size() for t in host.values())
+
+    def save_merged(self, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        """An HF directory of the base with the adapter merged in (lora.merge_export)."""
+        from memory.safetensors_io import write_safetensors_shards
+
+        write_safetensors_shards(self.backend.merged_tensors(self.model), directory, shard_bytes)
+        config = getattr(self.backend.transformers_policy(self.model), "config", None)
+        if config is not None:
+            config.save_pretrained(str(directory))
+        self.tokenizer.save_pretrained(str(directory))
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full weights (what the workers load) as one list (tests, small models)."""
@@ -121,11 +162,14 @@ class TrainState:
         return self.backend.streams_weights
 
     def load(self, path: Path, device: str) -> None:
-        weights = load_safetensors(path, device=device)
-        missing, unexpected = self.backend.load_hf(self.model, weights)
-        if unexpected or [m for m in missing if "lm_head" not in m]:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, "
-                             f"unexpected {unexpected}")
+        if self.lora is not None:
+            self._load_adapter(path)
+        else:
+            weights = load_safetensors(path, device=device)
+            missing, unexpected = self.backend.load_hf(self.model, weights)
+            if unexpected or [m for m in missing if "lm_head" not in m]:
+                raise ValueError(f"checkpoint {path} does not match the model: missing "
+                                 f"{missing}, unexpected {unexpected}")
         if self.critic is not None:
             if not (path / "critic.pt").exists():
                 raise ValueError(f"checkpoint {path} has no critic.pt but the trainer uses a "
@@ -141,6 +185,16 @@ class TrainState:
         torch.set_rng_state(state["rng"].cpu())
         if self.follows_actor:
             self._load_ref(path)
+
+    def _load_adapter(self, path: Path) -> None:
+        from training.lora import read_adapter
+
+        if not (path / "adapter_config.json").is_file():
+            raise ValueError(f"checkpoint {path} holds full weights, not a LoRA adapter, but "
+                             f"this trainer trains one (lora is set): resume it without lora, "
+                             f"or start a new run")
+        _, tensors = read_adapter(path)
+        self.backend.load_adapter(self.model, tensors)
 
     def _load_ref(self, path: Path) -> None:
         """The copy of the actor the reference was at `path`'s step; without one (written with

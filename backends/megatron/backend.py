@@ -63,6 +63,9 @@ class MegatronBackend:
         if not cfg.device.startswith("cuda") and not on_cpu_shim():
             raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
                              "CPU path); use backend = 'torch' with device = 'cpu'")
+        if cfg.lora is not None:
+            raise ValueError("lora with backend = 'megatron' is not built yet; use backend = "
+                             "'torch' for a LoRA student")
 
     def init_model_parallel(self, cfg: TrainConfig) -> Any:
         """megatron's tp x pp x dp groups over the joined world; the data-parallel group."""

@@ -1,0 +1,192 @@
+"""LoRA students on the torch backend: adapters from `peft`, saved and pushed in PEFT's format.
+
+Role: `attach(model, cfg)` puts LoRA adapters (peft's `inject_adapter_in_model`) on the
+configured linear layers of a transformers model in place: the model keeps its class and its
+forward, so every pass of the train step (the chunked loss head, packed rows, sleep) runs as
+for full fine-tuning; only the adapters' tensors require gradients. The reference of a KL term
+is the same model with the adapters off (`adapters_off`), never a second copy of the weights.
+
+The adapter travels and rests in PEFT's own layout, so `peft.PeftModel.from_pretrained(base,
+directory)` loads any directory written here as it is:
+- tensor names `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` (`adapter_tensors`,
+  `load_adapter_tensors`), the adapter's name ("default") left out, as `save_pretrained` does;
+- `adapter_config.json` (peft's `LoraConfig.to_dict()`, `peft_config`) and
+  `adapter_model.safetensors` (`save_adapter`, `read_adapter`).
+`merged_tensors(model)` gives the HF-named full weights with the adapters merged in (W + B A
+alpha / r), for an export that loads without LoRA support.
+
+peft is imported only when a LoRA student or adapter is used (it takes seconds to import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from training.config import LoraConfig
+
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module names
+ADAPTER = "default"  # the adapter's name inside the layers (left out of saved names)
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def peft_config(cfg: LoraConfig | dict, base_model: str = "") -> Any:
+    """peft's LoraConfig for `cfg` (a LoraConfig, or an adapter_config.json's dict)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    if isinstance(cfg, dict):
+        known = {k: v for k, v in cfg.items() if k in PeftLoraConfig.__dataclass_fields__}
+        return PeftLoraConfig(**known)
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha,
+                          target_modules=list(cfg.target_modules), lora_dropout=cfg.dropout,
+                          bias="none", task_type="CAUSAL_LM",
+                          base_model_name_or_path=base_model or None)
+
+
+def config_dict(cfg: LoraConfig | dict, base_model: str = "") -> dict[str, Any]:
+    """adapter_config.json's content (JSON-safe: peft keeps target_modules as a set)."""
+    out = peft_config(cfg, base_model).to_dict()
+    return json.loads(json.dumps(out, default=lambda v: sorted(v) if isinstance(v, set)
+                                 else str(v)))
+
+
+def attach(model: torch.nn.Module, cfg: LoraConfig | dict) -> torch.nn.Module:
+    """Adapters on `model`'s target layers, in place (B = 0: the model computes as before);
+    every other tensor frozen. ValueError naming the layers when no target matches."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(cfg)
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"lora.target_modules = {sorted(config.target_modules)} match no "
+                         f"layer of this model ({e}); its linear layers are {linear}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_name(name))
+    return model
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_adapters(model: Any) -> bool:
+    return isinstance(model, torch.nn.Module) and any(
+        is_adapter_name(n) for n, _ in model.named_parameters())
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps (the adapters' with LoRA, else all)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _saved_name(name: str) -> str:
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (views of the live parameters)."""
+    return {_saved_name(n): p.detach() for n, p in model.named_parameters()
+            if is_adapter_name(n)}
+
+
+def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy an adapter (PEFT names) into the model's adapters; every name and shape is checked
+    before anything changes (ValueError naming the first differences)."""
+    own = {_saved_name(n): p for n, p in model.named_parameters() if is_adapter_name(n)}
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"the adapter does not fit this model's adapters: missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]} (rank, target_modules "
+                         f"and the base model must be the ones it was trained with)")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise ValueError(f"adapter tensor {name} has shape {tuple(t.shape)}, this model's "
+                             f"{tuple(own[name].shape)}: lora.rank or the base model differ")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            own[name].copy_(t.to(dtype=own[name].dtype, device=own[name].device))
+
+
+def _tuner_layers(model: torch.nn.Module) -> list[Any]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """The base model for the block (the reference of a LoRA student): every adapter skipped."""
+    layers = _tuner_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full weights with each adapter merged in (W + B A alpha / r, computed in fp32,
+    in the weight's dtype), the model left as it is; tied weights once."""
+    from peft.tuners.lora import LoraLayer
+
+    merged: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            base = module.get_base_layer().weight
+            with torch.no_grad():
+                delta = module.get_delta_weight(ADAPTER).float()
+                merged[f"{name}.weight"] = (base.float() + delta).to(base.dtype)
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if is_adapter_name(name) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        hf = name.replace(".base_layer.", ".")
+        yield hf, merged.get(hf, t.detach())
+
+
+def save_adapter(model: torch.nn.Module, cfg: LoraConfig | dict, directory: str | Path,
+                 base_model: str = "") -> int:
+    """adapter_config.json + adapter_model.safetensors into `directory`; the tensors' bytes."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().contiguous().cpu() for n, t in adapter_tensors(model).items()}
+    (directory / CONFIG_FILE).write_text(json.dumps(config_dict(cfg, base_model), indent=1))
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json's dict, the tensors) of a PEFT adapter directory; ValueError naming
+    what is missing or unreadable."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            raise ValueError(f"{directory} is not a PEFT adapter directory: no {name}")
+    try:
+        config = json.loads((directory / CONFIG_FILE).read_text())
+    except ValueError as e:
+        raise ValueError(f"{directory / CONFIG_FILE} is not JSON: {e}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{directory} holds a {config.get('peft_type')} adapter; only LoRA "
+                         f"adapters are served")
+    return config, load_file(str(directory / WEIGHTS_FILE))
+
+
+__all__ = ["ADAPTER", "CONFIG_FILE", "PEFT_PREFIX", "WEIGHTS_FILE", "adapter_tensors",
+           "adapters_off", "attach", "config_dict", "has_adapters", "load_adapter_tensors",
+           "merged_tensors", "peft_config", "read_adapter", "save_adapter", "trainable"]
