@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,20 @@ from backends.megatron.checkpoint import (
     load_trainer_checkpoint,
     save_trainer_checkpoint,
 )
+from backends.megatron import lora
 from backends.megatron.convert import check_parallel_layout
+from backends.megatron.lora import check_targets
 from backends.megatron.mcore import param_is_not_shared, param_is_not_tensor_parallel_duplicate
-from backends.megatron.model import MegatronCausalLM, initialize_parallel, load_model, parallel_state
+from backends.megatron.model import (
+    MegatronCausalLM,
+    initialize_parallel,
+    load_model,
+    parallel_state,
+)
 from backends.megatron.pipeline import PipelineRunner
 
 if TYPE_CHECKING:  # annotations only: the training library is a layer above
-    from training.config import TrainConfig
+    from training.config import LoraConfig, TrainConfig
 
 
 def on_cpu_shim() -> bool:
@@ -64,8 +71,19 @@ class MegatronBackend:
             raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
                              "CPU path); use backend = 'torch' with device = 'cpu'")
         if cfg.lora is not None:
-            raise ValueError("lora with backend = 'megatron' is not built yet; use backend = "
-                             "'torch' for a LoRA student")
+            self._check_lora(cfg)
+
+    @staticmethod
+    def _check_lora(cfg: TrainConfig) -> None:
+        """ValueError for a LoRA student this backend cannot train (lora.py)."""
+        check_targets(list(cfg.lora.target_modules))
+        if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
+            raise ValueError("lora with megatron's sequence_parallel is not supported: the "
+                             "adapters take whole-sequence inputs; unset sequence_parallel")
+        if cfg.parallel.pp > 1 and cfg.kl.coef > 0 and not cfg.kl.ref_model:
+            raise ValueError("a LoRA student's KL reference (the policy, adapters off) runs "
+                             "only at parallel.pp = 1 on the megatron backend (the step asks "
+                             "the last stage alone for it); use pp = 1 or set kl.ref_model")
 
     def init_model_parallel(self, cfg: TrainConfig) -> Any:
         """megatron's tp x pp x dp groups over the joined world; the data-parallel group."""
@@ -101,7 +119,8 @@ class MegatronBackend:
     def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool], Any]:
         """(data-parallel group, whether a parameter counts in the norm, model-parallel group)."""
         return (parallel_state.get_data_parallel_group(),
-                lambda p: bool(param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)),
+                lambda p: bool(param_is_not_shared(p)
+                               and param_is_not_tensor_parallel_duplicate(p)),
                 parallel_state.get_model_parallel_group())
 
     def transformers_policy(self, model: Any) -> torch.nn.Module | None:
@@ -135,14 +154,56 @@ class MegatronBackend:
         return [], []
 
     def save_checkpoint(self, state: Any, directory: Any) -> bool:
-        save_trainer_checkpoint(state, directory)
+        """The distributed checkpoint; a LoRA student's: the PEFT adapter directory at its top
+        with the optimizer state (lora.save_checkpoint), no base weights."""
+        if getattr(state, "lora", None) is not None:
+            lora.save_checkpoint(state, directory)
+        else:
+            save_trainer_checkpoint(state, directory)
         return True
 
     def load_checkpoint(self, state: Any, path: Any) -> bool:
-        if not is_trainer_checkpoint(Path(path)):
+        """True when `path` is this backend's checkpoint (loaded); False leaves it to the
+        one-process reader (an HF directory, or a torch backend's LoRA checkpoint, which only
+        tp = pp = 1 reads: its optimizer state is per whole tensor)."""
+        path = Path(path)
+        if getattr(state, "lora", None) is not None:
+            if lora.is_checkpoint(path):
+                lora.load_checkpoint(state, path)
+                return True
+            if is_trainer_checkpoint(path):
+                raise ValueError(f"checkpoint {path} holds full weights, not a LoRA adapter, "
+                                 f"but this trainer trains one (lora is set): resume it "
+                                 f"without lora, or start a new run")
+            if (parallel_state.get_tensor_model_parallel_world_size() > 1
+                    or parallel_state.get_pipeline_model_parallel_world_size() > 1):
+                raise ValueError(f"checkpoint {path} is a torch backend's LoRA checkpoint: "
+                                 f"resume it at parallel.tp = pp = 1 (its optimizer state is "
+                                 f"per whole tensor)")
+            return False
+        if lora.is_checkpoint(path):
+            raise ValueError(f"checkpoint {path} holds a LoRA adapter, not full weights: resume "
+                             f"it with the lora table it was trained with")
+        if not is_trainer_checkpoint(path):
             return False
         load_trainer_checkpoint(state, path)
         return True
 
     def sleep_tensors(self, model: Any) -> list[torch.nn.Module]:
         return [model]
+
+    # ---- LoRA students (backends/megatron/lora.py) ------------------------------------------
+    def attach_lora(self, model: MegatronCausalLM, cfg: LoraConfig) -> None:
+        lora.attach(model, cfg)
+
+    def adapter_tensors(self, model: MegatronCausalLM) -> dict[str, torch.Tensor]:
+        return lora.adapter_tensors(model)  # collective: whole tensors on global rank 0
+
+    def load_adapter(self, model: MegatronCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+        lora.load_adapter(model, tensors)
+
+    def adapters_off(self, model: MegatronCausalLM) -> ContextManager[Any]:
+        return lora.adapters_off(model)
+
+    def merged_tensors(self, model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+        return lora.merged_tensors(model)  # collective like iter_hf_tensors

@@ -1,0 +1,482 @@
+"""LoRA students on the megatron backend (backends/megatron/lora.py) against the torch backend's
+peft adapters (training/lora.py): the same PEFT-named adapter gives the same log-probs, the
+same train step (with a KL term to the adapters-off reference) and the same merged weights;
+at TP=2 the step equals TP=1, the adapter's gather gives back what was loaded (TP=2, PP=2), and a
+checkpoint (a PEFT adapter directory with the optimizer state) resumes at its own and at another
+layout. Multi-rank cases run on two gloo child processes (tests/test_megatron_parallel.py's
+pattern): rank 0 reports tensors, the tests here assert.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+with warnings.catch_warnings():  # megatron-core warns at import that Apex / TE are absent
+    warnings.simplefilter("ignore")
+    pytest.importorskip("megatron.core")
+    from backends.megatron import model as mg
+
+from algos.logprobs import token_logprobs_and_entropy
+from backends.megatron import cpu_shim as shim
+from tests.test_megatron_convert import hf_model
+from tests.test_megatron_model import batch, padded_batch
+from training.config import LoraConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")
+
+SPAWN_TIMEOUT_S = 100
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SOME = ["k_proj", "v_proj", "up_proj", "down_proj"]  # absent parts of fused layers stay zero
+
+
+def random_adapter(model_name: str, targets: list[str], rank: int = 4, seed: int = 3
+                   ) -> dict[str, torch.Tensor]:
+    """A whole non-zero adapter under PEFT's names (peft's own layout, from a peft model)."""
+    from training import lora
+
+    peft_model = lora.attach(hf_model(model_name), LoraConfig(rank=rank, alpha=8.0,
+                                                              target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=gen) * 0.3
+            for n, t in lora.adapter_tensors(peft_model).items()}
+
+
+def torch_student(model_name: str, targets: list[str], adapter: dict[str, torch.Tensor]):
+    """The torch backend's LoRA student (transformers + peft) with `adapter` loaded."""
+    from training import lora
+
+    model = lora.attach(hf_model(model_name), LoraConfig(rank=4, alpha=8.0,
+                                                         target_modules=targets))
+    lora.load_adapter_tensors(model, adapter)
+    return model
+
+
+def megatron_student(model_name: str, targets: list[str], adapter: dict[str, torch.Tensor],
+                     dropout: float = 0.0):
+    """This rank's megatron LoRA student of the same base and adapter."""
+    from backends.megatron import lora
+
+    model = mg.from_hf_model(hf_model(model_name))
+    lora.attach(model, LoraConfig(rank=4, alpha=8.0, target_modules=targets, dropout=dropout))
+    lora.load_adapter(model, adapter)
+    return model
+
+
+# ---- one process, TP = PP = 1 ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory):
+    """One gloo rank with megatron's parallel state (TP=PP=1), once per module (see
+    tests/test_megatron_model.py: the group setup leaves a gloo transport behind)."""
+    shim.install()
+    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("mg") / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    mg.initialize_parallel(1, 1, seed=0)
+    yield
+    mg.parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    del store
+    shim.uninstall()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("targets", [ALL, SOME], ids=["all", "some"])
+def test_logprobs_equal_the_torch_backend_with_the_same_adapter(tp1, name, targets):
+    from backends.megatron import lora
+
+    adapter = random_adapter(name, targets)
+    want_model = torch_student(name, targets, adapter)
+    model = megatron_student(name, targets, adapter)
+    ids, mask = padded_batch(want_model.config.vocab_size)
+    real = (mask[:, 1:] * mask[:, :-1]).bool()
+    with torch.no_grad():
+        want = token_logprobs_and_entropy(want_model, ids, mask, 0.7)[0]
+        got = token_logprobs_and_entropy(model, ids, mask, 0.7)[0]
+        with lora.adapters_off(model):
+            off = token_logprobs_and_entropy(model, ids, mask, 0.7)[0]
+        base = token_logprobs_and_entropy(hf_model(name), ids, mask, 0.7)[0]
+    assert (got - want).abs()[real].max() < 1e-5
+    assert (off - base).abs()[real].max() < 1e-5  # adapters off: the base model
+    assert (want - base).abs()[real].max() > 0.05  # the adapter changes the answer
+
+
+def test_attach_freezes_the_base_and_starts_as_the_base(tp1):
+    from backends.megatron import lora
+
+    model = mg.from_hf_model(hf_model("qwen2"))
+    before = model.hf_state_dict()
+    ids, mask = padded_batch(54)
+    with torch.no_grad():
+        plain = token_logprobs_and_entropy(model, ids, mask)[0]
+    lora.attach(model, LoraConfig(rank=4, alpha=8.0, target_modules=ALL))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {n for n, _ in model.lora.named_parameters(prefix="lora")}
+    assert len(trained) == 2 * len(ALL) * 2  # A and B of seven modules on two layers
+    adapter = lora.adapter_tensors(model)
+    a = adapter[lora.peft_name(1, "q_proj", "A")]
+    assert a.shape == (4, 64) and a.abs().max() <= 1 / 8 and a.std() > 0.02  # kaiming(sqrt 5)
+    assert all(adapter[lora.peft_name(i, t, "B")].abs().max() == 0 for i in (0, 1) for t in ALL)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs_and_entropy(model, ids, mask)[0], plain)
+    after = model.hf_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match=r"'qkv_proj'.*allowed.*'q_proj'"):
+        lora.attach(mg.from_hf_model(hf_model("qwen2")),
+                    LoraConfig(target_modules=["q_proj", "qkv_proj"]))
+    wrong = dict(adapter)
+    wrong.pop(lora.peft_name(0, "v_proj", "B"))
+    with pytest.raises(ValueError, match="missing.*v_proj.lora_B"):
+        lora.load_adapter(model, wrong)
+
+
+def test_merged_tensors_equal_the_torch_backends(tp1):
+    from backends.megatron import lora
+    from training import lora as torch_lora
+
+    adapter = random_adapter("qwen2-untied", SOME)
+    want = dict(torch_lora.merged_tensors(torch_student("qwen2-untied", SOME, adapter)))
+    model = megatron_student("qwen2-untied", SOME, adapter)
+    got = dict(lora.merged_tensors(model))
+    assert sorted(got) == sorted(want)
+    base = hf_model("qwen2-untied").state_dict()
+    for key, value in want.items():
+        assert (got[key] - value).abs().max() < 1e-6, key
+    assert (got["model.layers.1.mlp.down_proj.weight"]
+            - base["model.layers.1.mlp.down_proj.weight"]).abs().max() > 0.1
+    assert torch.equal(got["model.layers.1.self_attn.q_proj.weight"],
+                       base["model.layers.1.self_attn.q_proj.weight"])  # not a target
+
+
+def _lora_state(backend: str, adapter: dict[str, torch.Tensor]):
+    """(state, cfg) of one LoRA student step with a KL loss term to its adapters-off reference,
+    SGD (lr 1: the adapters move by their clipped gradients) through fp32 masters."""
+    import msgspec
+
+    from actors.trainer import TrainerConfig
+    from models.tiny import build_char_tokenizer
+    from training.aux_models import AdaptersOffReference
+    from training.backends import get_backend
+    from training.config import MicroBatchConfig, OptimizerConfig
+    from training.master_weights import MasterWeightOptimizer
+    from training.step import TrainState
+
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        optimizer=OptimizerConfig(grad_clip=0.5))
+    cfg = msgspec.convert(msgspec.to_builtins(cfg) | dict(
+        kl={"coef": 0.5, "use_kl_loss": True, "estimator": "k3"}), type(cfg))
+    model = (torch_student("qwen2-untied", ALL, adapter) if backend == "torch"
+             else megatron_student("qwen2-untied", ALL, adapter))
+    impl = get_backend(backend)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = MasterWeightOptimizer(params, lambda ps: torch.optim.SGD(ps, lr=1.0))
+    ref = AdaptersOffReference(model, impl.adapters_off)
+    return TrainState(model, build_char_tokenizer(), opt, ref, backend=impl), cfg
+
+
+def test_step_with_a_kl_term_to_the_base_equals_the_torch_backend(tp1):
+    from training.backends import get_backend
+    from training.step import train_on_batch
+
+    adapter = random_adapter("qwen2-untied", ALL)
+    stats, after = {}, {}
+    for backend in ("torch", "megatron"):
+        state, cfg = _lora_state(backend, adapter)
+        before = dict(state.backend.iter_hf_tensors(state.model)) if backend == "megatron" \
+            else None
+        stats[backend] = train_on_batch(state, batch(state.tokenizer), cfg)
+        after[backend] = get_backend(backend).adapter_tensors(state.model)
+        if before is not None:  # the base is frozen: bit for bit as it was
+            now = dict(state.backend.iter_hf_tensors(state.model))
+            assert all(torch.equal(now[k], v) for k, v in before.items())
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss", "train/policy_kl"):
+        assert stats["megatron"][key] == pytest.approx(stats["torch"][key], rel=1e-5,
+                                                       abs=1e-6), key
+    assert stats["torch"]["train/kl_loss"] > 1e-3  # the reference is the base, not the student
+    assert stats["torch"]["train/grad_norm"] > 0.5  # the clip was active
+    for key, want in after["torch"].items():
+        assert (after["megatron"][key] - want).abs().max() < 1e-5, key
+        moved = (want - adapter[key]).abs().max()
+        assert moved > 1e-3, key  # every adapter tensor was stepped
+
+
+def test_trainer_lora_student_checkpoint_resumes(tp1, tmp_path):
+    """The trainer's path: load_train_state with lora on the megatron backend (AdamW, the
+    adapters-off KL reference), a step, the one-rank checkpoint, a resume."""
+    import msgspec
+
+    from actors.trainer import TrainerConfig
+    from backends.megatron import lora
+    from training.aux_models import AdaptersOffReference
+    from training.ranks import SingleRank
+    from training.setup import load_train_state
+    from training.step import train_on_batch
+
+    cfg = msgspec.convert(dict(model="tiny-qwen2", workers=["w"], backend="megatron",
+                               lora={"rank": 4, "alpha": 8.0, "target_modules": SOME},
+                               kl={"coef": 0.1, "use_kl_loss": True}), TrainerConfig)
+    state = load_train_state(cfg, str(tmp_path), resume=False)
+    assert isinstance(state.ref, AdaptersOffReference)
+    stats = train_on_batch(state, batch(state.tokenizer), cfg)
+    assert stats["train/kl_loss"] >= 0.0 and stats["train/grad_norm"] > 0
+    state.step, state.version = 1, 1
+    SingleRank(state).save_checkpoint(state, tmp_path / "checkpoints" / "step_000001")
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    assert (ckpt / "adapter_config.json").is_file() and lora.is_checkpoint(ckpt)
+    assert not list(ckpt.glob("model*.safetensors"))  # no base weights
+    resumed = load_train_state(cfg, str(tmp_path), resume=True)
+    assert (resumed.step, resumed.version) == (1, 1)
+    want, got = lora.adapter_tensors(state.model), lora.adapter_tensors(resumed.model)
+    assert want[lora.peft_name(0, "up_proj", "B")].abs().max() > 0  # B moved off zero
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    inner, back = state.optimizer.optimizer, resumed.optimizer.optimizer
+    for p, q in zip(state.optimizer.params, resumed.optimizer.params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(inner.state[p][key], back.state[q][key])
+        assert float(back.state[q]["step"]) == 1.0
+    # the two students take the same next step
+    for s in (state, resumed):
+        train_on_batch(s, batch(s.tokenizer), cfg)
+    after, resumed_after = lora.adapter_tensors(state.model), lora.adapter_tensors(resumed.model)
+    assert all(torch.equal(resumed_after[k], v) for k, v in after.items())
+
+
+# ---- two processes: TP = 2, PP = 2 -------------------------------------------------------------
+def run_ranks(target: str, tmp_path: Path, world: int = 2) -> dict:
+    """Run this module's `target`(rank, tmp_path) on `world` child processes; rank 0's report."""
+    code = (f"from tests.test_megatron_lora import rank_main; "
+            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r})")
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for r in range(world)]
+    try:
+        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
+    assert not errors, "\n".join(errors)
+    assert codes == [0] * world
+    return torch.load(tmp_path / "report.pt", weights_only=True)
+
+
+def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
+    """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
+    warnings.simplefilter("ignore")
+    try:
+        shim.install()
+        store = torch.distributed.FileStore(f"{tmp}/store", world)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        report = globals()[target](rank, Path(tmp))
+        if rank == 0:
+            torch.save(report, f"{tmp}/report.pt")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        Path(tmp, f"error-{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def _one_step(adapter: dict[str, torch.Tensor], optimizer: str = "sgd") -> dict:
+    """One train_on_batch of this rank's LoRA student (SGD lr 1, or AdamW), clip 0.5."""
+    from actors.trainer import TrainerConfig
+    from backends.megatron import lora
+    from models.tiny import build_char_tokenizer
+    from training.backends import get_backend
+    from training.config import MicroBatchConfig, OptimizerConfig
+    from training.master_weights import make_optimizer
+    from training.step import TrainState, train_on_batch
+
+    tok = build_char_tokenizer()
+    model = megatron_student("qwen2-untied", ALL, adapter)
+    base = model.hf_state_dict()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.SGD(params, lr=1.0) if optimizer == "sgd"
+           else make_optimizer(params, torch.float32, False, 1e-2, 0.0, model.clip_grad_norm))
+    state = TrainState(model, tok, opt, backend=get_backend("megatron"))
+    state.lora = LoraConfig(rank=4, alpha=8.0, target_modules=ALL)
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        optimizer=OptimizerConfig(grad_clip=0.5))
+    stats = train_on_batch(state, batch(tok), cfg)
+    after_base = model.hf_state_dict()
+    return {"state": state, "loss": stats["train/loss"], "norm": stats["train/grad_norm"],
+            "adapter": lora.adapter_tensors(model),
+            "base_equal": all(torch.equal(after_base[k], v) for k, v in base.items())}
+
+
+def two_ranks(rank: int, tmp: Path) -> dict:
+    """TP=2 (step, gathers, checkpoint), then TP=1 x DP=2 (step, resume at another layout),
+    then PP=2 (gather round trip, resume)."""
+    from backends.megatron import lora
+    from backends.megatron.model import initialize_parallel, parallel_state
+    from training.backends import get_backend
+
+    backend = get_backend("megatron")
+    adapter = random_adapter("qwen2-untied", ALL)
+    report: dict = {}
+
+    initialize_parallel(2, 1)
+    model = megatron_student("qwen2-untied", SOME, random_adapter("qwen2-untied", SOME))
+    report["tp2_round_trip"] = lora.adapter_tensors(model)
+    report["tp2_merged"] = dict(lora.merged_tensors(model))
+    report["tp2_split"] = model.lora.adapters["0_up_proj"].B.shape[0]  # rows of this rank
+    tp2 = _one_step(adapter)
+    adam = _one_step(adapter, "adamw")
+    backend.save_checkpoint(adam["state"], tmp / "ckpt")
+    fresh = _fresh_state(adapter)
+    backend.load_checkpoint(fresh, tmp / "ckpt")
+    same = torch.tensor(float(_moments(fresh) == _moments(adam["state"])))
+    torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)  # every rank's
+    report["tp2_resumed_moments"] = bool(same)
+    report["adam_moments"] = _whole_moments(adam["state"])
+    parallel_state.destroy_model_parallel()
+
+    initialize_parallel(1, 1)  # the same two ranks as TP=1 x DP=2
+    tp1 = _one_step(adapter)
+    other = _fresh_state(adapter)
+    backend.load_checkpoint(other, tmp / "ckpt")  # written at TP=2
+    report["tp1_resumed"] = lora.adapter_tensors(other.model)
+    report["tp1_resumed_moments"] = _whole_moments(other)
+    parallel_state.destroy_model_parallel()
+
+    initialize_parallel(1, 2)
+    staged = megatron_student("qwen2-untied", ALL, adapter)
+    report["pp2_layers"] = list(staged.layers)
+    report["pp2_round_trip"] = lora.adapter_tensors(staged)
+    parallel_state.destroy_model_parallel()
+    report |= {"adam": adam["adapter"],
+               "loss": torch.tensor([tp2["loss"], tp1["loss"]]),
+               "norm": torch.tensor([tp2["norm"], tp1["norm"]]),
+               "tp2": tp2["adapter"], "tp1": tp1["adapter"],
+               "base_equal": tp2["base_equal"] and tp1["base_equal"]}
+    return report
+
+
+def _fresh_state(adapter: dict[str, torch.Tensor]):
+    """A LoRA student whose adapter and AdamW state are not the saved ones."""
+    from models.tiny import build_char_tokenizer
+    from training.backends import get_backend
+    from training.master_weights import make_optimizer
+    from training.step import TrainState
+
+    model = megatron_student("qwen2-untied", ALL, {k: v * 0 for k, v in adapter.items()})
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, torch.float32, False, 1e-2, 0.0, model.clip_grad_norm)
+    state = TrainState(model, build_char_tokenizer(), opt, backend=get_backend("megatron"))
+    state.lora = LoraConfig(rank=4, alpha=8.0, target_modules=ALL)
+    return state
+
+
+def _moments(state) -> list[list[float]]:
+    """This rank's AdamW moments, as numbers (a comparison on this rank)."""
+    inner = state.optimizer.optimizer
+    return [[inner.state[p][k].sum().item() for k in ("exp_avg", "exp_avg_sq")]
+            + [float(inner.state[p]["step"])] for p in state.optimizer.params]
+
+
+def _whole_moments(state) -> dict[str, torch.Tensor]:
+    """The whole AdamW moments under the adapter's names, on rank 0 (collective)."""
+    from backends.megatron import lora
+
+    inner = state.optimizer.optimizer
+    local = {}
+    for name, dim, _, owner in lora._optimizer_entries(state.model, state.optimizer):
+        local[name] = (inner.state[owner]["exp_avg"], dim)
+    return lora.whole_on_rank0(state.model, local)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return run_ranks("two_ranks", tmp_path_factory.mktemp("lora_ranks"))
+
+
+def test_tensor_parallel_step_equals_one_rank(report):
+    tp2_loss, tp1_loss = report["loss"].tolist()
+    assert tp2_loss == pytest.approx(tp1_loss, rel=1e-5)
+    tp2_norm, tp1_norm = report["norm"].tolist()
+    # each replicated adapter tensor counted once: a double count would raise the TP=2 norm
+    assert tp2_norm == pytest.approx(tp1_norm, rel=1e-5) and tp1_norm > 0.5
+    adapter = random_adapter("qwen2-untied", ALL)
+    assert sorted(report["tp2"]) == sorted(adapter)
+    for key, want in report["tp1"].items():
+        assert (report["tp2"][key] - want).abs().max() < 1e-5, key
+        assert (want - adapter[key]).abs().max() > 1e-4, key  # stepped
+    assert report["base_equal"]  # the base weights bit for bit as loaded
+
+
+def test_tensor_parallel_step_equals_the_torch_backend(report):
+    """TP=2 against peft's gradients (SGD lr 1: the adapters move by the clipped gradient)."""
+    from models.tiny import build_char_tokenizer
+    from training.backends import get_backend
+    from training.config import MicroBatchConfig, OptimizerConfig
+    from training.step import TrainState, train_on_batch
+    from actors.trainer import TrainerConfig
+    from training import lora
+
+    adapter = random_adapter("qwen2-untied", ALL)
+    model = torch_student("qwen2-untied", ALL, adapter)
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = TrainState(model, build_char_tokenizer(), torch.optim.SGD(params, lr=1.0),
+                       backend=get_backend("torch"))
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                        optimizer=OptimizerConfig(grad_clip=0.5))
+    stats = train_on_batch(state, batch(state.tokenizer), cfg)
+    assert stats["train/grad_norm"] == pytest.approx(report["norm"][0].item(), rel=1e-5)
+    for key, want in lora.adapter_tensors(model).items():
+        assert (report["tp2"][key] - want).abs().max() < 1e-5, key
+
+
+def test_adapter_gathers_give_back_what_was_loaded(report):
+    some = random_adapter("qwen2-untied", SOME)
+    assert report["tp2_split"] == 64  # up_proj's 128 rows over two ranks
+    assert sorted(report["tp2_round_trip"]) == sorted(some)
+    for key, want in some.items():
+        assert torch.equal(report["tp2_round_trip"][key], want), key
+    assert report["pp2_layers"] == [0]  # rank 0 holds one of the two stages
+    every = random_adapter("qwen2-untied", ALL)
+    assert sorted(report["pp2_round_trip"]) == sorted(every)  # both stages' layers
+    for key, want in every.items():
+        assert torch.equal(report["pp2_round_trip"][key], want), key
+
+
+def test_tensor_parallel_merged_tensors_equal_the_torch_backends(report):
+    from training import lora
+
+    some = random_adapter("qwen2-untied", SOME)
+    want = dict(lora.merged_tensors(torch_student("qwen2-untied", SOME, some)))
+    assert sorted(report["tp2_merged"]) == sorted(want)
+    for key, value in want.items():
+        assert (report["tp2_merged"][key] - value).abs().max() < 1e-6, key
+
+
+def test_checkpoint_resumes_at_its_layout_and_another(report, tmp_path):
+    """Saved at TP=2 after an AdamW step: read back at TP=2 (every rank's moments) and at
+    TP=1 (adapter and moments whole); the adapter directory loads into peft as it is."""
+    assert report["tp2_resumed_moments"]
+    for key, want in report["adam"].items():
+        assert torch.equal(report["tp1_resumed"][key], want), key
+        assert torch.equal(report["tp1_resumed_moments"][key], report["adam_moments"][key]), key
+    assert any(v.abs().max() > 0 for v in report["adam_moments"].values())
+
+
+def test_checkpoint_is_a_peft_adapter_directory(report, tmp_path_factory):
+    from peft import PeftModel
+
+    ckpt = next(Path(p) for p in tmp_path_factory.getbasetemp().glob("lora_ranks*/ckpt"))
+    assert (ckpt / "adapter_config.json").is_file()
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(hf_model("qwen2-untied"), str(ckpt))
+    named = dict(loaded.named_parameters())
+    for key, want in report["adam"].items():
+        own = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight")
+        assert torch.equal(named[own], want), key
