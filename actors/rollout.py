@@ -46,6 +46,7 @@ import msgspec
 from engine.chat_template import chat_format, check_chat_template
 from engine.client import SglangClient
 from engine.session import AGENT_STATS, DRIFT_RULES, AgentLink, HttpSession, SessionFailed
+from engine.weight_push import adapter_name
 from envs.loader import check_at_load, load_envs
 from envs.openai_api import AgentEndpoint
 from models.load import check_model_path, load_tokenizer
@@ -231,6 +232,7 @@ class RolloutActor(Actor):
         self.no_signal: collections.Counter = collections.Counter()  # batches in a row, by domain
         self.no_signal_said: dict[str, float] = {}  # when it was last said, by domain
         self.last_eval: tuple[int, dict[str, float], dict[str, int]] | None = None
+        self.serving_version = 0  # the newest weight version the workers hold (LoRA: adapter)
         # "<group id>-<index>" of episodes whose environment failed (cleared per batch / eval)
         self.env_failed: set[str] = set()
 
@@ -290,6 +292,7 @@ class RolloutActor(Actor):
                 permit = await self.call_retrying(
                     self.buffer, RolloutPermit(batch_index=batch_index), cfg.permit_timeout_s)
             await self._resend_if_buffer_restarted(permit.buffer_epoch)
+            self.serving_version = max(self.serving_version, permit.trainer_version)
             if cfg.eval_every and batch_index % cfg.eval_every == 0:
                 await self.evaluate(permit.trainer_version)
             batch = [next(tasks) for _ in range(cfg.groups_per_batch)]
@@ -362,6 +365,13 @@ class RolloutActor(Actor):
         return {**self.counters, **{f"totals.{k}": v for k, v in
                                     msgspec.structs.asdict(self.totals).items()}}
 
+    def _adapter(self) -> tuple[str, int] | None:
+        """A LoRA student's run: the adapter of the newest version the workers hold (the
+        buffer's permits and eval requests say it: the trainer pushes before it announces)."""
+        if self.facts.lora is None:
+            return None
+        return adapter_name(self.serving_version), self.serving_version
+
     async def play(self, task, sampling: dict, group_id: str, index: int):
         env = self.envs.env_for(task)
         domain = task.domain or env.domain
@@ -371,7 +381,8 @@ class RolloutActor(Actor):
                               max_new_tokens=getattr(env, "max_new_tokens", 0)
                               or self.config.max_new_tokens, retries=self.config.retries,
                               agent=self.agent,
-                              nucleus_top_logprobs=self.config.nucleus_top_logprobs)
+                              nucleus_top_logprobs=self.config.nucleus_top_logprobs,
+                              lora=self._adapter())
         async with self.gate:
             try:
                 reward = await run_episode(env, task, session, clock, self.config.env_timeout_s)
@@ -408,6 +419,7 @@ class RolloutActor(Actor):
         not a second record when a periodic one already scored that version."""
         if self.last_eval is not None and self.last_eval[0] == version:
             return self.last_eval[1], self.last_eval[2]
+        self.serving_version = max(self.serving_version, version)
         cfg = self.config
         by_domain: dict[str, list] = {}
         for task in self.envs.tasks("eval", cfg.seed):

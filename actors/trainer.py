@@ -32,6 +32,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import Literal
 
 from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
-from engine.weight_push import release_to_train, wake_to_generate
+from engine.weight_push import AdapterPush, release_to_train, wake_to_generate
 from engine.weight_sync import WeightStream, check_sync_device
 from engine.weight_sync_config import WeightSyncConfig
 from logic.teachers import check_vocab
@@ -47,8 +48,9 @@ from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
 from runtime.actor import Actor
 from runtime.devices import gpu_ids
-from training.config import CheckpointConfig, TrainConfig
 from training.backends import check_backend
+from training.config import CheckpointConfig, TrainConfig
+from training.lora import config_dict
 from training.ranks import load_trainer
 from training.sleep import SleepReport
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
@@ -67,6 +69,9 @@ def distill_kl(stats: dict[str, float]) -> dict[str, float]:
             n = stats.get(f"{key[:-len('reverse_kl')]}tokens", 0.0)
             total, tokens = total + kl * n, tokens + n
     return {"opd/reverse_kl": total / tokens} if tokens else {}
+
+
+MERGED_DIR = "merged"  # lora.merge_export: the run's final HF export with the adapter merged in
 
 
 class TrainerConfig(TrainConfig, kw_only=True):
@@ -105,6 +110,11 @@ class TrainerActor(Actor):
                 check_vocab(student, load_tokenizer(t.model), t.name)
         check_backend(config, colocated=config.mode == "colocated")
         check_sync_device(config.weight_sync.path, config.device)
+        if config.lora is not None and config.weight_sync.path not in ("disk", "tensor"):
+            raise ValueError(f"lora pushes the adapter only, through SGLang's LoRA endpoints: "
+                             f"weight_sync.path = {config.weight_sync.path!r} carries full "
+                             f"weights; use 'tensor' (the adapter in the request body) or "
+                             f"'disk' (a PEFT directory every worker reads)")
 
     @classmethod
     def gpus(cls, config: TrainerConfig, env: dict[str, str], host: str) -> list[str]:
@@ -158,14 +168,16 @@ class TrainerActor(Actor):
                                                asyncio.get_running_loop(), mem.arena,
                                                str(mem.store.root))
         self.run_dir = Path(run_dir)
-        # one push(version) whatever the path; through disk when it fails (weight_sync.fallback)
-        self.sync = await cfg.weight_sync.build(
-            self.clients, names=list(cfg.workers),
-            worker_devices=[self.peer(w).devices for w in cfg.workers],
-            own_devices=gpu_ids([cfg.device]), device=cfg.device, run_dir=self.run_dir,
-            write=lambda path, shard: self._in_thread(self.ranks.save_weights, self.state, path,
-                                                      shard),
-            stream=self.weight_stream)
+        if cfg.lora is not None:  # the adapter only, loaded under each version's name
+            self.sync = self._adapter_push()
+        else:  # one push(version) whatever the path; disk when it fails (weight_sync.fallback)
+            self.sync = await cfg.weight_sync.build(
+                self.clients, names=list(cfg.workers),
+                worker_devices=[self.peer(w).devices for w in cfg.workers],
+                own_devices=gpu_ids([cfg.device]), device=cfg.device, run_dir=self.run_dir,
+                write=lambda path, shard: self._in_thread(self.ranks.save_weights, self.state,
+                                                          path, shard),
+                stream=self.weight_stream)
         self._closers.append(self.sync.close)
         self.push_stats: dict[str, float] = {}  # the latest push's time per GB (metrics)
         self.buffer = await self.connect(cfg.buffer)
@@ -304,6 +316,27 @@ class TrainerActor(Actor):
         if announce:
             await self._announce()
 
+    def _adapter_push(self) -> AdapterPush:
+        """A LoRA student's push: its adapter under each version's name (engine/weight_push.py);
+        the newest max_staleness + 2 versions stay loaded (a request in flight keeps its own),
+        at least weight_sync.keep_versions."""
+        cfg, state = self.config, self.state
+
+        def write(directory: Path) -> int:
+            tmp = directory.with_name(directory.name + ".tmp")  # whole or absent
+            shutil.rmtree(tmp, ignore_errors=True)
+            nbytes = state.save_adapter(tmp, self.ranks.adapter_tensors(state))
+            shutil.rmtree(directory, ignore_errors=True)
+            tmp.replace(directory)
+            return nbytes
+
+        keep = max(cfg.weight_sync.keep_versions, self.facts.max_staleness + 2)
+        return AdapterPush(self.clients, list(cfg.workers), cfg.weight_sync.path, self.run_dir,
+                           config_dict(cfg.lora, cfg.model),
+                           lambda d: self._in_thread(write, d),
+                           lambda: self._in_thread(self.ranks.adapter_tensors, state), keep,
+                           cfg.weight_sync.timeout_s)
+
     def weight_stream(self) -> WeightStream:
         """One version's weights as the in-memory paths read them: produced bucket by bucket
         in the compute thread (a sharded trainer gathers each piece from its ranks as it is
@@ -366,6 +399,20 @@ class TrainerActor(Actor):
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:06d}"
         self._saved_step = self.state.step
         self.ranks.save_checkpoint(self.state, path)
+        lora = self.config.lora
+        if lora is not None and lora.merge_export and self.state.step >= self.config.num_steps:
+            self.save_merged()
+        return path
+
+    def save_merged(self) -> Path:
+        """lora.merge_export: `<run_dir>/merged`, an HF directory of the base with the final
+        adapter merged in (written under a temporary name, then renamed)."""
+        path = self.run_dir / MERGED_DIR
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.ranks.save_merged(self.state, tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.replace(path)
         return path
 
     async def _in_thread(self, fn, *args):

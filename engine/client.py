@@ -39,8 +39,8 @@ def error_message(raw: bytes) -> str:
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
-        for key in ("message", "detail", "error"):
-            if key in body:
+        for key in ("message", "error_message", "detail", "error"):  # error_message: LoRA's
+            if body.get(key):
                 return str(body[key])
     return text
 
@@ -118,6 +118,25 @@ class SglangClient:
         if weight_version is not None:
             body["weight_version"] = weight_version
         return await self._call("POST", "/update_weights_from_tensor", body)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False
+                                ) -> dict[str, Any]:
+        """Load a PEFT adapter directory under `lora_name`; returns SGLang's LoRAUpdateOutput
+        {"success", "error_message", "loaded_adapters"}."""
+        return await self._call("POST", "/load_lora_adapter", {
+            "lora_name": lora_name, "lora_path": lora_path, "pinned": pinned})
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
+                                             serialized_tensors: str, pinned: bool = False,
+                                             load_format: str | None = None) -> dict[str, Any]:
+        """Load an adapter sent in the body (`config_dict`: its adapter_config.json)."""
+        return await self._call("POST", "/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config_dict,
+            "serialized_tensors": serialized_tensors, "pinned": pinned,
+            "load_format": load_format})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                            ) -> dict[str, Any]:

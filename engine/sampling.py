@@ -49,6 +49,7 @@ class GenRequest:
     # The server resolves SGLang's -1 default before the request gets here (engine/server.py).
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    lora: str | None = None  # the loaded LoRA adapter it runs with (None: the base model)
 
 
 TopList = list[tuple[float, int]]

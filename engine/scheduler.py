@@ -75,7 +75,8 @@ import torch
 from transformers import DynamicCache
 
 from algos.logprobs import effective_temperature, logits_to_logprobs, position_ids_from_mask
-from engine.errors import EngineUnavailable
+from engine.adapters import AdapterRegistry, base_named_tensors
+from engine.errors import BadRequest, EngineUnavailable
 from engine.sampling import (
     DEFAULT_MAX_NEW_TOKENS,
     GenRequest,
@@ -125,6 +126,7 @@ class _Seq:
     versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     abort_message: str | None = None
     finish: dict[str, Any] | None = None
+    adapter: Any = None  # the LoRA adapter it runs with (engine/adapters.py; None: the base)
 
     @property
     def tokens(self) -> list[int]:
@@ -228,6 +230,10 @@ class Scheduler:
         self._parked = HostOffload(backup=weights_backup,
                                    pin=str(device).startswith("cuda") and weights_backup)
         self._closed = False
+        # LoRA adapters by name (engine/adapters.py); the invariant forward has no adapter path
+        self.adapters = AdapterRegistry(model, refuse="this worker runs true_on_policy: its "
+                                        "batch-invariant forward has no LoRA path"
+                                        if true_on_policy else "")
 
     @classmethod
     async def create(cls, source: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -252,7 +258,10 @@ class Scheduler:
         if self.released:
             raise EngineUnavailable(f"memory is released ({', '.join(sorted(self.released))}); "
                                     f"call /resume_memory_occupation before generating")
+        adapters = [self.adapters.get(r.lora) for r in requests]  # BadRequest: not loaded
         seqs = [self._new_seq(r) for r in requests]
+        for s, adapter in zip(seqs, adapters):
+            s.adapter = adapter
         self._queue.extend(seqs)
         self._wake.set()
         try:
@@ -321,6 +330,18 @@ class Scheduler:
 
         return await self._submit_op(op, needs_idle=False)
 
+    async def load_adapter(self, name: str, path: str, config: dict, tensors: dict,
+                           pinned: bool = False) -> None:
+        """Hold a LoRA adapter under `name` (engine/adapters.py), at a safe point like a weight
+        update; BadRequest when it does not fit."""
+        if "weights" in self.released:
+            raise BadRequest("weights are released; call /resume_memory_occupation first")
+
+        async def op():
+            return await self._in_thread(self.adapters.load, name, path, config, tensors, pinned)
+
+        await self._submit_op(op, needs_idle=False)
+
     async def release(self, tags: list[str] | None = None) -> None:
         tags = self._check_tags(tags)
 
@@ -345,6 +366,7 @@ class Scheduler:
         async def op():
             if "weights" in tags and "weights" in self.released:
                 await self._in_thread(self._restore_weights)
+                self.adapters.forget_installed()  # the layers' adapter tensors came back too
             self.released.difference_update(tags)
             self._memory_changed()
 
@@ -387,6 +409,8 @@ class Scheduler:
                     continue
                 seqs = self._take_batch()
                 if seqs:
+                    if self.adapters.shape is not None:  # LoRA layers: this wave's adapter
+                        await self._in_thread(self.adapters.use, seqs[0].adapter)
                     await self._run_wave(_Wave(seqs))
         finally:
             self._fail_all(EngineUnavailable("the engine stopped"))
@@ -403,11 +427,17 @@ class Scheduler:
                 if not s.future.done():
                     s.future.set_exception(error)
             return []
-        batch = []
+        batch: list[_Seq] = []
+        others: list[_Seq] = []  # another adapter's requests wait for a later wave, in order
         while self._queue and len(batch) < self.max_batch_size:
             s = self._queue.popleft()
-            if not s.future.done():
+            if s.future.done():
+                continue
+            if batch and s.adapter is not batch[0].adapter:
+                others.append(s)
+            else:
                 batch.append(s)
+        self._queue.extendleft(reversed(others))
         return batch
 
     async def _run_wave(self, wave: _Wave) -> None:
@@ -595,7 +625,7 @@ class Scheduler:
         built from its seed and copied in. Every name and shape is checked against the headers
         before anything changes. A tied weight (lm_head sharing the embeddings) may be absent,
         as `save_pretrained` omits it."""
-        state = self.model.state_dict()
+        state = base_named_tensors(self.model)  # a LoRA layer's base weight by its HF name
         if source in TINY:
             new = load_model(source, self.device, self.dtype, self.seed)[0].state_dict()
             shapes = {n: tuple(t.shape) for n, t in new.items()}

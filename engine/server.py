@@ -34,7 +34,7 @@ Matched against (read in the public sglang sources, no server was run):
 
 Deliberate differences / not confirmed:
 - Unknown top-level /generate fields are rejected with 400 (SGLang's pydantic model ignores them);
-  fields SGLang has but this engine does not implement (streaming, images, LoRA, ...) are 400
+  fields SGLang has but this engine does not implement (streaming, images, lora_id, ...) are 400
   unless left at their defaults; so are penalties, min_new_tokens, n > 1 and grammars.
 - `/get_weight_version` answers {"weight_version": v} as SGLang ~0.5.x does; the newest SGLang
   answers 404 there and reports it in `/model_info` only (both are served here).
@@ -89,13 +89,13 @@ MAX_CHARS_PER_TOKEN = 64  # a text prompt longer than context_len * this is refu
 
 # Top-level /generate fields: accepted, or accepted only at SGLang's default value.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "rid", "stream"}
+                   "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "lora_path"}
 IGNORED_FIELDS = {"log_metrics", "priority", "custom_labels", "no_logs", "routing_key",
                   "conversation_id", "extra_key", "session_id", "external_trace_header",
                   "received_time", "routed_dp_rank", "data_parallel_rank", "background",
                   "model"}  # sglang-router adds model (null) and several defaults below
 DEFAULT_ONLY_FIELDS = {"input_embeds": None, "image_data": None, "video_data": None,
-                       "audio_data": None, "lora_path": None, "lora_id": None,
+                       "audio_data": None, "lora_id": None,
                        "session_params": None, "custom_logit_processor": None,
                        "token_ids_logprob": None, "return_hidden_states": False,
                        "return_routed_experts": False, "modalities": None,
@@ -314,6 +314,10 @@ def parse_generate(body: Any, tokenizer, vocab_size: int,
     starts = _per_item(body.get("logprob_start_len"), n, "logprob_start_len", -1)
     tops = _per_item(body.get("top_logprobs_num"), n, "top_logprobs_num", 0)
     rids = _rids(body.get("rid"), n, batch)
+    loras = _per_item(body.get("lora_path"), n, "lora_path", None)
+    if not all(x is None or isinstance(x, str) and x for x in loras):
+        raise BadRequest("lora_path must be the name of a loaded LoRA adapter (or null), or a "
+                         "list of them, one per prompt")
     requests = []
     for i, ids in enumerate(prompts):
         _check_logprob_args(want_lp[i], starts[i], tops[i], len(ids))
@@ -322,7 +326,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int,
             rid=rids[i], input_ids=ids, params=params, return_logprob=want_lp[i],
             logprob_start_len=logprob_window_start(want_lp[i], starts[i], len(ids),
                                                    params.max_new_tokens),
-            top_logprobs_num=tops[i]))
+            top_logprobs_num=tops[i], lora=loras[i]))
     return requests, batch
 
 
@@ -455,6 +459,8 @@ class EngineServer:
             return error_response(str(e), e.status)
         try:
             results = await s.generate(reqs)
+        except BadRequest as e:  # an adapter that is not loaded
+            return error_response(str(e), e.status)
         except EngineUnavailable as e:  # memory released, or the engine stopped / failed
             return error_response(str(e), status=503)
         with_text = bool(body.get("return_text_in_logprobs", False))

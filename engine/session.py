@@ -92,7 +92,7 @@ class HttpSession:
     def __init__(self, client: Any, tokenizer: Any, prompt: str, sampling: dict,
                  routing_key: str, max_new_tokens: int, retries: int = 3,
                  agent: AgentLink | None = None, honor_request_sampling: bool = False,
-                 nucleus_top_logprobs: int = 0):
+                 nucleus_top_logprobs: int = 0, lora: tuple[str, int] | None = None):
         self.client, self.tokenizer = client, tokenizer
         self.sampling, self.routing_key = sampling, routing_key
         self.max_new_tokens, self.retries = max_new_tokens, retries
@@ -129,6 +129,9 @@ class HttpSession:
         self.nucleus: list[tuple[list[int], float]] | None = [] if nucleus_top_logprobs else None
         self.nucleus_fallback_tokens = 0
         self._turn_params: dict = {}
+        # a LoRA student: (the adapter every turn names in lora_path, its weight version); the
+        # sample's version is the adapter's (a server reports its base weights' version)
+        self.lora = lora
 
     async def generate(self, max_new_tokens: int | None = None,
                        stop: list[str] | None = None) -> str:
@@ -152,6 +155,8 @@ class HttpSession:
         spans = meta.get("weight_version_spans")  # embedded engine, held across an update
         if spans:
             version = min(weight_version(v) for _, v in spans)
+        if self.lora is not None:
+            version = self.lora[1]
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += lps
@@ -166,6 +171,8 @@ class HttpSession:
         last: Exception | None = None
         self._turn_params = params  # what the turn was sampled with (_record_nucleus)
         extra = {"top_logprobs_num": self.nucleus_top_logprobs} if self._wants_nucleus() else {}
+        if self.lora is not None:
+            extra["lora_path"] = self.lora[0]
         for attempt in range(self.retries + 1):
             try:
                 out = await self.client.generate(input_ids, params, return_logprob=True,

@@ -191,6 +191,8 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
     first, so a bad request changes nothing. Tied weights may be sent under either name."""
     targets = {**dict(model.named_buffers()),
                **dict(model.named_parameters(remove_duplicate=False))}
+    targets = {n.replace(".base_layer.", "."): t for n, t in targets.items()  # LoRA layers'
+               if ".lora_A." not in n and ".lora_B." not in n}  # base weights: HF names
     unknown = sorted(set(tensors) - set(targets))
     _require(not unknown, f"unknown parameter names {unknown[:5]}")
     for name, t in tensors.items():
@@ -252,6 +254,47 @@ class WeightEndpoints:
         add("POST", "/update_weights_from_distributed", self.update_from_distributed)
         add("POST", "/destroy_weights_update_group", self.destroy_group)
         add("POST", "/update_weights_from_tensor", self.update_from_tensor)
+        add("POST", "/load_lora_adapter", self.load_lora)
+        add("POST", "/load_lora_adapter_from_tensors", self.load_lora_from_tensors)
+        add("POST", "/unload_lora_adapter", self.unload_lora)
+
+    # ---- LoRA adapters (engine/adapters.py): SGLang's LoRAUpdateOutput answers -------------
+    def _lora_answer(self, error: str = "") -> web.Response:
+        return web.json_response({"success": not error, "error_message": error or None,
+                                  "loaded_adapters": self.scheduler.adapters.loaded()},
+                                 status=400 if error else 200)
+
+    async def _load_lora(self, request: web.Request, max_bytes: int, read) -> web.Response:
+        try:
+            body = await _json(request, max_bytes)
+            _require(isinstance(body, dict), "the request body must be a JSON object")
+            name, pinned = body.get("lora_name"), body.get("pinned", False)
+            _require(isinstance(name, str) and bool(name), "lora_name must be a non-empty string")
+            _require(isinstance(pinned, bool), "pinned must be true or false")
+            path, config, tensors = await asyncio.get_running_loop().run_in_executor(
+                self._decode_pool, read, body)
+            await self.scheduler.load_adapter(name, path, config, tensors, pinned)
+        except BadRequest as e:
+            return self._lora_answer(str(e))
+        return self._lora_answer()
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """`{lora_name, lora_path, pinned}`: a PEFT adapter directory."""
+        return await self._load_lora(request, self.max_body_bytes, _adapter_from_disk)
+
+    async def load_lora_from_tensors(self, request: web.Request) -> web.Response:
+        """`{lora_name, config_dict, serialized_tensors, load_format, pinned}`."""
+        return await self._load_lora(request, self.max_tensor_body_bytes, _adapter_from_body)
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json(request, self.max_body_bytes)
+            _require(isinstance(body, dict) and isinstance(body.get("lora_name"), str),
+                     "lora_name must be a string")
+            self.scheduler.adapters.unload(body["lora_name"])
+        except BadRequest as e:
+            return self._lora_answer(str(e))
+        return self._lora_answer()
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         try:
@@ -371,6 +414,36 @@ def _receive(args: dict[str, Any], group, device: str) -> dict[str, torch.Tensor
                for dtype, shape in zip(args["dtypes"], args["shapes"])]
     dist_group.receive_many(tensors, group)
     return dict(zip(args["names"], tensors))
+
+
+def _adapter_from_disk(body: dict) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    from training.lora import read_adapter
+
+    path = body.get("lora_path")
+    _require(isinstance(path, str) and bool(path), "lora_path (a PEFT adapter directory) is "
+                                                   "required")
+    try:
+        config, tensors = read_adapter(path)
+    except (OSError, ValueError) as e:
+        raise BadRequest(f"cannot load the LoRA adapter at {path}: {e}") from None
+    return path, config, tensors
+
+
+def _adapter_from_body(body: dict) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    from engine.adapters import TENSOR_PATH
+
+    config, payload = body.get("config_dict"), body.get("serialized_tensors")
+    _require(isinstance(config, dict), "config_dict (the adapter's adapter_config.json) must "
+                                       "be a JSON object")
+    _require(isinstance(payload, str) and bool(payload),
+             "serialized_tensors must be a string: base64(safetensors.torch.save(tensors))")
+    _require(body.get("load_format") is None, f"load_format {body.get('load_format')!r} is not "
+                                              f"supported here (null: safetensors)")
+    try:
+        return TENSOR_PATH, config, decode_tensors(payload, "cpu")
+    except BadRequest as e:  # its messages name the weight update's field
+        raise BadRequest(str(e).replace("serialized_named_tensors[0]", "serialized_tensors")) \
+            from None
 
 
 def _disk_args(body: Any) -> tuple[str, str | None, bool]:

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import logging
 import shutil
@@ -32,7 +33,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from engine.client import SglangClient
-from engine.weight_sync import DiskSync, SyncError, WeightStream, as_stream
+from engine.errors import EngineHTTPError, EngineUnavailable
+from engine.weight_sync import DiskSync, SyncError, WeightStream, _settle, as_stream
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,106 @@ class DiskPush:
 
     async def close(self) -> None:
         """Nothing to leave (disk holds no connection)."""
+
+
+ADAPTER_PREFIX = "policy"
+
+
+def adapter_name(version: int) -> str:
+    """The name weight version `version` of a LoRA student is loaded under on every worker
+    (what the rollout's requests name in `lora_path`)."""
+    return f"{ADAPTER_PREFIX}-v{version}"
+
+
+class AdapterPush:
+    """A LoRA student's version: its adapter only, loaded on every worker under
+    `adapter_name(version)` through SGLang's LoRA endpoints; the base weights never move.
+    `path` "disk": a PEFT directory `<run_dir>/weights/v<N>` (`write(directory)` writes it and
+    returns its tensor bytes) and `/load_lora_adapter`; "tensor": the adapter in the body of
+    `/load_lora_adapter_from_tensors` (`tensors()` gives it, base64 safetensors; the embedded
+    engine's reading). The newest `keep` versions stay loaded (requests of a version still in
+    flight run with it), older ones are unloaded, and older disk versions removed. No pause:
+    loading an adapter changes no running request."""
+
+    def __init__(self, clients: list[SglangClient], names: list[str], path: str,
+                 run_dir: str | Path, config: dict[str, Any],
+                 write: Callable[[Path], Awaitable[int]],
+                 tensors: Callable[[], Awaitable[dict[str, Any]]], keep: int,
+                 timeout_s: float | None = None):
+        if path not in ("disk", "tensor"):
+            raise ValueError(f"a LoRA student pushes adapters through weight_sync.path 'disk' or "
+                             f"'tensor', not {path!r}")
+        self.clients, self.names, self.path = clients, names, path
+        self.root, self.config = Path(run_dir) / "weights", config
+        self.write, self.tensors, self.keep = write, tensors, max(1, keep)
+        self.timeout_s = timeout_s
+
+    async def push(self, version: int) -> PushReport:
+        t0 = time.monotonic()
+        name = adapter_name(version)
+        if self.path == "disk":
+            directory = self.root / f"v{version}"
+            nbytes = await self.write(directory)
+
+            def load(c: SglangClient):
+                return c.load_lora_adapter(name, str(directory))
+        else:
+            tensors = await self.tensors()
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            payload = await asyncio.get_running_loop().run_in_executor(None, _b64_safetensors,
+                                                                       tensors)
+            del tensors
+
+            def load(c: SglangClient):
+                return c.load_lora_adapter_from_tensors(name, self.config, payload)
+        await _settle({n: self._load(c, name, load) for n, c in zip(self.names, self.clients)},
+                      self.timeout_s, f"LoRA adapter {name}")
+        old = version - self.keep
+        if old >= 0:
+            await asyncio.gather(*(self._unload(c, adapter_name(old)) for c in self.clients))
+        if self.path == "disk":
+            self._prune()
+        return PushReport(version, self.path, nbytes, time.monotonic() - t0)
+
+    @staticmethod
+    async def _load(client: SglangClient, name: str, load) -> None:
+        """Load; a name a worker already holds (a resumed trainer pushing its version again)
+        is unloaded and loaded anew. A refusal raises SyncError with the worker's reason."""
+        try:
+            await _lora_ok(load(client))
+        except (SyncError, EngineHTTPError) as e:
+            if "already loaded" not in str(e):
+                raise SyncError(str(e)) from None
+            await client.unload_lora_adapter(name)
+            await _lora_ok(load(client))
+
+    @staticmethod
+    async def _unload(client: SglangClient, name: str) -> None:
+        try:
+            await client.unload_lora_adapter(name)
+        except (EngineHTTPError, EngineUnavailable) as e:  # not loaded there: nothing to do
+            log.debug("unloading %s from %s: %s", name, client.base_url, e)
+
+    def _prune(self) -> None:
+        versions = [p for p in self.root.glob("v*") if p.name[1:].isdigit()]
+        for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        """Nothing to leave."""
+
+
+async def _lora_ok(request: Awaitable[Any]) -> None:
+    r = await request
+    if isinstance(r, dict) and not r.get("success", True):
+        raise SyncError(r.get("error_message") or str(r))
+
+
+def _b64_safetensors(tensors: dict[str, Any]) -> str:
+    from safetensors.torch import save
+
+    blob = save({n: t.detach().contiguous().cpu() for n, t in tensors.items()})
+    return base64.b64encode(blob).decode("ascii")
 
 
 class StreamPush:

@@ -74,6 +74,9 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     teacher_mode: Literal["colocated", "server"] = "colocated"  # in the trainer, or served
     opd: dict[str, Any] = {}  # the teachers' signal (algos/opd.py OpdConfig; {} = its defaults)
     teacher_memory: dict[str, Any] = {}  # colocated teachers' tiers (TeacherMemoryConfig)
+    # a LoRA student: { rank, alpha, target_modules, dropout, merge_export } (training/config.py
+    # LoraConfig; {} = its defaults); absent = full fine-tuning. Pushes send the adapter only
+    lora: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -167,6 +170,11 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         # on GPUs: CUDA IPC to a worker on the trainer's GPU, NCCL to the others (measured on
         # H200s against disk: docs/benchmarks.md); any [actors.trainer.config] weight_sync wins
         trainer["weight_sync"] = {"path": "auto"}
+    if rl.lora is not None:
+        trainer["lora"] = dict(rl.lora)
+        # the adapter in the request body to embedded workers; SGLang reads its own pickled
+        # tensors there, so its workers load the PEFT directory from disk
+        trainer["weight_sync"] = {"path": "tensor" if rl.engine == "embedded" else "disk"}
     trainer_after = [*workers, "buffer", "rollout"]
     if teachers:
         trainer["opd"] = dict(rl.opd)

@@ -9,6 +9,8 @@ receiving actor checks them against these at admission.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # each fact and the field that decides it: (the role of the actor, the path in its config)
@@ -17,7 +19,7 @@ DECIDED_BY = {"model": ("trainer", "model"), "dtype": ("trainer", "dtype"),
               "group_size": ("rollout", "group_size"),
               "groups_per_batch": ("rollout", "groups_per_batch"),
               "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
-              "max_staleness": ("buffer", "max_staleness")}
+              "max_staleness": ("buffer", "max_staleness"), "lora": ("trainer", "lora")}
 # names other actors' tables once held a copy under (now read from the facts)
 OLD_COPIES = {"student": "model", "loss.temperature": "temperature"}
 
@@ -45,6 +47,9 @@ class RunFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     teachers: list[TeacherFact] = []  # distillation teachers (empty: no distillation)
     opd_mode: str = ""  # the trainer's opd signal mode ("" = no opd)
     opd_top_k: int = 0  # the trainer's opd top_k (what teacher servers return)
+    # the trainer's LoRA table (None: full weights): it pushes adapters, and the rollout's
+    # requests name the version's adapter (engine/weight_push.py adapter_name)
+    lora: dict[str, Any] | None = None
 
     def sampled_as(self, temperature: float | None, top_p: float | None) -> str:
         """"" when data sampled at (temperature, top_p) belongs to this run (None: not said),
