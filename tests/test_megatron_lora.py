@@ -135,6 +135,27 @@ def test_attach_freezes_the_base_and_starts_as_the_base(tp1):
         lora.load_adapter(model, wrong)
 
 
+def test_config_checks_name_what_the_backend_cannot_train(tp1):
+    import msgspec
+
+    from actors.trainer import TrainerConfig
+    from training.backends import get_backend
+
+    def check(**changes):
+        base = dict(model="tiny-qwen2", workers=["w"], backend="megatron", device="cuda",
+                    lora={"rank": 4, "target_modules": ALL})
+        get_backend("megatron").check_config(msgspec.convert(base | changes, TrainerConfig))
+
+    check()  # accepted (a LoRA student used to be refused here)
+    check(parallel={"pp": 2}, kl={"coef": 0.1, "use_kl_loss": True, "ref_model": "tiny-qwen2"})
+    with pytest.raises(ValueError, match=r"\['qkv'\].*allowed.*'gate_proj'"):
+        check(lora={"target_modules": ["q_proj", "qkv"]})
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        check(megatron={"sequence_parallel": True})
+    with pytest.raises(ValueError, match="KL reference.*pp = 1"):
+        check(parallel={"pp": 2}, kl={"coef": 0.1, "use_kl_loss": True})
+
+
 def test_merged_tensors_equal_the_torch_backends(tp1):
     from backends.megatron import lora
     from training import lora as torch_lora
@@ -344,6 +365,7 @@ def two_ranks(rank: int, tmp: Path) -> dict:
     backend.load_checkpoint(other, tmp / "ckpt")  # written at TP=2
     report["tp1_resumed"] = lora.adapter_tensors(other.model)
     report["tp1_resumed_moments"] = _whole_moments(other)
+    report["dp2_distributed_optimizer"] = _distributed_optimizer_round_trip(adapter, tmp)
     parallel_state.destroy_model_parallel()
 
     initialize_parallel(1, 2)
@@ -357,6 +379,50 @@ def two_ranks(rank: int, tmp: Path) -> dict:
                "tp2": tp2["adapter"], "tp1": tp1["adapter"],
                "base_equal": tp2["base_equal"] and tp1["base_equal"]}
     return report
+
+
+def _distributed_optimizer_round_trip(adapter: dict[str, torch.Tensor], tmp: Path) -> dict:
+    """DP=2 with the distributed optimizer (each replica holds half of the adapters' AdamW
+    state): a step, a checkpoint, a fresh state resumed from it; the whole views of both."""
+    from backends.megatron.model import parallel_state
+    from models.tiny import build_char_tokenizer
+    from training.backends import get_backend
+    from training.distributed_optimizer import DistributedOptimizer
+    from training.step import TrainState, train_on_batch
+
+    backend, views = get_backend("megatron"), {}
+    for name in ("trained", "resumed"):
+        model = megatron_student("qwen2-untied", ALL,
+                                 adapter if name == "trained" else {k: v * 0 for k, v in
+                                                                    adapter.items()})
+        group, counted, norm_group = backend.optimizer_groups()
+        opt = DistributedOptimizer(model.parameters(), group, 1e-2, counted=counted,
+                                   norm_group=norm_group)
+        state = TrainState(model, build_char_tokenizer(), opt, backend=backend)
+        state.lora = LoraConfig(rank=4, alpha=8.0, target_modules=ALL)
+        if name == "trained":
+            train_on_batch(state, batch(state.tokenizer), _step_config())
+            backend.save_checkpoint(state, tmp / "dp_ckpt")
+        else:
+            backend.load_checkpoint(state, tmp / "dp_ckpt")
+        view = opt.full_view()  # collective over the replicas
+        views[name] = {"ranges": opt.optimizer.state[opt.master[0]]["exp_avg"].clone(),
+                       "moments": [view.optimizer.state[o]["exp_avg"] for o in view.master]}
+    same = torch.tensor(float(torch.equal(views["trained"]["ranges"],
+                                          views["resumed"]["ranges"])))
+    torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
+    return {"dp": parallel_state.get_data_parallel_world_size(), "same_ranges": bool(same),
+            "moments": [torch.stack([a.flatten().abs().max(), (a - b).abs().max()])
+                        for a, b in zip(views["trained"]["moments"],
+                                        views["resumed"]["moments"])]}
+
+
+def _step_config():
+    from actors.trainer import TrainerConfig
+    from training.config import MicroBatchConfig, OptimizerConfig
+
+    return TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+                         optimizer=OptimizerConfig(grad_clip=0.5))
 
 
 def _fresh_state(adapter: dict[str, torch.Tensor]):
@@ -456,7 +522,7 @@ def test_tensor_parallel_merged_tensors_equal_the_torch_backends(report):
         assert (report["tp2_merged"][key] - value).abs().max() < 1e-6, key
 
 
-def test_checkpoint_resumes_at_its_layout_and_another(report, tmp_path):
+def test_checkpoint_resumes_at_its_layout_and_another(report):
     """Saved at TP=2 after an AdamW step: read back at TP=2 (every rank's moments) and at
     TP=1 (adapter and moments whole); the adapter directory loads into peft as it is."""
     assert report["tp2_resumed_moments"]
@@ -480,3 +546,13 @@ def test_checkpoint_is_a_peft_adapter_directory(report, tmp_path_factory):
         own = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
             ".lora_B.weight", ".lora_B.default.weight")
         assert torch.equal(named[own], want), key
+
+
+def test_distributed_optimizer_checkpoint_resumes(report):
+    """DP=2, parallel.distributed_optimizer: the replicas' ranges of the AdamW state come back
+    from the checkpoint's whole tensors."""
+    got = report["dp2_distributed_optimizer"]
+    assert got["dp"] == 2 and got["same_ranges"]
+    assert len(got["moments"]) == 2 * len(ALL) * 2
+    for size, diff in got["moments"]:
+        assert size > 0 and diff == 0
