@@ -124,6 +124,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         for name in workers:
             actors[name] = {"cls": "actors.sglang_worker:SglangWorker", "after": ["router"],
                             "config": {"model_path": rl.model, "register_with": "router"}}
+            if rl.lora is not None:  # SGLang serves adapters only when started for them
+                actors[name]["config"]["sglang"] = _sglang_lora(rl.lora)
     staleness = rl.max_staleness if rl.max_staleness is not None else (
         0 if rl.mode == "colocated" else 1)
     actors["buffer"] = {"cls": "actors.buffer:BufferActor",
@@ -187,6 +189,16 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     actors["trainer"] = {"cls": "actors.trainer:TrainerActor", "after": trainer_after,
                          "primary": True, "env": dict(env), "config": trainer}
     return actors
+
+
+def _sglang_lora(table: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's launch options for the adapters the trainer will push (the trainer's LoRA
+    table, with LoraConfig's defaults): --enable-lora, their rank and target modules."""
+    from training.config import LoraConfig
+
+    cfg = msgspec.convert(table, LoraConfig)
+    return {"enable_lora": True, "max_lora_rank": cfg.rank,
+            "lora_target_modules": list(cfg.target_modules)}
 
 
 def _unless_default(**pairs: tuple[Any, Any]) -> dict[str, Any]:

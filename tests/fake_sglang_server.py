@@ -47,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-bs", type=int, nargs="+")
     p.add_argument("--json-model-override-args", type=str, default="{}")
     p.add_argument("--log-level", default="info")
+    # LoRA serving (a LoRA student's workers): accepted; the engine takes adapters regardless
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="+")
+    p.add_argument("--max-loaded-loras", type=int)
+    p.add_argument("--max-loras-per-batch", type=int)
     p.add_argument("--fake-hang", action="store_true")
     return p
 

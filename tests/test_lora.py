@@ -297,3 +297,22 @@ def test_lora_run_through_the_launcher_pushes_adapters_and_resumes(tmp_path):
     assert [v["version"] for v in steps][-2:] == [3, 4]
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
     assert all(v["train/engine_logprob_abs_diff"] < 1e-5 for v in steps[-2:])
+
+
+def test_rl_table_starts_sglang_workers_for_adapters_and_pushes_them_by_disk():
+    """[rl] engine = "sglang" with lora: the servers start with --enable-lora, the adapters'
+    rank and targets (the stand-in server parses them as SGLang's argparse does), and the
+    trainer pushes PEFT directories (SGLang reads its own pickled tensors in a body)."""
+    from launch.rl import RLConfig, derive
+    from runtime.passthrough import render
+    from tests.fake_sglang_server import parser
+
+    actors = derive(RLConfig(model=BASE, envs=[{}], engine="sglang", lora={"rank": 8}))
+    flags = render(actors["worker0"]["config"]["sglang"])
+    args = parser().parse_args(["--model-path", BASE, *flags])
+    assert args.enable_lora and args.max_lora_rank == 8
+    assert args.lora_target_modules == list(LoraConfig().target_modules)
+    assert actors["trainer"]["config"]["weight_sync"] == {"path": "disk"}
+    embedded = derive(RLConfig(model=BASE, envs=[{}], lora={}))
+    assert embedded["trainer"]["config"]["weight_sync"] == {"path": "tensor"}
+    assert "sglang" not in embedded["worker0"]["config"]

@@ -338,3 +338,33 @@ def test_fixture_values_are_the_teachers_float64_scores():
     want = [lp[p, ids[p + 1]].item() for p in range(start, len(ids) - 1)]
     got = [e[0] for e in fx["response"]["meta_info"]["input_token_logprobs"][1:]]
     assert got == pytest.approx(want, abs=1e-6)
+
+
+async def test_embedded_engine_lora_endpoints_answer_like_the_fixture(ipc, tmp_path):
+    """SGLang's LoRA endpoints in the fixture's order: the same statuses, answer shapes and
+    loaded_adapters bookkeeping; a request naming an unloaded adapter is refused with SGLang's
+    message."""
+    from tests.test_engine import post, serve
+    from training import lora
+    from training.config import LoraConfig
+
+    spec = LoraConfig(rank=4, alpha=8)
+    model, _ = load_model(TEACHER, "cpu", torch.float32, 0)
+    lora.attach(model, spec)
+    lora.save_adapter(model, spec, tmp_path / "adapter", TEACHER)
+    exchanges = json.loads(json.dumps(fixture("lora_adapters.json")["exchanges"]).replace(
+        "{adapter_dir}", str(tmp_path / "adapter")))
+    async with serve(ipc, model=TEACHER) as (_, client):
+        for ex in exchanges:
+            status, got = await post(client, ex["path"], ex["request"])
+            assert status == ex["status"], (ex["path"], got)
+            if "response_keys" in ex:
+                assert set(ex["response_keys"]) <= set(got)
+            elif "message_starts" in ex:
+                assert got["error"]["message"].startswith(ex["message_starts"])
+            else:
+                assert shape(got) == shape(ex["response"]), ex["path"]
+                assert {n: {k: v for k, v in r.items() if k != "lora_id"}
+                        for n, r in got["loaded_adapters"].items()} == \
+                    {n: {k: v for k, v in r.items() if k != "lora_id"}
+                     for n, r in ex["response"]["loaded_adapters"].items()}
