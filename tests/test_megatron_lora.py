@@ -226,6 +226,43 @@ def test_step_with_a_kl_term_to_the_base_equals_the_torch_backend(tp1):
         assert moved > 1e-3, key  # every adapter tensor was stepped
 
 
+def test_torch_backend_checkpoint_resumes_at_one_rank(tp1, tmp_path):
+    """A torch backend LoRA checkpoint (TrainState.write_files: the optimizer state per whole
+    tensor, in peft's parameter order) resumes on the megatron backend at tp = pp = 1: the
+    adapters are registered in that order."""
+    from models.tiny import build_char_tokenizer
+    from training.backends import get_backend
+    from training.master_weights import make_optimizer
+    from training.step import TrainState, train_on_batch
+
+    adapter = random_adapter("qwen2-untied", ALL)
+    states = {}
+    for backend in ("torch", "megatron"):
+        model = (torch_student if backend == "torch" else megatron_student)(
+            "qwen2-untied", ALL, adapter)
+        params = [p for p in model.parameters() if p.requires_grad]
+        impl = get_backend(backend)
+        opt = make_optimizer(params, torch.float32, False, 1e-2, 0.0, impl.grad_clip(model))
+        states[backend] = TrainState(model, build_char_tokenizer(), opt, backend=impl)
+        states[backend].lora = LoraConfig(rank=4, alpha=8.0, target_modules=ALL)
+    torch_state, state = states["torch"], states["megatron"]
+    train_on_batch(torch_state, batch(torch_state.tokenizer), _step_config())
+    torch_state.step = 5
+    (tmp_path / "ckpt").mkdir()
+    torch_state.write_files(tmp_path / "ckpt")
+    assert not state.backend.load_checkpoint(state, tmp_path / "ckpt")  # not its own format
+    state.load(tmp_path / "ckpt", "cpu")
+    assert state.step == 5
+    want, got = get_backend("torch").adapter_tensors(torch_state.model), \
+        state.backend.adapter_tensors(state.model)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert list(state.model.lora.by_name()) == list(want)  # peft's parameter order
+    torch_inner, inner = torch_state.optimizer.optimizer, state.optimizer.optimizer
+    for p, q in zip(torch_state.optimizer.params, state.optimizer.params):
+        assert torch.equal(torch_inner.state[p]["exp_avg"], inner.state[q]["exp_avg"])
+        assert torch_inner.state[p]["exp_avg"].abs().max() > 0
+
+
 def test_trainer_lora_student_checkpoint_resumes(tp1, tmp_path):
     """The trainer's path: load_train_state with lora on the megatron backend (AdamW, the
     adapters-off KL reference), a step, the one-rank checkpoint, a resume."""
@@ -372,6 +409,7 @@ def two_ranks(rank: int, tmp: Path) -> dict:
     staged = megatron_student("qwen2-untied", ALL, adapter)
     report["pp2_layers"] = list(staged.layers)
     report["pp2_round_trip"] = lora.adapter_tensors(staged)
+    report["pp2_step"] = _pipeline_step(adapter)
     parallel_state.destroy_model_parallel()
     report |= {"adam": adam["adapter"],
                "loss": torch.tensor([tp2["loss"], tp1["loss"]]),
@@ -415,6 +453,23 @@ def _distributed_optimizer_round_trip(adapter: dict[str, torch.Tensor], tmp: Pat
             "moments": [torch.stack([a.flatten().abs().max(), (a - b).abs().max()])
                         for a, b in zip(views["trained"]["moments"],
                                         views["resumed"]["moments"])]}
+
+
+def _pipeline_step(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One SGD step of the LoRA student over two pipeline stages (megatron's schedule): the
+    whole adapter after it, on rank 0."""
+    from backends.megatron import lora
+    from backends.megatron.pipeline import PipelineRunner
+    from models.tiny import build_char_tokenizer
+    from training.backends import get_backend
+    from training.step import TrainState, train_on_batch
+
+    model = megatron_student("qwen2-untied", ALL, adapter)
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = TrainState(model, build_char_tokenizer(), torch.optim.SGD(params, lr=1.0),
+                       backend=get_backend("megatron"))
+    train_on_batch(state, batch(state.tokenizer), _step_config(), runner=PipelineRunner(model))
+    return lora.adapter_tensors(model)
 
 
 def _step_config():
@@ -463,7 +518,7 @@ def report(tmp_path_factory) -> dict:
     return run_ranks("two_ranks", tmp_path_factory.mktemp("lora_ranks"))
 
 
-def test_tensor_parallel_step_equals_one_rank(report):
+def test_tensor_and_pipeline_parallel_steps_equal_one_rank(report):
     tp2_loss, tp1_loss = report["loss"].tolist()
     assert tp2_loss == pytest.approx(tp1_loss, rel=1e-5)
     tp2_norm, tp1_norm = report["norm"].tolist()
@@ -473,6 +528,7 @@ def test_tensor_parallel_step_equals_one_rank(report):
     assert sorted(report["tp2"]) == sorted(adapter)
     for key, want in report["tp1"].items():
         assert (report["tp2"][key] - want).abs().max() < 1e-5, key
+        assert (report["pp2_step"][key] - want).abs().max() < 1e-5, key  # PP=2, the schedule
         assert (want - adapter[key]).abs().max() > 1e-4, key  # stepped
     assert report["base_equal"]  # the base weights bit for bit as loaded
 
