@@ -132,3 +132,22 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
     fields = dict(kv.split("=") for kv in last.split()[1:])
     assert last.startswith("RESULT ") and 0 < float(fields["mfu_torch"]) < 1
     assert fields["mfu_megatron"] == "n/a" and fields["packed_vs_padded"] == "n/a"
+
+
+@pytest.mark.timeout(300)  # three child processes (two trainers, one push against a worker)
+def test_lora_bench_measures_both_trainers_and_both_pushes_on_the_cpu():
+    from bench.lora import check_result
+
+    with pytest.raises(ValueError, match="lacks"):
+        check_result("RESULT lora_mem_vs_full=0.3")
+    out = subprocess.run([sys.executable, "-m", "bench.lora", "--device", "cpu", "--shape",
+                          "tiny", "--rank", "4", "--tokens", "128", "--mb-tokens", "128",
+                          "--steps", "1", "--pushes", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    values = check_result(out.stdout.strip().splitlines()[-1])
+    # tiny shape, rank 4, all seven linear layers: 4 x (in + out) per layer vs in x out
+    assert 0.05 < values["lora_push_bytes_vs_full"] < 0.5
+    assert values["lora_logprob_diff"] < 1e-5  # the worker serves exactly the pushed adapter
+    assert values["lora_push_s"] > 0 and values["full_push_s"] > 0
+    assert 0 < values["lora_mem_vs_full"] < 2 and values["lora_step_vs_full"] > 0
