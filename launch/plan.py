@@ -14,12 +14,11 @@ and returns them, for the launcher to put in every actor's context.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
 
-from actors.inference import InferenceWorkerConfig
-from engine.weight_sync import check_weight_sync_placement
 from runtime.actor import ActorView
 from runtime.facts import DECIDED_BY, RunFacts, TeacherFact
 from transport.errors import RlxError
@@ -135,6 +134,10 @@ def _check_trainer(name: str, cfg: Any, views: dict[str, ActorView]) -> None:
         _check_pool(name, cfg, f"[actors.{pool}.config]", views[pool].config)
     for w in cfg.workers:
         _check_invariant(name, cfg, w, views[w].config)
+    # engine/weight_sync.py imports torch at its top: imported here, for a plan with a trainer
+    # (whose class has imported it already), so that the launcher of other plans stays light
+    from engine.weight_sync import check_weight_sync_placement
+
     try:
         check_weight_sync_placement(cfg.weight_sync.path, cfg.workers,
                                     [views[w].gpus for w in cfg.workers], views[name].gpus,
@@ -166,11 +169,12 @@ def _check_pool(name: str, cfg: Any, there: str, pc: Any) -> None:
 
 def _check_invariant(name: str, cfg: Any, worker: str, there: Any) -> None:
     """`true_on_policy` needs embedded workers with the trainer's flag, dtype and device kind."""
-    if cfg.true_on_policy and not isinstance(there, InferenceWorkerConfig):
+    embedded = _is_embedded_worker(there)
+    if cfg.true_on_policy and not embedded:
         raise PlanError(name, f"true_on_policy = true here, but [actors.{worker}] is not an "
                               f"embedded inference worker: other engines' kernels are not this "
                               f"trainer's; use embedded workers, or leave true_on_policy off")
-    if isinstance(there, InferenceWorkerConfig) and there.true_on_policy != cfg.true_on_policy:
+    if embedded and there.true_on_policy != cfg.true_on_policy:
         flags = [str(f).lower() for f in (cfg.true_on_policy, there.true_on_policy)]
         raise PlanError(name, f"true_on_policy = {flags[0]} here but {flags[1]} in "
                               f"[actors.{worker}.config]: set the same value in both (or "
@@ -180,6 +184,14 @@ def _check_invariant(name: str, cfg: Any, worker: str, there: Any) -> None:
         raise PlanError(name, f"true_on_policy: dtype {cfg.dtype!r} on {cfg.device!r} here but "
                               f"dtype {there.dtype!r} on {there.device!r} in "
                               f"[actors.{worker}.config]; bitwise equality needs both the same")
+
+
+def _is_embedded_worker(config: Any) -> bool:
+    """`config` is an embedded inference worker's (actors/inference.py InferenceWorkerConfig).
+    Asked of the module already loaded, not imported: it imports torch and transformers, and an
+    instance of its config exists only once some table's class has loaded it."""
+    inference = sys.modules.get("actors.inference")
+    return inference is not None and isinstance(config, inference.InferenceWorkerConfig)
 
 
 def run_facts(views: dict[str, ActorView], tables: Tables, buffer: str) -> RunFacts:
