@@ -9,6 +9,7 @@ pattern): rank 0 reports tensors, the tests here assert.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import traceback
@@ -612,3 +613,98 @@ def test_distributed_optimizer_checkpoint_resumes(report):
     assert len(got["moments"]) == 2 * len(ALL) * 2
     for size, diff in got["moments"]:
         assert size > 0 and diff == 0
+
+
+# ---- the trainer's ranks (training/ranks.py): rank commands at TP=2 --------------------------
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER_LR = 1e-3
+
+
+def trainer_driver(tmp: str) -> None:
+    """Child entry (the trainer's rank 0, the CPU shim armed for it and its rank processes):
+    writes report.pt, or error.txt on failure."""
+    warnings.simplefilter("ignore")
+    try:
+        torch.save(_drive_trainer(Path(tmp)), Path(tmp) / "report.pt")
+    except BaseException:
+        (Path(tmp) / "error.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _drive_trainer(tmp: Path) -> dict:
+    """One AdamW step of a LoRA student with a KL term to its base at one rank and at TP=2
+    (rank processes: the step, `adapter`, `merged` and `save` commands), then the TP=2
+    checkpoint resumed at one rank."""
+    import msgspec
+
+    from bench.train_parallel import Trainer, at_layout, base_config, make_batch, use_cpu_shim
+    from models.load import load_tokenizer
+    from training.config import KlConfig, OptimizerConfig
+
+    use_cpu_shim()
+    model = "examples/base-tiny"
+    first = make_batch(8, len(load_tokenizer(model)), seed=0)
+    cfg = msgspec.structs.replace(
+        base_config(model, "cpu", "float32", timeout_s=60),
+        optimizer=OptimizerConfig(lr=TRAINER_LR, grad_clip=1.0),
+        lora=LoraConfig(rank=4, alpha=8.0, target_modules=ALL),
+        kl=KlConfig(coef=0.1, use_kl_loss=True))
+    report: dict = {}
+    with Trainer(cfg, tmp / "one") as one:
+        for _ in range(2):  # the second step: B is no longer 0, so A moves and KL > 0
+            stats = one.step(first)[0]
+        report["one"] = {"stats": stats, "adapter": one.ranks.adapter_tensors(one.state)}
+    with Trainer(at_layout(cfg, tp=2), tmp / "tp2") as many:
+        for _ in range(2):
+            stats = many.step(first)[0]
+        report["tp2"] = {"stats": stats, "adapter": many.ranks.adapter_tensors(many.state)}
+        many.ranks.save_merged(many.state, tmp / "merged")
+        many.ranks.save_checkpoint(many.state, tmp / "tp2" / "checkpoints" / "step_000002")
+    with Trainer(cfg, tmp / "tp2", resume=True) as back:
+        report["resumed"] = {"step": back.state.step,
+                             "adapter": back.ranks.adapter_tensors(back.state)}
+    return report
+
+
+@pytest.fixture(scope="module")
+def trainer_report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("lora_trainer")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
+    code = f"from tests.test_megatron_lora import trainer_driver; trainer_driver({str(tmp)!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=110)
+    error = tmp / "error.txt"
+    assert not error.exists(), error.read_text() + "\n" + "\n".join(
+        f"{p.name}:\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*/logs/*.log")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"tmp": tmp} | torch.load(tmp / "report.pt", weights_only=True)
+
+
+def test_trainer_ranks_at_tp2_step_gather_merge_and_checkpoint(trainer_report):
+    from safetensors.torch import load_file
+
+    from backends.megatron.lora import peft_name
+
+    one, tp2 = trainer_report["one"], trainer_report["tp2"]
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss"):
+        assert tp2["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-7), key
+    assert one["stats"]["train/kl_loss"] > 0  # the adapters-off reference differs
+    assert sorted(tp2["adapter"]) == sorted(one["adapter"])
+    for key, want in one["adapter"].items():
+        assert (tp2["adapter"][key] - want).abs().max() <= 0.05 * TRAINER_LR, key
+    a_name = peft_name(1, "o_proj", "A")
+    assert tp2["adapter"][peft_name(1, "o_proj", "B")].abs().max() > 0.5 * TRAINER_LR
+    # the merged export: the base's weight plus B A alpha / r of the gathered adapter
+    merged = load_file(trainer_report["tmp"] / "merged" / "model.safetensors")
+    base = load_file(ROOT / "examples" / "base-tiny" / "model.safetensors")
+    a, b = tp2["adapter"][a_name], tp2["adapter"][peft_name(1, "o_proj", "B")]
+    key = "model.layers.1.self_attn.o_proj.weight"
+    assert (merged[key] - (base[key] + b @ a * 2.0)).abs().max() < 1e-6
+    assert (merged[key] - base[key]).abs().max() > 0
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])
+    # the TP=2 checkpoint, resumed at one rank
+    resumed = trainer_report["resumed"]
+    assert resumed["step"] == 2
+    for key, want in tp2["adapter"].items():
+        assert torch.equal(resumed["adapter"][key], want), key
