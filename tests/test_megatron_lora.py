@@ -136,6 +136,19 @@ def test_attach_freezes_the_base_and_starts_as_the_base(tp1):
         lora.load_adapter(model, wrong)
 
 
+def test_adapter_dropout_acts_only_while_training(tp1):
+    adapter = random_adapter("qwen2", ALL)
+    plain = megatron_student("qwen2", ALL, adapter)
+    dropped = megatron_student("qwen2", ALL, adapter, dropout=0.5)
+    ids, mask = padded_batch(54)
+    real = (mask[:, 1:] * mask[:, :-1]).bool()
+    with torch.no_grad():
+        want = token_logprobs_and_entropy(plain.eval(), ids, mask)[0]
+        assert torch.equal(token_logprobs_and_entropy(dropped.eval(), ids, mask)[0], want)
+        trained = token_logprobs_and_entropy(dropped.train(), ids, mask)[0]
+    assert (trained - want).abs()[real].max() > 1e-3
+
+
 def test_config_checks_name_what_the_backend_cannot_train(tp1):
     import msgspec
 

@@ -6,7 +6,10 @@ ranks join the process group and build that state before loading (`joins_group_f
 `init_model_parallel`); the policy is loaded from HF weights (`load_policy`), its gradient norm
 is taken over the model-parallel groups (`grad_clip`), pipeline stages run through megatron's
 schedule (`runner`), HF-named tensors are gathered to global rank 0 (`iter_hf_tensors`), and
-checkpoints use megatron's distributed format, resumable at any layout. The option table
+checkpoints use megatron's distributed format, resumable at any layout. A LoRA student (`lora`)
+gets tensor-parallel adapters under PEFT's names (lora.py: `attach_lora`, `adapter_tensors`,
+`load_adapter`, `adapters_off`, `merged_tensors`), and its checkpoint is a PEFT adapter
+directory with the optimizer state, no base weights. The option table
 (`TrainConfig.megatron`) is checked here. Invariant: importing this module imports megatron-core
 only through the submodules it names at the top (all of them from `mcore.py`); the config
 checks need only `convert.py`.
@@ -175,12 +178,17 @@ class MegatronBackend:
                 raise ValueError(f"checkpoint {path} holds full weights, not a LoRA adapter, "
                                  f"but this trainer trains one (lora is set): resume it "
                                  f"without lora, or start a new run")
-            if (parallel_state.get_tensor_model_parallel_world_size() > 1
-                    or parallel_state.get_pipeline_model_parallel_world_size() > 1):
+            sharded = (parallel_state.get_tensor_model_parallel_world_size() > 1
+                       or parallel_state.get_pipeline_model_parallel_world_size() > 1)
+            if sharded and (path / "adapter_config.json").is_file():
                 raise ValueError(f"checkpoint {path} is a torch backend's LoRA checkpoint: "
                                  f"resume it at parallel.tp = pp = 1 (its optimizer state is "
                                  f"per whole tensor)")
-            return False
+            if sharded:
+                raise ValueError(f"checkpoint {path} holds no LoRA adapter, but this trainer "
+                                 f"trains one (lora is set): resume it without lora, or start "
+                                 f"a new run")
+            return False  # TrainState.load reads it (or says what it holds instead)
         if lora.is_checkpoint(path):
             raise ValueError(f"checkpoint {path} holds a LoRA adapter, not full weights: resume "
                              f"it with the lora table it was trained with")

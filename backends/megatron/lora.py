@@ -215,7 +215,7 @@ def attach(model: Any, cfg: Any) -> None:
     adapters = LoraAdapters(cfg)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     weight = next(model.core.parameters())
-    for local, layer in enumerate(model.layers):
+    for layer in model.layers:
         for target in adapters.targets:
             adapters.adapters[f"{layer}_{target}"] = Adapter(
                 layer, target, *_sizes(model, target), cfg.rank, tp, weight.dtype, weight.device)
@@ -342,9 +342,9 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
 
 
 def merged_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF-named whole weights with the adapter merged in (W + B A alpha / r, in fp32, in
-    the weight's dtype) on global rank 0, as `iter_hf_tensors` streams them. Collective: every
-    rank runs it to its end."""
+    """The HF-named whole weights with the adapter merged in (W + B A alpha / r, computed in
+    fp32 as training/lora.py does, in the weight's dtype) on global rank 0, as
+    `iter_hf_tensors` streams them. Collective: every rank runs it to its end."""
     adapters = _adapters(model)
     whole = adapter_tensors(model)
     deltas = {}
@@ -355,9 +355,9 @@ def merged_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in iter_hf_tensors(model):
         if name in deltas:
             layer, target = deltas[name]
-            a, b = (whole[peft_name(layer, target, m)].double() for m in "AB")
+            a, b = (whole[peft_name(layer, target, m)].float() for m in "AB")
             delta = (b @ a * adapters.scale).to(device=tensor.device)
-            tensor = (tensor.double() + delta).to(tensor.dtype)
+            tensor = (tensor.float() + delta).to(tensor.dtype)
         yield name, tensor
 
 
