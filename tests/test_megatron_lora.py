@@ -424,6 +424,7 @@ def two_ranks(rank: int, tmp: Path) -> dict:
     report["pp2_layers"] = list(staged.layers)
     report["pp2_round_trip"] = lora.adapter_tensors(staged)
     report["pp2_step"] = _pipeline_step(adapter)
+    report["pp2_reference"] = _pipeline_reference(staged)
     parallel_state.destroy_model_parallel()
     report |= {"adam": adam["adapter"],
                "loss": torch.tensor([tp2["loss"], tp1["loss"]]),
@@ -484,6 +485,28 @@ def _pipeline_step(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                        backend=get_backend("megatron"))
     train_on_batch(state, batch(state.tokenizer), _step_config(), runner=PipelineRunner(model))
     return lora.adapter_tensors(model)
+
+
+def _pipeline_reference(model) -> dict[str, torch.Tensor]:
+    """The adapters-off reference's and the student's log-probs over two pipeline stages (every
+    stage runs the passes; the last stage's, on rank 0)."""
+    from backends.megatron.pipeline import PipelineRunner
+    from models.tiny import build_char_tokenizer
+    from training.aux_models import AdaptersOffReference
+    from training.backends import get_backend
+    from training.batching import make_micro_batch
+
+    tok = build_char_tokenizer()
+    runner = PipelineRunner(model)
+    mbs = [make_micro_batch(batch(tok), tok.pad_token_id)]
+    ref = AdaptersOffReference(model, get_backend("megatron").adapters_off)
+    model.train()
+    off, on = ref.runner_logprobs(runner, mbs, 1.0), runner.logprobs(mbs, 1.0)
+    assert model.training and model.lora.enabled  # as they were
+    gathered = [None, None]
+    last = (off[0], on[0]) if off is not None else None
+    torch.distributed.all_gather_object(gathered, last)
+    return {"first_stage": gathered[0] is None, "off": gathered[1][0], "on": gathered[1][1]}
 
 
 def _step_config():
@@ -721,3 +744,25 @@ def test_trainer_ranks_at_tp2_step_gather_merge_and_checkpoint(trainer_report):
     assert resumed["step"] == 2
     for key, want in tp2["adapter"].items():
         assert torch.equal(resumed["adapter"][key], want), key
+
+
+def test_adapters_off_reference_through_the_pipeline(report):
+    """At PP=2 the reference runs through megatron's schedule on both stages
+    (AdaptersOffReference.runner_logprobs): the base model's log-probs; adapters on: the
+    torch backend's student's."""
+    from models.tiny import build_char_tokenizer
+    from training.batching import make_micro_batch
+    from training.step import TrainState, forward
+
+    got = report["pp2_reference"]
+    assert got["first_stage"]  # only the last stage has log-probs
+    tok = build_char_tokenizer()
+    mb = make_micro_batch(batch(tok), tok.pad_token_id)
+    adapter = random_adapter("qwen2-untied", ALL)
+    want = {}
+    for name, model in (("off", hf_model("qwen2-untied")),
+                        ("on", torch_student("qwen2-untied", ALL, adapter))):
+        with torch.no_grad():
+            want[name] = forward(TrainState(model, tok, None), mb, 1.0)[0]
+        assert ((got[name] - want[name]).abs() * mb.mask).max() < 1e-5, name
+    assert ((want["on"] - want["off"]).abs() * mb.mask).max() > 0.05

@@ -217,22 +217,37 @@ class AuxModel:
 
 class AdaptersOffReference:
     """A LoRA student's reference: the policy itself with its adapters off (the base weights,
-    frozen), no copy of any weight; `logprobs` as `AuxModel.logprobs`."""
+    frozen), no copy of any weight; `logprobs` as `AuxModel.logprobs` (a policy with a whole
+    forward: the torch backend, megatron at pp = 1). `runner_logprobs` runs the same pass
+    through a model runner (training/runner.py), for pipeline stages, where every stage must
+    take part in it."""
 
     update_interval = 0  # it never follows the actor (refused at load: training/config.py)
 
     def __init__(self, policy: Any, adapters_off: Any):
         self.policy, self._off = policy, adapters_off  # adapters_off(model): a context
 
-    def logprobs(self, mb: MicroBatch, temperature: float, by_length: bool = False
-                 ) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _base(self):
         training = self.policy.training
         self.policy.eval()  # no adapter dropout in a reference
         try:
             with torch.no_grad(), self._off(self.policy):
-                return micro_batch_logprobs(self.policy, mb, temperature, by_length, False)[0]
+                yield
         finally:
             self.policy.train(training)
+
+    def logprobs(self, mb: MicroBatch, temperature: float, by_length: bool = False
+                 ) -> torch.Tensor:
+        with self._base():
+            return micro_batch_logprobs(self.policy, mb, temperature, by_length, False)[0]
+
+    def runner_logprobs(self, runner: Any, mbs: list[MicroBatch], temperature: float,
+                        by_length: bool = False) -> list[torch.Tensor] | None:
+        """Every micro-batch's reference log-probs through `runner` (a ModelRunner over this
+        policy): called on every stage of a pipeline, the last gets them, the others None."""
+        with self._base():
+            return runner.logprobs(mbs, temperature, by_length)
 
 
 def check_names(layout: FlatLayout, tensors: dict[str, torch.Tensor],

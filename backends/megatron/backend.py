@@ -84,6 +84,8 @@ class MegatronBackend:
             raise ValueError("lora with megatron's sequence_parallel is not supported: the "
                              "adapters take whole-sequence inputs; unset sequence_parallel")
         if cfg.parallel.pp > 1 and cfg.kl.coef > 0 and not cfg.kl.ref_model:
+            # the step asks the last stage alone for the reference's log-probs; through the
+            # pipeline every stage must run that pass (AdaptersOffReference.runner_logprobs)
             raise ValueError("a LoRA student's KL reference (the policy, adapters off) runs "
                              "only at parallel.pp = 1 on the megatron backend (the step asks "
                              "the last stage alone for it); use pp = 1 or set kl.ref_model")
