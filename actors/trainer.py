@@ -40,7 +40,7 @@ from typing import Literal
 
 from actors.prefetcher import RemoteReader
 from engine.client import SglangClient
-from engine.weight_push import AdapterPush, release_to_train, wake_to_generate
+from engine.weight_push import AdapterPush, adapter_paths, release_to_train, wake_to_generate
 from engine.weight_sync import WeightStream, check_sync_device
 from engine.weight_sync_config import WeightSyncConfig
 from logic.teachers import check_vocab
@@ -110,11 +110,12 @@ class TrainerActor(Actor):
                 check_vocab(student, load_tokenizer(t.model), t.name)
         check_backend(config, colocated=config.mode == "colocated")
         check_sync_device(config.weight_sync.path, config.device)
-        if config.lora is not None and config.weight_sync.path not in ("disk", "tensor"):
-            raise ValueError(f"lora pushes the adapter only, through SGLang's LoRA endpoints: "
-                             f"weight_sync.path = {config.weight_sync.path!r} carries full "
-                             f"weights; use 'tensor' (the adapter in the request body) or "
-                             f"'disk' (a PEFT directory every worker reads)")
+        if config.lora is not None and config.weight_sync.path == "distributed":
+            raise ValueError("lora pushes the adapter only, through SGLang's LoRA endpoints: "
+                             "weight_sync.path = 'distributed' carries full weights; use "
+                             "'tensor' (the adapter in the request body), 'cuda_ipc' / 'auto' "
+                             "(CUDA IPC to workers on the trainer's GPU) or 'disk' (a PEFT "
+                             "directory every worker reads)")
 
     @classmethod
     def gpus(cls, config: TrainerConfig, env: dict[str, str], host: str) -> list[str]:
@@ -331,11 +332,13 @@ class TrainerActor(Actor):
             return nbytes
 
         keep = max(cfg.weight_sync.keep_versions, self.facts.max_staleness + 2)
-        return AdapterPush(self.clients, list(cfg.workers), cfg.weight_sync.path, self.run_dir,
+        paths = adapter_paths(cfg.weight_sync.path, [self.peer(w).devices for w in cfg.workers],
+                              gpu_ids([cfg.device]), cfg.device, len(cfg.workers))
+        return AdapterPush(self.clients, list(cfg.workers), paths, self.run_dir,
                            config_dict(cfg.lora, cfg.model),
                            lambda d: self._in_thread(write, d),
                            lambda: self._in_thread(self.ranks.adapter_tensors, state), keep,
-                           cfg.weight_sync.timeout_s)
+                           cfg.weight_sync.timeout_s, cfg.device)
 
     def weight_stream(self) -> WeightStream:
         """One version's weights as the in-memory paths read them: produced bucket by bucket

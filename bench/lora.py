@@ -17,10 +17,12 @@ load. Three child processes, one at a time, so each one's memory is its own:
   device) serving the model; this process pushes `--pushes` versions of the full weights through
   the fastest full path the placement has (CUDA IPC on one GPU, else safetensors in the body),
   then, with adapters attached, `--pushes` versions of the adapter only (engine/weight_push.py
-  `AdapterPush`, the adapter in the body of /load_lora_adapter_from_tensors, each version
-  loaded under its own name). Each push is timed from the call to the worker's answer; after
-  each adapter push the worker generates with that adapter and its log-probs are compared with
-  the trainer's (max |d log p|).
+  `AdapterPush`, each version loaded under its own name by /load_lora_adapter_from_tensors:
+  over CUDA IPC on a GPU, as `weight_sync.path = "auto"` sends to a worker on the trainer's
+  GPU, then in the request body (base64 safetensors) for comparison; on the CPU, in the body).
+  Each push is timed from the call to the worker's answer; after each adapter push the worker
+  generates with that adapter and its log-probs are compared with the trainer's (max |d log p|),
+  beside the same comparison for the base model before any adapter (the dtype's own noise).
 Final line: `RESULT lora_mem_vs_full=<lora memory / full> lora_push_bytes_vs_full=<adapter
 bytes / full bytes> lora_push_s=<median adapter push, s> lora_step_vs_full=<lora step time /
 full> full_push_s=... lora_logprob_diff=...`. Goals on one H200 at 1.5B, rank 32: memory <= 0.4,
@@ -138,6 +140,20 @@ async def push_child(args) -> dict:
             await full.push(named, str(v))
             times.append(time.perf_counter() - t0)
         out.update(full_push_s=statistics.median(times), full_path=full_path)
+        prompt = [1] + list(range(5, 20))
+
+        async def logprob_diff(lora_path: str | None) -> float:
+            """Max |d log p| of the worker's greedy answer against this process's forward."""
+            extra = {"lora_path": lora_path} if lora_path else {}
+            answer = await client.generate(prompt, {"max_new_tokens": 8, "temperature": 0},
+                                           **extra)
+            got = torch.tensor([e[0] for e in answer["meta_info"]["output_token_logprobs"]])
+            with torch.no_grad():
+                want = token_logprobs(model, torch.tensor([prompt + answer["output_ids"]],
+                                                          device=args.device))[0]
+            return float((got - want[len(prompt) - 1:].float().cpu()).abs().max())
+
+        out["base_logprob_diff"] = await logprob_diff(None)  # the dtype's own noise, no adapter
         spec = LoraConfig(**lora_table(args))
         lora.attach(model, spec)
         config = lora.config_dict(spec, args.model_dir)
@@ -149,31 +165,30 @@ async def push_child(args) -> dict:
         async def write(directory):
             return lora.save_adapter(model, spec, directory, args.model_dir)
 
-        with tempfile.TemporaryDirectory() as run_dir:
-            push = AdapterPush([client], ["worker"], "tensor", run_dir, config, write, tensors,
-                               keep=2)
-            times, diffs = [], []
-            prompt = [1] + list(range(5, 20))
-            for v in range(1, args.pushes + 1):
-                with torch.no_grad():
-                    for p in lora.trainable(model):
-                        p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.device,
-                                                                                 p.dtype))
-                sync_()
-                t0 = time.perf_counter()
-                report = await push.push(v)
-                times.append(time.perf_counter() - t0)
-                answer = await client.generate(prompt, {"max_new_tokens": 8, "temperature": 0},
-                                               lora_path=adapter_name(v))
-                ids = answer["output_ids"]
-                got = torch.tensor([e[0] for e in answer["meta_info"]["output_token_logprobs"]])
-                with torch.no_grad():
-                    want = token_logprobs(model, torch.tensor([prompt + ids],
-                                                              device=args.device))[0]
-                diffs.append(float((got - want[len(prompt) - 1:].float().cpu()).abs().max()))
-            out.update(lora_bytes=report.bytes, lora_push_s=statistics.median(times),
-                       lora_push_min_s=min(times), lora_push_max_s=max(times),
-                       lora_logprob_diff=max(diffs))
+        # the adapter over the path a worker on this device gets ("auto"), then in the body
+        paths = ["cuda_ipc", "tensor"] if args.device.startswith("cuda") else ["tensor"]
+        version = 0
+        for path in paths:
+            with tempfile.TemporaryDirectory() as run_dir:
+                push = AdapterPush([client], ["worker"], path, run_dir, config, write, tensors,
+                                   keep=2, device=args.device)
+                times, diffs = [], []
+                for _ in range(args.pushes):
+                    version += 1
+                    with torch.no_grad():
+                        for p in lora.trainable(model):
+                            p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(
+                                p.device, p.dtype))
+                    sync_()
+                    t0 = time.perf_counter()
+                    report = await push.push(version)
+                    times.append(time.perf_counter() - t0)
+                    diffs.append(await logprob_diff(adapter_name(version)))
+            key = "lora" if path == paths[0] else f"lora_{path}"
+            out.update({f"{key}_push_s": statistics.median(times),
+                        f"{key}_push_min_s": min(times), f"{key}_push_max_s": max(times),
+                        f"{key}_logprob_diff": max(diffs)})
+            out.update(lora_bytes=report.bytes, lora_path=paths[0])
     finally:
         await client.close()
         proc.terminate()
@@ -206,7 +221,8 @@ def result_line(full: dict, lora: dict, push: dict) -> str:
             f"lora_push_s={push['lora_push_s']:.4f} "
             f"lora_step_vs_full={lora['step_s'] / full['step_s']:.3f} "
             f"full_push_s={push['full_push_s']:.4f} "
-            f"lora_logprob_diff={push['lora_logprob_diff']:.2e}")
+            f"lora_logprob_diff={push['lora_logprob_diff']:.2e} "
+            f"base_logprob_diff={push['base_logprob_diff']:.2e}")
 
 
 def check_result(line: str) -> dict[str, float]:
@@ -249,10 +265,14 @@ def main(argv: list[str] | None = None) -> None:
               f"(torch reserved {r['reserved_bytes'] / 2**30:.2f}), trained "
               f"{r['trained_params'] / 1e6:.2f} M parameters", flush=True)
     print(f"push: full {push['full_bytes'] / 1e6:.1f} MB over {push['full_path']} in "
-          f"{push['full_push_s']:.4f} s; adapter {push['lora_bytes'] / 1e6:.2f} MB in "
-          f"{push['lora_push_s']:.4f} s ({push['lora_push_min_s']:.4f}-"
+          f"{push['full_push_s']:.4f} s; adapter {push['lora_bytes'] / 1e6:.2f} MB over "
+          f"{push['lora_path']} in {push['lora_push_s']:.4f} s ({push['lora_push_min_s']:.4f}-"
           f"{push['lora_push_max_s']:.4f}), worker vs trainer max |dlogp| "
-          f"{push['lora_logprob_diff']:.2e}", flush=True)
+          f"{push['lora_logprob_diff']:.2e} (base model, no adapter: "
+          f"{push['base_logprob_diff']:.2e})", flush=True)
+    if "lora_tensor_push_s" in push:
+        print(f"push: adapter in the request body (tensor path) {push['lora_tensor_push_s']:.4f} s "
+              f"({push['lora_tensor_push_min_s']:.4f}-{push['lora_tensor_push_max_s']:.4f})")
     line = result_line(full, lora, push)
     values = check_result(line)
     for key, goal in GOALS.items():

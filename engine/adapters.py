@@ -14,8 +14,9 @@ HTTP (SGLang's `http_server.py` / `io_struct.py`, the v0.5.x line read for
 tests/fixtures/sglang/; no SGLang server was run):
 - `POST /load_lora_adapter` `{lora_name, lora_path, pinned}`: a PEFT adapter directory;
 - `POST /load_lora_adapter_from_tensors` `{lora_name, config_dict, serialized_tensors,
-  load_format, pinned}`: the adapter in the body; here `serialized_tensors` is base64
-  safetensors (SGLang reads its own pickled form there; this engine never unpickles);
+  load_format, pinned}`: the adapter in the body, as base64 safetensors (load_format null), or
+  on a CUDA worker as SGLang's CUDA IPC payload (load_format "flattened_bucket", read through
+  engine/cuda_ipc.py's allowlist as /update_weights_from_tensor reads it);
 - `POST /unload_lora_adapter` `{lora_name}`;
 each answered with SGLang's `LoRAUpdateOutput` `{success, error_message, loaded_adapters: {name:
 {lora_id, lora_name, lora_path, pinned}}}`, 200 or 400. A request naming an adapter that is not
@@ -137,6 +138,8 @@ class AdapterRegistry:
                 raise BadRequest(f"adapter {name!r}: {saved} has shape {tuple(t.shape)}, this "
                                  f"model's {tuple(p.shape)}")
             held[own[saved]] = t.detach().to(device=p.device, dtype=p.dtype).clone()
+        for device in {t.device for t in held.values() if t.is_cuda}:
+            torch.cuda.synchronize(device)  # copied out of a sender's IPC buffer: it may reuse it
         adapter = Adapter(name, path, dict(config), held, pinned)
         self.adapters[name] = adapter
         self.loads += 1

@@ -272,8 +272,11 @@ class WeightEndpoints:
             _require(isinstance(name, str) and bool(name), "lora_name must be a non-empty string")
             _require(isinstance(pinned, bool), "pinned must be true or false")
             path, config, tensors = await asyncio.get_running_loop().run_in_executor(
-                self._decode_pool, read, body)
-            await self.scheduler.load_adapter(name, path, config, tensors, pinned)
+                self._decode_pool, read, body, str(self.scheduler.device))
+            try:
+                await self.scheduler.load_adapter(name, path, config, tensors, pinned)
+            finally:
+                tensors.clear()  # CUDA IPC ones: the sender's handles close
         except BadRequest as e:
             return self._lora_answer(str(e))
         return self._lora_answer()
@@ -416,7 +419,7 @@ def _receive(args: dict[str, Any], group, device: str) -> dict[str, torch.Tensor
     return dict(zip(args["names"], tensors))
 
 
-def _adapter_from_disk(body: dict) -> tuple[str, dict, dict[str, torch.Tensor]]:
+def _adapter_from_disk(body: dict, device: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
     from training.lora import read_adapter
 
     path = body.get("lora_path")
@@ -429,7 +432,7 @@ def _adapter_from_disk(body: dict) -> tuple[str, dict, dict[str, torch.Tensor]]:
     return path, config, tensors
 
 
-def _adapter_from_body(body: dict) -> tuple[str, dict, dict[str, torch.Tensor]]:
+def _adapter_from_body(body: dict, device: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
     from engine.adapters import TENSOR_PATH
 
     config, payload = body.get("config_dict"), body.get("serialized_tensors")
@@ -437,10 +440,12 @@ def _adapter_from_body(body: dict) -> tuple[str, dict, dict[str, torch.Tensor]]:
                                        "be a JSON object")
     _require(isinstance(payload, str) and bool(payload),
              "serialized_tensors must be a string: base64(safetensors.torch.save(tensors))")
-    _require(body.get("load_format") is None, f"load_format {body.get('load_format')!r} is not "
-                                              f"supported here (null: safetensors)")
+    load_format = body.get("load_format")
+    _require(load_format in (None, cuda_ipc.FLATTENED_BUCKET),
+             f"load_format {load_format!r} is not supported here (null: base64 safetensors, or "
+             f"{cuda_ipc.FLATTENED_BUCKET!r}: SGLang's CUDA IPC payload, on a CUDA worker)")
     try:
-        return TENSOR_PATH, config, decode_tensors(payload, "cpu")
+        return TENSOR_PATH, config, decode_tensors(payload, device, load_format)
     except BadRequest as e:  # its messages name the weight update's field
         raise BadRequest(str(e).replace("serialized_named_tensors[0]", "serialized_tensors")) \
             from None

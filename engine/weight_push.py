@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
+from engine import cuda_ipc
 from engine.client import SglangClient
 from engine.errors import EngineHTTPError, EngineUnavailable
 from engine.weight_sync import DiskSync, SyncError, WeightStream, _settle, as_stream
@@ -121,52 +122,77 @@ def adapter_name(version: int) -> str:
 class AdapterPush:
     """A LoRA student's version: its adapter only, loaded on every worker under
     `adapter_name(version)` through SGLang's LoRA endpoints; the base weights never move.
-    `path` "disk": a PEFT directory `<run_dir>/weights/v<N>` (`write(directory)` writes it and
-    returns its tensor bytes) and `/load_lora_adapter`; "tensor": the adapter in the body of
-    `/load_lora_adapter_from_tensors` (`tensors()` gives it, base64 safetensors; the embedded
-    engine's reading). The newest `keep` versions stay loaded (requests of a version still in
-    flight run with it), older ones are unloaded, and older disk versions removed. No pause:
-    loading an adapter changes no running request."""
+    Per worker (`paths`, one each): "disk", a PEFT directory `<run_dir>/weights/v<N>` (`write(
+    directory)` writes it once and returns its tensor bytes) read by `/load_lora_adapter`;
+    "tensor", the adapter in the body of `/load_lora_adapter_from_tensors` as base64
+    safetensors (the embedded engine's reading; `tensors()` gives the adapter); "cuda_ipc", the
+    same endpoint with SGLang's CUDA IPC payload (load_format "flattened_bucket") of the adapter
+    staged once in a buffer on the trainer's GPU (`device`), for workers on this host's GPUs:
+    no copy through the host. The newest `keep` versions stay loaded (requests of a version
+    still in flight run with it), older ones are unloaded, and older disk versions removed. No
+    pause: loading an adapter changes no running request."""
 
-    def __init__(self, clients: list[SglangClient], names: list[str], path: str,
+    def __init__(self, clients: list[SglangClient], names: list[str], paths: list[str],
                  run_dir: str | Path, config: dict[str, Any],
                  write: Callable[[Path], Awaitable[int]],
                  tensors: Callable[[], Awaitable[dict[str, Any]]], keep: int,
-                 timeout_s: float | None = None):
-        if path not in ("disk", "tensor"):
-            raise ValueError(f"a LoRA student pushes adapters through weight_sync.path 'disk' or "
-                             f"'tensor', not {path!r}")
-        self.clients, self.names, self.path = clients, names, path
+                 timeout_s: float | None = None, device: str = "cpu"):
+        if isinstance(paths, str):
+            paths = [paths] * len(clients)
+        bad = sorted(set(paths) - {"disk", "tensor", "cuda_ipc"})
+        if bad:
+            raise ValueError(f"a LoRA student pushes adapters through weight_sync.path 'disk', "
+                             f"'tensor', 'cuda_ipc' or 'auto', not {bad[0]!r}")
+        self.clients, self.names, self.paths = clients, names, paths
+        self.path = paths[0] if len(set(paths)) == 1 else "auto"
         self.root, self.config = Path(run_dir) / "weights", config
         self.write, self.tensors, self.keep = write, tensors, max(1, keep)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.device = timeout_s, device
+        self._stager: Any = None  # cuda_ipc: engine/weight_sync.py TensorSync's staging buffer
 
     async def push(self, version: int) -> PushReport:
         t0 = time.monotonic()
         name = adapter_name(version)
-        if self.path == "disk":
+        loads: dict[str, Callable[[SglangClient], Awaitable[Any]]] = {}
+        nbytes = 0
+        if "disk" in self.paths:
             directory = self.root / f"v{version}"
             nbytes = await self.write(directory)
-
-            def load(c: SglangClient):
-                return c.load_lora_adapter(name, str(directory))
-        else:
+            loads["disk"] = lambda c: c.load_lora_adapter(name, str(directory))
+        if {"tensor", "cuda_ipc"} & set(self.paths):
             tensors = await self.tensors()
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            payload = await asyncio.get_running_loop().run_in_executor(None, _b64_safetensors,
-                                                                       tensors)
+            run = asyncio.get_running_loop().run_in_executor
+            if "tensor" in self.paths:
+                blob = await run(None, _b64_safetensors, tensors)
+                loads["tensor"] = lambda c: c.load_lora_adapter_from_tensors(name, self.config,
+                                                                             blob)
+            if "cuda_ipc" in self.paths:
+                handles = await run(None, self._stage, tensors)
+                loads["cuda_ipc"] = lambda c: c.load_lora_adapter_from_tensors(
+                    name, self.config, handles, load_format=cuda_ipc.FLATTENED_BUCKET)
             del tensors
-
-            def load(c: SglangClient):
-                return c.load_lora_adapter_from_tensors(name, self.config, payload)
-        await _settle({n: self._load(c, name, load) for n, c in zip(self.names, self.clients)},
-                      self.timeout_s, f"LoRA adapter {name}")
+        try:
+            await _settle({n: self._load(c, name, loads[p]) for n, c, p in
+                           zip(self.names, self.clients, self.paths)},
+                          self.timeout_s, f"LoRA adapter {name}")
+        finally:
+            if self._stager is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self._stager._collect)
         old = version - self.keep
         if old >= 0:
             await asyncio.gather(*(self._unload(c, adapter_name(old)) for c in self.clients))
-        if self.path == "disk":
+        if "disk" in self.paths:
             self._prune()
         return PushReport(version, self.path, nbytes, time.monotonic() - t0)
+
+    def _stage(self, tensors: dict[str, Any]) -> str:
+        """The adapter (one dtype) copied into the staging buffer; its IPC payload."""
+        from engine.weight_sync import TensorSync
+
+        if self._stager is None:
+            self._stager = TensorSync([], serializer="cuda_ipc", device=self.device)
+        return self._stager.serialize(list(tensors.items()))
 
     @staticmethod
     async def _load(client: SglangClient, name: str, load) -> None:
@@ -194,6 +220,18 @@ class AdapterPush:
 
     async def close(self) -> None:
         """Nothing to leave."""
+
+
+def adapter_paths(path: str, devices: list[list[str]] | None, own_devices: list[str],
+                  device: str, num_workers: int) -> list[str]:
+    """Each worker's adapter path under weight_sync.path `path`: "auto" is CUDA IPC to the
+    workers on this CUDA trainer's host GPUs it shares (its own GPU), the body elsewhere."""
+    if path != "auto":
+        return [path] * num_workers
+    if devices is None or not device.startswith("cuda"):
+        return ["tensor"] * num_workers
+    mine = set(own_devices)
+    return ["cuda_ipc" if mine & set(gpus) else "tensor" for gpus in devices]
 
 
 async def _lora_ok(request: Awaitable[Any]) -> None:

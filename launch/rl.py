@@ -174,9 +174,12 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         trainer["weight_sync"] = {"path": "auto"}
     if rl.lora is not None:
         trainer["lora"] = dict(rl.lora)
-        # the adapter in the request body to embedded workers; SGLang reads its own pickled
-        # tensors there, so its workers load the PEFT directory from disk
-        trainer["weight_sync"] = {"path": "tensor" if rl.engine == "embedded" else "disk"}
+        # embedded workers: the adapter in the request body (CUDA IPC to a worker on the
+        # trainer's GPU); SGLang reads its own pickled tensors in a body, so its workers load
+        # the PEFT directory from disk
+        path = "disk" if rl.engine != "embedded" else (
+            "auto" if rl.device.startswith("cuda") else "tensor")
+        trainer["weight_sync"] = {"path": path}
     trainer_after = [*workers, "buffer", "rollout"]
     if teachers:
         trainer["opd"] = dict(rl.opd)

@@ -64,7 +64,7 @@ def test_config_refuses_what_lora_does_not_cover():
                        ({"dropout": 1.0}, "lora.dropout"), ({"target_modules": []}, "empty")]:
         with pytest.raises(ValueError, match=words):
             LoraConfig(**bad)
-    with pytest.raises(ValueError, match="weight_sync.path = 'distributed'"):
+    with pytest.raises(ValueError, match="weight_sync.path = .distributed."):
         TrainerActor.check_config(lora_cfg(weight_sync={"path": "distributed"}))
     model, _ = load_model(BASE, "cpu", torch.float32, 0)
     with pytest.raises(ValueError, match="match no layer.*q_proj"):
@@ -316,3 +316,14 @@ def test_rl_table_starts_sglang_workers_for_adapters_and_pushes_them_by_disk():
     embedded = derive(RLConfig(model=BASE, envs=[{}], lora={}))
     assert embedded["trainer"]["config"]["weight_sync"] == {"path": "tensor"}
     assert "sglang" not in embedded["worker0"]["config"]
+
+
+def test_auto_sends_adapters_over_cuda_ipc_only_to_workers_on_the_trainers_gpu():
+    from engine.weight_push import adapter_paths
+
+    assert adapter_paths("auto", [["0"], ["1"]], ["0"], "cuda:0", 2) == ["cuda_ipc", "tensor"]
+    assert adapter_paths("auto", None, ["0"], "cuda:0", 2) == ["tensor", "tensor"]
+    assert adapter_paths("auto", [["0"]], [], "cpu", 1) == ["tensor"]
+    assert adapter_paths("disk", [["0"]], ["0"], "cuda:0", 1) == ["disk"]
+    with pytest.raises(ValueError, match="'distributed'"):
+        AdapterPush([], [], ["distributed"], ".", {}, None, None, keep=2)
