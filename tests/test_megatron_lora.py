@@ -1,10 +1,12 @@
 """LoRA students on the megatron backend (backends/megatron/lora.py) against the torch backend's
 peft adapters (training/lora.py): the same PEFT-named adapter gives the same log-probs, the
 same train step (with a KL term to the adapters-off reference) and the same merged weights;
-at TP=2 the step equals TP=1, the adapter's gather gives back what was loaded (TP=2, PP=2), and a
-checkpoint (a PEFT adapter directory with the optimizer state) resumes at its own and at another
-layout. Multi-rank cases run on two gloo child processes (tests/test_megatron_parallel.py's
-pattern): rank 0 reports tensors, the tests here assert.
+at TP=2 and PP=2 the step equals TP=1, the adapter's gather gives back what was loaded, the
+adapters-off reference runs through the pipeline, and a checkpoint (a PEFT adapter directory
+with the optimizer state, plain or distributed optimizer) resumes at its own and at another
+layout; last, the trainer's own ranks (training/ranks.py) at TP=2: step, adapter and merged
+gathers, checkpoint. Multi-rank cases run on gloo child processes
+(tests/test_megatron_parallel.py's pattern): rank 0 reports tensors, the tests here assert.
 """
 
 from __future__ import annotations
@@ -384,8 +386,8 @@ def _one_step(adapter: dict[str, torch.Tensor], optimizer: str = "sgd") -> dict:
 
 
 def two_ranks(rank: int, tmp: Path) -> dict:
-    """TP=2 (step, gathers, checkpoint), then TP=1 x DP=2 (step, resume at another layout),
-    then PP=2 (gather round trip, resume)."""
+    """TP=2 (step, gathers, checkpoint), then TP=1 x DP=2 (step, resume at another layout,
+    the distributed optimizer's checkpoint)."""
     from backends.megatron import lora
     from backends.megatron.model import initialize_parallel, parallel_state
     from training.backends import get_backend
@@ -418,19 +420,26 @@ def two_ranks(rank: int, tmp: Path) -> dict:
     report["tp1_resumed_moments"] = _whole_moments(other)
     report["dp2_distributed_optimizer"] = _distributed_optimizer_round_trip(adapter, tmp)
     parallel_state.destroy_model_parallel()
-
-    initialize_parallel(1, 2)
-    staged = megatron_student("qwen2-untied", ALL, adapter)
-    report["pp2_layers"] = list(staged.layers)
-    report["pp2_round_trip"] = lora.adapter_tensors(staged)
-    report["pp2_step"] = _pipeline_step(adapter)
-    report["pp2_reference"] = _pipeline_reference(staged)
-    parallel_state.destroy_model_parallel()
     report |= {"adam": adam["adapter"],
                "loss": torch.tensor([tp2["loss"], tp1["loss"]]),
                "norm": torch.tensor([tp2["norm"], tp1["norm"]]),
                "tp2": tp2["adapter"], "tp1": tp1["adapter"],
                "base_equal": tp2["base_equal"] and tp1["base_equal"]}
+    return report
+
+
+def pipeline_ranks(rank: int, tmp: Path) -> dict:
+    """PP=2: the gather round trip, a step through megatron's schedule, the adapters-off
+    reference through it."""
+    from backends.megatron import lora
+    from backends.megatron.model import initialize_parallel, parallel_state
+
+    adapter = random_adapter("qwen2-untied", ALL)
+    initialize_parallel(1, 2)
+    staged = megatron_student("qwen2-untied", ALL, adapter)
+    report = {"pp2_layers": list(staged.layers), "pp2_round_trip": lora.adapter_tensors(staged),
+              "pp2_step": _pipeline_step(adapter), "pp2_reference": _pipeline_reference(staged)}
+    parallel_state.destroy_model_parallel()
     return report
 
 
@@ -555,7 +564,12 @@ def report(tmp_path_factory) -> dict:
     return run_ranks("two_ranks", tmp_path_factory.mktemp("lora_ranks"))
 
 
-def test_tensor_and_pipeline_parallel_steps_equal_one_rank(report):
+@pytest.fixture(scope="module")
+def pp_report(tmp_path_factory) -> dict:
+    return run_ranks("pipeline_ranks", tmp_path_factory.mktemp("lora_pipeline"))
+
+
+def test_tensor_parallel_step_equals_one_rank(report):
     tp2_loss, tp1_loss = report["loss"].tolist()
     assert tp2_loss == pytest.approx(tp1_loss, rel=1e-5)
     tp2_norm, tp1_norm = report["norm"].tolist()
@@ -565,7 +579,6 @@ def test_tensor_and_pipeline_parallel_steps_equal_one_rank(report):
     assert sorted(report["tp2"]) == sorted(adapter)
     for key, want in report["tp1"].items():
         assert (report["tp2"][key] - want).abs().max() < 1e-5, key
-        assert (report["pp2_step"][key] - want).abs().max() < 1e-5, key  # PP=2, the schedule
         assert (want - adapter[key]).abs().max() > 1e-4, key  # stepped
     assert report["base_equal"]  # the base weights bit for bit as loaded
 
@@ -598,11 +611,6 @@ def test_adapter_gathers_give_back_what_was_loaded(report):
     assert sorted(report["tp2_round_trip"]) == sorted(some)
     for key, want in some.items():
         assert torch.equal(report["tp2_round_trip"][key], want), key
-    assert report["pp2_layers"] == [0]  # rank 0 holds one of the two stages
-    every = random_adapter("qwen2-untied", ALL)
-    assert sorted(report["pp2_round_trip"]) == sorted(every)  # both stages' layers
-    for key, want in every.items():
-        assert torch.equal(report["pp2_round_trip"][key], want), key
 
 
 def test_tensor_parallel_merged_tensors_equal_the_torch_backends(report):
@@ -746,7 +754,18 @@ def test_trainer_ranks_at_tp2_step_gather_merge_and_checkpoint(trainer_report):
         assert torch.equal(resumed["adapter"][key], want), key
 
 
-def test_adapters_off_reference_through_the_pipeline(report):
+def test_pipeline_step_equals_one_rank_and_the_gather_spans_the_stages(report, pp_report):
+    """PP=2 (after the TP=2 report: this test's setup starts only the pipeline's ranks)."""
+    assert pp_report["pp2_layers"] == [0]  # rank 0 holds one of the two stages
+    every = random_adapter("qwen2-untied", ALL)
+    assert sorted(pp_report["pp2_round_trip"]) == sorted(every)  # both stages' layers
+    for key, want in every.items():
+        assert torch.equal(pp_report["pp2_round_trip"][key], want), key
+    for key, want in report["tp1"].items():  # a step through megatron's schedule
+        assert (pp_report["pp2_step"][key] - want).abs().max() < 1e-5, key
+
+
+def test_adapters_off_reference_through_the_pipeline(pp_report):
     """At PP=2 the reference runs through megatron's schedule on both stages
     (AdaptersOffReference.runner_logprobs): the base model's log-probs; adapters on: the
     torch backend's student's."""
@@ -754,7 +773,7 @@ def test_adapters_off_reference_through_the_pipeline(report):
     from training.batching import make_micro_batch
     from training.step import TrainState, forward
 
-    got = report["pp2_reference"]
+    got = pp_report["pp2_reference"]
     assert got["first_stage"]  # only the last stage has log-probs
     tok = build_char_tokenizer()
     mb = make_micro_batch(batch(tok), tok.pad_token_id)
