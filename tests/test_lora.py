@@ -327,3 +327,23 @@ def test_auto_sends_adapters_over_cuda_ipc_only_to_workers_on_the_trainers_gpu()
     assert adapter_paths("disk", [["0"]], ["0"], "cuda:0", 1) == ["disk"]
     with pytest.raises(ValueError, match="'distributed'"):
         AdapterPush([], [], ["distributed"], ".", {}, None, None, keep=2)
+
+
+def test_a_lora_student_distils_from_colocated_teachers(tmp_path):
+    """MOPD with a LoRA student: the teachers are whole models in weight memory as before; the
+    OPD term trains the adapters only and the reverse KL to each sample's teacher falls."""
+    from tests.test_mopd import TEACHERS, samples
+
+    cfg = lora_cfg(loss={"advantage_estimator": "none"}, teachers=TEACHERS,
+                   opd={"mode": "full", "kl_coef": 1.0}, teacher_memory={
+                       "nvme_dir": str(tmp_path / "nvme")}, optimizer={"lr": 5e-3},
+                   micro_batches={"size": 4})
+    state = load_train_state(cfg, str(tmp_path), False)
+    try:
+        frozen = base_tensors(state.model)
+        batch = samples(state.tokenizer)
+        kls = [train_on_batch(state, batch, cfg)["opd/arith/reverse_kl"] for _ in range(8)]
+        assert kls[-1] < 0.8 * kls[0], kls
+        assert all(torch.equal(frozen[n], t) for n, t in base_tensors(state.model).items())
+    finally:
+        state.teachers.close()

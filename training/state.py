@@ -141,7 +141,8 @@ class TrainState:
         from memory.safetensors_io import write_safetensors_shards
 
         write_safetensors_shards(self.backend.merged_tensors(self.model), directory, shard_bytes)
-        config = getattr(self.backend.transformers_policy(self.model), "config", None)
+        hf = self.backend.transformers_policy(self.model)  # megatron: None, its model has one
+        config = getattr(hf if hf is not None else self.model, "config", None)
         if config is not None:
             config.save_pretrained(str(directory))
         self.tokenizer.save_pretrained(str(directory))
