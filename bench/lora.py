@@ -12,7 +12,9 @@ load. Three child processes, one at a time, so each one's memory is its own:
   `training.step.train_on_batch` over `--tokens` tokens of long-tailed samples in micro-batches
   of at most `--mb-tokens` tokens; step time is the median of `--steps` steps after a warm-up,
   memory is NVML's used bytes on the device after them (what nvidia-smi shows; torch's peak
-  reserved beside it), CPU: the process's peak RSS.
+  reserved beside it), CPU: the process's peak RSS. `--checkpointing`: both trainers with
+  `activation_checkpointing = true` (then the weights' and optimizer's share of the memory is
+  what differs).
 - `push`: one embedded worker (`python -m engine.standalone`, its own process, on the same
   device) serving the model; this process pushes `--pushes` versions of the full weights through
   the fastest full path the placement has (CUDA IPC on one GPU, else safetensors in the body),
@@ -84,7 +86,8 @@ def train_child(args, mode: str) -> dict:
     cfg = {"model": args.model_dir, "device": args.device,
            "dtype": "bfloat16" if args.device.startswith("cuda") else "float32",
            "optimizer": {"lr": 1e-6},
-           "micro_batches": {"max_tokens": args.mb_tokens, "forward_by_length": False}}
+           "micro_batches": {"max_tokens": args.mb_tokens, "forward_by_length": False},
+           "activation_checkpointing": args.checkpointing}
     if mode == "lora":
         cfg["lora"] = lora_table(args)
     import msgspec
@@ -207,6 +210,8 @@ def run_child(args, what: str) -> dict:
            "--device", args.device, "--shape", args.shape, "--rank", str(args.rank),
            "--tokens", str(args.tokens), "--mb-tokens", str(args.mb_tokens),
            "--steps", str(args.steps), "--pushes", str(args.pushes)]
+    if args.checkpointing:
+        cmd.append("--checkpointing")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("CHILD ")]
     if proc.returncode != 0 or not lines:
@@ -248,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mb-tokens", type=int, default=8192, help="token cap per micro-batch")
     p.add_argument("--steps", type=int, default=3, help="timed steps after a warm-up")
     p.add_argument("--pushes", type=int, default=5, help="versions pushed per kind")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="both trainers with activation_checkpointing (per-layer recompute)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -347,3 +347,31 @@ def test_a_lora_student_distils_from_colocated_teachers(tmp_path):
         assert all(torch.equal(frozen[n], t) for n, t in base_tensors(state.model).items())
     finally:
         state.teachers.close()
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_activation_checkpointing_recomputes_to_the_same_step(tmp_path, with_lora):
+    """activation_checkpointing: the backward recomputes each layer's activations; the step's
+    loss, grad norm and updated weights equal the step that kept them (fp32), for a full and a
+    LoRA student alike."""
+    from training.setup import load_train_state as load
+
+    results = []
+    for ckpt in (False, True):
+        cfg = lora_cfg(activation_checkpointing=ckpt, kl=KlConfig(coef=0.1, use_kl_loss=True),
+                       **({} if with_lora else {"lora": None}))
+        state = load(cfg, str(tmp_path / str(ckpt)), False)
+        if with_lora:
+            randomize(state.model)
+        assert state.model.is_activation_checkpointing == ckpt
+        stats = train_on_batch(state, batch(state.tokenizer), cfg)
+        weights = {n: p.detach().clone() for n, p in state.model.named_parameters()
+                   if p.requires_grad}
+        results.append((stats, weights))
+    (a, wa), (b, wb) = results
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss"):
+        assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
+    assert wa.keys() == wb.keys()
+    assert all(torch.allclose(wa[n], wb[n], atol=1e-6, rtol=0) for n in wa)
+    with pytest.raises(ValueError, match="recompute_granularity"):
+        lora_cfg(activation_checkpointing=True, backend="megatron")

@@ -363,6 +363,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # batch-invariant forward (models/invariant): bitwise the log-probs of inference workers with
     # `true_on_policy = true` on the same kind of device (docs/training.md, True on-policy mode)
     true_on_policy: bool = False
+    # recompute each decoder layer's activations in the backward instead of keeping them
+    # (transformers' gradient checkpointing, non-reentrant): far less activation memory for
+    # about one more forward of compute; the megatron backend takes its own recompute_* options
+    activation_checkpointing: bool = False
     # LoRA adapters trained instead of the full weights (None = full fine-tuning); pushes and
     # checkpoints carry the adapter only (docs/training.md, LoRA)
     lora: LoraConfig | None = None
@@ -392,6 +396,13 @@ def check_algorithm(cfg: TrainConfig) -> None:
     if cfg.true_on_policy:
         _check_true_on_policy(cfg)
     _check_parallel(cfg)
+    if cfg.activation_checkpointing and cfg.backend == MP:
+        raise ValueError(f"activation_checkpointing is the torch backend's; {MP}-core recomputes "
+                         f"with its own options: set {MP} = {{ recompute_granularity = 'full', "
+                         f"recompute_method = 'uniform', recompute_num_layers = 1 }} instead")
+    if cfg.activation_checkpointing and cfg.true_on_policy:
+        raise ValueError("activation_checkpointing and true_on_policy conflict: the invariant "
+                         "forward keeps its own activations; use one of them")
     if cfg.lora is not None:
         _check_lora(cfg)
 

@@ -99,6 +99,8 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
     if cfg.micro_batches.pack and hf_policy is not None:  # an attention without a dense mask
         log.info("packed micro-batches: attention %s",
                  use_packed_attention(hf_policy, cfg.device))
+    if cfg.activation_checkpointing and hf_policy is not None:
+        checkpoint_activations(hf_policy)
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     if cfg.lora is not None:  # after the copies above: they hold the base, never adapters
         backend.attach_lora(model, cfg.lora)
@@ -139,6 +141,16 @@ def build_optimizer(cfg: TrainConfig, backend: TrainingBackend, model: torch.nn.
                                     norm_group=norm_group)
     return make_optimizer(params, dtype, cfg.optimizer.master_weights,
                           cfg.optimizer.lr, cfg.optimizer.weight_decay, backend.grad_clip(model))
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """transformers' per-layer activation checkpointing, non-reentrant (gradients reach the
+    adapters of a LoRA student, whose layer inputs need none)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def lora_share(model: torch.nn.Module) -> tuple[int, int, float]:
