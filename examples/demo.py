@@ -12,7 +12,6 @@ import time
 
 import msgspec
 import numpy as np
-import torch
 
 from runtime.actor import Actor
 from transport.schema import Msg, Tensor, register_messages
@@ -84,6 +83,10 @@ class Producer(Actor):
         self.out = self.stream_to("consumer", hwm=16)
 
     async def run(self) -> None:
+        # torch is the producer's alone (the scaler's tensors come decoded off the wire, the
+        # consumer's items are numpy): the launcher and the consumer start without it
+        import torch
+
         cfg = self.config
         gen = torch.Generator().manual_seed(cfg.seed)
         started = time.monotonic()
