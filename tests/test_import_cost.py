@@ -24,6 +24,8 @@ LIGHT = [
     "launch.config",
     "launch.dryrun",
     "launch.watch",
+    "launch.agent",  # the per-host agent of a remote host
+    "examples.demo",  # the demo cluster's launcher and consumer (torch: its producer's run)
 ]
 
 
