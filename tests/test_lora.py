@@ -364,7 +364,15 @@ def test_activation_checkpointing_recomputes_to_the_same_step(tmp_path, with_lor
         if with_lora:
             randomize(state.model)
         assert state.model.is_activation_checkpointing == ckpt
+        calls = []  # each decoder layer's checkpointed forward in the pass with gradients
+        for layer in state.model.model.layers:
+            inner = getattr(layer, "_gradient_checkpointing_func", None)
+            if inner is not None:
+                layer._gradient_checkpointing_func = (
+                    lambda *a, inner=inner, **k: calls.append(1) or inner(*a, **k))
         stats = train_on_batch(state, batch(state.tokenizer), cfg)
+        assert (len(calls) > 0) == ckpt
+        assert not state.model.model.layers[0].training  # eval mode again after the pass
         weights = {n: p.detach().clone() for n, p in state.model.named_parameters()
                    if p.requires_grad}
         results.append((stats, weights))
@@ -375,3 +383,19 @@ def test_activation_checkpointing_recomputes_to_the_same_step(tmp_path, with_lor
     assert all(torch.allclose(wa[n], wb[n], atol=1e-6, rtol=0) for n in wa)
     with pytest.raises(ValueError, match="recompute_granularity"):
         lora_cfg(activation_checkpointing=True, backend="megatron")
+
+
+def test_lora_dropout_acts_in_the_pass_with_gradients_only(tmp_path):
+    """lora.dropout: the adapters' input dropout is on while the policy pass trains (the step
+    keeps the rest of the model in eval mode), so it changes the update; off, the same seed
+    gives the same update."""
+    grads = {}
+    for dropout in (0.0, 0.0, 0.5):
+        cfg = lora_cfg(lora=LoraConfig(rank=4, alpha=8, dropout=dropout))
+        torch.manual_seed(0)
+        state = load_train_state(cfg, str(tmp_path), False)
+        randomize(state.model)
+        stats = train_on_batch(state, batch(state.tokenizer), cfg)
+        grads.setdefault(dropout, []).append(stats["train/grad_norm"])
+    assert grads[0.0][0] == grads[0.0][1]
+    assert grads[0.5][0] != grads[0.0][0]

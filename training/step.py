@@ -55,6 +55,7 @@ as in an unpadded forward (padding changes fp32 reduction order).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -428,10 +429,32 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
         return loss
 
     state.optimizer.zero_grad(set_to_none=True)
-    runner.forward_backward([mbs[j] for j in order], state.temperature, loss_fn,
-                            with_logits=opd_term or replay, by_length=by_length,
-                            heads=heads and not replay)
+    with training_where_asked(state.model):
+        runner.forward_backward([mbs[j] for j in order], state.temperature, loss_fn,
+                                with_logits=opd_term or replay, by_length=by_length,
+                                heads=heads and not replay)
     return current if runner.is_last_stage else []
+
+
+@contextlib.contextmanager
+def training_where_asked(model: Any):
+    """The pass with gradients: the model stays in eval mode (no dropout of its own, so the
+    recompute and this pass compute one function), except what acts only while training by the
+    config's choice: decoder layers with activation checkpointing (their recompute in the
+    backward) and a LoRA student's adapter dropout (lora.dropout)."""
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    flipped = [m for name, m in model.named_modules()
+               if getattr(m, "gradient_checkpointing", False) is True
+               or ".lora_dropout." in f".{name}."]
+    for m in flipped:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.training = False
 
 
 def opd_configs_of(cfg: TrainConfig) -> list[Any]:
