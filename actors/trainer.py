@@ -46,11 +46,11 @@ from engine.weight_sync_config import WeightSyncConfig
 from logic.teachers import check_vocab
 from memory.device_usage import process_device_bytes
 from models.load import check_model_path, load_tokenizer
+from models.lora import config_dict
 from runtime.actor import Actor
 from runtime.devices import gpu_ids
 from training.backends import check_backend
 from training.config import CheckpointConfig, TrainConfig
-from training.lora import config_dict
 from training.ranks import load_trainer
 from training.sleep import SleepReport
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate

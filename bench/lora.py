@@ -45,14 +45,27 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
+
+from algos.logprobs import token_logprobs
+from bench.train_mfu import hf_model, lengths_for, nvml_used_gib, samples_of
+from bench.weight_sync import start_worker
+from engine.client import SglangClient
+from engine.weight_push import AdapterPush, adapter_name
+from engine.weight_sync import TensorSync
+from models import lora
+from models.load import load_model
+from models.lora import LoraConfig
+from models.tokenizer import build_char_tokenizer
+from training.config import TrainConfig
+from training.setup import load_train_state
+from training.step import train_on_batch
 
 GOALS = {"lora_mem_vs_full": 0.4, "lora_push_bytes_vs_full": 0.02, "lora_push_s": 0.1}
 
 
 def write_model(args, directory: Path) -> None:
-    from bench.train_mfu import hf_model
-    from models.tokenizer import build_char_tokenizer
 
     model = hf_model(args.shape, "cpu", dtype_of(args))
     model.save_pretrained(str(directory))
@@ -72,16 +85,11 @@ def memory_bytes(device: str) -> tuple[float, float]:
     reserved bytes or 0)."""
     if not device.startswith("cuda"):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, 0.0
-    from bench.train_mfu import nvml_used_gib
 
     return nvml_used_gib() * 2**30, float(torch.cuda.max_memory_reserved())
 
 
 def train_child(args, mode: str) -> dict:
-    from bench.train_mfu import lengths_for, samples_of
-    from training.config import TrainConfig
-    from training.setup import load_train_state
-    from training.step import train_on_batch
 
     cfg = {"model": args.model_dir, "device": args.device,
            "dtype": "bfloat16" if args.device.startswith("cuda") else "float32",
@@ -90,7 +98,6 @@ def train_child(args, mode: str) -> dict:
            "activation_checkpointing": args.checkpointing}
     if mode == "lora":
         cfg["lora"] = lora_table(args)
-    import msgspec
 
     tcfg = msgspec.convert(cfg, TrainConfig)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -115,14 +122,6 @@ def train_child(args, mode: str) -> dict:
 
 
 async def push_child(args) -> dict:
-    from algos.logprobs import token_logprobs
-    from bench.weight_sync import start_worker
-    from engine.client import SglangClient
-    from engine.weight_push import AdapterPush, adapter_name
-    from engine.weight_sync import TensorSync
-    from models.load import load_model
-    from training import lora
-    from training.config import LoraConfig
 
     dtype = dtype_of(args)
     model, tok = load_model(args.model_dir, args.device, dtype)

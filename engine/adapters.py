@@ -3,7 +3,7 @@
 Role: a LoRA student's trainer pushes only its adapter; the worker keeps its base weights
 untouched and serves each request with the adapter it names (`lora_path` of /generate, as in
 SGLang). `AdapterRegistry` holds the loaded adapters by name (their tensors on the model's
-device, in its dtype); the first load puts LoRA layers on the model (peft, training/lora.py: the
+device, in its dtype); the first load puts LoRA layers on the model (peft, models/lora.py: the
 same layers the trainer computes with) and every later adapter must have that shape (rank,
 alpha, target modules: one shape per worker, as SGLang's `--max-lora-rank` /
 `--lora-target-modules` fix its pool). A wave of the scheduler runs one adapter (or none: the
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.errors import BadRequest
+from models import lora
 
 TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
 
@@ -102,8 +103,6 @@ class AdapterRegistry:
              tensors: dict[str, torch.Tensor], pinned: bool = False) -> Adapter:
         """Check and hold an adapter (PEFT-named tensors); the first one puts the LoRA layers on
         the model (with the adapters off: running waves compute the base as before)."""
-        from training import lora
-
         if self.refuse:
             raise BadRequest(self.refuse)
         if not isinstance(name, str) or not name:
@@ -146,8 +145,6 @@ class AdapterRegistry:
         return adapter
 
     def _attach(self, config: dict[str, Any]) -> None:
-        from training import lora
-
         try:
             lora.attach(self.model, {**config, "lora_dropout": 0.0})
         except ValueError as e:
@@ -158,9 +155,7 @@ class AdapterRegistry:
         self._enable(False)
 
     def _enable(self, on: bool) -> None:
-        from training.lora import _tuner_layers
-
-        for layer in _tuner_layers(self.model):
+        for layer in lora._tuner_layers(self.model):
             layer.enable_adapters(on)
 
     def use(self, adapter: Adapter | None) -> None:

@@ -44,8 +44,10 @@ import torch
 from aiohttp import web
 
 from engine import cuda_ipc, dist_group
+from engine.adapters import TENSOR_PATH
 from engine.errors import BadRequest
 from engine.scheduler import Scheduler
+from models.lora import read_adapter
 from transport.dtypes import torch_dtype
 
 MAX_BODY_BYTES = 64 << 20  # default limit of a request body (bytes; 413 above it)
@@ -420,8 +422,6 @@ def _receive(args: dict[str, Any], group, device: str) -> dict[str, torch.Tensor
 
 
 def _adapter_from_disk(body: dict, device: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
-    from training.lora import read_adapter
-
     path = body.get("lora_path")
     _require(isinstance(path, str) and bool(path), "lora_path (a PEFT adapter directory) is "
                                                    "required")
@@ -433,8 +433,6 @@ def _adapter_from_disk(body: dict, device: str) -> tuple[str, dict, dict[str, to
 
 
 def _adapter_from_body(body: dict, device: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
-    from engine.adapters import TENSOR_PATH
-
     config, payload = body.get("config_dict"), body.get("serialized_tensors")
     _require(isinstance(config, dict), "config_dict (the adapter's adapter_config.json) must "
                                        "be a JSON object")

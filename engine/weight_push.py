@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from engine import cuda_ipc
 from engine.client import SglangClient
 from engine.errors import EngineHTTPError, EngineUnavailable
-from engine.weight_sync import DiskSync, SyncError, WeightStream, _settle, as_stream
+from engine.weight_sync import DiskSync, SyncError, TensorSync, WeightStream, _settle, as_stream
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,6 @@ class AdapterPush:
 
     def _stage(self, tensors: dict[str, Any]) -> str:
         """The adapter (one dtype) copied into the staging buffer; its IPC payload."""
-        from engine.weight_sync import TensorSync
-
         if self._stager is None:
             self._stager = TensorSync([], serializer="cuda_ipc", device=self.device)
         return self._stager.serialize(list(tensors.items()))

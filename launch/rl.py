@@ -37,6 +37,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from models.lora import LoraConfig
+
 
 class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     """The run-level table `[rl]` (launch/rl.py derives the actors from it)."""
@@ -197,8 +199,6 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
 def _sglang_lora(table: dict[str, Any]) -> dict[str, Any]:
     """SGLang's launch options for the adapters the trainer will push (the trainer's LoRA
     table, with LoraConfig's defaults): --enable-lora, their rank and target modules."""
-    from training.config import LoraConfig
-
     cfg = msgspec.convert(table, LoraConfig)
     return {"enable_lora": True, "max_lora_rank": cfg.rank,
             "lora_target_modules": list(cfg.target_modules)}

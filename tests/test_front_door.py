@@ -189,6 +189,7 @@ async def test_the_rollout_evaluates_a_version_once():
 
     class Fake:
         last_eval = None
+        serving_version = 0
         config = RolloutConfig(envs=[], eval_tasks=2)
         metrics = None
         name = "rollout"

@@ -19,10 +19,10 @@ from actors.trainer import TrainerActor, TrainerConfig
 from algos.logprobs import token_logprobs
 from engine.adapters import base_named_tensors
 from engine.weight_push import AdapterPush, adapter_name
+from models import lora
 from models.load import load_model
 from tests.test_engine import post, serve
 from tests.test_train_step import batch
-from training import lora
 from training.config import KlConfig, LoraConfig, TrainConfig
 from training.setup import load_train_state
 from training.step import train_on_batch

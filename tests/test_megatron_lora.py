@@ -1,5 +1,5 @@
 """LoRA students on the megatron backend (backends/megatron/lora.py) against the torch backend's
-peft adapters (training/lora.py): the same PEFT-named adapter gives the same log-probs, the
+peft adapters (models/lora.py): the same PEFT-named adapter gives the same log-probs, the
 same train step (with a KL term to the adapters-off reference) and the same merged weights;
 at TP=2 and PP=2 the step equals TP=1, the adapter's gather gives back what was loaded, the
 adapters-off reference runs through the pipeline, and a checkpoint (a PEFT adapter directory
@@ -26,15 +26,17 @@ with warnings.catch_warnings():  # megatron-core warns at import that Apex / TE 
     pytest.importorskip("megatron.core")
     from backends.megatron import model as mg
 
+import tests.test_megatron_model as model_tests
 from algos.logprobs import token_logprobs_and_entropy
-from backends.megatron import cpu_shim as shim
 from tests.test_megatron_convert import hf_model
 from tests.test_megatron_model import batch, padded_batch
+from tests.test_megatron_parallel import run_ranks as parallel_ranks
 from training.config import LoraConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")
 
 SPAWN_TIMEOUT_S = 100
+tp1 = model_tests.tp1  # one gloo rank with megatron's parallel state, once per module
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SOME = ["k_proj", "v_proj", "up_proj", "down_proj"]  # absent parts of fused layers stay zero
 
@@ -42,7 +44,7 @@ SOME = ["k_proj", "v_proj", "up_proj", "down_proj"]  # absent parts of fused lay
 def random_adapter(model_name: str, targets: list[str], rank: int = 4, seed: int = 3
                    ) -> dict[str, torch.Tensor]:
     """A whole non-zero adapter under PEFT's names (peft's own layout, from a peft model)."""
-    from training import lora
+    from models import lora
 
     peft_model = lora.attach(hf_model(model_name), LoraConfig(rank=rank, alpha=8.0,
                                                               target_modules=targets))
@@ -53,7 +55,7 @@ def random_adapter(model_name: str, targets: list[str], rank: int = 4, seed: int
 
 def torch_student(model_name: str, targets: list[str], adapter: dict[str, torch.Tensor]):
     """The torch backend's LoRA student (transformers + peft) with `adapter` loaded."""
-    from training import lora
+    from models import lora
 
     model = lora.attach(hf_model(model_name), LoraConfig(rank=4, alpha=8.0,
                                                          target_modules=targets))
@@ -73,19 +75,6 @@ def megatron_student(model_name: str, targets: list[str], adapter: dict[str, tor
 
 
 # ---- one process, TP = PP = 1 ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tp1(tmp_path_factory):
-    """One gloo rank with megatron's parallel state (TP=PP=1), once per module (see
-    tests/test_megatron_model.py: the group setup leaves a gloo transport behind)."""
-    shim.install()
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("mg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    mg.initialize_parallel(1, 1, seed=0)
-    yield
-    mg.parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-    del store
-    shim.uninstall()
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama"])
@@ -174,7 +163,7 @@ def test_config_checks_name_what_the_backend_cannot_train(tp1):
 
 def test_merged_tensors_equal_the_torch_backends(tp1):
     from backends.megatron import lora
-    from training import lora as torch_lora
+    from models import lora as torch_lora
 
     adapter = random_adapter("qwen2-untied", SOME)
     want = dict(torch_lora.merged_tensors(torch_student("qwen2-untied", SOME, adapter)))
@@ -322,40 +311,9 @@ def test_trainer_lora_student_checkpoint_resumes(tp1, tmp_path):
 
 # ---- two processes: TP = 2, PP = 2 -------------------------------------------------------------
 def run_ranks(target: str, tmp_path: Path, world: int = 2) -> dict:
-    """Run this module's `target`(rank, tmp_path) on `world` child processes; rank 0's report."""
-    code = (f"from tests.test_megatron_lora import rank_main; "
-            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r})")
-    root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for r in range(world)]
-    try:
-        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
-    assert not errors, "\n".join(errors)
-    assert codes == [0] * world
-    return torch.load(tmp_path / "report.pt", weights_only=True)
-
-
-def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
-    """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
-    warnings.simplefilter("ignore")
-    try:
-        shim.install()
-        store = torch.distributed.FileStore(f"{tmp}/store", world)
-        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        report = globals()[target](rank, Path(tmp))
-        if rank == 0:
-            torch.save(report, f"{tmp}/report.pt")
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        Path(tmp, f"error-{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+    """Run this module's `target`(rank, tmp_path) on `world` child processes (megatron on CPU
+    over gloo, tests/test_megatron_parallel.py's launcher); rank 0's report."""
+    return parallel_ranks(target, tmp_path, world, __name__)
 
 
 def _one_step(adapter: dict[str, torch.Tensor], optimizer: str = "sgd") -> dict:
@@ -585,12 +543,12 @@ def test_tensor_parallel_step_equals_one_rank(report):
 
 def test_tensor_parallel_step_equals_the_torch_backend(report):
     """TP=2 against peft's gradients (SGD lr 1: the adapters move by the clipped gradient)."""
+    from actors.trainer import TrainerConfig
+    from models import lora
     from models.tiny import build_char_tokenizer
     from training.backends import get_backend
     from training.config import MicroBatchConfig, OptimizerConfig
     from training.step import TrainState, train_on_batch
-    from actors.trainer import TrainerConfig
-    from training import lora
 
     adapter = random_adapter("qwen2-untied", ALL)
     model = torch_student("qwen2-untied", ALL, adapter)
@@ -614,7 +572,7 @@ def test_adapter_gathers_give_back_what_was_loaded(report):
 
 
 def test_tensor_parallel_merged_tensors_equal_the_torch_backends(report):
-    from training import lora
+    from models import lora
 
     some = random_adapter("qwen2-untied", SOME)
     want = dict(lora.merged_tensors(torch_student("qwen2-untied", SOME, some)))

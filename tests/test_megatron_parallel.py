@@ -10,6 +10,7 @@ them, the tests assert), so a failure shows here with its values and any rank's 
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import traceback
@@ -26,10 +27,11 @@ with warnings.catch_warnings():
 SPAWN_TIMEOUT_S = 100
 
 
-def run_ranks(target: str, tmp_path: Path, world: int = 2) -> dict:
-    """Run this module's `target`(rank, tmp_path) on `world` child processes; rank 0's report."""
+def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name__) -> dict:
+    """Run `module`'s `target`(rank, tmp_path) (default: this module's) on `world` child
+    processes; rank 0's report."""
     code = (f"from tests.test_megatron_parallel import rank_main; "
-            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r})")
+            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r}, {module!r})")
     root = Path(__file__).resolve().parent.parent
     procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -47,7 +49,7 @@ def run_ranks(target: str, tmp_path: Path, world: int = 2) -> dict:
     return torch.load(tmp_path / "report.pt", weights_only=True)
 
 
-def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
+def rank_main(target: str, rank: int, world: int, tmp: str, module: str = __name__) -> None:
     """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
     warnings.simplefilter("ignore")
     try:
@@ -56,7 +58,7 @@ def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
         shim.install()
         store = torch.distributed.FileStore(f"{tmp}/store", world)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        report = globals()[target](rank, Path(tmp))
+        report = getattr(importlib.import_module(module), target)(rank, Path(tmp))
         if rank == 0:
             torch.save(report, f"{tmp}/report.pt")
         torch.distributed.destroy_process_group()
@@ -72,8 +74,8 @@ def _step(name: str, grad_clip: float) -> dict:
     from models.tiny import build_char_tokenizer
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import batch
-    from training.config import MicroBatchConfig, OptimizerConfig
     from training.backends import get_backend
+    from training.config import MicroBatchConfig, OptimizerConfig
     from training.step import TrainState, train_on_batch
 
     tok = build_char_tokenizer()
@@ -205,8 +207,8 @@ def _case_setup(name: str, model, backend: str = "megatron"):
 def pipeline_ranks(rank: int, tmp: Path) -> dict:
     from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
     from backends.megatron.pipeline import PipelineRunner
-    from training.batching import make_micro_batch
     from training.backends import get_backend
+    from training.batching import make_micro_batch
     from training.step import TrainState, train_on_batch
 
     initialize_parallel(1, 2)

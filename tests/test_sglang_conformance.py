@@ -344,8 +344,8 @@ async def test_embedded_engine_lora_endpoints_answer_like_the_fixture(ipc, tmp_p
     """SGLang's LoRA endpoints in the fixture's order: the same statuses, answer shapes and
     loaded_adapters bookkeeping; a request naming an unloaded adapter is refused with SGLang's
     message."""
+    from models import lora
     from tests.test_engine import post, serve
-    from training import lora
     from training.config import LoraConfig
 
     spec = LoraConfig(rank=4, alpha=8)

@@ -27,7 +27,7 @@ A backend answers:
   rank's part; False: the one-process HF checkpoint applies) and `load_checkpoint(state, path)`
   (True when `path` is in its own format and was loaded);
 - sleep: `sleep_tensors(model)`, the modules whose tensors colocated mode parks;
-- LoRA students (`lora`, training/lora.py): `attach_lora(model, cfg)` (adapters on the target
+- LoRA students (`lora`, models/lora.py): `attach_lora(model, cfg)` (adapters on the target
   layers, everything else frozen), `adapter_tensors(model)` (the whole adapter under PEFT's
   saved names, on rank 0; collective on every rank of a sharded model), `load_adapter(model,
   tensors)` (each rank its part), `adapters_off(model)` (a context: the base model, the
@@ -44,8 +44,8 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 import torch
 
 from memory.layout import module_tensors
+from models import lora
 from models.load import load_model, save_checkpoint
-from training import lora
 from training.config import LoraConfig, TrainConfig, distributed_optimizer
 from training.fsdp import iter_full_state, save_pretrained, shard_state
 from training.master_weights import ClipFn

@@ -28,7 +28,7 @@ from algos.mismatch import MismatchConfig
 from algos.opd import OpdConfig, check_placement, is_loss_term
 from logic.teachers import TeacherSpec, route_table
 from memory.config import TeacherMemoryConfig
-
+from models.lora import LORA_TARGETS, LoraConfig  # noqa: F401 - the trainer's `lora` table
 
 MP = "megatron"  # the model-parallel backend (training/backends.py registers it)
 
@@ -165,36 +165,6 @@ class CheckpointConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if self.save_every < 0:
             raise ValueError(f"save_every must be >= 0 (0 = only at the end), got "
                              f"{self.save_every}")
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class LoraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """A LoRA student (training/lora.py): low-rank adapters on the policy's linear layers are
-    trained, the base weights stay frozen; pushes and checkpoints carry the adapter only (PEFT
-    format). Absent (`lora` unset) = full fine-tuning."""
-
-    rank: int = 32  # r: the adapters' inner dimension
-    alpha: float = 64.0  # scaling: the adapter's output is multiplied by alpha / rank
-    # the linear layers that get adapters, by their HF module names (Qwen/Llama: these seven)
-    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
-    dropout: float = 0.0  # dropout on the adapters' input while training (0: none)
-    # the last checkpoint also holds `merged/`: an HF directory of the base with the adapter
-    # merged in (what a plain transformers or SGLang load serves without LoRA support)
-    merge_export: bool = False
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank = {self.rank}: use 1 or more (8-64 is usual)")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha = {self.alpha}: use a positive scale (often 2 x rank)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout = {self.dropout}: use 0 <= dropout < 1")
-        if not self.target_modules or not all(isinstance(m, str) and m
-                                              for m in self.target_modules):
-            raise ValueError("lora.target_modules is empty: name the linear layers to adapt, "
-                             f"e.g. {LORA_TARGETS}")
 
 
 class RankHost(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

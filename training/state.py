@@ -22,8 +22,13 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from memory.safetensors_io import DEFAULT_SHARD_BYTES, load_safetensors
+from memory.safetensors_io import (
+    DEFAULT_SHARD_BYTES,
+    load_safetensors,
+    write_safetensors_shards,
+)
 from models.load import save_checkpoint
+from models.lora import CONFIG_FILE, WEIGHTS_FILE, config_dict, read_adapter
 from training.backends import TrainingBackend, get_backend
 from training.checkpoints import write_checkpoint
 from training.master_weights import TrainOptimizer, as_train_optimizer
@@ -114,7 +119,7 @@ class TrainState:
                     "version": self.version, "rng": torch.get_rng_state()},
                    path / "trainer_state.pt")
 
-    # ---- a LoRA student (training/lora.py): the adapter is what is pushed and saved ----------
+    # ---- a LoRA student (models/lora.py): the adapter is what is pushed and saved ----------
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The whole adapter under PEFT's names (on rank 0; collective on a sharded model)."""
         return self.backend.adapter_tensors(self.model)
@@ -124,8 +129,6 @@ class TrainState:
         """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, which
         `peft.PeftModel.from_pretrained` loads as it is) plus the tokenizer; its bytes."""
         from safetensors.torch import save_file
-
-        from training.lora import CONFIG_FILE, WEIGHTS_FILE, config_dict
 
         directory.mkdir(parents=True, exist_ok=True)
         tensors = tensors if tensors is not None else self.adapter_tensors()
@@ -138,8 +141,6 @@ class TrainState:
 
     def save_merged(self, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         """An HF directory of the base with the adapter merged in (lora.merge_export)."""
-        from memory.safetensors_io import write_safetensors_shards
-
         write_safetensors_shards(self.backend.merged_tensors(self.model), directory, shard_bytes)
         hf = self.backend.transformers_policy(self.model)  # megatron: None, its model has one
         config = getattr(hf if hf is not None else self.model, "config", None)
@@ -188,8 +189,6 @@ class TrainState:
             self._load_ref(path)
 
     def _load_adapter(self, path: Path) -> None:
-        from training.lora import read_adapter
-
         if not (path / "adapter_config.json").is_file():
             raise ValueError(f"checkpoint {path} holds full weights, not a LoRA adapter, but "
                              f"this trainer trains one (lora is set): resume it without lora, "

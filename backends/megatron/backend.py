@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 import torch.distributed as dist
 
+from backends.megatron import lora
 from backends.megatron.checkpoint import (
     is_trainer_checkpoint,
     load_trainer_checkpoint,
     save_trainer_checkpoint,
 )
-from backends.megatron import lora
 from backends.megatron.convert import check_parallel_layout
 from backends.megatron.lora import check_targets
 from backends.megatron.mcore import param_is_not_shared, param_is_not_tensor_parallel_duplicate
@@ -43,7 +43,8 @@ from backends.megatron.model import (
 from backends.megatron.pipeline import PipelineRunner
 
 if TYPE_CHECKING:  # annotations only: the training library is a layer above
-    from training.config import LoraConfig, TrainConfig
+    from models.lora import LoraConfig
+    from training.config import TrainConfig
 
 
 def on_cpu_shim() -> bool:

@@ -239,14 +239,20 @@ def is_trainer_checkpoint(directory: str | Path) -> bool:
     return (Path(directory) / MEGATRON_DIR / STATE_FILE).is_file()
 
 
+def restore_critic(state: Any, directory: Path) -> None:
+    """The critic's weights and optimizer from `directory` (when the trainer has a critic)."""
+    if state.critic is None:
+        return
+    if not (directory / CRITIC_FILE).is_file():
+        raise ValueError(f"checkpoint {directory} has no {CRITIC_FILE} but the trainer uses "
+                         f"a critic; resume with the estimator it was written with")
+    state.critic.restore(torch.load(directory / CRITIC_FILE, map_location="cpu",
+                                    weights_only=True))
+
+
 def load_trainer_checkpoint(state: Any, directory: str | Path) -> None:
     """Resume `state` from `save_trainer_checkpoint`'s directory, at any layout. Collective."""
     directory = Path(directory)
     meta = load_distributed(state.model, directory / MEGATRON_DIR, state.optimizer)
-    if state.critic is not None:
-        if not (directory / CRITIC_FILE).is_file():
-            raise ValueError(f"checkpoint {directory} has no {CRITIC_FILE} but the trainer uses "
-                             f"a critic; resume with the estimator it was written with")
-        state.critic.restore(torch.load(directory / CRITIC_FILE, map_location="cpu",
-                                        weights_only=True))
+    restore_critic(state, directory)
     state.step, state.version = meta["step"], meta["version"]

@@ -51,8 +51,8 @@ from backends.megatron.parallel import (
     _send_piece,
     iter_hf_tensors,
 )
+from models.lora import PEFT_PREFIX, check_fits, read_adapter
 
-PEFT_PREFIX = "base_model.model."  # as training/lora.py: what PeftModel.save_pretrained adds
 # HF module -> (its path in an HF decoder layer, the megatron layer, what part of it); in the
 # order of an HF layer's modules (the order peft registers its adapters in)
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -288,16 +288,7 @@ def expected_names(model: Any, adapters: LoraAdapters) -> dict[str, tuple[int, .
 def check_adapter(model: Any, tensors: dict[str, torch.Tensor]) -> None:
     """ValueError naming the first differences unless `tensors` is a whole adapter (PEFT
     names, whole shapes) of this model's targets and rank."""
-    want = expected_names(model, _adapters(model))
-    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    if missing or unexpected:
-        raise ValueError(f"the adapter does not fit this model's adapters: missing "
-                         f"{missing[:3]}, unexpected {unexpected[:3]} (rank, target_modules "
-                         f"and the base model must be the ones it was trained with)")
-    for name, shape in want.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"adapter tensor {name} has shape {tuple(tensors[name].shape)}, "
-                             f"this model's {shape}: lora.rank or the base model differ")
+    check_fits(expected_names(model, _adapters(model)), tensors)
 
 
 def load_adapter(model: Any, tensors: dict[str, torch.Tensor]) -> None:
@@ -343,7 +334,7 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
 
 def merged_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF-named whole weights with the adapter merged in (W + B A alpha / r, computed in
-    fp32 as training/lora.py does, in the weight's dtype) on global rank 0, as
+    fp32 as models/lora.py does, in the weight's dtype) on global rank 0, as
     `iter_hf_tensors` streams them. Collective: every rank runs it to its end."""
     adapters = _adapters(model)
     whole = adapter_tensors(model)
@@ -429,8 +420,7 @@ def save_checkpoint(state: Any, directory: str | Path) -> None:
 def load_checkpoint(state: Any, directory: str | Path) -> None:
     """Resume a LoRA student from `save_checkpoint`'s directory, at any layout: each rank
     reads the whole tensors and keeps its parts. Collective (every rank reads the files)."""
-    from backends.megatron.checkpoint import CRITIC_FILE
-    from training.lora import read_adapter
+    from backends.megatron.checkpoint import restore_critic
 
     directory = Path(directory)
     meta = json.loads((directory / CHECKPOINT_FILE).read_text())
@@ -459,12 +449,7 @@ def load_checkpoint(state: Any, directory: str | Path) -> None:
                 st[key] = torch.tensor(value, dtype=torch.float32)
     if target is not optimizer:
         target.load_view(optimizer)
-    if state.critic is not None:
-        if not (directory / CRITIC_FILE).is_file():
-            raise ValueError(f"checkpoint {directory} has no {CRITIC_FILE} but the trainer uses "
-                             f"a critic; resume with the estimator it was written with")
-        state.critic.restore(torch.load(directory / CRITIC_FILE, map_location="cpu",
-                                        weights_only=True))
+    restore_critic(state, directory)
     torch.set_rng_state(saved["rng"])
     state.step, state.version = meta["step"], meta["version"]
 

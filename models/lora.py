@@ -1,4 +1,4 @@
-"""LoRA students on the torch backend: adapters from `peft`, saved and pushed in PEFT's format.
+"""LoRA adapters: the `lora` table, peft's layers on a transformers model, PEFT's format.
 
 Role: `attach(model, cfg)` puts LoRA adapters (peft's `inject_adapter_in_model`) on the
 configured linear layers of a transformers model in place: the model keeps its class and its
@@ -15,7 +15,9 @@ directory)` loads any directory written here as it is:
 `merged_tensors(model)` gives the HF-named full weights with the adapters merged in (W + B A
 alpha / r), for an export that loads without LoRA support.
 
-peft is imported only when a LoRA student or adapter is used (it takes seconds to import).
+Used by the trainer (a LoRA student on the torch backend; the megatron backend keeps PEFT's
+names) and by the embedded engine (the adapters it serves). peft and torch are imported only
+when an adapter is used (peft takes seconds to import; the launcher reads `LoraConfig`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,42 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
+import msgspec
 
-from training.config import LoraConfig
+if TYPE_CHECKING:
+    import torch
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A LoRA student (training/lora.py): low-rank adapters on the policy's linear layers are
+    trained, the base weights stay frozen; pushes and checkpoints carry the adapter only (PEFT
+    format). Absent (`lora` unset) = full fine-tuning."""
+
+    rank: int = 32  # r: the adapters' inner dimension
+    alpha: float = 64.0  # scaling: the adapter's output is multiplied by alpha / rank
+    # the linear layers that get adapters, by their HF module names (Qwen/Llama: these seven)
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+    dropout: float = 0.0  # dropout on the adapters' input while training (0: none)
+    # the last checkpoint also holds `merged/`: an HF directory of the base with the adapter
+    # merged in (what a plain transformers or SGLang load serves without LoRA support)
+    merge_export: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank = {self.rank}: use 1 or more (8-64 is usual)")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha = {self.alpha}: use a positive scale (often 2 x rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout = {self.dropout}: use 0 <= dropout < 1")
+        if not self.target_modules or not all(isinstance(m, str) and m
+                                              for m in self.target_modules):
+            raise ValueError("lora.target_modules is empty: name the linear layers to adapt, "
+                             f"e.g. {LORA_TARGETS}")
+
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module names
 ADAPTER = "default"  # the adapter's name inside the layers (left out of saved names)
@@ -58,6 +91,7 @@ def config_dict(cfg: LoraConfig | dict, base_model: str = "") -> dict[str, Any]:
 def attach(model: torch.nn.Module, cfg: LoraConfig | dict) -> torch.nn.Module:
     """Adapters on `model`'s target layers, in place (B = 0: the model computes as before);
     every other tensor frozen. ValueError naming the layers when no target matches."""
+    import torch
     from peft import inject_adapter_in_model
 
     config = peft_config(cfg)
@@ -78,6 +112,8 @@ def is_adapter_name(name: str) -> bool:
 
 
 def has_adapters(model: Any) -> bool:
+    import torch
+
     return isinstance(model, torch.nn.Module) and any(
         is_adapter_name(n) for n, _ in model.named_parameters())
 
@@ -101,18 +137,26 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     """Copy an adapter (PEFT names) into the model's adapters; every name and shape is checked
     before anything changes (ValueError naming the first differences)."""
     own = {_saved_name(n): p for n, p in model.named_parameters() if is_adapter_name(n)}
-    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    check_fits({n: tuple(p.shape) for n, p in own.items()}, tensors)
+    import torch
+
+    with torch.no_grad():
+        for name, t in tensors.items():
+            own[name].copy_(t.to(dtype=own[name].dtype, device=own[name].device))
+
+
+def check_fits(want: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError naming the first differences unless `tensors` has exactly the adapter names
+    of `want` (PEFT names -> whole shapes), each of its shape."""
+    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or unexpected:
         raise ValueError(f"the adapter does not fit this model's adapters: missing "
                          f"{missing[:3]}, unexpected {unexpected[:3]} (rank, target_modules "
                          f"and the base model must be the ones it was trained with)")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(own[name].shape):
-            raise ValueError(f"adapter tensor {name} has shape {tuple(t.shape)}, this model's "
-                             f"{tuple(own[name].shape)}: lora.rank or the base model differ")
-    with torch.no_grad():
-        for name, t in tensors.items():
-            own[name].copy_(t.to(dtype=own[name].dtype, device=own[name].device))
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ValueError(f"adapter tensor {name} has shape {tuple(tensors[name].shape)}, "
+                             f"this model's {tuple(shape)}: lora.rank or the base model differ")
 
 
 def _tuner_layers(model: torch.nn.Module) -> list[Any]:
@@ -137,6 +181,7 @@ def adapters_off(model: torch.nn.Module):
 def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full weights with each adapter merged in (W + B A alpha / r, computed in fp32,
     in the weight's dtype), the model left as it is; tied weights once."""
+    import torch
     from peft.tuners.lora import LoraLayer
 
     merged: dict[str, torch.Tensor] = {}
