@@ -36,7 +36,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """A LoRA student (training/lora.py): low-rank adapters on the policy's linear layers are
+    """A LoRA student (this module): low-rank adapters on the policy's linear layers are
     trained, the base weights stay frozen; pushes and checkpoints carry the adapter only (PEFT
     format). Absent (`lora` unset) = full fine-tuning."""
 
