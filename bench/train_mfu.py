@@ -49,6 +49,7 @@ from training.config import MicroBatchConfig, OptimizerConfig
 from training.data_parallel import plan_micro_batches
 from training.master_weights import make_optimizer
 from training.packing import attention_mechanism, pack, preferred_attn_implementation
+from training.setup import checkpoint_activations
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample
 
@@ -134,6 +135,8 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
     hidden, layers, _, _, _, vocab = SHAPES[shape]
     attn = (args.pack_attn or preferred_attn_implementation(args.device)) if packed else None
     model = hf_model(shape, args.device, dtype, attn)
+    if args.checkpointing:  # per-layer recompute in the backward (not counted as useful FLOPs)
+        checkpoint_activations(model)
     params = sum(p.numel() for p in model.parameters())
     tok = build_char_tokenizer()  # only its pad id is read
     state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6))
@@ -217,10 +220,13 @@ def main() -> None:
     p.add_argument("--shape", default="1.5b,3b", help=f"comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--tokens", type=int, default=32768, help="real tokens per step")
     p.add_argument("--mb-tokens", type=int, default=8192, help="token cap per micro-batch "
-                   "(16,384 runs out of an H200's memory at 3B: no activation checkpointing)")
+                   "(16,384 runs out of an H200's memory at 3B without --checkpointing)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per shape (median shown)")
     p.add_argument("--pack", action="store_true", help="also time the step with packed "
                    "micro-batches (micro_batches.pack = true) and compare")
+    p.add_argument("--checkpointing", action="store_true", help="activation_checkpointing: "
+                   "each layer's activations recomputed in the backward (its forward is "
+                   "overhead, not in the useful FLOPs)")
     p.add_argument("--pack-attn", default="", help="attn_implementation of the packed model "
                    "(sdpa, flex_attention, flash_attention_2; default: "
                    "training.packing.preferred_attn_implementation)")
