@@ -233,6 +233,7 @@ class RolloutActor(Actor):
         self.no_signal_said: dict[str, float] = {}  # when it was last said, by domain
         self.last_eval: tuple[int, dict[str, float], dict[str, int]] | None = None
         self.serving_version = 0  # the newest weight version the workers hold (LoRA: adapter)
+        self.eval_lock = asyncio.Lock()  # one evaluation at a time
         # "<group id>-<index>" of episodes whose environment failed (cleared per batch / eval)
         self.env_failed: set[str] = set()
 
@@ -417,8 +418,14 @@ class RolloutActor(Actor):
         step. Greedy decoding of the same weights gives the same result, so the version last
         scored is not scored (nor published) again: the final evaluation after the last step is
         not a second record when a periodic one already scored that version."""
-        if self.last_eval is not None and self.last_eval[0] == version:
-            return self.last_eval[1], self.last_eval[2]
+        async with self.eval_lock:  # the final request and a periodic eval of one version:
+            # the second waits for the first and gets its scores (the same episode ids at once
+            # would mix up which of their failures were the environment's)
+            if self.last_eval is not None and self.last_eval[0] == version:
+                return self.last_eval[1], self.last_eval[2]
+            return await self._evaluate(version)
+
+    async def _evaluate(self, version: int) -> tuple[dict[str, float], dict[str, int]]:
         self.serving_version = max(self.serving_version, version)
         cfg = self.config
         by_domain: dict[str, list] = {}

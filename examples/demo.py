@@ -55,6 +55,9 @@ class Scaler(Actor):
     def rpc_handlers(self):
         return {Scale: self.scale}
 
+    async def on_start(self) -> None:
+        import torch  # noqa: F401 - before READY: its first request must not pay the import
+
     async def scale(self, msg: Scale) -> ScaleReply:
         if self.config.delay_s:
             await asyncio.sleep(self.config.delay_s)

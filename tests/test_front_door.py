@@ -4,6 +4,7 @@ no-signal warning."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import types
 from pathlib import Path
@@ -190,6 +191,8 @@ async def test_the_rollout_evaluates_a_version_once():
     class Fake:
         last_eval = None
         serving_version = 0
+        eval_lock = asyncio.Lock()
+        _evaluate = RolloutActor._evaluate
         config = RolloutConfig(envs=[], eval_tasks=2)
         metrics = None
         name = "rollout"
@@ -212,3 +215,6 @@ async def test_the_rollout_evaluates_a_version_once():
     third = await RolloutActor.evaluate(fake, 8)
     assert first == second == third == ({"math": 1.0}, {"math": 1})
     assert len(calls) == 2  # versions 7 and 8, not 7 twice
+    # the final request and a periodic eval of one version at once: scored once, both answered
+    both = await asyncio.gather(RolloutActor.evaluate(fake, 9), RolloutActor.evaluate(fake, 9))
+    assert both[0] == both[1] and len(calls) == 3
