@@ -5,6 +5,7 @@ members fail on cue (the `config` table the launcher copies from the leader to i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,19 @@ class MemberConfig(msgspec.Struct, forbid_unknown_fields=True):
     address: str = ""
 
 
+async def group_started(run_dir: Path) -> None:
+    """Until the launcher lists the run's actors in endpoints.json: every start is over (it
+    writes the file whole, once start_all has seen every READY)."""
+    path = run_dir / "endpoints.json"
+    while True:
+        try:
+            if "actors" in json.loads(path.read_text()):
+                return
+        except (OSError, ValueError):
+            pass
+        await asyncio.sleep(0.05)
+
+
 class Member(Actor):
     Config = MemberConfig
 
@@ -71,7 +85,7 @@ class Member(Actor):
         died = Path(self.ctx.run_dir) / "died"
         if cfg.config.get("fail") == "once" and cfg.rank == 1 and not died.exists():
             died.write_text("")
-            await asyncio.sleep(0.3)
+            await group_started(Path(self.ctx.run_dir))  # dies after READY, not during start
             print("rank 1: lost", flush=True)
             os._exit(5)
         await asyncio.Event().wait()
