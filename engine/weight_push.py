@@ -76,6 +76,13 @@ class PushReport:
         return out
 
 
+def prune_versions(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` version directories `v<N>` under `root`."""
+    versions = [p for p in root.glob("v*") if p.name[1:].isdigit()]
+    for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 class DiskPush:
     """Write the version once under `<run_dir>/weights/v<N>` with `write(directory,
     shard_bytes)` (awaitable; files of at most `shard_bytes`), every worker loads it, then keep
@@ -102,9 +109,7 @@ class DiskPush:
         return PushReport(version, self.path, nbytes, time.monotonic() - t0)
 
     def _prune(self) -> None:
-        versions = [p for p in self.root.glob("v*") if p.name[1:].isdigit()]
-        for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-self.keep_versions]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_versions(self.root, self.keep_versions)
 
     async def close(self) -> None:
         """Nothing to leave (disk holds no connection)."""
@@ -212,9 +217,7 @@ class AdapterPush:
             log.debug("unloading %s from %s: %s", name, client.base_url, e)
 
     def _prune(self) -> None:
-        versions = [p for p in self.root.glob("v*") if p.name[1:].isdigit()]
-        for old in sorted(versions, key=lambda p: int(p.name[1:]))[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_versions(self.root, self.keep)
 
     async def close(self) -> None:
         """Nothing to leave."""

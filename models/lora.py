@@ -202,15 +202,22 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 def save_adapter(model: torch.nn.Module, cfg: LoraConfig | dict, directory: str | Path,
                  base_model: str = "") -> int:
-    """adapter_config.json + adapter_model.safetensors into `directory`; the tensors' bytes."""
+    """`model`'s adapter as a PEFT directory (`write_adapter`); the tensors' bytes."""
+    return write_adapter(directory, cfg, adapter_tensors(model), base_model)
+
+
+def write_adapter(directory: str | Path, cfg: LoraConfig | dict,
+                  tensors: dict[str, torch.Tensor], base_model: str = "") -> int:
+    """adapter_config.json + adapter_model.safetensors (PEFT-named `tensors`) into `directory`;
+    the tensors' bytes."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().contiguous().cpu() for n, t in adapter_tensors(model).items()}
+    host = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict(cfg, base_model), indent=1))
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    save_file(host, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in host.values())
 
 
 def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

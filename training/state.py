@@ -13,7 +13,6 @@ resumed run continues with the copy it had.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -28,7 +27,7 @@ from memory.safetensors_io import (
     write_safetensors_shards,
 )
 from models.load import save_checkpoint
-from models.lora import CONFIG_FILE, WEIGHTS_FILE, config_dict, read_adapter
+from models.lora import read_adapter, write_adapter
 from training.backends import TrainingBackend, get_backend
 from training.checkpoints import write_checkpoint
 from training.master_weights import TrainOptimizer, as_train_optimizer
@@ -128,16 +127,10 @@ class TrainState:
                      ) -> int:
         """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, which
         `peft.PeftModel.from_pretrained` loads as it is) plus the tokenizer; its bytes."""
-        from safetensors.torch import save_file
-
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = tensors if tensors is not None else self.adapter_tensors()
-        host = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
-        (directory / CONFIG_FILE).write_text(json.dumps(config_dict(self.lora, self.base_model),
-                                                        indent=1))
-        save_file(host, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        nbytes = write_adapter(directory, self.lora, tensors if tensors is not None
+                               else self.adapter_tensors(), self.base_model)
         self.tokenizer.save_pretrained(str(directory))
-        return sum(t.numel() * t.element_size() for t in host.values())
+        return nbytes
 
     def save_merged(self, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         """An HF directory of the base with the adapter merged in (lora.merge_export)."""
