@@ -81,7 +81,12 @@ import numpy as np
 
 from runtime.facts import RunFacts
 from transport import records
-from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE, Sample
+from transport.schema import (
+    ROUTED_EXPERTS_DTYPES,
+    TOPK_IDS_DTYPE,
+    TOPK_LOGPROBS_DTYPE,
+    Sample,
+)
 
 STATUSES = ("ok", "failed", "aborted")
 SAMPLE_COUNTERS = ("added", "emitted", "dropped_duplicate", "dropped_stale", "dropped_overflow",
@@ -175,6 +180,25 @@ def _check_ok_lengths(sample: Sample, where: str) -> None:
     if len(sample.teacher_logprobs) > n:
         raise ValueError(f"{where}: teacher log-probs must not outnumber the {n} response tokens")
     _check_topk(sample, n, where)
+    _check_routes(sample, where)
+
+
+def _check_routes(sample: Sample, where: str) -> None:
+    """Routed experts, when present: [n, layers, k] of ROUTED_EXPERTS_DTYPES, n at most the
+    sample's tokens - 1 (the positions that are model inputs with a next token)."""
+    routes = sample.routed_experts
+    if routes is None:
+        return
+    if not isinstance(routes, np.ndarray) or routes.dtype not in ROUTED_EXPERTS_DTYPES:
+        got = routes.dtype if isinstance(routes, np.ndarray) else type(routes).__name__
+        raise ValueError(f"{where}: routed_experts must be an array of one of "
+                         f"{[str(d) for d in ROUTED_EXPERTS_DTYPES]}, got {got}")
+    limit = len(sample.prompt_ids) + len(sample.response_ids) - 1
+    if routes.ndim != 3 or routes.shape[0] > limit or min(routes.shape[1:], default=0) < 1:
+        raise ValueError(f"{where}: routed_experts {tuple(routes.shape)} must be [n, layers, "
+                         f"top_k] with n <= {limit} (the sample's tokens - 1)")
+    if routes.size and routes.min() < 0:
+        raise ValueError(f"{where}: routed_experts ids must be >= 0")
 
 
 def _check_topk(sample: Sample, n: int, where: str) -> None:

@@ -1,6 +1,6 @@
 """Named tiny causal LMs built in code, for tests and CPU demos.
 
-Role: `build_tiny(name, seed)` gives a randomly initialised Qwen2/Qwen3-architecture model and the
+Role: `build_tiny(name, seed)` gives a randomly initialised Qwen2/Qwen3/Qwen3-MoE-architecture model and the
 character tokenizer, with no download. Invariant: the same (name, seed) always gives bit-identical
 weights, and the configs in `TINY` are never mutated (callers get deep copies).
 """
@@ -10,7 +10,13 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from models.tokenizer import SPECIALS, build_char_tokenizer, char_vocab
 
@@ -31,6 +37,10 @@ _COMMON = dict(
 TINY: dict[str, PretrainedConfig] = {
     "tiny-qwen2": Qwen2Config(**_COMMON),
     "tiny-qwen3": Qwen3Config(head_dim=16, **_COMMON),
+    # a mixture of experts: 4 experts of width 64 per layer, 2 routed per token (Qwen3-MoE)
+    "tiny-qwen3-moe": Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=64, norm_topk_prob=True,
+                                     **_COMMON),
     # Qwen2-0.5B's layer shapes with the character vocabulary (358M parameters): for GPU
     # throughput benchmarks of the whole loop, random init
     "qwen2-0.5b-shape": Qwen2Config(**{**_COMMON, "hidden_size": 896, "num_hidden_layers": 24,

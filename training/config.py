@@ -189,6 +189,10 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # data-parallel size; None = derived: len(devices) / (tp * pp) with `devices`, else 1
     dp: int | None = None
     cp: int = 1  # context-parallel size: only 1 (the trainer has no context-parallel path)
+    # expert-parallel size (expert_model_parallel_size, the megatron backend with a
+    # mixture-of-experts model): each MoE layer's experts split over ep ranks, tokens sent to
+    # their experts all-to-all. It divides the data-parallel ranks (dp * cp), adding none
+    ep: int = 1
     # one torch device per rank, global rank order ([] = from `device`: cuda:k -> cuda:k+r)
     devices: list[str] = []
     timeout_s: float = 600.0  # a collective waiting longer than this fails (a dead rank), seconds
@@ -214,6 +218,8 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     placement: list[RankHost] = []
 
     def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"parallel.ep = {self.ep}: the expert-parallel size must be >= 1")
         if self.tp < 1 or self.pp < 1 or self.cp < 1 or min(self.timeout_s,
                                                             self.start_timeout_s) <= 0:
             raise ValueError(f"parallel needs tp, pp, cp >= 1 and timeout_s, start_timeout_s > "
@@ -234,6 +240,10 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if dp < 1:
             raise ValueError(f"need dp >= 1 (data-parallel replicas; omit it to derive it), "
                              f"got dp = {dp}")
+        if (dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep = {self.ep} must divide dp * cp = {dp} * {self.cp} = "
+                             f"{dp * self.cp}: expert-parallel ranks are taken from the "
+                             f"data-parallel ones; set dp to a multiple of ep")
         if self.devices and len(self.devices) != self.world_size:
             raise ValueError(f"parallel.devices lists {len(self.devices)} devices but tp * pp * "
                              f"dp = {self.tp} * {self.pp} * {dp} = {self.world_size} ranks; "
@@ -303,6 +313,26 @@ class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                              f"grad_clip = {self.grad_clip}")
 
 
+class MoeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Mixture-of-experts training (a model whose config has routed experts; ignored by a dense
+    model). docs/training.md, Mixture of experts."""
+
+    # "rollout": the recompute and policy passes route each token to the experts the inference
+    # engine chose for it (the sample's `routed_experts`), with the router's weights for those
+    # experts recomputed so the router still trains; tokens without a record route themselves.
+    # "off": the trainer routes every token itself
+    routing_replay: Literal["off", "rollout"] = "off"
+    # coefficient of the router's load-balancing loss (Switch-style: num_experts * sum over
+    # experts of token fraction * mean router probability, averaged over MoE layers), added
+    # to the policy loss; 0 = none
+    aux_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.aux_loss_coef >= 0):
+            raise ValueError(f"moe.aux_loss_coef = {self.aux_loss_coef}: must be >= 0 (0 = no "
+                             f"load-balancing loss)")
+
+
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """What the training library reads (training/*.py): the model, its components, the step's
     algorithm. Incompatible options fail at load, naming both."""
@@ -340,6 +370,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # LoRA adapters trained instead of the full weights (None = full fine-tuning); pushes and
     # checkpoints carry the adapter only (docs/training.md, LoRA)
     lora: LoraConfig | None = None
+    moe: MoeConfig = MoeConfig()  # mixture-of-experts: routing replay, load-balancing loss
 
     def __post_init__(self) -> None:
         check_algorithm(self)
@@ -402,6 +433,9 @@ def distributed_optimizer(cfg: TrainConfig) -> bool:
 def _check_parallel(cfg: TrainConfig) -> None:
     """The parallel layout against the backend, the device and the backend's option table."""
     par = cfg.parallel
+    if cfg.backend == "torch" and par.ep > 1:
+        raise ValueError(f"parallel.ep = {par.ep} needs backend = '{MP}' (the torch backend "
+                         f"holds every expert on every rank); set backend = '{MP}' or ep = 1")
     if cfg.backend == "torch" and (par.tp > 1 or par.pp > 1):
         raise ValueError(f"parallel.tp = {par.tp}, pp = {par.pp} need backend = '{MP}' (the "
                          f"torch backend is data-parallel only); set backend = '{MP}' or "

@@ -265,6 +265,24 @@ class Sample(Msg):
     rollout_nucleus_ids: np.ndarray | None = None
     rollout_nucleus_offsets: np.ndarray | None = None
     rollout_nucleus_logmass: np.ndarray | None = None
+    # mixture-of-experts models: the experts the inference engine routed each token to, as
+    # SGLang's `return_routed_experts` gives them: [n, num_hidden_layers, top_k] expert ids
+    # (ROUTED_EXPERTS_DTYPES; rows of layers without routed experts are 0) for the first n
+    # positions of prompt_ids + response_ids (n = the tokens the engine ran through the model,
+    # at most their count - 1: the last token is never an input). The trainer can replay them
+    # (training config `moe.routing_replay`); positions past n route themselves
+    routed_experts: np.ndarray | None = None
+
+
+ROUTED_EXPERTS_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
+
+
+def routed_experts_dtype(num_experts: int) -> np.dtype:
+    """The smallest of ROUTED_EXPERTS_DTYPES that holds expert ids below `num_experts`."""
+    for dtype in ROUTED_EXPERTS_DTYPES:
+        if num_experts - 1 <= np.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"{num_experts} experts do not fit int32 ids")
 
 
 class SampleGroup(Msg):
