@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from transformers import masking_utils
 
 from algos.dp_schedule import pack as pack_indices
 from algos.logprobs import gather_logprobs, logits_to_logprobs
@@ -281,6 +280,10 @@ def attention_mechanism(model: Any) -> str:
     impl = str(getattr(model.config, "_attn_implementation", None) or "")
     if "flash" in impl:
         return "varlen"
+    # imported here: transformers.masking_utils imports torch._dynamo (~1.5 s of CPU), which
+    # a process that never asks (the launcher, a rank that only loads) should not pay
+    from transformers import masking_utils
+
     builds_masks = impl in masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     if builds_masks and hasattr(masking_utils, "find_packed_sequence_indices"):
         return "position_ids"
