@@ -48,6 +48,7 @@ from engine.adapters import TENSOR_PATH
 from engine.errors import BadRequest
 from engine.scheduler import Scheduler
 from models.lora import read_adapter
+from models.moe import expert_views
 from transport.dtypes import torch_dtype
 
 MAX_BODY_BYTES = 64 << 20  # default limit of a request body (bytes; 413 above it)
@@ -190,11 +191,13 @@ def parse_update_tensor(body: Any, device: str = "cpu") -> dict[str, Any]:
 
 def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors into the model's parameters/buffers by name; checks every name and shape
-    first, so a bad request changes nothing. Tied weights may be sent under either name."""
+    first, so a bad request changes nothing. Tied weights may be sent under either name, fused
+    MoE experts under their checkpoint names (models/moe.py) or as the fused tensor."""
     targets = {**dict(model.named_buffers()),
                **dict(model.named_parameters(remove_duplicate=False))}
     targets = {n.replace(".base_layer.", "."): t for n, t in targets.items()  # LoRA layers'
                if ".lora_A." not in n and ".lora_B." not in n}  # base weights: HF names
+    targets |= expert_views(targets)  # fused MoE experts: also by each expert's checkpoint name
     unknown = sorted(set(tensors) - set(targets))
     _require(not unknown, f"unknown parameter names {unknown[:5]}")
     for name, t in tensors.items():

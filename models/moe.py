@@ -284,3 +284,75 @@ def routes_array(recorded: dict[int, torch.Tensor], shape: MoeShape) -> torch.Te
     for layer, ids in recorded.items():
         out[:, layer] = ids.to(torch.int32)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint names: transformers holds a layer's experts fused ([E, 2I, H] gate_up_proj, gate
+# rows first, and [E, H, I] down_proj); checkpoint files, SGLang and the megatron converter name
+# each expert's matrices. Pushes and exports use the checkpoint names.
+# ---------------------------------------------------------------------------------------------
+
+_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _expert_parts(name: str, fused: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, view) of each expert matrix of a fused experts tensor."""
+    prefix, kind = _FUSED.match(name).groups()
+    if kind == "down_proj":
+        for e in range(fused.shape[0]):
+            yield f"{prefix}.{e}.down_proj.weight", fused[e]
+        return
+    half = fused.shape[1] // 2
+    for e in range(fused.shape[0]):
+        yield f"{prefix}.{e}.gate_proj.weight", fused[e, :half]
+        yield f"{prefix}.{e}.up_proj.weight", fused[e, half:]
+
+
+def checkpoint_tensors(named: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with every fused experts tensor split into its experts' matrices
+    under their checkpoint names (views, no copy); other tensors as given."""
+    for name, tensor in named:
+        if _FUSED.match(name) and tensor.dim() == 3:
+            yield from _expert_parts(name, tensor)
+        else:
+            yield name, tensor
+
+
+def expert_views(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views into the fused experts tensors of `targets` (name -> parameter) under their
+    checkpoint names: copying into a view writes the fused parameter."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in targets.items():
+        if _FUSED.match(name) and tensor.dim() == 3:
+            out.update(_expert_parts(name, tensor))
+    return out
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors with each layer's per-expert matrices stacked into the fused
+    tensors transformers holds (`checkpoint_tensors`' inverse); ValueError if a layer's experts
+    are incomplete."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in weights.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = tensor
+            continue
+        prefix, e, kind = m.groups()
+        groups.setdefault(prefix, {}).setdefault(kind, {})[int(e)] = tensor
+    for prefix, kinds in groups.items():
+        count = 1 + max(max(parts) for parts in kinds.values())
+        for kind in ("gate_proj", "up_proj", "down_proj"):
+            have = kinds.get(kind, {})
+            if sorted(have) != list(range(count)):
+                missing = sorted(set(range(count)) - set(have))
+                raise ValueError(f"{prefix}: {kind} of experts {missing[:8]} missing (a layer's "
+                                 f"experts load together)")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in range(count)])
+        out[f"{prefix}.down_proj"] = torch.stack([kinds["down_proj"][e] for e in range(count)])
+    return out

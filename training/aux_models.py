@@ -44,6 +44,7 @@ from training.batching import MicroBatch
 from training.config import CriticConfig
 from training.heads import head_response_logprobs, response_head
 from training.master_weights import make_optimizer
+from training.moe import rows_only
 from training.packing import packed_logprobs
 from training.weight_sets import hollow_copy, optimizer_tensors
 
@@ -81,8 +82,9 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, temperature: float, by_leng
         for length in sorted(set(lengths.tolist())):
             rows = torch.nonzero(lengths == length).squeeze(1)
             ids = mb.input_ids[rows, :length]
-            lp, en = token_logprobs_and_entropy(model, ids, torch.ones_like(ids), temperature,
-                                                with_entropy)
+            with rows_only(model, rows, length):  # a MoE policy: these rows' routes
+                lp, en = token_logprobs_and_entropy(model, ids, torch.ones_like(ids),
+                                                    temperature, with_entropy)
             if logp is None:
                 logp = lp.new_zeros(shape)
                 ent = lp.new_zeros(shape) if with_entropy else None

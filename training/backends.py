@@ -32,7 +32,9 @@ A backend answers:
   saved names, on rank 0; collective on every rank of a sharded model), `load_adapter(model,
   tensors)` (each rank its part), `adapters_off(model)` (a context: the base model, the
   reference of a KL term) and `merged_tensors(model)` (HF-named weights with the adapter merged
-  in, on rank 0; collective like `iter_hf_tensors`).
+  in, on rank 0; collective like `iter_hf_tensors`);
+- mixture-of-experts policies: `routing(model)` (the routing object the train step replays and
+  measures routes with, models/moe.py `Routing`'s protocol; None for a dense model).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 from memory.layout import module_tensors
 from models import lora
 from models.load import load_model, save_checkpoint
+from models.moe import Routing, checkpoint_tensors, fuse_experts, moe_shape
 from training.config import LoraConfig, TrainConfig, distributed_optimizer
 from training.fsdp import iter_full_state, save_pretrained, shard_state
 from training.master_weights import ClipFn
@@ -105,6 +108,8 @@ class TrainingBackend(Protocol):
     def adapters_off(self, model: Any) -> ContextManager[Any]: ...
 
     def merged_tensors(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def routing(self, model: Any) -> Any: ...
 
 
 class TorchBackend:
@@ -168,9 +173,10 @@ class TorchBackend:
         shard_state(state, dtype, lr, weight_decay)  # sets state.backend.sharded_dtype
 
     def iter_hf_tensors(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        # fused MoE experts go out under their checkpoint names (models/moe.py)
         if self.sharded_dtype is not None:  # gathered one tensor at a time, on rank 0
-            return iter_full_state(model, self.sharded_dtype)
-        return iter([(n, t.detach()) for n, t in module_tensors(model).items()])  # tied: once
+            return checkpoint_tensors(iter_full_state(model, self.sharded_dtype))
+        return checkpoint_tensors([(n, t.detach()) for n, t in module_tensors(model).items()])
 
     def save_hf(self, model: Any, tokenizer: Any, directory: str, shard_bytes: int) -> None:
         if self.sharded_dtype is not None:  # collective: every rank runs it
@@ -180,7 +186,7 @@ class TorchBackend:
             save_checkpoint(model, tokenizer, directory)
 
     def load_hf(self, model: Any, weights: dict[str, torch.Tensor]) -> tuple[list, list]:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing, unexpected = model.load_state_dict(fuse_experts(weights), strict=False)
         return list(missing), list(unexpected)
 
     def save_checkpoint(self, state: Any, directory: Any) -> bool:
@@ -206,6 +212,9 @@ class TorchBackend:
 
     def merged_tensors(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return lora.merged_tensors(model)
+
+    def routing(self, model: Any) -> Routing | None:
+        return Routing(model) if moe_shape(model.config) is not None else None
 
 
 MEGATRON = "megatron"

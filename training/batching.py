@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from training.moe import sample_routes
 from transport.schema import Sample
 
 
@@ -31,6 +32,10 @@ class MicroBatch:
     # the same samples packed in rows (training.packing.PackedBatch), on the same device, with
     # `micro_batches.pack`: the model passes then run on it instead of `input_ids`
     packed: Any = None
+    # mixture-of-experts: the samples' routed experts per position [B, L, layers, k] (-1: none;
+    # training/moe.py), and laid out like `packed`'s rows; None without any
+    routes: torch.Tensor | None = None
+    packed_routes: torch.Tensor | None = None
 
     @property
     def num_response_cols(self) -> int:
@@ -41,7 +46,9 @@ class MicroBatch:
         return MicroBatch(self.samples, *(t.to(device) for t in (
             self.input_ids, self.attention_mask, self.prompt_lens, self.mask,
             self.rollout_logp, self.rewards)),
-            packed=None if self.packed is None else self.packed.to(device))
+            packed=None if self.packed is None else self.packed.to(device),
+            routes=None if self.routes is None else self.routes.to(device),
+            packed_routes=None if self.packed_routes is None else self.packed_routes.to(device))
 
 
 def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
@@ -60,4 +67,5 @@ def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
         rlp[b, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float)
     return MicroBatch(samples, ids, attn, torch.tensor([len(s.prompt_ids) for s in samples]),
-                      mask, rlp, torch.tensor([s.reward for s in samples], dtype=torch.float))
+                      mask, rlp, torch.tensor([s.reward for s in samples], dtype=torch.float),
+                      routes=sample_routes(samples, width))

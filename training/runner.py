@@ -32,6 +32,7 @@ import torch
 from training.aux_models import micro_batch_logprobs
 from training.colocated_teachers import student_pass
 from training.heads import plain_head
+from training.moe import routed, with_aux_loss
 
 # (micro-batch index, log-probs [B, R], entropies [B, R], response logits [B, R, V] or None)
 # -> the loss tensor to backpropagate
@@ -70,22 +71,27 @@ class TorchRunner:
 
     def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
                  ) -> list[torch.Tensor]:
+        out = []
         with torch.no_grad():
-            return [micro_batch_logprobs(self.model, mb, temperature, by_length, False)[0]
-                    for mb in mbs]
+            for mb in mbs:
+                with routed(self.model, mb):  # a MoE policy: the micro-batch's routes
+                    out.append(micro_batch_logprobs(self.model, mb, temperature, by_length,
+                                                    False)[0])
+        return out
 
     def forward_backward(self, mbs: Sequence[Any], temperature: float, loss_fn: LossFn,
                          with_logits: bool = False, by_length: bool = False,
                          heads: bool = False) -> None:
         for i, mb in enumerate(mbs):
-            if with_logits:  # the distribution terms need the logits (or the head): one forward
-                logp, ent, logits = student_pass(self.model, mb, temperature, heads)
-            else:
-                (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
-                                                           by_length), None
-            loss = loss_fn(i, logp, ent, logits)
-            del logits  # what the loss terms' backward needs they keep: free the [B, R, V] now
-            loss.backward()
+            with routed(self.model, mb) as routing:  # a MoE policy: the micro-batch's routes
+                if with_logits:  # the distribution terms need the logits (or the head)
+                    logp, ent, logits = student_pass(self.model, mb, temperature, heads)
+                else:
+                    (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
+                                                               by_length), None
+                loss = with_aux_loss(loss_fn(i, logp, ent, logits), routing, mb)
+                del logits  # what the loss terms' backward needs they keep: free [B, R, V] now
+                loss.backward()
 
     def share(self, stats: dict[str, float]) -> dict[str, float]:
         return stats

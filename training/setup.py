@@ -34,6 +34,7 @@ from training.colocated_teachers import ColocatedTeachers, RowShard
 from training.config import TrainConfig, distributed_optimizer
 from training.distributed_optimizer import DistributedOptimizer
 from training.master_weights import TrainOptimizer, make_optimizer
+from training.moe import attach as attach_routing
 from training.packing import use_packed_attention
 from training.state import TrainState
 from transport.dtypes import model_dtype
@@ -115,6 +116,14 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
         store = ref.store if ref is not None else critic.store if critic is not None \
             else new_store(cfg.device)
         state.old_actors = build_old_actors(cfg, hf_policy, ref, store)
+    # a MoE policy's routing hooks, after every copy above (those route themselves)
+    routing = backend.routing(model) if hasattr(backend, "routing") else None
+    if routing is not None and cfg.true_on_policy:
+        raise ValueError(f"true_on_policy and the mixture-of-experts model {cfg.model!r} "
+                         f"conflict: the batch-invariant forward has no expert layers; set "
+                         f"true_on_policy = false (moe.routing_replay = 'rollout' aligns the "
+                         f"experts instead)")
+    attach_routing(model, routing)
     if cfg.teachers:
         state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
                                                 cfg.teacher_memory, run_dir, cfg.seed,

@@ -85,6 +85,7 @@ from algos.policy_loss import masked_sample_sum, ppo_clip_loss
 from algos.value import value_loss
 from logic.teachers import teacher_order
 from models.invariant import enable as enable_invariant
+from training import moe
 from training.aux_models import OldActors, micro_batch_logprobs
 from training.batching import MicroBatch, make_micro_batch
 from training.colocated_teachers import (
@@ -165,7 +166,10 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
         for mb in mbs:  # one row per micro-batch without a cap (its samples end to end)
             cap = cfg.micro_batches.max_tokens or int(mb.attention_mask.sum())
             mb.packed = pack(mb.samples, cap, state.pad_id)
+            if mb.routes is not None:
+                mb.packed_routes = moe.pack_routes(mb.routes, mb.packed)
     mbs = [mb.to(runner.device) for mb in mbs]
+    moe.configure(state.model, cfg, mbs, dp.world_size)
     last = runner.is_last_stage  # the stage with logits: losses and statistics
     totals = dict.fromkeys(TOTALS, 0.0)
     prep = prepare(state, runner, samples, groups, mbs, cfg, dp, totals, by_length)
@@ -181,6 +185,7 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     finally:
         if signals is not None:
             signals.close()
+    routing_stats = moe.step_stats(state.model)  # the passes at the step's starting weights
     grad_norm = optimizer_step(state, cfg, dp)
     stats: dict[str, float] = {}
     if state.critic is not None and last:  # the critic's inputs exist where the losses do
@@ -194,6 +199,7 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     summed = dp.sum_tensor(torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64))
     totals = dict(zip(TOTALS, summed.tolist()))
     stats |= summarize(samples, totals, grad_norm, state.version, cfg)
+    stats |= routing_stats
     stats["train/oversized_samples"] = float(len(plan.oversized))
     if cfg.true_on_policy and dp.rank == 0:
         warn_unequal(totals, state.step)
