@@ -1,6 +1,8 @@
 """Train the main job's weak base model: tiny-qwen2, supervised on the built-in domains, briefly.
 
-`python -m scripts.train_base --out examples/base-tiny` (fixed seeds: the result is reproducible).
+`python -m scripts.train_base --out examples/base-tiny` (fixed seeds: the result is reproducible);
+`--model tiny-qwen3-moe --out examples/moe-tiny` trains the mixture-of-experts base of
+examples/moe.toml the same way.
 The model sees `<bos>prompt answer<eos>` for addition ("12+7=19") and reversal ("rev abc=cba")
 tasks drawn with seeds the RL run never uses, for few enough steps that it stays weak on both
 domains; GRPO then has something to improve. Prints greedy accuracy per domain as it goes.
@@ -100,6 +102,8 @@ def accuracy(model, tokenizer, env, n: int = 200) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="examples/base-tiny")
+    parser.add_argument("--model", default="tiny-qwen2",
+                        help="the tiny architecture (models/tiny.py), e.g. tiny-qwen3-moe")
     parser.add_argument("--steps", type=int, default=125)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -110,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     random.seed(0)
-    model, tokenizer = build_tiny("tiny-qwen2", seed=0)
+    model, tokenizer = build_tiny(args.model, seed=0)
     envs = [ArithEnv(max_operand=args.max_operand), ReverseEnv()]
     streams = [env.tasks("train", DATA_SEED) for env in envs]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
