@@ -19,28 +19,20 @@ import asyncio
 import concurrent.futures
 import time
 
-import msgspec
-
+from actors.prefetcher_config import (  # noqa: F401 - PrefetcherConfig: also read from here
+    PrefetcherActorPlan,
+    PrefetcherConfig,
+)
 from memory.checksum import ChecksumError
 from memory.host import PinnedArena, Region
 from memory.nvme import NvmeStore
-from runtime.actor import Actor
 from transport.rpc import RemoteError
 from transport.schema import ReadToHost, ReadToHostReply
 
 
-class PrefetcherConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Settings of the prefetcher actor (one per trainer host)."""
-
-    chunk_bytes: int = 16 << 20  # NVMe read size per request (a multiple of 4096)
-    num_readers: int = 4  # chunk reads in flight per set
-    num_sets_in_flight: int = 2  # weight sets read concurrently
-    pin: bool = True  # register the arena mapping with CUDA when a GPU is present
-
-
-class PrefetcherActor(Actor):
-    Config = PrefetcherConfig
-    role = "prefetcher"
+class PrefetcherActor(PrefetcherActorPlan):
+    """The prefetcher itself: its settings are `PrefetcherActorPlan`'s
+    (actors/prefetcher_config.py)."""
 
     async def on_start(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.config.num_sets_in_flight,

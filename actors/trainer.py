@@ -1,8 +1,9 @@
 """The trainer actor: PPO-clip policy training (any training backend, training/backends.py).
 
-Settings: `TrainerConfig` below, the training library's `training.config.TrainConfig` (one
-table per component: optimizer, micro_batches, loss, kl, critic, mismatch, opd, parallel, ...)
-plus the actor's peers, loop, checkpoints and weight sync.
+Settings: `TrainerConfig` (actors/trainer_config.py, with the launcher's checks), the training
+library's `training.config.TrainConfig` (one table per component: optimizer, micro_batches,
+loss, kl, critic, mismatch, opd, parallel, ...) plus the actor's peers, loop, checkpoints and
+weight sync.
 
 One optimizer step per batch from the buffer (training.step):
 1. recompute the old-policy log-probs on the *same* micro-batches that training uses (no grad),
@@ -36,21 +37,18 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
 
 from actors.prefetcher import RemoteReader
+from actors.trainer_config import (  # noqa: F401 - TrainerConfig: also read from here
+    TrainerActorPlan,
+    TrainerConfig,
+)
 from engine.client import SglangClient
 from engine.weight_push import AdapterPush, adapter_paths, release_to_train, wake_to_generate
-from engine.weight_sync import WeightStream, check_sync_device
-from engine.weight_sync_config import WeightSyncConfig
-from logic.teachers import check_vocab
+from engine.weight_sync import WeightStream
 from memory.device_usage import process_device_bytes
-from models.load import check_model_path, load_tokenizer
 from models.lora import config_dict
-from runtime.actor import Actor
 from runtime.devices import gpu_ids
-from training.backends import check_backend
-from training.config import CheckpointConfig, TrainConfig
 from training.ranks import load_trainer
 from training.sleep import SleepReport
 from transport.schema import EvalRequest, GetBatch, TrainBatch, VersionUpdate
@@ -74,70 +72,9 @@ def distill_kl(stats: dict[str, float]) -> dict[str, float]:
 MERGED_DIR = "merged"  # lora.merge_export: the run's final HF export with the adapter merged in
 
 
-class TrainerConfig(TrainConfig, kw_only=True):
-    """Settings of the trainer actor: the training library's (`training.config.TrainConfig`,
-    one table per component) plus its peers, its loop, checkpoints and weight sync."""
-
-    workers: list[str]  # peer names of the inference workers that receive every version
-    buffer: str = "buffer"  # peer that hands out batches
-    rollout: str = ""  # peer asked for a final evaluation after the last step ("" = none)
-    num_steps: int = 20  # optimizer steps; the run completes after the last one
-    mode: Literal["decoupled", "colocated"] = "decoupled"  # colocated needs max_staleness = 0
-    # a wait on the buffer longer than this ends the run with a message (while it lasts, the
-    # console reports it every [run] stall_report_s), seconds
-    batch_timeout_s: float = 3600.0
-    prefetcher: str = ""  # peer (actors.prefetcher) doing the teachers' NVMe reads ("" = here)
-    checkpoint: CheckpointConfig = CheckpointConfig()  # when checkpoints are written
-    weight_sync: WeightSyncConfig = WeightSyncConfig()  # how versions reach the workers
-
-
-class TrainerActor(Actor):
-    Config = TrainerConfig
-    role = "trainer"
-
-    @classmethod
-    def check_config(cls, config: TrainerConfig) -> None:
-        check_model_path(config.model)
-        for path in (config.kl.ref_model, config.critic.model if config.critic else ""):
-            if path:
-                check_model_path(path)
-        if not config.workers:
-            raise ValueError("`workers` must name the inference worker actors")
-        if config.teachers:
-            student = load_tokenizer(config.model)
-            for t in config.teachers:
-                check_model_path(t.model)
-                check_vocab(student, load_tokenizer(t.model), t.name)
-        check_backend(config, colocated=config.mode == "colocated")
-        check_sync_device(config.weight_sync.path, config.device)
-        if config.lora is not None and config.weight_sync.path == "distributed":
-            raise ValueError("lora pushes the adapter only, through SGLang's LoRA endpoints: "
-                             "weight_sync.path = 'distributed' carries full weights; use "
-                             "'tensor' (the adapter in the request body), 'cuda_ipc' / 'auto' "
-                             "(CUDA IPC to workers on the trainer's GPU) or 'disk' (a PEFT "
-                             "directory every worker reads)")
-
-    @classmethod
-    def gpus(cls, config: TrainerConfig, env: dict[str, str], host: str) -> list[str]:
-        return gpu_ids([config.device], env, host)  # the GPU weights are sent from (rank 0)
-
-    # ranks 1..N-1 of `parallel` (N = tp * pp * dp > 1): processes of this class, started by
-    # the launcher with this actor and restarted with it (launch/config.py rank_entries); the
-    # launcher writes their store into parallel.store
-    rank_cls = "actors.trainer_rank:TrainerRank"
-    store_path = "parallel.store"
-
-    @classmethod
-    def ranks(cls, config: TrainerConfig) -> list[str]:
-        """The [[hosts]] name of each of ranks 1..N-1 ("" = this actor's host)."""
-        hosts = [config.parallel.rank_host(r) for r in range(1, config.parallel.world_size)]
-        return [h.name if h is not None else "" for h in hosts]
-
-    @classmethod
-    def peers(cls, config: TrainerConfig) -> dict[str, str]:
-        return {**{f"workers[{i}]": w for i, w in enumerate(config.workers)},
-                "buffer": config.buffer, "rollout": config.rollout,
-                "prefetcher": config.prefetcher}
+class TrainerActor(TrainerActorPlan):
+    """The trainer itself: its settings and launcher checks are `TrainerActorPlan`'s
+    (actors/trainer_config.py)."""
 
     async def on_start(self) -> None:
         cfg = self.config

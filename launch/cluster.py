@@ -81,6 +81,7 @@ from launch.files import write_json
 from launch.resume import already_complete, check_same_run, describe, resume_overrides
 from launch.supervisor import RunFailed, Supervisor
 from runtime import passthrough
+from runtime.loading import plan_side
 from transport.metrics import MetricsSubscriber
 from transport.sockets import make_curve_keys
 
@@ -339,6 +340,14 @@ async def _run_cluster(cfg: ClusterConfig, order: list[str], run_dir: Path, resu
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The launcher: it checks and supervises actors and runs none, so it reads each actor class
+    from its plan class, when it has one (runtime/loading.py): a heavy actor module (torch) is
+    imported by the actor's own process only."""
+    with plan_side():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__,
                                      epilog=passthrough.HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

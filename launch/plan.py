@@ -14,11 +14,11 @@ and returns them, for the launcher to put in every actor's context.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import msgspec
 
+from actors.inference_config import InferenceWorkerConfig
 from runtime.actor import ActorView
 from runtime.facts import DECIDED_BY, RunFacts, TeacherFact
 from transport.errors import RlxError
@@ -187,11 +187,8 @@ def _check_invariant(name: str, cfg: Any, worker: str, there: Any) -> None:
 
 
 def _is_embedded_worker(config: Any) -> bool:
-    """`config` is an embedded inference worker's (actors/inference.py InferenceWorkerConfig).
-    Asked of the module already loaded, not imported: it imports torch and transformers, and an
-    instance of its config exists only once some table's class has loaded it."""
-    inference = sys.modules.get("actors.inference")
-    return inference is not None and isinstance(config, inference.InferenceWorkerConfig)
+    """`config` is an embedded inference worker's (actors/inference_config.py)."""
+    return isinstance(config, InferenceWorkerConfig)
 
 
 def run_facts(views: dict[str, ActorView], tables: Tables, buffer: str) -> RunFacts:

@@ -1,17 +1,30 @@
 """Actor classes by dotted path and their validated config: what the launcher checks before
 anything starts and what every child process does first.
 
+Plan classes. The launcher needs of an actor class only what it checks a plan with: its `Config`
+and its class-level hooks and facts (`role`, `check_config`, `check_facts`, `gpus`, `peers`,
+`bound_ports`, `ranks`, `rank_cls`, `store_path`, `needs`). An actor whose module is heavy (it
+imports torch) keeps those on a *plan class*, an `Actor` subclass in a light module next to it,
+and subclasses it: for the actor class `pkg.mod:Name` the plan class is `NamePlan` in the
+module `pkg.mod_config` (actors/trainer.py `TrainerActor` subclasses actors/trainer_config.py
+`TrainerActorPlan`). In the launcher's process (`plan_side()`, launch/cluster.py) `import_actor`
+returns the plan class when there is one, so checking a plan never imports the actor's module;
+elsewhere (the actor's own process, runtime/child.py) it returns the actor class. An actor
+without a plan class (a light module, a user's actor) is read from its own module everywhere.
+
 Errors are `ConfigError` (a ValueError) naming where the bad value came from (`where`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
+import importlib.util
 import re
 import types
 import typing
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 
@@ -24,12 +37,46 @@ class ConfigError(RlxError, ValueError):
     """A mistake in hosts.toml; the message names the file, table and field to change."""
 
 
-def import_actor(dotted: str, where: str = "actor class") -> type:
+PLAN_MODULE = "{module}_config"  # where the plan class of `module:Name` lives
+PLAN_CLASS = "{name}Plan"  # and its name
+_plan_side = False  # `import_actor` returns plan classes (within `plan_side()`)
+
+
+@contextlib.contextmanager
+def plan_side() -> Iterator[None]:
+    """Within it, `import_actor` returns an actor's plan class when it has one (the launcher's
+    process: it checks plans, it never runs an actor)."""
+    global _plan_side
+    before, _plan_side = _plan_side, True
+    try:
+        yield
+    finally:
+        _plan_side = before
+
+
+def plan_class(dotted: str) -> type | None:
+    """The plan class of the actor class `dotted` ('package.module:ClassName'), imported without
+    importing the actor's module; None when it has none."""
+    module_name, _, attr = dotted.partition(":")
+    plan_module = PLAN_MODULE.format(module=module_name)
+    try:
+        if importlib.util.find_spec(plan_module) is None:
+            return None
+    except (ImportError, ValueError):  # its package is missing: the actor's import says why
+        return None
+    plan = getattr(importlib.import_module(plan_module), PLAN_CLASS.format(name=attr), None)
+    return plan if isinstance(plan, type) and issubclass(plan, Actor) else None
+
+
+def import_actor(dotted: str, where: str = "actor class", plan: bool | None = None) -> type:
+    """The actor class `dotted` names; with `plan` (None: within `plan_side()`) its plan class
+    instead, when it has one (the module's text)."""
     module_name, _, attr = dotted.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{where}: {dotted!r} is not 'package.module:ClassName'")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = plan_class(dotted) if (_plan_side if plan is None else plan) else None
+        obj = obj or getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{where}: cannot import {dotted!r}: {e}"
                           f"{python_path_hint(e, module_name)}") from None

@@ -31,7 +31,7 @@ def error_of(tmp_path: Path, text: str, *sets: str) -> str:
      ["table [rl], field `grup_size`", "unknown field", "did you mean `group_size`?", RL_DOCS]),
     (RL.replace('ArithEnv" }', 'ArithEnv", optionz = {} }'),
      ["table [rl], field `envs[0].optionz`", "did you mean `envs[0].options`?", RL_DOCS,
-      "actors.rollout.EnvSpec"]),
+      "actors.rollout_config.EnvSpec"]),
     (RL + "[actors.trainer.config]\noptimizer = { lrr = 1 }\n",
      ["table [actors.trainer.config], field `optimizer.lrr`", "did you mean `optimizer.lr`?",
       "derived from [rl]"]),

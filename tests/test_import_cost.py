@@ -8,10 +8,16 @@ fresh interpreter, which reports after each the heavy packages it loaded.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from runtime.actor import Actor
+from runtime.loading import import_actor
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ["torch", "transformers", "matplotlib"]
@@ -49,3 +55,78 @@ def test_light_processes_import_no_tensor_library():
     heavy = [(m, h) for m, h in loaded if h]
     assert not heavy, (f"importing {heavy[0][0]} loads {heavy[0][1]}: import it where it is "
                        f"used (python -X importtime -c 'import {heavy[0][0]}' shows who does)")
+
+
+# the launcher of a training plan (trainer, rollout, workers), checked and printed by --dry-run;
+# prints the actor modules it imported and the heavy packages, with who imported each first
+LAUNCH = """
+import json, sys, traceback
+first = {}
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name in HEAVY and name not in first:
+            first[name] = [f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()
+                           if "importlib" not in f.filename and "<frozen" not in f.filename][-4:]
+sys.meta_path.insert(0, Watch())
+from launch.cluster import main
+code = main([sys.argv[1], "--dry-run"])
+print(json.dumps([code, sorted(m for m in sys.modules if m.startswith("actors.")), first]))
+"""
+# the actor modules a training plan names (torch at their tops), read from their plan classes
+ACTORS = ["actors.trainer", "actors.rollout", "actors.inference", "actors.teacher_pool"]
+
+
+@pytest.fixture(scope="module")
+def training_launch() -> tuple[int, list[str], dict]:
+    """(exit code, actor modules imported, {heavy package: where it was first imported}) of
+    `launch.cluster examples/local.toml --dry-run`."""
+    out = subprocess.run([sys.executable, "-c", f"HEAVY = {HEAVY!r}" + LAUNCH,
+                          "examples/local.toml"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip(), out.stderr
+    code, modules, first = json.loads(out.stdout.strip().splitlines()[-1])
+    return code, modules, first
+
+
+def test_the_launcher_of_a_training_plan_reads_the_actors_from_their_plan_classes(
+        training_launch):
+    """The launcher checks the plan (every table, every check across actors) with the actors'
+    plan classes (runtime/loading.py) and never imports an actor's own module."""
+    code, modules, _ = training_launch
+    assert code == 0
+    assert {"actors.trainer_config", "actors.rollout_config", "actors.inference_config"} <= set(
+        modules), modules
+    assert not set(ACTORS) & set(modules), modules
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the plan classes' checks still call modules that import torch at their tops: "
+    "models/load.py check_model_path, engine/session.py DRIFT_RULES, training/config.py "
+    "(algos/advantages.py), logic/teachers.py (algos/cross_tokenizer.py), "
+    "engine/weight_sync_config.py, engine/weight_sync.py check_sync_device and "
+    "check_weight_sync_placement, training/backends.py check_backend"))
+def test_the_launcher_of_a_training_plan_imports_no_tensor_library(training_launch):
+    """~3 s of CPU per launch; the test suite launches tens of training plans."""
+    _, _, first = training_launch
+    assert first == {}, f"imported first at: {json.dumps(first, indent=1)}"
+
+
+def test_each_plan_class_is_the_base_of_its_actor_and_says_all_the_launcher_reads():
+    """A plan class (actors/*_config.py `<Name>Plan`) is what the launcher sees of the actor
+    `<Name>`: the actor subclasses it and overrides none of what the launcher reads."""
+    read = {"Config", "role", "rank_cls", "store_path", "needs", "needs_python", "check_config",
+            "check_facts", "gpus", "peers", "bound_ports", "ranks"}
+    found = []
+    for path in sorted((ROOT / "actors").glob("*_config.py")):
+        config = importlib.import_module(f"actors.{path.stem}")
+        actor = importlib.import_module(f"actors.{path.stem.removesuffix('_config')}")
+        for name, plan in vars(config).items():
+            if not (name.endswith("Plan") and isinstance(plan, type)
+                    and issubclass(plan, Actor) and plan.__module__ == config.__name__):
+                continue
+            cls = getattr(actor, name.removesuffix("Plan"))
+            assert issubclass(cls, plan) and import_actor(
+                f"{actor.__name__}:{cls.__name__}", plan=True) is plan
+            assert not read & set(vars(cls)), f"{cls.__name__} overrides {read & set(vars(cls))}"
+            found.append(cls.__name__)
+    assert {"TrainerActor", "RolloutActor", "InferenceWorker", "TeacherPool"} <= set(found)
