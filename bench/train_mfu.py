@@ -2,6 +2,7 @@
 
     python -m bench.train_mfu                                  # H200: 1.5B and 3B, 32k tokens
     python -m bench.train_mfu --device cpu --shape tiny --tokens 768 --steps 1   # the script
+    python -m bench.train_mfu --shape 30b-a3b-8l --replay      # H200: a MoE step, with replay
 
 One step is the trainer's `training.step.train_on_batch` (the recompute pass, the policy pass
 with its backward, AdamW through fp32 master weights, and the pass after it for the policy KL
@@ -44,28 +45,69 @@ import numpy as np
 import torch
 
 from actors.trainer import TrainerConfig
+from models.moe import MoeShape, moe_shape
 from models.tiny import build_char_tokenizer
-from training.config import MicroBatchConfig, OptimizerConfig
+from training.backends import TorchBackend
+from training.config import MicroBatchConfig, MoeConfig, OptimizerConfig
 from training.data_parallel import plan_micro_batches
 from training.master_weights import make_optimizer
+from training.moe import attach as attach_routing
 from training.packing import attention_mechanism, pack, preferred_attn_implementation
 from training.setup import checkpoint_activations
 from training.step import TrainState, train_on_batch
-from transport.schema import Sample
+from transport.schema import Sample, routed_experts_dtype
 
 # (hidden, layers, heads, kv heads, ffn, vocab): real HF configs' shapes, written out
 SHAPES = {"1.5b": (1536, 28, 12, 2, 8960, 151936), "3b": (2048, 36, 16, 2, 11008, 151936),
           "tiny": (64, 2, 4, 2, 128, 1024)}
+# mixture of experts (Qwen3-MoE): (hidden, layers, heads, kv heads, head dim, experts, top-k,
+# expert ffn, vocab). "30b-a3b-8l": Qwen3-30B-A3B's layer shapes (of its 48 layers, 8: the
+# whole model's optimizer state does not fit one GPU)
+MOE_SHAPES = {"30b-a3b-8l": (2048, 8, 32, 4, 128, 128, 8, 768, 151936),
+              "tiny-moe": (64, 2, 4, 2, 16, 4, 2, 64, 1024)}
+
+
+def dims(shape: str) -> tuple[int, int, int]:
+    """(hidden, layers, vocab) of a dense or MoE shape."""
+    if shape in MOE_SHAPES:
+        hidden, layers, *_, vocab = MOE_SHAPES[shape]
+    else:
+        hidden, layers, _, _, _, vocab = SHAPES[shape]
+    return hidden, layers, vocab
+
+
+def hf_config(shape: str):
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    common = dict(max_position_embeddings=32768, tie_word_embeddings=True,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6)
+    if shape in MOE_SHAPES:
+        hidden, layers, heads, kv, head_dim, experts, top_k, ffn, vocab = MOE_SHAPES[shape]
+        return Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=kv,
+                              head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k,
+                              moe_intermediate_size=ffn, norm_topk_prob=True, **common)
+    hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=ffn,
+                       **common)
+
+
+def active_params(model: torch.nn.Module) -> int:
+    """Parameters a token uses: all but the experts it is not routed to (a MoE model's routed
+    experts count top_k / num_experts)."""
+    shape = moe_shape(model.config)
+    total = sum(p.numel() for p in model.parameters())
+    if shape is None:
+        return total
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return int(total - experts * (1 - shape.top_k / shape.num_experts))
 
 
 def hf_model(shape: str, device: str, dtype: torch.dtype, attn: str | None = None):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    hidden, layers, heads, kv, ffn, vocab = SHAPES[shape]
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=ffn,
-                      max_position_embeddings=32768, tie_word_embeddings=True,
-                      rope_theta=1000000.0, rms_norm_eps=1e-6)
+    cfg = hf_config(shape)
     torch.manual_seed(0)
     with torch.device(device):
         if attn is None:
@@ -130,22 +172,39 @@ def computed_tokens(samples: list[Sample], mb_tokens: int, packed: bool, varlen:
     return total
 
 
-def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = False
-              ) -> dict[str, float]:
-    hidden, layers, _, _, _, vocab = SHAPES[shape]
+def add_routes(samples: list[Sample], shape: MoeShape, seed: int = 0) -> None:
+    """Give each sample `routed_experts`: top_k distinct random experts per position and layer
+    (all but the last token)."""
+    rng = np.random.default_rng(seed)
+    dtype = routed_experts_dtype(shape.num_experts)
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        keys = rng.random((n, shape.num_layers, shape.num_experts))
+        s.routed_experts = np.argsort(keys, axis=-1)[..., :shape.top_k].astype(dtype)
+
+
+def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = False,
+              replay: bool = False) -> dict[str, float]:
+    hidden, layers, vocab = dims(shape)
     attn = (args.pack_attn or preferred_attn_implementation(args.device)) if packed else None
     model = hf_model(shape, args.device, dtype, attn)
     if args.checkpointing:  # per-layer recompute in the backward (not counted as useful FLOPs)
         checkpoint_activations(model)
-    params = sum(p.numel() for p in model.parameters())
+    params = active_params(model)
     tok = build_char_tokenizer()  # only its pad id is read
     state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6))
+    routing = TorchBackend().routing(model)  # a MoE model: its routes measured (replayed)
+    attach_routing(model, routing)
+    replay = replay and routing is not None
     cfg = TrainerConfig(model="bench", workers=["w"], dtype=str(dtype).split(".")[-1],
                         device=args.device, optimizer=OptimizerConfig(lr=1e-6),
                         micro_batches=MicroBatchConfig(max_tokens=args.mb_tokens,
-                                                       forward_by_length=False, pack=packed))
+                                                       forward_by_length=False, pack=packed),
+                        moe=MoeConfig(routing_replay="rollout" if replay else "off"))
     lengths = lengths_for(args.tokens, args.mb_tokens)
     samples = samples_of(lengths, vocab)
+    if replay:  # routes as an engine would record them: random experts per token and layer
+        add_routes(samples, routing.shape)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     train_on_batch(state, samples, cfg)  # warm-up: optimizer state, kernels
@@ -160,6 +219,7 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
     computed = computed_tokens(samples, args.mb_tokens, packed,
                                attention_mechanism(model) == "varlen")
     out = {"params": params, "tokens": sum(lengths), "samples": len(lengths),
+           "total_params": sum(p.numel() for p in model.parameters()),
            "padding": 1 - sum(lengths) / computed,
            "step_s": step, "min_s": min(times), "max_s": max(times),
            "tokens_per_s": sum(lengths) / step,
@@ -204,10 +264,27 @@ def result_line(results: dict[str, dict[str, float]],
             f"step_packed_s={q['step_s']:.4f} padding_packed={q['padding']:.3f}")
 
 
+def moe_keys(moe: dict[str, dict[str, float]]) -> str:
+    """RESULT keys of the largest MoE shape: its MFU (active parameters), step time, and with
+    replay its time over the step without."""
+    plain = {k: v for k, v in moe.items() if not k.endswith("+replay")}
+    if not plain:
+        return ""
+    shape = max(plain, key=lambda k: plain[k]["total_params"])
+    r = plain[shape]
+    out = f" mfu_moe={r['mfu']:.3f} step_moe_s={r['step_s']:.4f}"
+    if shape + "+replay" in moe:
+        out += f" replay_overhead={moe[shape + '+replay']['step_s'] / r['step_s']:.3f}"
+    return out
+
+
 def describe(shape: str, r: dict[str, float], steps: int, mode: str) -> str:
     memory = (f", memory: torch reserved {r['torch_reserved_gib']:.1f} GiB, NVML used "
               f"{r['nvml_used_gib']:.1f} GiB" if "nvml_used_gib" in r else "")
-    return (f"{shape} {mode}: {r['params'] / 1e9:.2f}B params, {r['samples']} samples, "
+    active = (f" ({r['params'] / 1e9:.2f}B active)" if r["total_params"] != r["params"]
+              else "")
+    return (f"{shape} {mode}: {r['total_params'] / 1e9:.2f}B params{active}, "
+            f"{r['samples']} samples, "
             f"{r['tokens']} tokens: step {r['step_s']:.3f} s (median of {steps}, "
             f"{r['min_s']:.3f}-{r['max_s']:.3f}), {r['tokens_per_s']:.0f} tokens/s, "
             f"MFU {100 * r['mfu']:.1f}%, padding {100 * r['padding']:.0f}% of the tokens "
@@ -217,7 +294,10 @@ def describe(shape: str, r: dict[str, float], steps: int, mode: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--shape", default="1.5b,3b", help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--shape", default="1.5b,3b",
+                   help=f"comma-separated: {', '.join([*SHAPES, *MOE_SHAPES])}")
+    p.add_argument("--replay", action="store_true", help="MoE shapes: also time the step with "
+                   "routing replay (moe.routing_replay = 'rollout', random recorded routes)")
     p.add_argument("--tokens", type=int, default=32768, help="real tokens per step")
     p.add_argument("--mb-tokens", type=int, default=8192, help="token cap per micro-batch "
                    "(16,384 runs out of an H200's memory at 3B without --checkpointing)")
@@ -237,7 +317,16 @@ def main() -> None:
           f"{peak / 1e12:.1f} TFLOP/s (measured)", flush=True)
     results: dict[str, dict[str, float]] = {}
     packed: dict[str, dict[str, float]] = {}
+    moe: dict[str, dict[str, float]] = {}
     for shape in args.shape.split(","):
+        if shape in MOE_SHAPES:  # active-parameter FLOPs; own RESULT keys
+            moe[shape] = run_shape(shape, args, dtype, peak)
+            print(describe(shape, moe[shape], args.steps, "MoE padded"), flush=True)
+            if args.replay:
+                moe[shape + "+replay"] = run_shape(shape, args, dtype, peak, replay=True)
+                print(describe(shape, moe[shape + "+replay"], args.steps,
+                               "MoE padded, routing replay"), flush=True)
+            continue
         results[shape] = run_shape(shape, args, dtype, peak)
         print(describe(shape, results[shape], args.steps, "padded"), flush=True)
         if args.pack:
@@ -247,7 +336,8 @@ def main() -> None:
                   flush=True)
     print("megatron: not measured by this script (n/a)" + ("" if args.pack else
           "; packed micro-batches: run with --pack"))
-    print(result_line(results, packed))
+    line = result_line(results, packed) if results else "RESULT"
+    print(line + moe_keys(moe))
 
 
 if __name__ == "__main__":

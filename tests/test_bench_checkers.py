@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 import logic.buffer
 from actors.buffer import BufferState, Journal, JournalEntry
@@ -125,13 +126,25 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
     lengths = lengths_for(5000, 4096)
     assert 5000 <= sum(lengths) < 5000 + 4096 and min(lengths) >= 2 and max(lengths) <= 4096
     out = subprocess.run([sys.executable, "-m", "bench.train_mfu", "--device", "cpu", "--shape",
-                          "tiny", "--tokens", "512", "--mb-tokens", "256", "--steps", "1"],
+                          "tiny,tiny-moe", "--tokens", "512", "--mb-tokens", "256", "--steps",
+                          "1", "--replay"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     fields = dict(kv.split("=") for kv in last.split()[1:])
     assert last.startswith("RESULT ") and 0 < float(fields["mfu_torch"]) < 1
     assert fields["mfu_megatron"] == "n/a" and fields["packed_vs_padded"] == "n/a"
+    assert 0 < float(fields["mfu_moe"]) < 1 and float(fields["replay_overhead"]) > 0
+
+
+def test_train_mfu_counts_a_moe_models_active_parameters():
+    from bench.train_mfu import active_params, hf_model
+
+    model = hf_model("tiny-moe", "cpu", torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts == 2 * 4 * 3 * 64 * 64  # 2 layers x 4 experts x (gate, up, down) x 64 x 64
+    assert active_params(model) == total - experts // 2  # top-2 of 4
 
 
 @pytest.mark.timeout(300)  # three child processes (two trainers, one push against a worker)
