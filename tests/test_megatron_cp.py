@@ -157,6 +157,8 @@ def reference_pass(tp: int) -> dict:
     parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1,
                                              create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(0)  # megatron's CPU initialization draws from torch's generator: the
+    # same weights on every rank (each TP rank keeps its shard of one full matrix)
     ids, mask, weights = padded_rows()
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     ref = tiny_gpt(tp, 1, context_parallel_spec=False)
@@ -311,6 +313,8 @@ def test_bad_placements_say_why(cp2):
 def test_load_balanced_layout():
     """Each rank holds chunks r and 2cp-1-r; together the ranks hold every position once."""
     assert cpmod.padded_length(13, 2) == 16 and cpmod.padded_length(16, 2) == 16
+    assert cpmod.padded_length(13, 1) == 13
+    assert cpmod.positions(13, 1, 0).tolist() == list(range(13))
     assert cpmod.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     for cp in (1, 2, 3, 4):
         held = torch.cat([cpmod.positions(8 * cp, cp, r) for r in range(cp)])

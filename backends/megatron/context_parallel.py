@@ -62,10 +62,12 @@ with warnings.catch_warnings():  # megatron-core is imported by mcore above; no 
 
 
 def padded_length(length: int, cp: int) -> int:
-    """`length` rounded up to a multiple of 2 * cp (two chunks per rank)."""
+    """`length` rounded up to a multiple of 2 * cp (two chunks per rank); at cp = 1 itself."""
     if cp < 1 or length < 0:
         raise ValueError(f"context parallelism needs cp >= 1 and a length >= 0, got cp = {cp}, "
                          f"length = {length}")
+    if cp == 1:
+        return length
     step = 2 * cp
     return -(-length // step) * step
 
@@ -73,10 +75,13 @@ def padded_length(length: int, cp: int) -> int:
 def positions(length: int, cp: int, rank: int, device: torch.device | str | None = None
               ) -> torch.Tensor:
     """Global positions (long [length / cp]) held by CP rank `rank` of a sequence of `length`
-    tokens: chunks rank and 2 * cp - 1 - rank of 2 * cp equal chunks. ValueError when 2 * cp
-    does not divide `length` (pad it with `padded_length` first) or the rank is out of range."""
+    tokens: chunks rank and 2 * cp - 1 - rank of 2 * cp equal chunks (at cp = 1 all of them).
+    ValueError when 2 * cp does not divide `length` (pad it with `padded_length` first) or the
+    rank is out of range."""
     if not 0 <= rank < cp:
         raise ValueError(f"context-parallel rank {rank} is not in 0..{cp - 1}")
+    if cp == 1:
+        return torch.arange(length, device=device)
     if length % (2 * cp):
         raise ValueError(f"a sequence of {length} tokens cannot be split over cp = {cp} ranks: "
                          f"the load-balanced split needs a multiple of 2 * cp = {2 * cp} "
@@ -154,8 +159,6 @@ def split_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = N
                          f"{None if labels is None else tuple(labels.shape)}")
     length = input_ids.shape[1]
     pos = positions(padded_length(length, cp), cp, rank, input_ids.device)
-    if cp == 1:
-        pos = pos[:length]
     return CPBatch(
         input_ids=split_for_cp(input_ids, 1, pad_id, group),
         position_ids=pos.expand(input_ids.shape[0], -1),
