@@ -38,6 +38,10 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     # holds more tokens keeps none (the episode goes on, the trainer trains it as a token without
     # a record; counted in nucleus_fallback_tokens); 0 = off (docs/mopd.md)
     nucleus_top_logprobs: int = 0
+    # mixture-of-experts policies: ask the workers for the experts each token was routed to
+    # (SGLang's return_routed_experts; an SGLang server needs --enable-return-routed-experts)
+    # and send them with the samples (Sample.routed_experts) for the trainer's routing replay
+    routed_experts: bool = False
     max_new_tokens: int = 32  # per turn, unless the environment sets its own
     seed: int = 0  # task order
     eval_every: int = 5  # score eval tasks every this many batches (0 = never)

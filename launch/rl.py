@@ -18,7 +18,9 @@ buffer; every other actor reads them from its context (launch/plan.py derives th
 Embedded workers on CUDA get the trainer's `weight_sync.path = "auto"` (CUDA IPC on its GPU,
 NCCL to the others; disk stays the default elsewhere); the teachers and `opd` go to the pool and
 the trainer (with opd mode "top_p" or `top_p_replay`, the rollout records each token's nucleus:
-`nucleus_top_logprobs`); the worker names to the trainer.
+`nucleus_top_logprobs`); the worker names to the trainer. With `moe` (a mixture-of-experts
+policy) the rollout asks for each token's routed experts, SGLang workers start with
+--enable-return-routed-experts and the trainer gets the table.
 
 Per-actor tables stay the way to change anything else or to lay out a custom cluster: a table
 `[actors.<name>]` the file also has is merged over the derived one (tables key by key, any other
@@ -79,6 +81,11 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     # a LoRA student: { rank, alpha, target_modules, dropout, merge_export } (training/config.py
     # LoraConfig; {} = its defaults); absent = full fine-tuning. Pushes send the adapter only
     lora: dict[str, Any] | None = None
+    # a mixture-of-experts policy's training: { routing_replay = "off" | "rollout",
+    # aux_loss_coef } (training/config.py MoeConfig; {} = its defaults). Present: the workers
+    # return each token's experts with the samples (SGLang workers start with
+    # --enable-return-routed-experts) and the trainer measures (and replays) them
+    moe: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -126,8 +133,13 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         for name in workers:
             actors[name] = {"cls": "actors.sglang_worker:SglangWorker", "after": ["router"],
                             "config": {"model_path": rl.model, "register_with": "router"}}
+            sglang = {}
             if rl.lora is not None:  # SGLang serves adapters only when started for them
-                actors[name]["config"]["sglang"] = _sglang_lora(rl.lora)
+                sglang |= _sglang_lora(rl.lora)
+            if rl.moe is not None:  # and returns routed experts only when started for it
+                sglang["enable_return_routed_experts"] = True
+            if sglang:
+                actors[name]["config"]["sglang"] = sglang
     staleness = rl.max_staleness if rl.max_staleness is not None else (
         0 if rl.mode == "colocated" else 1)
     actors["buffer"] = {"cls": "actors.buffer:BufferActor",
@@ -152,6 +164,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     if teachers and (rl.opd.get("mode") == "top_p" or rl.opd.get("top_p_replay")):
         # the nucleus each token was sampled from, recorded for the trainer (docs/mopd.md)
         rollout["nucleus_top_logprobs"] = NUCLEUS_TOP_LOGPROBS
+    if rl.moe is not None:  # each token's experts, for the trainer's routing replay / metrics
+        rollout["routed_experts"] = True
     rollout.update({"eval_every": rl.eval_every, "eval_tasks": rl.eval_tasks,
                     "envs": copy.deepcopy(rl.envs)})
     actors["rollout"] = {"cls": "actors.rollout:RolloutActor", "after": rollout_after,
@@ -182,6 +196,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         path = "disk" if rl.engine != "embedded" else (
             "auto" if rl.device.startswith("cuda") else "tensor")
         trainer["weight_sync"] = {"path": path}
+    if rl.moe is not None:
+        trainer["moe"] = dict(rl.moe)
     trainer_after = [*workers, "buffer", "rollout"]
     if teachers:
         trainer["opd"] = dict(rl.opd)

@@ -53,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="+")
     p.add_argument("--max-loaded-loras", type=int)
     p.add_argument("--max-loras-per-batch", type=int)
+    p.add_argument("--enable-return-routed-experts", action="store_true")  # MoE routes
     p.add_argument("--fake-hang", action="store_true")
     return p
 

@@ -203,3 +203,18 @@ def test_top_p_distillation_makes_the_rollout_record_the_nucleus(tmp_path):
     assert a["rollout"].config["top_p"] == 0.9
     full = BASE + 'teachers = [{ name = "t", model = "tiny-qwen2" }]\nopd = { mode = "full" }\n'
     assert "nucleus_top_logprobs" not in load(write(tmp_path, full)).actors["rollout"].config
+
+
+def test_moe_makes_the_rollout_return_routed_experts_and_gives_the_trainer_the_table(tmp_path):
+    text = BASE.replace('"tiny-qwen2"', '"tiny-qwen3-moe"') + \
+        'moe = { routing_replay = "rollout", aux_loss_coef = 0.01 }\n'
+    a = load(write(tmp_path, text)).actors
+    assert a["rollout"].config["routed_experts"] is True
+    assert a["trainer"].config["moe"] == {"routing_replay": "rollout", "aux_loss_coef": 0.01}
+    sglang = load(write(tmp_path, text + 'engine = "sglang"\nlora = {}\n')).actors["worker0"]
+    assert sglang.config["sglang"]["enable_return_routed_experts"] is True
+    assert sglang.config["sglang"]["enable_lora"] is True  # both kinds of serving options
+    plain = load(write(tmp_path, BASE)).actors
+    assert "routed_experts" not in plain["rollout"].config and "moe" not in plain["trainer"].config
+    with pytest.raises(ConfigError, match="routing_replay"):
+        load(write(tmp_path, text.replace('"rollout"', '"always"')))
