@@ -96,6 +96,7 @@ from memory.safetensors_io import read_safetensors_into, safetensors_shapes
 from models.invariant import decoder_for
 from models.invariant import log_softmax as invariant_log_softmax
 from models.load import load_model
+from models.moe import expert_views, fused_expert_names
 from models.tiny import TINY
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "SamplingParams", "Scheduler",
@@ -632,6 +633,10 @@ class Scheduler:
         else:
             new = None
             shapes = {n: shape for n, _, shape in safetensors_shapes(source)}
+        views = expert_views(state)  # fused MoE experts, as checkpoints name them: per expert
+        if views and any(n in shapes for n in views):
+            fused = fused_expert_names(state)
+            state = {n: t for n, t in state.items() if n not in fused} | views
         present = {state[n].data_ptr() for n in shapes if n in state}
         missing = [n for n, t in state.items() if n not in shapes and t.data_ptr() not in present]
         unexpected = sorted(set(shapes) - set(state))

@@ -318,13 +318,17 @@ def checkpoint_tensors(named: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def fused_expert_names(targets: dict[str, torch.Tensor]) -> set[str]:
+    """The names of `targets` that are fused experts tensors (what `expert_views` splits)."""
+    return {n for n, t in targets.items() if _FUSED.match(n) and t.dim() == 3}
+
+
 def expert_views(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Views into the fused experts tensors of `targets` (name -> parameter) under their
     checkpoint names: copying into a view writes the fused parameter."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in targets.items():
-        if _FUSED.match(name) and tensor.dim() == 3:
-            out.update(_expert_parts(name, tensor))
+    for name in fused_expert_names(targets):
+        out.update(_expert_parts(name, targets[name]))
     return out
 
 
