@@ -174,7 +174,7 @@ def reference_pass(tp: int) -> dict:
     errors = {
         # TransformerConfig says cp = 2, the parallel state has a CP group of 1
         "group": _error(lambda: tiny_gpt(tp, 2)),
-        # 4 query heads over 3 key/value groups
+        # 4 query heads over 3 key/value groups (3 groups over 2 tensor ranks at tp = 2)
         "heads": _error(lambda: cpmod.ContextParallelAttention(
             tiny_config(1, 1, num_query_groups=3), 1, cpmod.AttnMaskType.causal, "self")),
     }
@@ -299,13 +299,15 @@ def test_cp2_equals_cp1(cp2):
 
 def test_tp2_cp2_equals_tp2_cp1(tp2_cp2):
     _check(tp2_cp2)
+    assert "3 key/value groups cannot be split over 2 tensor-parallel" in \
+        tp2_cp2["errors"]["heads"]
 
 
 def test_bad_placements_say_why(cp2):
     errors = cp2["errors"]
     assert "multiple of 2 * cp = 4" in errors["split"]
     assert "context-parallel group has 1 ranks" in errors["group"]
-    assert "not a multiple of the key/value groups" in errors["heads"]
+    assert "3 key/value groups" in errors["heads"]  # (not a multiple of, at tp = 1)
     assert "must be equal and even" in errors["odd_local_length"]
     assert "the last dim covers the whole sequence" in errors["mask_keys"]
 

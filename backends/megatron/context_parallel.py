@@ -275,6 +275,7 @@ class ContextParallelAttention(DotProductAttention):
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection=None):
         cp = config.context_parallel_size
+        _check_heads(config, pg_collection)
         # megatron's constructor refuses cp > 1: it builds everything from a copy that says 1
         # (a shallow copy: no __post_init__ re-run), and the module keeps the real config
         single = copy.copy(config)
@@ -282,10 +283,6 @@ class ContextParallelAttention(DotProductAttention):
         super().__init__(single, layer_number, attn_mask_type, attention_type,
                          attention_dropout, softmax_scale, cp_comm_type, pg_collection)
         self.config = config
-        heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
-        if heads % groups:
-            raise ValueError(f"attention heads per tensor rank ({heads}) are not a multiple of "
-                             f"the key/value groups per tensor rank ({groups})")
         group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if group is None and cp > 1:
             group = parallel_state.get_context_parallel_group(check_initialized=False)
@@ -358,6 +355,25 @@ class ContextParallelAttention(DotProductAttention):
         context = torch.bmm(probs.view(b * heads, sq, total), v)
         context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
+
+
+def _check_heads(config, pg_collection) -> None:
+    """ValueError unless the attention heads and key/value groups split evenly over the tensor
+    ranks and the heads over the groups (megatron itself only asserts)."""
+    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    tp = (tp_group.size() if tp_group is not None
+          else parallel_state.get_tensor_model_parallel_world_size())
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads % tp:
+        raise ValueError(f"{heads} attention heads cannot be split over {tp} tensor-parallel "
+                         f"ranks")
+    if groups % tp:
+        raise ValueError(f"{groups} key/value groups cannot be split over {tp} tensor-parallel "
+                         f"ranks")
+    if heads % groups:
+        raise ValueError(f"{heads} attention heads are not a multiple of the {groups} "
+                         f"key/value groups (grouped-query attention)")
 
 
 def _blocked_rows(mask: torch.Tensor | None, total: int, q_pos: torch.Tensor, causal: bool
