@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core state dicts for the Qwen2, Qwen3 and Llama families.
+"""Hugging Face <-> megatron-core state dicts for the Qwen2, Qwen3, Qwen3-MoE and Llama families.
 
 Role: pure tensor re-layout, no torch.distributed and no megatron import, so every rule is tested
 on one CPU process. `hf_to_megatron` gives the state dict of one (tensor rank, pipeline stage)
@@ -14,6 +14,12 @@ Megatron layouts, per tensor rank r of tp:
 - linear_fc1: [gate rows of rank r; up rows of rank r] (gate and up each split in tp chunks).
 - linear_proj, linear_fc2: split along the input (column) dim; embeddings and output_layer along
   the vocabulary (row) dim; layer norms (and q/k norms) are replicated.
+- mixture of experts (Qwen3-MoE; SequentialMLP experts): the router (`mlp.router.weight` <-
+  HF `mlp.gate.weight`) is replicated; expert e of E lives on expert-parallel rank
+  e // (E / ep) as `mlp.experts.local_experts.<e mod E/ep>`, its linear_fc1 / linear_fc2 split
+  over the expert tensor-parallel ranks (etp, megatron's default: tp) like a dense MLP's. HF
+  names are the per-expert checkpoint names (`mlp.experts.<e>.gate_proj.weight`, `up_proj`,
+  `down_proj`; models/moe.py `checkpoint_tensors` turns transformers' fused tensors into them).
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from models.load import check_model_path
+from models.moe import moe_shape
 from models.tiny import TINY, tiny_config
 
 SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "llama": "LlamaForCausalLM"}
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+MOE_ARCHITECTURES = frozenset({"qwen3_moe"})  # the mixture-of-experts families converted
 # megatron's llama3 RoPE scaling has fixed low/high frequency factors and original context
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
@@ -46,6 +54,14 @@ class Layout:
     tied_embeddings: bool  # output layer shares the input embedding
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2)
     qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+    num_experts: int = 0  # routed experts per layer (0: a dense model)
+    top_k: int = 0  # experts routed per token
+    moe_ffn_hidden_size: int = 0  # one expert's MLP width (each of gate and up)
+    norm_topk_prob: bool = True  # the k routed weights renormalized to sum to 1
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def check_supported(hf_config) -> None:
@@ -60,6 +76,17 @@ def check_supported(hf_config) -> None:
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported by the megatron backend; "
                          "set use_sliding_window=false or use the torch backend")
+    moe = moe_shape(hf_config)
+    if moe is not None and kind not in MOE_ARCHITECTURES:
+        raise ValueError(f"model_type {kind!r} has routed experts ({moe.num_experts}), but the "
+                         f"megatron backend converts the experts of "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES[k] for k in MOE_ARCHITECTURES)} "
+                         f"only; use the torch backend")
+    if moe is not None and list(moe.moe_layers) != list(range(moe.num_layers)):
+        dense = sorted(set(range(moe.num_layers)) - set(moe.moe_layers))
+        raise ValueError(f"layers {dense} of this mixture-of-experts model are dense "
+                         f"(mlp_only_layers / decoder_sparse_step): the megatron backend "
+                         f"converts models whose every layer has experts; use the torch backend")
     if kind == "llama" and (getattr(hf_config, "attention_bias", False)
                             or getattr(hf_config, "mlp_bias", False)):
         raise ValueError("Llama configs with attention_bias or mlp_bias are not supported")
@@ -82,11 +109,15 @@ def _hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def check_parallel_layout(path: str, tp: int, pp: int) -> None:
-    """ValueError unless the model at `path` splits over `tp` tensor ranks and `pp` pipeline
-    stages (config.json only): heads, groups, MLP width and vocabulary divisible by tp, the
-    layers by pp."""
+def check_parallel_layout(path: str, tp: int, pp: int, ep: int = 1) -> None:
+    """ValueError unless the model at `path` splits over `tp` tensor ranks, `pp` pipeline
+    stages and `ep` expert-parallel ranks (config.json only): heads, groups, MLP width and
+    vocabulary divisible by tp, the layers by pp, the experts by ep."""
     layout = layout_from_hf(_hf_config(path))
+    try:
+        check_expert_parallel(layout, ep)
+    except ValueError as e:
+        raise ValueError(f"parallel.ep = {ep} does not fit {path}: {e}") from None
     try:
         check_tensor_parallel(layout, tp)
     except ValueError as e:
@@ -124,24 +155,43 @@ def rope_scaling_factor(hf_config) -> float | None:
 def layout_from_hf(hf_config) -> Layout:
     check_supported(hf_config)
     heads = hf_config.num_attention_heads
+    moe = moe_shape(hf_config)
+    experts = {} if moe is None else dict(
+        num_experts=moe.num_experts, top_k=moe.top_k,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)))
     return Layout(
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         hidden_size=hf_config.hidden_size, ffn_hidden_size=hf_config.intermediate_size,
         vocab_size=hf_config.vocab_size, tied_embeddings=bool(hf_config.tie_word_embeddings),
-        qkv_bias=hf_config.model_type == "qwen2", qk_norm=hf_config.model_type == "qwen3")
+        qkv_bias=hf_config.model_type == "qwen2",
+        qk_norm=hf_config.model_type in ("qwen3", "qwen3_moe"), **experts)
 
 
 def check_tensor_parallel(layout: Layout, tp: int) -> None:
     """ValueError unless heads, groups, MLP width and vocabulary divide evenly over tp ranks."""
-    for name, value in (("num_heads", layout.num_heads),
-                        ("num_query_groups", layout.num_query_groups),
-                        ("ffn_hidden_size", layout.ffn_hidden_size),
-                        ("vocab_size", layout.vocab_size)):
+    sizes = [("num_heads", layout.num_heads), ("num_query_groups", layout.num_query_groups),
+             ("vocab_size", layout.vocab_size)]
+    sizes.append(("moe_ffn_hidden_size", layout.moe_ffn_hidden_size) if layout.moe
+                 else ("ffn_hidden_size", layout.ffn_hidden_size))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor "
                              f"parallel size {tp}; choose a tensor_model_parallel_size dividing it")
+
+
+def check_expert_parallel(layout: Layout, ep: int) -> None:
+    """ValueError unless the experts divide evenly over `ep` expert-parallel ranks (ep = 1 for
+    a dense model)."""
+    if ep > 1 and not layout.moe:
+        raise ValueError(f"expert parallelism (ep = {ep}) needs a mixture-of-experts model; "
+                         f"this one is dense: set ep = 1")
+    if layout.moe and layout.num_experts % ep:
+        raise ValueError(f"its {layout.num_experts} experts per layer do not split evenly over "
+                         f"ep = {ep} expert-parallel ranks; choose an ep dividing "
+                         f"{layout.num_experts}")
 
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rank: int,
@@ -169,8 +219,9 @@ def _layer_rules(layout: Layout) -> list[tuple[str, str, int | None]]:
     """(HF suffix, megatron suffix, split dim or None = replicated) for one-to-one tensors."""
     rules = [("input_layernorm.weight", "input_layernorm.weight", None),
              ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
-             ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", 1),
-             ("mlp.down_proj.weight", "mlp.linear_fc2.weight", 1)]
+             ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", 1)]
+    if not layout.moe:
+        rules.append(("mlp.down_proj.weight", "mlp.linear_fc2.weight", 1))
     if layout.qk_norm:
         rules += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
                   ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None)]
@@ -181,12 +232,26 @@ def _split(t: torch.Tensor, dim: int | None, rank: int, tp: int) -> torch.Tensor
     return t.clone() if dim is None else t.chunk(tp, dim=dim)[rank].clone()
 
 
+def _fc1(gate: torch.Tensor, up: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
+
+
+def local_experts(layout: Layout, ep_rank: int, ep: int) -> range:
+    """The global indices of the experts expert-parallel rank `ep_rank` holds."""
+    per = layout.num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], layout: Layout, rank: int = 0, tp: int = 1,
-                   layers: range | None = None, first: bool = True, last: bool = True
-                   ) -> dict[str, torch.Tensor]:
+                   layers: range | None = None, first: bool = True, last: bool = True,
+                   ep_rank: int = 0, ep: int = 1, etp_rank: int | None = None,
+                   etp: int | None = None) -> dict[str, torch.Tensor]:
     """State dict of tensor rank `rank` of the stage holding global `layers` (first/last: whether
-    it holds the embedding / the final norm and output layer)."""
+    it holds the embedding / the final norm and output layer); a MoE layer's experts those of
+    expert-parallel rank `ep_rank`, split over `etp` expert tensor ranks (default: tp)."""
     check_tensor_parallel(layout, tp)
+    check_expert_parallel(layout, ep)
+    etp, etp_rank = (tp, rank) if etp is None else (etp, etp_rank)
     layers = range(layout.num_layers) if layers is None else layers
     used: set[str] = set()
 
@@ -206,9 +271,21 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], layout: Layout, rank: int = 0, t
         for part in ("weight", "bias") if layout.qkv_bias else ("weight",):
             qkv = [take(f"{attn}{p}_proj.{part}") for p in "qkv"]
             out[f"{dst}self_attention.linear_qkv.{part}"] = pack_qkv(*qkv, layout, rank, tp)
+        if layout.moe:
+            out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight").clone()
+            mine = local_experts(layout, ep_rank, ep)
+            for e in range(layout.num_experts):
+                hf_e = f"{src}mlp.experts.{e}."
+                gate, up = take(hf_e + "gate_proj.weight"), take(hf_e + "up_proj.weight")
+                down = take(hf_e + "down_proj.weight")
+                if e not in mine:  # another expert-parallel rank's
+                    continue
+                mg_e = f"{dst}mlp.experts.local_experts.{e - mine.start}."
+                out[mg_e + "linear_fc1.weight"] = _fc1(gate, up, etp_rank, etp)
+                out[mg_e + "linear_fc2.weight"] = _split(down, 1, etp_rank, etp)
+            continue
         gate, up = take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[rank],
-                                                        up.chunk(tp)[rank]]).clone()
+        out[dst + "mlp.linear_fc1.weight"] = _fc1(gate, up, rank, tp)
     if last:
         out["decoder.final_layernorm.weight"] = take("model.norm.weight").clone()
         head = "model.embed_tokens.weight" if layout.tied_embeddings else "lm_head.weight"
@@ -234,10 +311,14 @@ def _refuse_unused(hf: dict, used: set[str], layout: Layout, layers: range, firs
 
 
 def megatron_to_hf(shards: list[dict[str, torch.Tensor]], layout: Layout,
-                   layers: range | None = None, first: bool = True, last: bool = True
+                   layers: range | None = None, first: bool = True, last: bool = True,
+                   expert_shards: list[list[dict[str, torch.Tensor]]] | None = None
                    ) -> dict[str, torch.Tensor]:
-    """Merge the tensor-rank state dicts (in rank order) of one stage into HF tensors."""
+    """Merge the tensor-rank state dicts (in rank order) of one stage into HF tensors. A MoE
+    model's expert tensors come from `expert_shards[ep rank][expert tensor rank]` (None: ep = 1,
+    the expert tensor ranks being `shards`)."""
     layers = range(layout.num_layers) if layers is None else layers
+    expert_shards = [shards] if expert_shards is None else expert_shards
     out: dict[str, torch.Tensor] = {}
 
     def cat(key: str, dim: int | None) -> torch.Tensor:
@@ -255,6 +336,10 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], layout: Layout,
                              layout)
             for p, t in zip("qkv", qkv):
                 out[f"{dst}self_attn.{p}_proj.{part}"] = t
+        if layout.moe:
+            out[dst + "mlp.gate.weight"] = cat(src + "mlp.router.weight", None)
+            _experts_to_hf(expert_shards, layout, src, dst, out)
+            continue
         halves = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
         out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
         out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
@@ -263,3 +348,20 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], layout: Layout,
         if not layout.tied_embeddings:
             out["lm_head.weight"] = cat("output_layer.weight", 0)
     return out
+
+
+def _experts_to_hf(expert_shards: list[list[dict[str, torch.Tensor]]], layout: Layout, src: str,
+                   dst: str, out: dict[str, torch.Tensor]) -> None:
+    """One layer's experts from every (expert-parallel rank, expert tensor rank) shard, under
+    their per-expert HF names, in expert order."""
+    ep = len(expert_shards)
+    for ep_rank, shards in enumerate(expert_shards):
+        mine = local_experts(layout, ep_rank, ep)
+        for e in mine:
+            mg_e = f"{src}mlp.experts.local_experts.{e - mine.start}."
+            halves = [s[mg_e + "linear_fc1.weight"].chunk(2) for s in shards]
+            hf_e = f"{dst}mlp.experts.{e}."
+            out[hf_e + "gate_proj.weight"] = torch.cat([h[0] for h in halves])
+            out[hf_e + "up_proj.weight"] = torch.cat([h[1] for h in halves])
+            out[hf_e + "down_proj.weight"] = torch.cat([s[mg_e + "linear_fc2.weight"]
+                                                        for s in shards], dim=1)
