@@ -35,6 +35,18 @@ Invariants:
 - Control operations (weight update, release/resume) run on the loop task at a safe point:
   between waves, or (weight update only) at a step boundary while generation is paused.
 
+Routed experts (mixture-of-experts models; SGLang's `return_routed_experts`): with routes
+enabled (`routed_experts`: None = whenever the model has routed experts, True = required, False =
+never, SGLang without --enable-return-routed-experts), `models.moe.Routing` hooks every router
+of the model. A forward whose wave holds a request with `return_routed_experts` records the
+expert ids of every position it fed: a prefill's rows are the sequence's whole token list (its
+left padding dropped) and replace what the sequence had (a retracted sequence is prefilled
+again: its routes are those of the new prefill, as SGLang reads them from the KV slots of the
+last computation), a decode step appends one row per sequence. The result carries the first
+len(tokens) - 1 rows ([seqlen - 1, num_hidden_layers, top_k] int32, 0 in layers without
+experts): every position that was a model input. A request queued and never prefilled (aborted
+before its wave) has none.
+
 Pause modes (SGLang's `PauseGenerationReqInput.mode`, default "abort"): new requests always wait
 until `continue_generation`. "abort": queued and running requests finish at once with
 finish_reason abort (partial output kept). "in_place": the running wave stops at the next step
@@ -96,14 +108,29 @@ from memory.safetensors_io import read_safetensors_into, safetensors_shapes
 from models.invariant import decoder_for
 from models.invariant import log_softmax as invariant_log_softmax
 from models.load import load_model
-from models.moe import expert_views, fused_expert_names
+from models.moe import Routing, expert_views, fused_expert_names, moe_shape, routes_array
 from models.tiny import TINY
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "SamplingParams", "Scheduler",
-           "cache_kwarg"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "RoutedGenRequest",
+           "RoutedGenResult", "SamplingParams", "Scheduler", "cache_kwarg"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclasses.dataclass
+class RoutedGenRequest(GenRequest):
+    """A request that may ask for its routed experts (SGLang's `return_routed_experts`)."""
+
+    return_routed_experts: bool = False
+
+
+@dataclasses.dataclass
+class RoutedGenResult(GenResult):
+    """A result with the routed experts of every position that was a model input: [seqlen - 1,
+    num_hidden_layers, top_k] int32 (None: not asked, routes disabled, or never prefilled)."""
+
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,6 +155,9 @@ class _Seq:
     abort_message: str | None = None
     finish: dict[str, Any] | None = None
     adapter: Any = None  # the LoRA adapter it runs with (engine/adapters.py; None: the base)
+    # expert ids of every position fed through the model so far, in position order (chunks:
+    # a prefill's rows, then one row per decode step); None until a forward recorded any
+    routes: list[torch.Tensor] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -153,6 +183,9 @@ class _RowOut:
     top: TopList = dataclasses.field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     input_top: list[TopList | None] | None = None
+    # expert ids [positions fed, layers, k] (int32, CPU) when the row's request asked for them
+    routes: torch.Tensor | None = None
+    routes_prefill: bool = False  # from a prefill: they replace the sequence's rows
 
 
 # ----------------------------------------------------------------------------- step helpers
@@ -197,8 +230,21 @@ class Scheduler:
                  dtype: torch.dtype = torch.float32, seed: int = 0, max_batch_size: int = 64,
                  batch_wait_ms: float = 5.0, weight_version: str = "0",
                  executor: ThreadPoolExecutor | None = None, true_on_policy: bool = False,
-                 weights_backup: bool = True):
+                 weights_backup: bool = True, routed_experts: bool | None = None):
         self.model, self.tokenizer = model, tokenizer
+        # mixture of experts: the expert layout, and the router hooks that record routes
+        self.moe = moe_shape(model.config)
+        if self.moe is not None and true_on_policy:
+            raise ValueError(f"true_on_policy: {getattr(model.config, 'model_type', '?')} is a "
+                             f"mixture-of-experts model; the batch-invariant forward "
+                             f"(models/invariant) has no routed-experts path, so it cannot "
+                             f"serve it: set true_on_policy = false for a MoE policy")
+        if routed_experts and self.moe is None:
+            raise ValueError(f"--enable-return-routed-experts: {source} is not a "
+                             f"mixture-of-experts model (its config names no routed experts "
+                             f"and num_experts_per_tok), so there are no routes to return")
+        enabled = self.moe is not None and routed_experts is not False
+        self.routing: Routing | None = Routing(model, self.moe) if enabled else None
         self.source: str | None = source  # checkpoint the weights equal (None: pushed tensors)
         self.device, self.dtype, self.seed = device, dtype, seed
         self.max_batch_size = max(1, max_batch_size)
@@ -245,11 +291,11 @@ class Scheduler:
             loop = asyncio.get_running_loop()
             model, tokenizer = await loop.run_in_executor(pool, load_model, source, device,
                                                           dtype, seed)
-        except BaseException:
+            return cls(model, tokenizer, source=source, device=device, dtype=dtype, seed=seed,
+                       executor=pool, **kw)
+        except BaseException:  # a model the options refuse (true_on_policy, routed experts)
             pool.shutdown(wait=True)
             raise
-        return cls(model, tokenizer, source=source, device=device, dtype=dtype, seed=seed,
-                   executor=pool, **kw)
 
     # ------------------------------------------------------------------ public API
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
@@ -494,6 +540,11 @@ class Scheduler:
             if out.input_logprobs is not None:
                 s.input_logprobs, s.input_top = out.input_logprobs, out.input_top
                 s.input_done = True
+            if out.routes is not None:
+                if out.routes_prefill or s.routes is None:
+                    s.routes = [out.routes]
+                else:
+                    s.routes.append(out.routes)
             if out.token is None:  # max_new_tokens == 0: only the prefill was wanted
                 s.finish = {"type": "length", "length": 0}
             else:
@@ -547,12 +598,37 @@ class Scheduler:
             # rows are left-padded, so the last `keep` positions of every row are its last
             # `keep` tokens (a window never reaches into the padding: it lies within its row)
             keep = max([self._window_len(s) for s in wave.seqs if prefill] + [1])
-            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=position_ids.to(self.device),
-                             **{self._cache_kw: wave.cache},
-                             use_cache=True, logits_to_keep=keep)
+            record = self.routing is not None and any(map(self._wants_routes, wave.seqs))
+            if record:
+                self.routing.recorded, self.routing.record = {}, True
+            try:
+                out = self.model(input_ids=ids.to(self.device),
+                                 attention_mask=mask.to(self.device),
+                                 position_ids=position_ids.to(self.device),
+                                 **{self._cache_kw: wave.cache},
+                                 use_cache=True, logits_to_keep=keep)
+            finally:
+                if record:
+                    self.routing.record = False
             logits = out.logits.float().cpu()
-            return [self._row(s, logits[b], prefill) for b, s in enumerate(wave.seqs)]
+            rows = [self._row(s, logits[b], prefill) for b, s in enumerate(wave.seqs)]
+            if record:
+                self._attach_routes(wave.seqs, rows, tuple(ids.shape), prefill)
+            return rows
+
+    def _attach_routes(self, seqs: list[_Seq], rows: list[_RowOut], shape: tuple[int, int],
+                       prefill: bool) -> None:
+        """The routes of the forward just run ([B, W] tokens, left-padded) onto the rows whose
+        request asked for them: a prefill's real positions (the last len(tokens) of the row),
+        or a decode step's one position."""
+        b, w = shape
+        routes = routes_array(self.routing.recorded, self.moe).view(
+            b, w, self.moe.num_layers, self.moe.top_k).cpu()
+        self.routing.recorded = {}
+        for i, (s, out) in enumerate(zip(seqs, rows)):
+            if self._wants_routes(s):
+                n = len(s.tokens) if prefill else 1
+                out.routes, out.routes_prefill = routes[i, w - n:].clone(), prefill
 
     def _forward_invariant(self, wave: _Wave) -> list[_RowOut]:
         """`_forward` in true on-policy mode: the invariant prefill (rows from position 0) or
@@ -607,6 +683,10 @@ class Scheduler:
         out.logprob = float(logprobs[out.token])
         out.top = top_list(logprobs, req.top_logprobs_num)
         return out
+
+    @staticmethod
+    def _wants_routes(s: _Seq) -> bool:
+        return bool(getattr(s.req, "return_routed_experts", False))
 
     @staticmethod
     def _wants_input_logprobs(s: _Seq) -> bool:
@@ -689,13 +769,16 @@ class Scheduler:
     def _complete(self, s: _Seq) -> None:
         if s.future.done():
             return
-        s.future.set_result(GenResult(
+        routes = None
+        if s.routes and self._wants_routes(s):  # every position that was a model input
+            routes = torch.cat(s.routes)[:len(s.tokens) - 1]
+        s.future.set_result(RoutedGenResult(
             rid=s.req.rid, prompt_ids=s.req.input_ids, output_ids=list(s.output_ids),
             text=visible_text(self.tokenizer, s), finish_reason=s.finish,
             weight_version=self.weight_version, e2e_latency=time.monotonic() - s.created,
             output_logprobs=s.output_logprobs, output_top=s.output_top,
             input_logprobs=s.input_logprobs, input_top=s.input_top, retractions=s.retractions,
-            weight_versions=list(s.versions)))
+            weight_versions=list(s.versions), routed_experts=routes))
 
     def _fail_all(self, error: Exception) -> None:
         for s in list(self._queue) + list(self._active):
