@@ -30,7 +30,16 @@ Matched against (read in the public sglang sources, no server was run):
   read: tests/fixtures/sglang/;
 - `schedule_batch.py`: finish reasons {"type": "stop", "matched": id|str}, {"type": "length",
   "length": n}, {"type": "abort", "message", "status_code", "err_type"};
-- `sampling_params.py` `verify()`: the range checks and their messages.
+- `sampling_params.py` `verify()`: the range checks and their messages;
+- routed experts (`return_routed_experts`, a single bool for the whole request; the server
+  returns them only when started with --enable-return-routed-experts):
+  `layers/moe/routed_experts_capturer.py` `get_routed_experts` (the rows of KV slots
+  `req_to_token[:seqlen - 1]`: every position that was a model input, [seqlen - 1,
+  num_hidden_layers, num_experts_per_tok] int32, 0 in layers without experts), the output
+  processor's `maybe_collect_routed_experts` (collected when a request finishes, an abort of a
+  running request included; a request never scheduled has none) and `tokenizer_manager.py`
+  `_handle_batch_output` (`meta_info["routed_experts"]` = base64 of the int32 array's bytes, set
+  only when there is one). Fixture and versions: tests/fixtures/sglang/README.md.
 
 Deliberate differences / not confirmed:
 - Unknown top-level /generate fields are rejected with 400 (SGLang's pydantic model ignores them);
@@ -51,6 +60,13 @@ Deliberate differences / not confirmed:
   tokenizer manager likewise waits for in-flight requests under its model-update lock).
 - /health_generate answers 200 at once while paused (SGLang would time out), 503 while memory is
   released; generate while released answers 503 (SGLang has no defined behaviour there).
+- Routed experts: the engine returns them whenever its model has routed experts unless started
+  with routes off (engine/standalone.py, like `sglang.launch_server`, turns them on only with
+  --enable-return-routed-experts; an embedded worker of the actors serves them for any MoE
+  model). Without routes (off, or a dense model) a request asking for them is answered without
+  the field, as SGLang's no-op capturer does. The flag with a dense model is refused at start
+  (SGLang's capturer reads `num_experts_per_tok` from the config at start; read, not run).
+  `routed_experts_start_len` (newer SGLang) is accepted at its default 0 only.
 - A string rid on a batch request becomes "<rid>_<i>" per item (the exact SGLang format was not
   confirmed); /abort_request with rid "x" also aborts "x_<i>".
 """
@@ -58,12 +74,14 @@ Deliberate differences / not confirmed:
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import math
 import reprlib
 import uuid
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from engine.errors import BadRequest, EngineUnavailable
@@ -71,6 +89,7 @@ from engine.scheduler import (
     DEFAULT_MAX_NEW_TOKENS,
     GenRequest,
     GenResult,
+    RoutedGenRequest,
     SamplingParams,
     Scheduler,
 )
@@ -89,7 +108,8 @@ MAX_CHARS_PER_TOKEN = 64  # a text prompt longer than context_len * this is refu
 
 # Top-level /generate fields: accepted, or accepted only at SGLang's default value.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "lora_path"}
+                   "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "lora_path",
+                   "return_routed_experts"}
 IGNORED_FIELDS = {"log_metrics", "priority", "custom_labels", "no_logs", "routing_key",
                   "conversation_id", "extra_key", "session_id", "external_trace_header",
                   "received_time", "routed_dp_rank", "data_parallel_rank", "background",
@@ -98,7 +118,8 @@ DEFAULT_ONLY_FIELDS = {"input_embeds": None, "image_data": None, "video_data": N
                        "audio_data": None, "lora_id": None,
                        "session_params": None, "custom_logit_processor": None,
                        "token_ids_logprob": None, "return_hidden_states": False,
-                       "return_routed_experts": False, "modalities": None,
+                       "routed_experts_start_len": 0, "return_indexer_topk": False,
+                       "modalities": None,
                        "return_entropy": False, "require_reasoning": False,
                        "return_bytes": False}
 # sampling_params keys: implemented ones, and ones accepted only at their default value.
@@ -299,6 +320,9 @@ def _check_fields(body: dict) -> None:
         raise BadRequest("stream=true is not supported by this engine")
     if not isinstance(body.get("return_text_in_logprobs", False), bool):
         raise BadRequest("return_text_in_logprobs must be true or false")
+    if not isinstance(body.get("return_routed_experts", False), (bool, type(None))):
+        raise BadRequest("return_routed_experts must be true or false (one value for the whole "
+                         "request)")
 
 
 def parse_generate(body: Any, tokenizer, vocab_size: int,
@@ -318,15 +342,16 @@ def parse_generate(body: Any, tokenizer, vocab_size: int,
     if not all(x is None or isinstance(x, str) and x for x in loras):
         raise BadRequest("lora_path must be the name of a loaded LoRA adapter (or null), or a "
                          "list of them, one per prompt")
+    routes = bool(body.get("return_routed_experts") or False)
     requests = []
     for i, ids in enumerate(prompts):
         _check_logprob_args(want_lp[i], starts[i], tops[i], len(ids))
         params = parse_sampling_params(sps[i], len(ids), context_len)
-        requests.append(GenRequest(
+        requests.append(RoutedGenRequest(
             rid=rids[i], input_ids=ids, params=params, return_logprob=want_lp[i],
             logprob_start_len=logprob_window_start(want_lp[i], starts[i], len(ids),
                                                    params.max_new_tokens),
-            top_logprobs_num=tops[i], lora=loras[i]))
+            top_logprobs_num=tops[i], lora=loras[i], return_routed_experts=routes))
     return requests, batch
 
 
@@ -396,7 +421,17 @@ def format_result(result: GenResult, req: GenRequest, tokenizer, with_text: bool
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = _top_triples(result.input_top, tokenizer, with_text)
             meta["output_top_logprobs"] = _top_triples(result.output_top, tokenizer, with_text)
+    routes = getattr(result, "routed_experts", None)
+    if getattr(req, "return_routed_experts", False) and routes is not None:
+        meta["routed_experts"] = routes_base64(routes)
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+def routes_base64(routes) -> str:
+    """SGLang's `meta_info["routed_experts"]`: base64 of the int32 ids' bytes (little-endian,
+    row-major [seqlen - 1, num_hidden_layers, top_k])."""
+    array = routes.to(torch.int32).contiguous().numpy().astype("<i4", copy=False)
+    return base64.b64encode(array.tobytes()).decode("ascii")
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -491,6 +526,7 @@ class EngineServer:
         return web.json_response({
             **self.info,
             "max_running_requests": s.max_batch_size,
+            "enable_return_routed_experts": s.routing is not None,
             "context_length": s.context_len,
             "weight_version": s.weight_version,
             "internal_states": [s.stats()],

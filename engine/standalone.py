@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-wait-ms", type=float, default=1.0)
     p.add_argument("--weights-cpu-backup", action=argparse.BooleanOptionalAction, default=True,
                    help="released weights keep a pinned host copy (engine/scheduler.py)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="a mixture-of-experts model returns the experts each token was routed "
+                        "to when a request asks (return_routed_experts); refused for a dense "
+                        "model")
     return p
 
 
@@ -43,7 +47,9 @@ async def serve(args: argparse.Namespace,
                                        dtype=model_dtype(args.dtype), seed=args.seed,
                                        max_batch_size=args.max_batch_size,
                                        batch_wait_ms=args.batch_wait_ms,
-                                       weights_backup=getattr(args, "weights_cpu_backup", True))
+                                       weights_backup=getattr(args, "weights_cpu_backup", True),
+                                       routed_experts=bool(getattr(
+                                           args, "enable_return_routed_experts", False)))
     loop_task = asyncio.ensure_future(scheduler.run())
     server = EngineServer(scheduler, {"model_path": args.model_path, "host": args.host,
                                       "device": args.device, "dtype": args.dtype,
