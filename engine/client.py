@@ -65,13 +65,20 @@ class SglangClient:
     async def generate(self, input_ids: list[int] | list[list[int]],
                        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
                        return_logprob: bool = True, rid: str | list[str] | None = None,
-                       routing_key: str | None = None, **extra: Any) -> Any:
+                       routing_key: str | None = None, return_routed_experts: bool = False,
+                       **extra: Any) -> Any:
         """POST /generate with token ids (a list of lists is a batch: the answer is a list).
 
-        `extra` passes further GenerateReqInput fields (logprob_start_len, top_logprobs_num, ...).
+        `return_routed_experts`: a mixture-of-experts server (SGLang started with
+        --enable-return-routed-experts) answers with `meta_info.routed_experts`, base64 of the
+        int32 expert ids [seqlen - 1, num_hidden_layers, top_k] (engine/session.py decodes
+        them); one flag for every prompt of a batch. `extra` passes further GenerateReqInput
+        fields (logprob_start_len, top_logprobs_num, ...).
         """
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params or {},
                                 "return_logprob": return_logprob, **extra}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         if rid is not None:
             body["rid"] = rid
         headers = {ROUTING_HEADER: routing_key} if routing_key is not None else None
