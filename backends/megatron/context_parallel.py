@@ -206,10 +206,6 @@ def _reduce_scatter_global(grad: torch.Tensor, dim: int, group, cp: int, rank: i
                            ) -> torch.Tensor:
     """The sum over CP ranks of `grad` (global order), this rank's piece of it."""
     pieces = _own_pieces(grad, dim, cp)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce the whole
-        total = torch.cat(pieces, dim).contiguous()
-        dist.all_reduce(total, group=group)
-        return total.chunk(cp, dim)[rank].contiguous()
     out = torch.empty_like(pieces[rank])
     dist.reduce_scatter(out, [p.contiguous() for p in pieces], group=group)
     return out
