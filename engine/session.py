@@ -16,14 +16,28 @@ then the new messages and the generation prompt. Any other request is a drift: b
 `split` (default) the session starts a new segment whose prompt is the request as rendered, and
 the sample of the episode is its last segment (the earlier policy tokens are not trained on and
 are counted); by the rule `fail` the same happens and the sample is marked failed.
+
+Routed experts (`routed_experts=True`, mixture-of-experts policies): every turn asks for SGLang's
+`return_routed_experts`; the answer's `meta_info.routed_experts` (base64 int32) covers every
+position of the turn's input and output but the last token, so the last answer covers the whole
+trajectory up to its last generated token and becomes the sample's `routed_experts` ([n, layers,
+top_k], `routed_experts_dtype(num_experts)`); tokens after it (a final observation) have no row.
+An answer without the field, or whose field does not decode to exactly that shape with expert
+ids below num_experts, fails the episode (SessionFailed naming the field), never the rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import collections
+import functools
+import json
 import logging
 import math
+import os
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +55,8 @@ from envs.openai_api import (
     parse_tool_calls,
     same_assistant_message,
 )
-from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Sample
+from models.moe import MoeShape, moe_shape
+from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Sample, routed_experts_dtype
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +107,8 @@ class HttpSession:
     def __init__(self, client: Any, tokenizer: Any, prompt: str, sampling: dict,
                  routing_key: str, max_new_tokens: int, retries: int = 3,
                  agent: AgentLink | None = None, honor_request_sampling: bool = False,
-                 nucleus_top_logprobs: int = 0, lora: tuple[str, int] | None = None):
+                 nucleus_top_logprobs: int = 0, lora: tuple[str, int] | None = None,
+                 routed_experts: bool = False, moe: MoeShape | None = None):
         self.client, self.tokenizer = client, tokenizer
         self.sampling, self.routing_key = sampling, routing_key
         self.max_new_tokens, self.retries = max_new_tokens, retries
@@ -132,6 +148,13 @@ class HttpSession:
         # a LoRA student: (the adapter every turn names in lora_path, its weight version); the
         # sample's version is the adapter's (a server reports its base weights' version)
         self.lora = lora
+        # a mixture-of-experts policy: ask every turn for its routed experts and keep the last
+        # answer's ([n, layers, k]); `moe` is the model's expert layout (default: read from the
+        # config.json of the checkpoint directory the tokenizer was loaded from)
+        self.routed_experts = routed_experts
+        self.moe = (moe or tokenizer_expert_layout(tokenizer)) if routed_experts else None
+        self.routes: np.ndarray | None = None
+        self._turn_routes: np.ndarray | None = None
 
     async def generate(self, max_new_tokens: int | None = None,
                        stop: list[str] | None = None) -> str:
@@ -146,6 +169,8 @@ class HttpSession:
 
     def _append_policy(self, out: dict) -> tuple[list[int], list[float]]:
         ids = list(out["output_ids"])
+        if self.routed_experts:  # decoded with the answer (_generate_with_retries)
+            self.routes, self._turn_routes = self._turn_routes, None
         meta = out["meta_info"]
         lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         if len(lps) != len(ids):
@@ -173,13 +198,18 @@ class HttpSession:
         extra = {"top_logprobs_num": self.nucleus_top_logprobs} if self._wants_nucleus() else {}
         if self.lora is not None:
             extra["lora_path"] = self.lora[0]
+        if self.routed_experts:
+            extra["return_routed_experts"] = True
         for attempt in range(self.retries + 1):
+            out = None
             try:
-                out = await self.client.generate(input_ids, params, return_logprob=True,
-                                                 routing_key=self.routing_key, **extra)
-                if out["meta_info"]["finish_reason"]["type"] != "abort":
-                    return out
-                last = SessionFailed(f"aborted: {out['meta_info']['finish_reason']}")
+                answer = await self.client.generate(input_ids, params, return_logprob=True,
+                                                    routing_key=self.routing_key, **extra)
+                finish = answer["meta_info"]["finish_reason"]
+                if finish["type"] == "abort":
+                    last = SessionFailed(f"aborted: {finish}")
+                else:
+                    out = answer
             except Exception as e:  # noqa: BLE001 - any transport failure is retried
                 status = getattr(e, "status", None)
                 if refuse_client_errors and isinstance(status, int) and 400 <= status < 500 \
@@ -189,9 +219,27 @@ class HttpSession:
                     raise OpenAIError(400, f"the inference server refused the request: "
                                       f"{message}", param="messages", code=code) from e
                 last = e
+            if out is not None:
+                if self.routed_experts:  # a wrong field fails the episode: not retried
+                    self._turn_routes = self._decode_routes(out, len(input_ids))
+                return out
             self.retried += 1
             await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
         raise SessionFailed(f"generation failed after {self.retries + 1} attempts: {last}")
+
+    def _decode_routes(self, out: dict, context_len: int) -> np.ndarray:
+        """The answer's routed experts: one row per position of the turn's input and output
+        but the last token."""
+        ids = out.get("output_ids")
+        if not isinstance(ids, list):
+            raise SessionFailed("the answer's output_ids is not a list (routed_experts cannot "
+                                "be checked against it)")
+        if "routed_experts" not in out["meta_info"]:
+            raise SessionFailed("asked for routed_experts, but the answer's meta_info has none: "
+                                "an SGLang server returns them for a mixture-of-experts model "
+                                "when started with --enable-return-routed-experts")
+        return decode_routed_experts(out["meta_info"]["routed_experts"],
+                                     context_len + len(ids) - 1, self.moe)
 
     def _wants_nucleus(self) -> bool:
         p = self._turn_params
@@ -254,7 +302,7 @@ class HttpSession:
                       response_ids=self.response_ids, loss_mask=self.loss_mask,
                       rollout_logprobs=self.logprobs, reward=float(reward),
                       weight_version=min(self.versions, default=0), status=status, error=error,
-                      **self.nucleus_arrays())
+                      routed_experts=self.routes, **self.nucleus_arrays())
 
     # ------------------------------------------------------------------ the agent endpoint
     @property
@@ -412,6 +460,7 @@ class HttpSession:
                  plan.reason)
         self.prompt_ids, self._prompt, self._text = plan.ids, self._decode(plan.ids), []
         self.response_ids, self.loss_mask, self.logprobs, self.versions = [], [], [], []
+        self.routes = None  # the new segment's come with its answer
         if self.nucleus_top_logprobs:
             self.nucleus = []
 
@@ -472,6 +521,64 @@ def token_nucleus(token: int, pairs: list[tuple[float, int]], top_p: float
         members = ranked[:ranked.index(token) + 1]
         log_mass = math.log(sum(math.exp(lp) for lp, t in pairs if t in members))
     return members, min(log_mass, 0.0)
+
+
+def decode_routed_experts(value: Any, rows: int, moe: MoeShape) -> np.ndarray:
+    """SGLang's `meta_info.routed_experts` (base64 of little-endian int32 [rows, layers, top_k])
+    as an array of `routed_experts_dtype(num_experts)`; SessionFailed naming the field when it
+    is not exactly that (its length is checked before anything is decoded)."""
+    if not isinstance(value, str):
+        raise SessionFailed(f"meta_info.routed_experts must be a base64 string, got "
+                            f"{type(value).__name__}")
+    count = rows * moe.num_layers * moe.top_k
+    chars = 4 * -(-count * 4 // 3)
+    if len(value) != chars:
+        raise SessionFailed(f"meta_info.routed_experts has {len(value)} base64 characters; "
+                            f"{rows} positions x {moe.num_layers} layers x {moe.top_k} experts "
+                            f"(int32) take {chars}")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise SessionFailed(f"meta_info.routed_experts is not valid base64: {e}") from None
+    if len(raw) != 4 * count:
+        raise SessionFailed(f"meta_info.routed_experts decodes to {len(raw)} bytes, not the "
+                            f"{4 * count} of {rows} x {moe.num_layers} x {moe.top_k} int32 ids")
+    ids = np.frombuffer(raw, dtype="<i4").reshape(rows, moe.num_layers, moe.top_k)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= moe.num_experts):
+        raise SessionFailed(f"meta_info.routed_experts holds expert ids outside [0, "
+                            f"{moe.num_experts}): {int(ids.min())}..{int(ids.max())}")
+    return ids.astype(routed_experts_dtype(moe.num_experts))
+
+
+def tokenizer_expert_layout(tokenizer: Any) -> MoeShape:
+    """The expert layout of the model whose checkpoint directory `tokenizer` was loaded from
+    (its config.json); ValueError when there is none (pass `moe=` to HttpSession instead)."""
+    path = str(getattr(tokenizer, "name_or_path", "") or "")
+    layout = checkpoint_expert_layout(path) if path else None
+    if layout is None:
+        raise ValueError(f"routed_experts: the model's expert layout is unknown (the tokenizer's "
+                         f"name_or_path {path!r} is no checkpoint directory of a "
+                         f"mixture-of-experts model); pass moe=models.moe.MoeShape")
+    return layout
+
+
+@functools.lru_cache(maxsize=16)
+def checkpoint_expert_layout(path: str) -> MoeShape | None:
+    """`models.moe.moe_shape` of a checkpoint directory's config.json (read as JSON: no model
+    library needed); None for a dense model or no such file."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    fields = text if isinstance(text, dict) else config
+    try:
+        return moe_shape(types.SimpleNamespace(**fields))
+    except (AttributeError, TypeError):
+        return None
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
