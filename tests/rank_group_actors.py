@@ -1,6 +1,8 @@
 """Stand-ins for a trainer and its ranks (a restart group of the launcher, launch/supervisor.py)
-without torch: every start is appended to <run_dir>/starts.txt with the store it was given, and
-members fail on cue (the `config` table the launcher copies from the leader to its ranks)."""
+without torch: every start is appended to <run_dir>/starts.txt with the store it was given (and
+each member's run, once the launcher has its READY), and members fail on cue (the `config`
+table the launcher copies from the leader to its ranks). What the tests wait for are conditions
+(files), never times: a machine under load may take seconds for any step."""
 
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class Leader(Actor):
         starts = (Path(self.ctx.run_dir) / "starts.txt").read_text().splitlines()
         if self.config.fail == "once" and sum(s.startswith("leader") for s in starts) == 1:
             await asyncio.Event().wait()  # its rank 1 fails: the launcher restarts both
+        # like a trainer, whose work needs its ranks: it completes only once every member of
+        # this start runs (the launcher has their READY), never while the group still starts
+        await group_running(Path(self.ctx.run_dir), self.config.store, self.config.ranks)
         await asyncio.sleep(0.5)
 
 
@@ -54,6 +59,14 @@ class MemberConfig(msgspec.Struct, forbid_unknown_fields=True):
     config: dict[str, Any]
     store: str = ""
     address: str = ""
+
+
+async def group_running(run_dir: Path, store: str, ranks: int) -> None:
+    """Until every member of the start given `store` runs (its READY acknowledged by the
+    launcher: an actor runs only after that)."""
+    want = {f"running {r}/{ranks} {store}" for r in range(1, ranks)}
+    while not want <= set((run_dir / "starts.txt").read_text().splitlines()):
+        await asyncio.sleep(0.05)
 
 
 async def group_started(run_dir: Path) -> None:
@@ -82,6 +95,7 @@ class Member(Actor):
 
     async def run(self) -> None:
         cfg = self.config
+        record(self.ctx.run_dir, f"running {cfg.rank}/{cfg.world_size} {cfg.store}")
         died = Path(self.ctx.run_dir) / "died"
         if cfg.config.get("fail") == "once" and cfg.rank == 1 and not died.exists():
             died.write_text("")
