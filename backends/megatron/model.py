@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
-from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from backends.megatron.convert import (
     Layout,
+    check_expert_parallel,
     check_model_reference,
     check_tensor_parallel,
     hf_to_megatron,
@@ -48,14 +48,23 @@ from backends.megatron.mcore import (
 )
 from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
 from backends.megatron.parallel import hf_tensors_on_rank0, iter_hf_tensors
+from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from models.load import load_model as load_hf
+from models.moe import checkpoint_tensors
 from transport.dtypes import torch_dtype
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
 SHAPE_FIELDS = frozenset({
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "kv_channels", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
-    "gated_linear_unit", "activation_func", "qk_layernorm"})
+    "gated_linear_unit", "activation_func", "qk_layernorm", "num_moe_experts", "moe_router_topk",
+    "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_topk_scaling_factor", "moe_grouped_gemm", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+    "moe_layer_freq"})
+# TransformerConfig fields the parallel layout sets (parallel.ep; the expert tensor split is
+# megatron's default, tp)
+LAYOUT_FIELDS = frozenset({"expert_model_parallel_size", "expert_tensor_parallel_size"})
 # GPTModel keywords the backend owns (shape, RoPE, stage role, spec)
 OWNED_MODEL_KWARGS = frozenset({
     "config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process",
@@ -96,7 +105,7 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     for key, value in options.items():
         if key in TRAINER_OPTIONS:  # read by the trainer (training/config.py), not the model
             continue
-        if key in SHAPE_FIELDS or key in OWNED_MODEL_KWARGS:
+        if key in SHAPE_FIELDS or key in OWNED_MODEL_KWARGS or key in LAYOUT_FIELDS:
             raise ValueError(f"megatron option {key!r} is set from the HF config / parallel "
                              f"layout by the backend; remove it from the megatron table")
         if key in CONFIG_FIELDS:
@@ -138,7 +147,9 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
     layout = layout_from_hf(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
     check_tensor_parallel(layout, tp)
+    check_expert_parallel(layout, ep)
     for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if key in options and options[key] != size:
             raise ValueError(f"megatron option {key}={options[key]} differs from the "
@@ -155,8 +166,37 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
                      hidden_dropout=0.0,
                      attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)))
     config_kw, _ = split_options(options)
-    return TransformerConfig(**(PORTABLE_DEFAULTS | precision | config_kw | shape),
+    moe: dict[str, Any] = {}
+    if layout.moe:
+        shape |= moe_fields(layout)
+        moe = dict(moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
+                   expert_tensor_parallel_size=tp)
+        sequence_parallel = config_kw.get("sequence_parallel", tp > 1)
+        if tp > 1 and not sequence_parallel:
+            raise ValueError(f"megatron-core runs a mixture-of-experts model at "
+                             f"tensor_model_parallel_size = {tp} with sequence_parallel only; "
+                             f"remove sequence_parallel = false from the megatron table")
+        moe["sequence_parallel"] = sequence_parallel
+        if config_kw.get("moe_router_load_balancing_type", "none") != "none" \
+                or config_kw.get("moe_aux_loss_coeff", 0.0):
+            raise ValueError("the router's load-balancing loss is moe.aux_loss_coef (the train "
+                             "step's; megatron's own runs in training mode only, and the step "
+                             "runs the model in eval mode): remove moe_router_load_balancing_type "
+                             "/ moe_aux_loss_coeff from the megatron table")
+    return TransformerConfig(**(PORTABLE_DEFAULTS | precision | moe | config_kw | shape),
                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def moe_fields(layout: Layout) -> dict[str, Any]:
+    """The TransformerConfig fields of a MoE layout (Qwen3-MoE: softmax routing over every
+    expert, the top k renormalized when norm_topk_prob, SequentialMLP experts)."""
+    return dict(num_moe_experts=layout.num_experts, moe_router_topk=layout.top_k,
+                moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
+                moe_router_score_function="softmax",
+                # pre-softmax: weights are the softmax over all experts (no renormalization);
+                # else the softmax over the top k logits, which is softmax-then-renormalize
+                moe_router_pre_softmax=not layout.norm_topk_prob, moe_grouped_gemm=False)
 
 
 def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTModel:
@@ -165,7 +205,9 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
     layout = layout_from_hf(hf_config)
     _, model_kw = split_options(options)
     factor = rope_scaling_factor(hf_config)
-    spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=layout.num_experts or None,
+                                    moe_grouped_gemm=False, qk_layernorm=layout.qk_norm,
+                                    normalization="RMSNorm")
     return GPTModel(
         config, spec, vocab_size=layout.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
@@ -179,15 +221,24 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
 
 def initialize_parallel(tensor_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1, seed: int = 0,
-                        timeout_s: float = 1800.0) -> None:
+                        timeout_s: float = 1800.0, expert_model_parallel_size: int = 1) -> None:
     """Megatron's parallel state and RNG tracker on the already-initialized default group (the
-    data-parallel size is what the world leaves); its groups' collectives fail after
+    data-parallel size is what the world leaves; the expert-parallel ranks are taken from the
+    data-parallel ones, the experts split over expert_model_parallel_size ranks and, as
+    megatron defaults it, over the tensor ranks); its groups' collectives fail after
     `timeout_s`."""
     if not torch.distributed.is_initialized():
         raise ValueError("torch.distributed must be initialized before the megatron backend "
                          "(torchrun, or init_process_group with a store)")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size,
-                                             pipeline_model_parallel_size,
+    tp, pp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
+                  expert_model_parallel_size)
+    world = torch.distributed.get_world_size()
+    dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
+    if ep > 1 and (dp == 0 or dp % ep):
+        raise ValueError(f"expert parallelism ep = {ep} must divide the data-parallel size "
+                         f"world / (tp * pp) = {world} / ({tp} * {pp}): megatron takes the "
+                         f"expert-parallel ranks from the data-parallel ones")
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
                                              distributed_timeout_minutes=timeout_s / 60,
                                              create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -254,16 +305,24 @@ class MegatronCausalLM(torch.nn.Module):
                              "through backends.megatron.pipeline.PipelineRunner")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        width = input_ids.shape[1]
+        input_ids, attention_mask = pad_to_split(self.core.config, input_ids, attention_mask)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         logits = self.module(input_ids, positions.expand_as(input_ids),
                              blocked_attention(attention_mask), runtime_gather_output=True)
-        return CausalLMOutput(logits=logits)
+        return CausalLMOutput(logits=logits[:, :width])
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         """Load HF-named full tensors: this rank keeps its tensor shard of its stage."""
+        if self.layout.moe:  # transformers' fused experts under their per-expert names
+            hf = dict(checkpoint_tensors(hf.items()))
         own = hf_to_megatron(hf, self.layout, parallel_state.get_tensor_model_parallel_rank(),
                              parallel_state.get_tensor_model_parallel_world_size(), self.layers,
-                             self.core.pre_process, self.core.post_process)
+                             self.core.pre_process, self.core.post_process,
+                             parallel_state.get_expert_model_parallel_rank(),
+                             parallel_state.get_expert_model_parallel_world_size(),
+                             parallel_state.get_expert_tensor_parallel_rank(),
+                             parallel_state.get_expert_tensor_parallel_world_size())
         missing, unexpected = self.core.load_state_dict(own, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -288,6 +347,17 @@ class MegatronCausalLM(torch.nn.Module):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to a global gradient norm over all tensor/pipeline shards; returns the norm."""
         return clip_global_grad_norm(self, max_norm)
+
+
+def pad_to_split(config: TransformerConfig, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """With sequence parallelism the sequence splits over the tensor ranks: rows padded on the
+    right (masked tokens, which no real token attends to) to a multiple of the tensor size."""
+    tp = config.tensor_model_parallel_size
+    extra = -input_ids.shape[1] % tp if config.sequence_parallel else 0
+    if not extra:
+        return input_ids, attention_mask
+    return F.pad(input_ids, (0, extra)), F.pad(attention_mask, (0, extra))
 
 
 def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:
