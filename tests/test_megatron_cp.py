@@ -250,6 +250,8 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
     errors = ref["errors"] | {
         "split": _error(lambda: cpmod.positions(ids.shape[1], cp, 0)),
         "odd_local_length": _error(lambda: attention(odd, odd_kv, odd_kv, None)),
+        # the parallel state has CP groups of 2, the TransformerConfig says cp = 1
+        "config": _error(lambda: tiny_gpt(tp, 1)),
         "mask_keys": _error(lambda: model(batch.input_ids, batch.position_ids,
                                           blocked_attention(mask), runtime_gather_output=True)),
     }
@@ -306,7 +308,10 @@ def test_tp2_cp2_equals_tp2_cp1(tp2_cp2):
 def test_bad_placements_say_why(cp2):
     errors = cp2["errors"]
     assert "multiple of 2 * cp = 4" in errors["split"]
-    assert "context-parallel group has 1 ranks" in errors["group"]
+    assert "context_parallel_size = 2 in the TransformerConfig but the context-parallel " \
+        "group has 1 ranks" in errors["group"]
+    assert "context_parallel_size = 1 in the TransformerConfig but the context-parallel " \
+        "group has 2 ranks" in errors["config"]
     assert "3 key/value groups" in errors["heads"]  # (not a multiple of, at tp = 1)
     assert "must be equal and even" in errors["odd_local_length"]
     assert "the last dim covers the whole sequence" in errors["mask_keys"]

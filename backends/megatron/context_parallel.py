@@ -280,13 +280,13 @@ class ContextParallelAttention(DotProductAttention):
                          attention_dropout, softmax_scale, cp_comm_type, pg_collection)
         self.config = config
         group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        if group is None and cp > 1:
+        if group is None:
             group = parallel_state.get_context_parallel_group(check_initialized=False)
         size = 1 if group is None else dist.get_world_size(group)
-        if cp > 1 and size != cp:
+        if size != cp:
             raise ValueError(f"context_parallel_size = {cp} in the TransformerConfig but the "
-                             f"context-parallel group has {size} ranks: initialize megatron's "
-                             f"parallel state with context_parallel_size = {cp}")
+                             f"context-parallel group has {size} ranks: build the config and "
+                             f"megatron's parallel state with the same context_parallel_size")
         self.cp_size, self.cp_group = cp, group
         self.cp_rank = dist.get_rank(group) if cp > 1 else 0
         if cp > 1 and is_layer_window_attention(config.window_size,
