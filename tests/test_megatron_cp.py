@@ -171,6 +171,8 @@ def reference_pass(tp: int) -> dict:
         same_full = mine(ids, positions, blocked_attention(mask), runtime_gather_output=True)
         same_compact = mine(ids, positions, cpmod.key_padding_mask(mask, 1),
                             runtime_gather_output=True)
+    with torch.no_grad():
+        helper = cpmod.cp_logits(ref, ids, mask)  # plain DotProductAttention, cp = 1
     errors = {
         # TransformerConfig says cp = 2, the parallel state has a CP group of 1
         "group": _error(lambda: tiny_gpt(tp, 2)),
@@ -182,7 +184,8 @@ def reference_pass(tp: int) -> dict:
                      if isinstance(v, torch.Tensor)},
            "logits": logits.detach(), "grads": _grads(ref),
            "exact_full": torch.equal(same_full, logits),
-           "exact_compact": torch.equal(same_compact, logits), "errors": errors}
+           "exact_compact": torch.equal(same_compact, logits),
+           "exact_helper": torch.equal(helper, logits), "errors": errors}
     parallel_state.destroy_model_parallel()
     return out
 
@@ -219,10 +222,8 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
     loss_of(lp[:, :-1], mask, weights).backward()
     grads_lp = _grads(model)
     model.zero_grad(set_to_none=True)
-    # the same loss on the gathered logits
-    local = model(batch.input_ids, batch.position_ids, batch.attention_mask,
-                  runtime_gather_output=True)
-    whole = cpmod.gather_from_cp(local, 1, batch.length)
+    # the same loss on the gathered logits (cp_logits: split, forward, gather)
+    whole = cpmod.cp_logits(model, ids, mask)
     loss_of(cpmod.local_token_logprobs(whole, cpmod.next_token_labels(ids))[:, :-1], mask,
             weights).backward()
     grads_logits = _grads(model)
@@ -262,7 +263,9 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
                            for n, g in ref["grads"].items()),
         "mask_whole": (by_whole - compact).abs().max(),
         "mask_rows": (by_rows - compact).abs().max(),
-        "ref_exact": 0.0 if ref["exact_full"] and ref["exact_compact"] else 1.0,
+        "ref_exact": 0.0 if ref["exact_full"] and ref["exact_compact"]
+        and ref["exact_helper"] else 1.0,
+        "logits_helper": (whole - ref["logits"]).abs().max(),
     })
     grad_scale = max(g.abs().max() for g in ref["grads"].values())
     parallel_state.destroy_model_parallel()
@@ -288,7 +291,7 @@ def _check(report: dict) -> None:
     diffs = report["diffs"]
     assert report["local_len"] == 8  # 13 tokens padded to 16, two chunks of 4 per rank
     assert diffs["ref_exact"] == 0.0  # cp = 1: megatron's DotProductAttention, bit for bit
-    assert diffs["logits"] < 1e-5
+    assert diffs["logits"] < 1e-5 and diffs["logits_helper"] < 1e-5
     assert report["grad_scale"] > 1e-3  # the gradients compared are not all zero
     assert diffs["grad_logprobs"] < 1e-5
     assert diffs["grad_logits"] < 1e-5

@@ -25,12 +25,13 @@ the causal part first), so the results are identical.
 Inputs and outputs: `split_batch` / `split_for_cp` take a micro-batch's [B, T] tensors to this
 rank's [B, S / cp] pieces (T padded up to S, a multiple of 2 * cp); `gather_from_cp` puts a
 per-token tensor [B, S / cp, ...] (logits, or the cheaper per-token log-probs of
-`local_token_logprobs`) back into global order [B, T, ...].
+`local_token_logprobs`) back into global order [B, T, ...]; `cp_logits` is the three together
+(a model's whole-sequence logits, what the trainer's forward returns).
 Gradient convention: `gather_from_cp`'s backward hands each rank the gradient of its own
 positions, so a loss computed on the gathered tensor, the same on every CP rank, leaves on each
 rank the part of the parameter gradients that flows through its tokens; their SUM over the CP
-group is the whole gradient (megatron's DDP reduces over the data-parallel-with-CP group and
-averages: scale such a loss by cp there, or sum).
+group is the whole gradient. (Megatron's DDP reduces over the data-parallel-with-CP group, as
+a mean unless calculate_per_token_loss: there such a loss is scaled by cp.)
 Invariant: at any cp the gathered outputs and the CP-summed gradients equal those of cp = 1 up
 to float summation order.
 """
@@ -257,6 +258,28 @@ def gather_from_cp(x: torch.Tensor, dim: int = 1, length: int | None = None,
     return x if length is None else x.narrow(dim, 0, length)
 
 
+def cp_logits(module: torch.nn.Module, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None = None, pad_id: int = 0) -> torch.Tensor:
+    """Logits [B, T, V] of a GPTModel (or its Float16Module; a whole model, no pipeline stage)
+    for a [B, T] micro-batch (attention_mask 1 = token), each CP rank running its share:
+    `split_batch`, the forward (vocabulary gathered over the tensor ranks), `gather_from_cp`.
+    Collective over megatron's CP group; the gradient convention of `gather_from_cp`. At
+    cp = 1 the one forward with the whole [B, 1, T, T] mask (causal and padding), which any
+    local-spec model takes, ContextParallelAttention or not."""
+    _, cp, _ = _cp_group_rank(None)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if cp == 1:
+        length = input_ids.shape[1]
+        pos = torch.arange(length, device=input_ids.device)
+        mask = _blocked_rows(key_padding_mask(attention_mask, 1), length, pos, True)
+        return module(input_ids, pos.expand_as(input_ids), mask, runtime_gather_output=True)
+    batch = split_batch(input_ids, attention_mask, pad_id=pad_id)
+    local = module(batch.input_ids, batch.position_ids, batch.attention_mask,
+                   runtime_gather_output=True)
+    return gather_from_cp(local, 1, batch.length)
+
+
 # ---------------------------------------------------------------------------------------------
 # the core attention
 
@@ -431,6 +454,6 @@ def _swap_core_attention(node: Any) -> int:
     return count
 
 
-__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "gather_from_cp",
+__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits", "gather_from_cp",
            "key_padding_mask", "local_token_logprobs", "next_token_labels", "padded_length",
            "positions", "split_batch", "split_for_cp"]
