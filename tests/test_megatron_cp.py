@@ -118,12 +118,15 @@ def tiny_gpt(tp: int, cp: int, context_parallel_spec: bool = True):
                     rotary_base=10000)
 
 
-def padded_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [3, 13], mask, per-position loss weights) of rows of LENGTHS, right-padded."""
+def padded_rows(left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [3, 13], mask, per-position loss weights) of rows of LENGTHS, right-padded (as the
+    trainer pads) or left-padded."""
     gen = torch.Generator().manual_seed(3)
     length = max(LENGTHS)
     ids = torch.randint(1, VOCAB, (len(LENGTHS), length), generator=gen)
     mask = (torch.arange(length)[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    if left:
+        mask = mask.flip(1)
     ids = ids * mask
     weights = torch.randn(len(LENGTHS), length - 1, generator=gen)
     return ids, mask, weights
@@ -173,6 +176,8 @@ def reference_pass(tp: int) -> dict:
                             runtime_gather_output=True)
     with torch.no_grad():
         helper = cpmod.cp_logits(ref, ids, mask)  # plain DotProductAttention, cp = 1
+        left_ids, left_mask, _ = padded_rows(left=True)
+        left = cpmod.cp_logits(ref, left_ids, left_mask)
     errors = {
         # TransformerConfig says cp = 2, the parallel state has a CP group of 1
         "group": _error(lambda: tiny_gpt(tp, 2)),
@@ -185,7 +190,7 @@ def reference_pass(tp: int) -> dict:
            "logits": logits.detach(), "grads": _grads(ref),
            "exact_full": torch.equal(same_full, logits),
            "exact_compact": torch.equal(same_compact, logits),
-           "exact_helper": torch.equal(helper, logits), "errors": errors}
+           "exact_helper": torch.equal(helper, logits), "left": left, "errors": errors}
     parallel_state.destroy_model_parallel()
     return out
 
@@ -245,6 +250,12 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
         compact = model(batch.input_ids, batch.position_ids, batch.attention_mask,
                         runtime_gather_output=True)
 
+        # left-padded rows: their real tokens (a padding query sees no key at all; its
+        # output, never used, is an average over all keys, and cp = 2 has 3 more of them)
+        left_ids, left_mask, _ = padded_rows(left=True)
+        left = cpmod.cp_logits(model, left_ids, left_mask)
+    real = left_mask.bool()
+
     attention = model.decoder.layers[0].self_attention.core_attention
     odd = torch.zeros(5, 1, attention.num_attention_heads_per_partition, 8)
     odd_kv = torch.zeros(5, 1, attention.num_query_groups_per_partition, 8)
@@ -266,6 +277,7 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
         "ref_exact": 0.0 if ref["exact_full"] and ref["exact_compact"]
         and ref["exact_helper"] else 1.0,
         "logits_helper": (whole - ref["logits"]).abs().max(),
+        "logits_left": (left - ref["left"]).abs()[real].max(),
     })
     grad_scale = max(g.abs().max() for g in ref["grads"].values())
     parallel_state.destroy_model_parallel()
@@ -292,6 +304,7 @@ def _check(report: dict) -> None:
     assert report["local_len"] == 8  # 13 tokens padded to 16, two chunks of 4 per rank
     assert diffs["ref_exact"] == 0.0  # cp = 1: megatron's DotProductAttention, bit for bit
     assert diffs["logits"] < 1e-5 and diffs["logits_helper"] < 1e-5
+    assert diffs["logits_left"] < 1e-5
     assert report["grad_scale"] > 1e-3  # the gradients compared are not all zero
     assert diffs["grad_logprobs"] < 1e-5
     assert diffs["grad_logits"] < 1e-5
