@@ -31,11 +31,12 @@ from backends.megatron.checkpoint import (
     load_trainer_checkpoint,
     save_trainer_checkpoint,
 )
-from backends.megatron.convert import check_parallel_layout
+from backends.megatron.convert import check_parallel_layout, is_moe
 from backends.megatron.lora import check_targets
 from backends.megatron.mcore import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 from backends.megatron.model import (
     MegatronCausalLM,
+    MegatronRouting,
     initialize_parallel,
     load_model,
     parallel_state,
@@ -45,6 +46,12 @@ from backends.megatron.pipeline import PipelineRunner
 if TYPE_CHECKING:  # annotations only: the training library is a layer above
     from models.lora import LoraConfig
     from training.config import TrainConfig
+
+
+def distributed_optimizer(cfg: TrainConfig) -> bool:
+    """training/config.py's `distributed_optimizer` (the flag, or megatron's option name)."""
+    return bool(cfg.parallel.distributed_optimizer
+                or cfg.megatron.get("use_distributed_optimizer", False))
 
 
 def on_cpu_shim() -> bool:
@@ -70,12 +77,38 @@ class MegatronBackend:
         if importlib.util.find_spec("megatron.core") is None:
             raise ValueError("backend = 'megatron' needs megatron-core: pip install "
                              "'rlx[megatron]' (megatron-core 0.16.1)")
-        check_parallel_layout(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+        check_parallel_layout(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
         if not cfg.device.startswith("cuda") and not on_cpu_shim():
             raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
                              "CPU path); use backend = 'torch' with device = 'cpu'")
+        if is_moe(cfg.model):
+            self._check_moe(cfg)
         if cfg.lora is not None:
             self._check_lora(cfg)
+
+    @staticmethod
+    def _check_moe(cfg: TrainConfig) -> None:
+        """ValueError for a mixture-of-experts layout this backend cannot run (the expert count
+        against ep is checked with the model's other sizes, check_parallel_layout)."""
+        par, options = cfg.parallel, cfg.megatron
+        if par.tp > 1 and str(options.get("sequence_parallel", True)).lower() == "false":
+            raise ValueError(f"megatron-core runs a mixture-of-experts model at parallel.tp = "
+                             f"{par.tp} with sequence parallelism only (the backend turns it "
+                             f"on); remove sequence_parallel = false from the megatron table")
+        if par.ep > 1 and distributed_optimizer(cfg):
+            raise ValueError(f"parallel.distributed_optimizer shards the optimizer over the "
+                             f"data-parallel ranks, which hold different experts at "
+                             f"parallel.ep = {par.ep}; set ep = 1 or distributed_optimizer = "
+                             f"false")
+        if (par.tp > 1 or par.ep > 1) and cfg.lora is not None:
+            raise ValueError(f"lora on a mixture-of-experts model runs at parallel.tp = ep = 1 "
+                             f"on the megatron backend (got tp = {par.tp}, ep = {par.ep})")
+        if par.pp > 1 and cfg.moe.routing_replay != "off" and any(
+                options.get(key) for key in ("recompute_granularity", "recompute_method")):
+            raise ValueError("moe.routing_replay with megatron recomputation at parallel.pp > 1 "
+                             "is not supported (a recomputed layer's routes are not kept across "
+                             "the pipeline schedule); remove the recompute options or set "
+                             "routing_replay = 'off'")
 
     @staticmethod
     def _check_lora(cfg: TrainConfig) -> None:
@@ -93,13 +126,19 @@ class MegatronBackend:
 
     def init_model_parallel(self, cfg: TrainConfig) -> Any:
         """megatron's tp x pp x dp groups over the joined world; the data-parallel group."""
-        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_s)
+        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_s,
+                            cfg.parallel.ep)
         self._parallel = True
         return parallel_state.get_data_parallel_group()
 
-    def position(self) -> tuple[int, int]:
-        return (parallel_state.get_tensor_model_parallel_rank(),
+    def position(self) -> tuple[int, ...]:
+        """(tensor rank, stage); with expert parallelism (tensor rank, stage, expert-parallel
+        rank): data-parallel ranks of one expert-parallel group hold different experts."""
+        here = (parallel_state.get_tensor_model_parallel_rank(),
                 parallel_state.get_pipeline_model_parallel_rank())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            return here + (parallel_state.get_expert_model_parallel_rank(),)
+        return here
 
     def shard(self, state: Any, dtype: torch.dtype, lr: float, weight_decay: float) -> None:
         raise ValueError("the megatron backend shards the model itself (tp x pp); "
@@ -144,7 +183,14 @@ class MegatronBackend:
         return PipelineRunner(model) if cfg.parallel.pp > 1 else None
 
     def step_stats(self, cfg: TrainConfig) -> dict[str, float]:
-        return {"train/tp_size": float(cfg.parallel.tp), "train/pp_size": float(cfg.parallel.pp)}
+        stats = {"train/tp_size": float(cfg.parallel.tp), "train/pp_size": float(cfg.parallel.pp)}
+        if cfg.parallel.ep > 1:
+            stats["train/ep_size"] = float(cfg.parallel.ep)
+        return stats
+
+    def routing(self, model: MegatronCausalLM) -> MegatronRouting | None:
+        """The routing object of a MoE policy (model.py MegatronRouting), None for a dense one."""
+        return MegatronRouting(model) if model.layout.moe else None
 
     def iter_hf_tensors(self, model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         return model.iter_hf_tensors()

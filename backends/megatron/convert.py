@@ -109,6 +109,12 @@ def _hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
+def is_moe(path: str) -> bool:
+    """Whether the model at `path` (a tiny name or an HF directory) has routed experts
+    (config.json only)."""
+    return moe_shape(_hf_config(path)) is not None
+
+
 def check_parallel_layout(path: str, tp: int, pp: int, ep: int = 1) -> None:
     """ValueError unless the model at `path` splits over `tp` tensor ranks, `pp` pipeline
     stages and `ep` expert-parallel ranks (config.json only): heads, groups, MLP width and

@@ -16,6 +16,7 @@ the same function as HF's position_ids = cumsum(mask) - 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -50,7 +51,7 @@ from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
 from backends.megatron.parallel import hf_tensors_on_rank0, iter_hf_tensors
 from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from models.load import load_model as load_hf
-from models.moe import checkpoint_tensors
+from models.moe import NO_ROUTE, checkpoint_tensors, in_backward, moe_shape
 from transport.dtypes import torch_dtype
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
@@ -280,6 +281,7 @@ class MegatronCausalLM(torch.nn.Module):
         self.module = module
         self.config = hf_config  # the HF config: written next to converted weights
         self.layout: Layout = layout_from_hf(hf_config)
+        self.routing: MegatronRouting | None = None  # a MoE model's, once made
 
     @property
     def core(self) -> GPTModel:
@@ -366,3 +368,273 @@ def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:
     t = attention_mask.shape[1]
     future = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).triu(1)
     return future[None, None] | ~attention_mask.bool()[:, None, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: the train step's routing protocol (models/moe.py `Routing`) on megatron's routers
+# ---------------------------------------------------------------------------------------------
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `activation`; its backward also gives `loss` the gradient 1, so a loss term
+    computed inside the forward (the router's load-balancing loss) trains without reaching the
+    step's loss (every pipeline stage adds its own layers')."""
+
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def replay_probs(config: TransformerConfig, logits: torch.Tensor, ids: torch.Tensor
+                 ) -> torch.Tensor:
+    """The weights megatron's top-k router gives experts `ids` [N, k] from its logits [N, E]:
+    its own formula (topk_routing_with_score_function) with the given experts as the top k."""
+    if config.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float()).type_as(logits).gather(1, ids)
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20) if ids.shape[1] > 1 else scores
+    elif config.moe_router_pre_softmax:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits).gather(1, ids)
+    else:
+        probs = torch.softmax(logits.gather(1, ids), dim=-1, dtype=torch.float32).type_as(logits)
+    if config.moe_router_topk_scaling_factor:
+        probs = probs * config.moe_router_topk_scaling_factor
+    return probs
+
+
+class MegatronRouting:
+    """The routing object of a megatron MoE policy (training/moe.py reads it; models/moe.py
+    `Routing` is the transformers models' one, with the same protocol): `record`, `replay`,
+    `keep_logits`, `set_batch(layouts)`, `clear()`, `select(rows, length)`, `take_stats()`,
+    `aux_loss()`.
+
+    Each router's `routing(logits)` is wrapped on this rank's stage. The router sees the tokens
+    of its forward sequence-first ([S, B] flattened, S cut to this tensor rank's part under
+    sequence parallelism, rows padded on the right to the split); the wrapper maps each of them
+    to its (row, column) of the layout given in HF order ([rows, W]) and:
+    - replays the given expert ids where a position has them (`replay`): the routing map is
+      replaced and the weights recomputed from the router's logits for those experts
+      (`replay_probs`), so the router still gets gradients; -1 keeps the router's choice;
+    - compares the router's choice with them (route mismatch) and counts expert loads;
+    - with `keep_logits` in a grad pass, adds the load-balancing loss of models/moe.py
+      (num_experts * sum_e token fraction * mean router probability over real tokens, the
+      layers averaged, weighted by the micro-batch's share of the step's tokens:
+      `aux_per_token`, set by the step) to the backward inside the forward, so every pipeline
+      stage trains its own routers; `aux_loss()` is therefore None.
+    Statistics are summed over the model-parallel group (tensor ranks hold parts of the tokens,
+    pipeline stages their layers) in `take_stats`, which every rank of it calls.
+    Megatron recomputes layers in training mode only; the step runs the model in eval mode.
+    """
+
+    def __init__(self, model: MegatronCausalLM):
+        self.model = model
+        self.shape = moe_shape(model.config)
+        if self.shape is None:
+            raise ValueError("MegatronRouting needs a mixture-of-experts model")
+        model.routing = self  # the pipeline runner sets each micro-batch's layout through it
+        self.config = model.core.config
+        self.record = False  # keep each forward's expert ids in `recorded` (megatron order)
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.replay = False
+        self.keep_logits = False
+        self.aux_per_token = 0.0  # the load-balancing loss's weight per token (the step sets it)
+        self._layouts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self._select: tuple[torch.Tensor, int] | None = None
+        self._grids: list[torch.Tensor] = []  # per set_batch: [2, rows * W] (differs, has)
+        self._grid: torch.Tensor | None = None
+        self._zero_stats()
+        self.routers = {}
+        for i, layer in zip(model.layers, model.core.decoder.layers):
+            router = layer.mlp.router
+            router.routing = self._wrap(router, i)  # an instance attribute over the method
+            self.routers[i] = router
+
+    def close(self) -> None:
+        for router in self.routers.values():
+            del router.routing
+
+    # ------------------------------------------------------------------ the trainer's side
+    def set_batch(self, layouts: list[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
+        """The next forwards' layouts (routes [rows, W, layers, k] or None, valid [rows, W])
+        in HF row-major order; megatron runs the first (the padded micro-batch)."""
+        self._close_grid()
+        self._layouts = [(r, v.bool()) for r, v in layouts]
+        if self._layouts:
+            self._grid = torch.zeros(2, self._layouts[0][1].numel(), dtype=torch.uint8)
+
+    def clear(self) -> None:
+        self._close_grid()
+        self._layouts, self._select = [], None
+
+    @contextlib.contextmanager
+    def select(self, rows: torch.Tensor, length: int) -> Iterator[None]:
+        """Forwards inside run rows `rows` of the first layout, cut to `length` tokens."""
+        self._select = (rows, length)
+        try:
+            yield
+        finally:
+            self._select = None
+
+    def aux_loss(self) -> None:
+        return None  # added inside the forward (class docstring)
+
+    def take_stats(self) -> dict[str, float]:
+        """Metrics since the last call (models/moe.py `Routing.take_stats`' keys, and
+        moe/aux_loss), over the model-parallel group; then reset. Collective over it."""
+        self._close_grid()
+        grids = torch.cat(self._grids, dim=1) if self._grids else torch.zeros(2, 0,
+                                                                             dtype=torch.uint8)
+        counts = torch.zeros(self.shape.num_layers, self.shape.num_experts, dtype=torch.float64)
+        for layer, c in self._counts.items():
+            counts[layer] += c
+        sums = torch.tensor([self._pairs, self._pairs_diff, self._aux_sum, self._aux_count],
+                            dtype=torch.float64)
+        group = parallel_state.get_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            for tensor, op in ((grids, torch.distributed.ReduceOp.MAX),
+                               (counts, torch.distributed.ReduceOp.SUM),
+                               (sums, torch.distributed.ReduceOp.SUM)):
+                torch.distributed.all_reduce(tensor, op=op, group=group)
+        self._grids = []
+        self._zero_stats()
+        out: dict[str, float] = {}
+        pairs, pairs_diff, aux_sum, aux_count = sums.tolist()
+        if pairs:
+            tokens = max(1, int(grids[1].sum()))
+            out["moe/route_mismatch"] = pairs_diff / pairs
+            out["moe/route_mismatch_tokens"] = int((grids[0] & grids[1]).sum()) / tokens
+        loads = [c for c in counts if c.sum() > 0]
+        if loads:
+            out["moe/expert_load_max_over_mean"] = max(float(c.max() / c.mean()) for c in loads)
+            out["moe/expert_load_min_over_mean"] = min(float(c.min() / c.mean()) for c in loads)
+        if aux_count:
+            out["moe/aux_loss"] = aux_sum / aux_count
+        return out
+
+    # ------------------------------------------------------------------ the wrapper
+    def _zero_stats(self) -> None:
+        self._pairs = self._pairs_diff = 0
+        self._aux_sum, self._aux_count = 0.0, 0
+        self._counts: dict[int, torch.Tensor] = {}
+
+    def _close_grid(self) -> None:
+        if self._grid is not None:
+            self._grids.append(self._grid)
+        self._grid = None
+
+    def _positions(self, seq: int, batch: int) -> tuple[torch.Tensor, int] | None:
+        """For a router forward of [seq, batch] local tokens: each token's flat index into the
+        first matching layout's [rows, W] grid (-1: padding past the row), and that layout's
+        index; None without layouts. RuntimeError when no layout matches."""
+        if not self._layouts:
+            return None
+        split = self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1
+        tp = self.config.tensor_model_parallel_size if split else 1
+        start = parallel_state.get_tensor_model_parallel_rank() * seq if split else 0
+        full = seq * tp
+        candidates: list[tuple[int, torch.Tensor, int]] = []
+        if self._select is not None:
+            rows, length = self._select
+            candidates.append((0, torch.as_tensor(rows).reshape(-1).cpu(), length))
+        for i, (_, valid) in enumerate(self._layouts):
+            candidates.append((i, torch.arange(valid.shape[0]), valid.shape[1]))
+        for i, rows, length in candidates:
+            width = self._layouts[i][1].shape[1]
+            if len(rows) != batch or not length <= full < length + tp:
+                continue
+            cols = torch.arange(start, start + seq)
+            pos = rows[None, :] * width + cols[:, None]  # [seq, batch], megatron's order
+            pos = torch.where(cols[:, None] < length, pos, torch.full_like(pos, -1))
+            return pos.reshape(-1), i
+        sizes = [tuple(v.shape) for _, v in self._layouts]
+        raise RuntimeError(f"routing: a router saw [{full} positions x {batch} rows] of tokens, "
+                           f"matching none of the batch's layouts {sizes}"
+                           + ("" if self._select is None else f" nor the selected rows "
+                              f"(length {self._select[1]})"))
+
+    def _wrap(self, router: torch.nn.Module, layer: int):
+        original = router.routing  # the bound method
+
+        def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+            probs, routing_map = original(logits, padding_mask=padding_mask)
+            return self._after(router, layer, logits, probs, routing_map)
+
+        return routing
+
+    def _after(self, router, layer: int, logits: torch.Tensor, probs: torch.Tensor,
+               routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq, batch, experts = logits.shape
+        flat = logits.reshape(-1, experts)
+        k = self.shape.top_k
+        if self.record:
+            self.recorded[layer] = routing_map.int().topk(k, dim=-1).indices.detach()
+        found = self._positions(seq, batch)
+        if found is None:
+            return probs, routing_map
+        pos, index = found
+        routes, valid_grid = self._layouts[index]
+        real = pos >= 0
+        safe = pos.clamp(min=0)
+        valid = (valid_grid.reshape(-1)[safe] & real).to(logits.device)
+        backward = in_backward()
+        chosen = routing_map
+        if routes is not None:
+            given = routes[:, :, layer].reshape(-1, routes.shape[-1])[safe].to(logits.device,
+                                                                               torch.long)
+            has = (given[:, 0] != NO_ROUTE) & valid
+            ids = torch.where(has[:, None], given, torch.zeros_like(given))
+            given_map = torch.zeros_like(routing_map).scatter(1, ids, True)
+            if not backward:
+                self._compare(routing_map, given_map, has, pos, index)
+            if self.replay:
+                new = torch.zeros_like(probs).scatter(1, ids, replay_probs(self.config, flat,
+                                                                           ids).to(probs.dtype))
+                probs = torch.where(has[:, None], new, probs)
+                chosen = routing_map = torch.where(has[:, None], given_map, routing_map)
+        if not backward:
+            self._count(layer, chosen, valid)
+        if self.keep_logits and torch.is_grad_enabled() and self.aux_per_token:
+            probs = self._with_aux(flat, chosen, valid, probs, index, count=not backward)
+        return probs, routing_map
+
+    def _compare(self, own: torch.Tensor, given: torch.Tensor, has: torch.Tensor,
+                 pos: torch.Tensor, index: int) -> None:
+        with torch.no_grad():
+            differs = (own != given).any(-1) & has
+            self._pairs += int(has.sum())
+            self._pairs_diff += int(differs.sum())
+            if index == 0 and self._grid is not None:  # per token: any MoE layer differs
+                at = pos[has.cpu()]
+                self._grid[1, at] = 1
+                self._grid[0, pos[differs.cpu()]] = 1
+
+    def _count(self, layer: int, chosen: torch.Tensor, valid: torch.Tensor) -> None:
+        with torch.no_grad():
+            counts = chosen[valid].sum(0).to("cpu", torch.float64)
+            self._counts[layer] = self._counts.get(layer, 0) + counts
+
+    def _with_aux(self, logits: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor,
+                  probs: torch.Tensor, index: int, count: bool) -> torch.Tensor:
+        """`probs` carrying this layer's share of the load-balancing loss (class docstring)."""
+        e, k = self.shape.num_experts, self.shape.top_k
+        mean_probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        local = mean_probs[valid].sum(0)  # this rank's tokens (with grad)
+        with torch.no_grad():
+            totals = torch.cat([chosen[valid].sum(0).float(), valid.sum().float()[None],
+                                local.detach()])
+            if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
+                torch.distributed.all_reduce(
+                    totals, group=parallel_state.get_tensor_model_parallel_group())
+            counts, tokens, whole = totals[:e], totals[e].clamp(min=1), totals[e + 1:]
+        fraction = counts / (tokens * k)
+        loss = e * (fraction * local / tokens).sum()  # summed over tensor ranks: the loss
+        if count:
+            self._aux_sum += float(e * (fraction * whole / tokens).sum())
+            self._aux_count += 1
+        micro_batch_tokens = float(self._layouts[index][1].sum())
+        weight = self.aux_per_token * micro_batch_tokens / len(self.shape.moe_layers)
+        return _AttachLoss.apply(probs, loss * weight)

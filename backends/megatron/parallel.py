@@ -17,7 +17,7 @@ float summation order); the gradient norm is the same on every rank of the model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -108,29 +108,65 @@ def _recv_piece(src: int) -> dict[str, torch.Tensor] | None:
     return out
 
 
+def _is_expert_key(key: str) -> bool:
+    return ".mlp.experts." in key
+
+
+def _gather_experts(piece: dict[str, torch.Tensor]) -> list[list[dict[str, torch.Tensor]]] | None:
+    """Every expert rank's copy of a layer's expert tensors `piece` on the first rank of the
+    expert tensor x expert-parallel group, one tensor at a time, as [ep rank][expert tensor
+    rank] (CPU; on its device when the group is this rank alone); None on the other ranks."""
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return [[{k: v.detach() for k, v in piece.items()}]]
+    ranks = dist.get_process_group_ranks(group)
+    first = dist.get_rank() == ranks[0]
+    where = [None] * size  # each member's (ep rank, expert tensor rank)
+    dist.all_gather_object(where, (parallel_state.get_expert_model_parallel_rank(),
+                                   parallel_state.get_expert_tensor_parallel_rank()), group=group)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    out: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(etp)] for _ in range(ep)]
+    for key in sorted(piece):
+        tensor = piece[key].detach().to(_comm_device()).contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(size)] if first else None
+        dist.gather(tensor, parts, dst=ranks[0], group=group)
+        if first:
+            for (ep_rank, etp_rank), part in zip(where, parts):
+                out[ep_rank][etp_rank][key] = part.cpu()
+    return out if first else None
+
+
 def iter_hf_tensors(model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model's HF tensors on global rank 0 (CPU; at tp = 1 on the model's device),
     one piece at a time as they are gathered (the embedding, each layer, the final norm and
     output layer; later stages' pieces as they arrive), nothing on the other ranks. Collective:
-    every rank runs it to the end; ranks outside data-parallel replica 0 return at once. A
-    consumer that lets go of each piece before asking for the next holds one piece of the
-    model, never the whole of it."""
-    if parallel_state.get_data_parallel_rank() != 0:
+    every rank runs it to the end; ranks outside data-parallel replica 0 return at once, except
+    (a MoE model) those holding the other experts: a layer's experts are gathered from the
+    expert-parallel ranks of expert replica 0. A consumer that lets go of each piece before
+    asking for the next holds one piece of the model, never the whole of it."""
+    replica0 = parallel_state.get_data_parallel_rank() == 0
+    experts = model.layout.moe and parallel_state.get_expert_data_parallel_rank() == 0
+    if not (replica0 or experts):
         return
     core = model.core
     local = {k: v for k, v in core.state_dict(keep_vars=True).items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
+    head = replica0 and parallel_state.get_tensor_model_parallel_rank() == 0
     offset = model.layers.start
     for kind, index in _pieces(model):
         piece = _piece_tensors(local, kind, index - offset, model.layout.tied_embeddings)
-        shards = _gather_to_first_tensor_rank(piece)
+        expert_piece = {k: piece.pop(k) for k in [k for k in piece if _is_expert_key(k)]}
+        shards = _gather_to_first_tensor_rank(piece) if replica0 else None
+        expert_shards = _gather_experts(expert_piece) if experts and expert_piece else None
         if shards is None:
             continue
         layers = range(index, index + 1) if kind == "layer" else range(0)
-        hf = megatron_to_hf(shards, model.layout, layers, kind == "embedding", kind == "final")
-        del shards
+        hf = megatron_to_hf(shards, model.layout, layers, kind == "embedding", kind == "final",
+                            expert_shards)
+        del shards, expert_shards
         if stage == 0:
             for key in list(hf):  # given out one by one: the consumer's is the only reference
                 yield key, hf.pop(key)
@@ -138,10 +174,10 @@ def iter_hf_tensors(model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor
             _send_piece(hf, dst=0)
         del hf
     if stage > 0:
-        if first_tensor_rank:
+        if head:
             _send_piece(None, dst=0)
         return
-    if first_tensor_rank:  # global rank 0: the later stages' pieces, stage by stage
+    if head:  # global rank 0: the later stages' pieces, stage by stage
         stages = dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())
         for src in stages[1:]:
@@ -155,18 +191,57 @@ def hf_tensors_on_rank0(model: MegatronCausalLM) -> dict[str, torch.Tensor]:
     return dict(iter_hf_tensors(model))
 
 
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """A parameter of an expert that only its expert-parallel rank holds (megatron marks them
+    allreduce = False when ep > 1): its gradient sums over the expert data-parallel group."""
+    return getattr(param, "allreduce", True) is False
+
+
+def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """With sequence parallelism each tensor rank saw its part of the sequence, so the replicated
+    parameters it marks `sequence_parallel` (layer norms, routers) hold a partial gradient: sum
+    them over the tensor ranks (megatron's finalize_model_grads does the same). Once per
+    gradient: a gradient already summed and unchanged since is left alone."""
+    params = [p for p in model.parameters()
+              if p.grad is not None and getattr(p, "sequence_parallel", False)]
+    if not params or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    done = getattr(model, "_sequence_parallel_summed", {})
+    if all(done.get(id(p)) == (id(p.grad), p.grad._version) for p in params):
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+    object.__setattr__(model, "_sequence_parallel_summed",
+                       {id(p): (id(p.grad), p.grad._version) for p in params})
+
+
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """Global L2 norm of the gradients: each shard counted once (tensor-parallel duplicates and
-    the last stage's copy of tied embeddings skipped), summed over the model-parallel group."""
+    the last stage's copy of tied embeddings skipped), summed over the model-parallel group;
+    expert-parallel experts over the expert tensor x expert x pipeline group."""
+    sum_sequence_parallel_grads(model)
     params = [p for p in model.parameters() if p.grad is not None]
     first = params[0].grad if params else torch.zeros(())
     total = torch.zeros((), dtype=torch.float32, device=first.device)
+    experts = torch.zeros((), dtype=torch.float32, device=first.device)
     for p in params:
         if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-            total += p.grad.detach().float().pow(2).sum()
+            square = p.grad.detach().float().pow(2).sum()
+            if is_expert_parallel(p):
+                experts += square
+            else:
+                total += square
     if dist.is_initialized() and parallel_state.get_model_parallel_group() is not None:
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return total.sqrt()
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(experts,
+                            group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    return (total + experts).sqrt()
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -178,6 +253,49 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
             if p.grad is not None:
                 p.grad.detach().mul_(coef.to(p.grad.dtype))
     return float(norm)
+
+
+def sum_data_parallel_grads(params: list[torch.nn.Parameter], group: Any = None) -> None:
+    """Sum gradients over the data-parallel ranks as the train step's DataParallel.sum_grads does
+    (missing = zero), but each expert-parallel expert's over the expert data-parallel group
+    only: the other data-parallel ranks of its expert-parallel group hold other experts."""
+    dense = [p for p in params if not is_expert_parallel(p)]
+    experts = [p for p in params if is_expert_parallel(p)]
+    for chosen, grp in ((dense, group or parallel_state.get_data_parallel_group()),
+                        (experts, parallel_state.get_expert_data_parallel_group())):
+        if not chosen or dist.get_world_size(grp) == 1:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in chosen]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=grp)
+        offset = 0
+        for p, g in zip(chosen, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
+
+
+class ExpertDataParallel:
+    """The train step's data-parallel reductions (training/data_parallel.py DataParallel's
+    interface: rank, world_size, sum_grads, sum_tensor, gather) over megatron's data-parallel
+    group, gradients summed by `sum_data_parallel_grads` (experts over their own group)."""
+
+    def __init__(self) -> None:
+        self.group = parallel_state.get_data_parallel_group()
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        sum_data_parallel_grads(params, self.group)
+
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(_comm_device(), copy=True)
+        dist.all_reduce(out, group=self.group)
+        return out.cpu()
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 def allreduce_tied_embedding_grads(model: MegatronCausalLM) -> None:

@@ -15,6 +15,9 @@ schedule (`get_forward_backward_func`), which moves activations and gradients be
 `share` broadcasts the last stage's statistics to every stage, so global rank 0 reports them.
 Micro-batches are taken duck-typed (`input_ids`, `attention_mask`, `prompt_lens`,
 `num_response_cols`, `samples`): planning and the algorithm stay in training/.
+A mixture-of-experts model's routing object (model.py MegatronRouting, `model.routing`) is
+given each micro-batch's layout right before its forward on every stage (routing replay, route
+metrics, the load-balancing loss of each stage's routers).
 Invariant: on the same weights and samples the step through this runner equals the step on a
 single-stage model (up to float summation order). Every rank of the job passes the same samples;
 each stage reads only what it needs.
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from algos.logprobs import response_logprobs
 from backends.megatron.mcore import get_forward_backward_func, parallel_state
-from backends.megatron.model import MegatronCausalLM, blocked_attention
+from backends.megatron.model import MegatronCausalLM, blocked_attention, pad_to_split
 from backends.megatron.parallel import allreduce_tied_embedding_grads
 
 
@@ -40,12 +43,20 @@ def _response(logits: torch.Tensor, mb: Any, temperature: float):
                              temperature)
 
 
-def _forward_step(data_iterator, model, loss_for=None):
-    """megatron's forward_step_func: one micro-batch through this stage."""
+def _forward_step(data_iterator, model, loss_for=None, routing=None):
+    """megatron's forward_step_func: one micro-batch through this stage (a MoE model's routing
+    set to its layout first; rows padded to the sequence-parallel split, the logits cut)."""
     i, mb = next(data_iterator)
-    positions = torch.arange(mb.input_ids.shape[1], device=mb.input_ids.device)
-    out = model(mb.input_ids, positions.expand_as(mb.input_ids),
-                blocked_attention(mb.attention_mask), runtime_gather_output=True)
+    if routing is not None:
+        routing.set_batch([(getattr(mb, "routes", None), mb.attention_mask.bool())])
+    config = model.config if hasattr(model, "config") else model.module.config
+    width = mb.input_ids.shape[1]
+    ids, mask = pad_to_split(config, mb.input_ids, mb.attention_mask)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    out = model(ids, positions.expand_as(ids), blocked_attention(mask),
+                runtime_gather_output=True)
+    if parallel_state.is_pipeline_last_stage() and out.shape[1] != width:
+        out = out[:, :width]
     return out, (partial(loss_for, i, mb) if loss_for is not None else None)
 
 
@@ -63,11 +74,18 @@ class PipelineRunner:
     def _run(self, mbs: Sequence[Any], loss_for: Callable | None, forward_only: bool) -> list:
         """The schedule over `mbs`; what the last stage collected per micro-batch (else [])."""
         self.model.core.config.variable_seq_lengths = True  # micro-batches differ in length
-        return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_for=loss_for),
-            data_iterator=iter(list(enumerate(mbs))), model=[self.model.module],
-            num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
-            micro_batch_size=max(len(mb.samples) for mb in mbs), forward_only=forward_only)
+        routing = getattr(self.model, "routing", None)  # a MoE model's (MegatronRouting)
+        tp = self.model.core.config.tensor_model_parallel_size
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_for=loss_for, routing=routing),
+                data_iterator=iter(list(enumerate(mbs))), model=[self.model.module],
+                num_microbatches=len(mbs),
+                seq_length=-(-max(mb.input_ids.shape[1] for mb in mbs) // tp) * tp,
+                micro_batch_size=max(len(mb.samples) for mb in mbs), forward_only=forward_only)
+        finally:
+            if routing is not None:
+                routing.clear()
 
     def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
                  ) -> list[torch.Tensor] | None:

@@ -1,0 +1,415 @@
+"""Mixture-of-experts on the megatron backend (tiny-qwen3-moe, fp32, CPU over gloo): HF <->
+megatron conversion at every expert layout, logits against transformers, routing replay against
+the torch backend's (models/moe.py `Routing`), one train step (routing replay and the
+load-balancing loss on) at ep = 2, tp = 2 and pp = 2 against the torch backend's step, resuming
+a checkpoint across expert layouts, and the placement errors.
+
+The multi-rank parts run in child processes (tests/test_megatron_parallel.py `rank_main`), each
+layout in turn on the same ranks; rank 0 reports tensors and the tests here assert on them.
+tp = 2 x ep = 2 needs four processes: it runs in its own launch (`four_ranks`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("megatron.core")
+
+from backends.megatron.convert import (
+    hf_to_megatron,
+    layout_from_hf,
+    megatron_to_hf,
+)
+from models.moe import NO_ROUTE, Routing, checkpoint_tensors, moe_shape
+from models.tiny import build_char_tokenizer, tiny_config
+
+SPAWN_TIMEOUT_S = 540
+NAME = "tiny-qwen3-moe"
+
+
+# ---------------------------------------------------------------------------------------------
+# shared fixtures of the parent and the ranks
+# ---------------------------------------------------------------------------------------------
+
+def moe_model(seed: int = 0):
+    """The tiny MoE transformers model with non-trivial norms and decisive routers (router
+    weights of std 1: no near-ties between experts, whose order float rounding could flip)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(NAME), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(1.0, 0.1)
+            elif key.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    return model
+
+
+def hf_checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint (per-expert) names, tied lm_head left out."""
+    out = {k: v.clone() for k, v in checkpoint_tensors(model.state_dict().items())}
+    out.pop("lm_head.weight", None)
+    return out
+
+
+def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of lengths 9, 6, 3, right-padded to 9 (as the trainer pads)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (3, 9), generator=gen)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for row, n in enumerate((9, 6, 3)):
+        mask[row, :n] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def random_routes(shape, rows: int, width: int, seed: int) -> torch.Tensor:
+    """[rows, width, layers, k] distinct random expert ids per token and layer."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(rows, width, shape.num_layers, shape.num_experts, generator=gen)
+    return scores.argsort(-1)[..., :shape.top_k].to(torch.int32)
+
+
+def own_routes(hf, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The routes the transformers model chooses itself, NO_ROUTE on the padding."""
+    shape = moe_shape(hf.config)
+    routing = Routing(hf)
+    routing.record = True
+    with torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask)
+    routing.close()
+    out = torch.stack([routing.recorded[i].reshape(*ids.shape, shape.top_k)
+                       for i in range(shape.num_layers)], dim=2).to(torch.int32)
+    return out.masked_fill(~mask.bool()[:, :, None, None], NO_ROUTE)
+
+
+def samples_with_routes(tok, shape) -> list:
+    """Two GRPO groups of two answers, each sample with engine routes for all but its last
+    position (the last of the second group's samples without any)."""
+    from tests.test_megatron_model import batch
+
+    out = batch(tok)
+    gen = np.random.default_rng(3)
+    for i, s in enumerate(out):
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        scores = gen.random((n, shape.num_layers, shape.num_experts))
+        if i < 3:
+            s.routed_experts = scores.argsort(-1)[..., :shape.top_k].astype(np.uint8)
+    return out
+
+
+def step_config(micro_batch_size: int = 1):
+    from actors.trainer import TrainerConfig
+    from training.config import MicroBatchConfig, MoeConfig, OptimizerConfig
+
+    return TrainerConfig(model="x", workers=["w"],
+                         micro_batches=MicroBatchConfig(size=micro_batch_size),
+                         optimizer=OptimizerConfig(grad_clip=0.0),
+                         moe=MoeConfig(routing_replay="rollout", aux_loss_coef=0.05))
+
+
+# ---------------------------------------------------------------------------------------------
+# the ranks
+# ---------------------------------------------------------------------------------------------
+
+def run_ranks(target: str, tmp_path: Path, world: int) -> dict:
+    """`target`(rank, tmp) of this module on `world` child processes; rank 0's report."""
+    code = (f"from tests.test_megatron_parallel import rank_main; "
+            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r}, {__name__!r})")
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for r in range(world)]
+    try:
+        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
+    assert not errors, "\n".join(errors)
+    assert codes == [0] * world
+    return torch.load(tmp_path / "report.pt", weights_only=False)
+
+
+def _layout_checks(hf, with_step: bool = True) -> dict:
+    """At the current parallel state: the HF export, logits, routing replay, one train step."""
+    from backends.megatron.model import MegatronRouting, from_hf_model
+
+    model = from_hf_model(hf)
+    out: dict = {"weights": model.hf_state_dict()}
+    ids, mask = padded_batch(hf.config.vocab_size)
+    shape = moe_shape(hf.config)
+    routing = MegatronRouting(model)
+    with torch.no_grad():
+        out["logits"] = model(ids, attention_mask=mask).logits
+        out["plain_stats"] = routing.take_stats()
+        routing.replay = True
+        routing.set_batch([(own_routes(hf, ids, mask), mask.bool())])
+        out["own_logits"] = model(ids, attention_mask=mask).logits
+        routing.clear()
+        out["own_stats"] = routing.take_stats()
+    routing.set_batch([(random_routes(shape, *ids.shape, seed=5), mask.bool())])
+    logits = model(ids, attention_mask=mask).logits
+    (logits * mask[:, :, None]).sum().backward()
+    routing.clear()
+    out["other_stats"] = routing.take_stats()
+    out["other_logits"] = logits.detach()
+    out["router_grads"] = [float(layer.mlp.router.weight.grad.abs().sum())
+                           for layer in model.core.decoder.layers]
+    routing.close()
+    if with_step:
+        out["step"] = _train_step(hf)
+    return out
+
+
+def _train_step(hf) -> dict:
+    """One train_on_batch (SGD, lr 1; routing replay and the load-balancing loss on) on this
+    rank's shard, gradients summed over the data-parallel ranks expert-aware."""
+    from backends.megatron.model import from_hf_model
+    from backends.megatron.parallel import ExpertDataParallel
+    from training.backends import get_backend, model_runner
+    from training.moe import attach
+    from training.step import TrainState, train_on_batch
+
+    tok = build_char_tokenizer()
+    cfg = step_config()
+    model = from_hf_model(hf)
+    backend = get_backend("megatron")
+    attach(model, backend.routing(model))
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0), backend=backend)
+    runner = model_runner(backend, cfg, model)
+    dp = ExpertDataParallel()
+    stats = train_on_batch(state, samples_with_routes(tok, moe_shape(hf.config)), cfg, dp,
+                           runner)
+    return {"stats": stats, "weights": model.hf_state_dict(), "model": model,
+            "optimizer": state.optimizer}
+
+
+def two_ranks(rank: int, tmp: Path) -> dict:
+    """ep = 1 (dp = 2), ep = 2, tp = 2 and pp = 2 on the same two ranks; checkpoints saved at
+    ep = 2 resumed at ep = 1 and the other way."""
+    from backends.megatron import checkpoint
+    from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
+    from tests import megatron_moe_shim
+
+    megatron_moe_shim.install()
+    hf = moe_model()
+    report: dict = {}
+    for name, (tp, pp, ep) in {"ep1": (1, 1, 1), "ep2": (1, 1, 2), "tp2": (2, 1, 1),
+                               "pp2": (1, 2, 1)}.items():
+        initialize_parallel(tp, pp, expert_model_parallel_size=ep)
+        if pp == 1:
+            report[name] = _layout_checks(hf)
+        else:
+            report[name] = {"weights": from_hf_model(hf).hf_state_dict(),
+                            "step": _train_step(hf)}
+        if ep == 2:  # a checkpoint after the step, resumed at ep = 1 below
+            step = report[name]["step"]
+            checkpoint.save_distributed(step["model"], tmp / "ckpt-ep2", step["optimizer"],
+                                        step=1, version=1)
+        if name == "ep1":
+            step = report[name]["step"]
+            checkpoint.save_distributed(step["model"], tmp / "ckpt-ep1", step["optimizer"],
+                                        step=1, version=1)
+            fresh = from_hf_model(moe_model(seed=7))
+            report["ep1"]["unloaded"] = fresh.hf_state_dict()
+        for part in report[name].get("step", {}), :
+            part.pop("model", None)
+            part.pop("optimizer", None)
+        parallel_state.destroy_model_parallel()
+    # resume across expert layouts: ep = 2's checkpoint at ep = 1, ep = 1's at ep = 2
+    for name, (ep, directory) in {"ep2_at_ep1": (1, "ckpt-ep2"),
+                                  "ep1_at_ep2": (2, "ckpt-ep1")}.items():
+        initialize_parallel(1, 1, expert_model_parallel_size=ep)
+        model = from_hf_model(moe_model(seed=7))
+        meta = checkpoint.load_distributed(model, tmp / directory)
+        report[name] = {"weights": model.hf_state_dict(), "step": meta["step"]}
+        parallel_state.destroy_model_parallel()
+    return report
+
+
+def four_ranks(rank: int, tmp: Path) -> dict:
+    """tp = 2 x ep = 2 (dp = 2) on four ranks."""
+    from backends.megatron.model import initialize_parallel, parallel_state
+    from tests import megatron_moe_shim
+
+    megatron_moe_shim.install()
+    initialize_parallel(2, 1, expert_model_parallel_size=2)
+    report = {"tp2ep2": _layout_checks(moe_model())}
+    report["tp2ep2"]["step"].pop("model")
+    report["tp2ep2"]["step"].pop("optimizer")
+    parallel_state.destroy_model_parallel()
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    return run_ranks("two_ranks", tmp_path_factory.mktemp("moe2"), world=2)
+
+
+@pytest.fixture(scope="module")
+def reports4(tmp_path_factory) -> dict:
+    return run_ranks("four_ranks", tmp_path_factory.mktemp("moe4"), world=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the torch backend gives on the same weights
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def want() -> dict:
+    from training.backends import get_backend
+    from training.moe import attach
+    from training.step import TrainState, train_on_batch
+
+    hf = moe_model()
+    ids, mask = padded_batch(hf.config.vocab_size)
+    shape = moe_shape(hf.config)
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=mask).logits
+        routing = Routing(hf)
+        routing.replay = True
+        routing.set_batch([(random_routes(shape, *ids.shape, seed=5), mask.bool())])
+        other = hf(input_ids=ids, attention_mask=mask).logits
+        other_stats = routing.take_stats()
+        routing.close()
+    tok = build_char_tokenizer()
+    model = moe_model()
+    backend = get_backend("torch")
+    attach(model, backend.routing(model))
+    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0), backend=backend)
+    stats = train_on_batch(state, samples_with_routes(tok, shape), step_config())
+    return {"weights": hf_checkpoint_tensors(hf), "logits": logits, "other_logits": other,
+            "other_stats": other_stats, "mask": mask.bool(), "step_stats": stats,
+            "step_weights": hf_checkpoint_tensors(model)}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4)])
+def test_conversion_round_trip_is_bit_exact(tp, ep):
+    hf = hf_checkpoint_tensors(moe_model())
+    layout = layout_from_hf(tiny_config(NAME))
+    shards = [[hf_to_megatron(hf, layout, r, tp, ep_rank=q, ep=ep) for r in range(tp)]
+              for q in range(ep)]
+    assert len([k for k in shards[-1][0] if ".local_experts." in k and "fc1" in k]) == \
+        layout.num_layers * layout.num_experts // ep
+    back = megatron_to_hf(shards[0], layout, expert_shards=shards)
+    assert sorted(back) == sorted(hf)
+    for key, value in hf.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_conversion_round_trip_over_pipeline_stages():
+    hf = hf_checkpoint_tensors(moe_model())
+    layout = layout_from_hf(tiny_config(NAME))
+    first = hf_to_megatron(hf, layout, layers=range(0, 1), first=True, last=False, ep_rank=1,
+                           ep=2)
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight" in first
+    back = {}
+    for layers, first, last in ((range(0, 1), True, False), (range(1, 2), False, True)):
+        shards = [[hf_to_megatron(hf, layout, 0, 1, layers, first, last, ep_rank=q, ep=2)]
+                  for q in range(2)]
+        back |= megatron_to_hf(shards[0], layout, layers, first, last, expert_shards=shards)
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_expert_rows_of_each_rank():
+    """Expert e of 4 at ep = 2 is local expert e mod 2 of rank e // 2; its fc1 is [gate; up]
+    (split over the expert tensor ranks like a dense MLP's), its fc2 split by columns."""
+    hf = hf_checkpoint_tensors(moe_model())
+    layout = layout_from_hf(tiny_config(NAME))
+    own = hf_to_megatron(hf, layout, 1, 2, ep_rank=1, ep=2)
+    gate = hf["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    up = hf["model.layers.1.mlp.experts.3.up_proj.weight"]
+    down = hf["model.layers.1.mlp.experts.3.down_proj.weight"]
+    prefix = "decoder.layers.1.mlp.experts.local_experts.1."
+    assert torch.equal(own[prefix + "linear_fc1.weight"], torch.cat([gate[32:], up[32:]]))
+    assert torch.equal(own[prefix + "linear_fc2.weight"], down[:, 32:])
+    assert torch.equal(own["decoder.layers.1.mlp.router.weight"],
+                       hf["model.layers.1.mlp.gate.weight"])
+
+
+LAYOUTS = ["ep1", "ep2", "tp2"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS + ["pp2"])
+def test_hf_export_is_bit_exact(reports, want, name):
+    got = reports[name]["weights"]
+    assert sorted(got) == sorted(want["weights"])
+    for key, value in want["weights"].items():
+        assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_logits_equal_transformers(reports, want, name):
+    got, mask = reports[name], want["mask"]
+    assert (got["logits"] - want["logits"]).abs()[mask].max() < 1e-5
+    assert got["plain_stats"]["moe/expert_load_max_over_mean"] >= 1.0
+    assert "moe/route_mismatch" not in got["plain_stats"]  # no routes given
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_replaying_own_routes_changes_nothing(reports, want, name):
+    got, mask = reports[name], want["mask"]
+    assert (got["own_logits"] - got["logits"]).abs()[mask].max() < 1e-6
+    assert got["own_stats"]["moe/route_mismatch"] == 0.0
+    assert got["own_stats"]["moe/route_mismatch_tokens"] == 0.0
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_replaying_other_routes_matches_the_torch_backend(reports, want, name):
+    got, mask = reports[name], want["mask"]
+    assert (got["other_logits"] - got["logits"]).abs()[mask].max() > 1e-2  # routes mattered
+    assert (got["other_logits"] - want["other_logits"]).abs()[mask].max() < 1e-5
+    for key, value in want["other_stats"].items():
+        assert got["other_stats"][key] == pytest.approx(value, rel=1e-6), key
+    assert all(g > 0 for g in got["router_grads"])  # weights recomputed from the logits
+
+
+@pytest.mark.parametrize("name", LAYOUTS + ["pp2"])
+def test_train_step_equals_the_torch_backend(reports, want, name):
+    """Routing replay and the load-balancing loss on: the weights after one SGD step."""
+    got = reports[name]["step"]
+    assert got["stats"]["train/loss"] == pytest.approx(want["step_stats"]["train/loss"],
+                                                       rel=1e-5, abs=1e-6)
+    assert _max_diff(got["weights"], want["step_weights"]) < 1e-5
+    assert "moe/route_mismatch" in got["stats"] and "moe/aux_loss" in got["stats"]
+
+
+def test_checkpoint_resumes_across_expert_layouts(reports):
+    assert _max_diff(reports["ep1"]["unloaded"], reports["ep2"]["step"]["weights"]) > 1e-3
+    for name, source in (("ep2_at_ep1", "ep2"), ("ep1_at_ep2", "ep1")):
+        got, saved = reports[name]["weights"], reports[source]["step"]["weights"]
+        assert sorted(got) == sorted(saved)
+        assert all(torch.equal(got[k], saved[k]) for k in saved), name
+        assert reports[name]["step"] == 1
+
+
+def test_tensor_and_expert_parallel_four_ranks(reports4, want):
+    got, mask = reports4["tp2ep2"], want["mask"]
+    assert all(torch.equal(got["weights"][k], v) for k, v in want["weights"].items())
+    assert (got["logits"] - want["logits"]).abs()[mask].max() < 1e-5
+    assert (got["own_logits"] - got["logits"]).abs()[mask].max() < 1e-6
+    assert (got["other_logits"] - want["other_logits"]).abs()[mask].max() < 1e-5
+    assert _max_diff(got["step"]["weights"], want["step_weights"]) < 1e-5
