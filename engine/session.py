@@ -169,8 +169,6 @@ class HttpSession:
 
     def _append_policy(self, out: dict) -> tuple[list[int], list[float]]:
         ids = list(out["output_ids"])
-        if self.routed_experts:  # decoded with the answer (_generate_with_retries)
-            self.routes, self._turn_routes = self._turn_routes, None
         meta = out["meta_info"]
         lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         if len(lps) != len(ids):
@@ -182,6 +180,8 @@ class HttpSession:
             version = min(weight_version(v) for _, v in spans)
         if self.lora is not None:
             version = self.lora[1]
+        if self.routed_experts:  # decoded with the answer (_generate_with_retries)
+            self.routes, self._turn_routes = self._turn_routes, None
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += lps
