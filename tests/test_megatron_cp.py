@@ -232,8 +232,18 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
     loss_of(cpmod.local_token_logprobs(whole, cpmod.next_token_labels(ids))[:, :-1], mask,
             weights).backward()
     grads_logits = _grads(model)
+    model.zero_grad(set_to_none=True)
+    # megatron's masked softmax on explicit scores (what dropout or a softmax offset use)
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.use_sdpa = False
+    explicit = cpmod.cp_logits(model, ids, mask)
+    loss_of(cpmod.local_token_logprobs(explicit, cpmod.next_token_labels(ids))[:, :-1], mask,
+            weights).backward()
+    grads_explicit = _grads(model)
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.use_sdpa = True
     group = parallel_state.get_context_parallel_group()
-    for grads in (grads_lp, grads_logits):
+    for grads in (grads_lp, grads_logits, grads_explicit):
         for g in grads.values():
             torch.distributed.all_reduce(g, group=group)
 
@@ -278,6 +288,9 @@ def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
         and ref["exact_helper"] else 1.0,
         "logits_helper": (whole - ref["logits"]).abs().max(),
         "logits_left": (left - ref["left"]).abs()[real].max(),
+        "logits_explicit": (explicit - ref["logits"]).abs().max(),
+        "grad_explicit": max((grads_explicit[n] - g).abs().max()
+                             for n, g in ref["grads"].items()),
     })
     grad_scale = max(g.abs().max() for g in ref["grads"].values())
     parallel_state.destroy_model_parallel()
@@ -305,6 +318,7 @@ def _check(report: dict) -> None:
     assert diffs["ref_exact"] == 0.0  # cp = 1: megatron's DotProductAttention, bit for bit
     assert diffs["logits"] < 1e-5 and diffs["logits_helper"] < 1e-5
     assert diffs["logits_left"] < 1e-5
+    assert diffs["logits_explicit"] < 1e-5 and diffs["grad_explicit"] < 1e-5
     assert report["grad_scale"] > 1e-3  # the gradients compared are not all zero
     assert diffs["grad_logprobs"] < 1e-5
     assert diffs["grad_logits"] < 1e-5

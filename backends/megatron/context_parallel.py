@@ -14,8 +14,10 @@ in that order, so every rank gets the same share of the causal work. Megatron's
 over the whole sequence. Keys and values are all-gathered over the CP group (before the GQA
 expansion, so num_query_groups heads travel) and put in global order by an autograd function
 whose backward reduce-scatters (sums) their gradients back to the ranks that own them; the
-mask is built from global positions: causal, plus the attention mask the model passes, in one
-of three shapes (True = may not attend, megatron's convention):
+scores go through torch's scaled_dot_product_attention (or megatron's masked softmax, where
+dropout, a softmax offset or layer scaling ask for it); the mask is built from global
+positions: causal, plus the attention mask the model passes, in one of three shapes (True =
+may not attend, megatron's convention):
   [b|1, 1, 1, S]  keys that may not be attended (padding), the compact form `split_batch` gives;
   [b|1, 1, s, S]  this rank's query rows against every key (global order);
   [b|1, 1, S, S]  the whole sequence's mask (global order; this rank's rows are taken).
@@ -45,6 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from algos.logprobs import gather_logprobs, logits_to_logprobs
 from backends.megatron.mcore import parallel_state, tensor_parallel
@@ -287,7 +290,12 @@ def cp_logits(module: torch.nn.Module, input_ids: torch.Tensor,
 class ContextParallelAttention(DotProductAttention):
     """megatron-core's DotProductAttention (same constructor and forward) that also runs with
     context_parallel_size > 1: this rank's queries against the whole sequence's keys and values
-    (module docstring). `cp_comm_type` is accepted and ignored (the exchange is an all-gather)."""
+    (module docstring). `cp_comm_type` is accepted and ignored (the exchange is an all-gather).
+    At cp > 1 the scores go through torch's scaled_dot_product_attention when that computes the
+    same function (`use_sdpa`, no dropout, softmax offset or layer scaling), else through
+    megatron's masked softmax on the explicit [b, heads, s, S] scores."""
+
+    use_sdpa = True  # at cp > 1, torch's fused attention where it applies (_fused_ok)
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
@@ -355,6 +363,8 @@ class ContextParallelAttention(DotProductAttention):
         key = _GatherKeyValue.apply(key, self.cp_group, cp, rank)  # [S, b, groups, d]
         value = _GatherKeyValue.apply(value, self.cp_group, cp, rank)
         repeat = heads // self.num_query_groups_per_partition
+        if self._fused_ok():
+            return self._sdpa(query, key, value, blocked, q_pos, repeat > 1)
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
@@ -374,6 +384,28 @@ class ContextParallelAttention(DotProductAttention):
         context = torch.bmm(probs.view(b * heads, sq, total), v)
         context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
+
+
+    def _fused_ok(self) -> bool:
+        """Whether torch's scaled_dot_product_attention computes what megatron's softmax path
+        would: no dropout to draw, no softmax offset, no query-key layer scaling."""
+        return (self.use_sdpa and self.softmax_offset is None
+                and not self.config.apply_query_key_layer_scaling
+                and (self.attention_dropout.p == 0.0 or not self.training))
+
+    def _sdpa(self, query, key, value, blocked, q_pos, gqa: bool):
+        """The attention through torch's fused kernels (O(s x S) mask, no score matrix kept on
+        CUDA; GQA without expanding the keys). A query that may attend to no key at all (a
+        padding row) is let see itself, where megatron's softmax path averages over every key:
+        such rows are padding, their outputs unused."""
+        sq, b, heads, _ = query.shape
+        allowed = ~blocked  # [b|1, 1, sq, S], True = may attend (torch's convention)
+        itself = torch.arange(allowed.shape[-1], device=q_pos.device)[None, :] == q_pos[:, None]
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & itself)
+        out = F.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            attn_mask=allowed, scale=self.softmax_scale, enable_gqa=gqa)  # [b, heads, sq, d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
 def _check_heads(config, pg_collection) -> None:
