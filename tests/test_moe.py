@@ -19,6 +19,7 @@ from models.moe import (
     checkpoint_tensors,
     fuse_experts,
     moe_shape,
+    replay_weights,
     routes_array,
 )
 from models.tiny import build_tiny
@@ -136,7 +137,8 @@ def test_load_balancing_loss_equals_its_formula():
         frac = torch.bincount(chosen[v].reshape(-1), minlength=E).double() / (int(v.sum()) * K)
         expect.append(E * (frac * probs.mean(0)).sum())
     assert len(expect) == LAYERS
-    assert float(got.detach()) == pytest.approx(float(torch.stack(expect).mean().detach()), rel=1e-6)
+    want = float(torch.stack(expect).mean().detach())
+    assert float(got.detach()) == pytest.approx(want, rel=1e-6)
     got.backward()
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
@@ -259,3 +261,40 @@ def test_micro_batch_routes_pad_and_pack_per_sample():
     samples[2].routed_experts = samples[2].routed_experts[:, :1]
     with pytest.raises(ValueError, match="disagree"):
         make_micro_batch(samples)
+
+
+def test_the_glm_deepseek_layout_dense_first_layer_and_sigmoid_router_replays():
+    """GLM-4.5 / DeepSeek-V3 routing (sigmoid scores, a bias that only chooses, groups, a
+    scaling factor; a dense first layer): the layout, replay of the own routes changes nothing,
+    and replayed experts get sigmoid(logit) / sum * routed_scaling_factor."""
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    shape = moe_shape(model.config)
+    assert (shape.num_layers, shape.moe_layers, shape.num_experts, shape.top_k) == \
+        (3, (1, 2), 8, 2)
+    routing = Routing(model)
+    routing.record = True
+    ids = torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        base = model(input_ids=ids).logits
+    rec = routes_array(routing.recorded, shape)
+    assert (rec[:, 0] == 0).all()  # the dense layer has no experts
+    routing.record, routing.replay = False, True
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    routing.set_batch([(rec.reshape(2, 6, 3, 2), valid)])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, base)
+    router = model.model.layers[1].mlp.gate
+    hidden = torch.randn(5, 32)
+    logits, _, _ = router(hidden)
+    given = torch.tensor([[0, 7], [1, 2], [3, 4], [5, 6], [6, 0]])
+    scores = torch.sigmoid(hidden.double() @ router.weight.double().T).gather(1, given)
+    expect = scores / scores.sum(-1, keepdim=True) * 2.5
+    assert torch.allclose(replay_weights(router, logits, given).double(), expect, atol=1e-6)
