@@ -17,6 +17,7 @@ HOSTS = """
 name = "loop-test"
 progress_interval_s = 1.0
 shutdown_timeout_s = 5.0
+plots = false  # ~2 s of CPU per run (tests/test_sinks.py and test_mopd_cluster.py draw them)
 
 [[hosts]]
 name = "local"
