@@ -29,7 +29,7 @@ with warnings.catch_warnings():
 from backends.megatron import context_parallel as cpmod  # noqa: E402
 from backends.megatron.mcore import get_gpt_layer_local_spec  # noqa: E402
 
-SPAWN_TIMEOUT_S = 180
+SPAWN_TIMEOUT_S = 420  # four ranks on a loaded two-core machine took two minutes
 VOCAB = 64
 LENGTHS = (13, 9, 5)  # right-padded to 13: at cp = 2 padded to 16
 
@@ -325,16 +325,19 @@ def _check(report: dict) -> None:
     assert diffs["mask_whole"] == 0.0 and diffs["mask_rows"] == 0.0
 
 
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)  # the ranks start in the fixture, timed with it
 def test_cp2_equals_cp1(cp2):
     _check(cp2)
 
 
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 def test_tp2_cp2_equals_tp2_cp1(tp2_cp2):
     _check(tp2_cp2)
     assert "3 key/value groups cannot be split over 2 tensor-parallel" in \
         tp2_cp2["errors"]["heads"]
 
 
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 def test_bad_placements_say_why(cp2):
     errors = cp2["errors"]
     assert "multiple of 2 * cp = 4" in errors["split"]
