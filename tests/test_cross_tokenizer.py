@@ -400,7 +400,8 @@ def test_a_cross_vocabulary_run_through_the_launcher(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "launch.cluster", "examples/mopd-cross-vocab.toml", "--run-dir",
          str(run_dir), "--set", "rl.num_steps=2", "--set", "rl.eval_every=0", "--set",
-         "rl.save_every=0", "--set", "rl.groups_per_batch=8", "--set", "rl.workers=1"],
+         "rl.save_every=0", "--set", "rl.groups_per_batch=8", "--set", "rl.workers=1",
+         "--set", "run.plots=false"],  # ~2 s of CPU (tests/test_mopd_cluster.py draws them)
         cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert result.returncode == 0, result.stdout[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
