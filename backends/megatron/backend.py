@@ -91,10 +91,6 @@ class MegatronBackend:
         """ValueError for a mixture-of-experts layout this backend cannot run (the expert count
         against ep is checked with the model's other sizes, check_parallel_layout)."""
         par, options = cfg.parallel, cfg.megatron
-        if par.tp > 1 and str(options.get("sequence_parallel", True)).lower() == "false":
-            raise ValueError(f"megatron-core runs a mixture-of-experts model at parallel.tp = "
-                             f"{par.tp} with sequence parallelism only (the backend turns it "
-                             f"on); remove sequence_parallel = false from the megatron table")
         if par.ep > 1 and distributed_optimizer(cfg):
             raise ValueError(f"parallel.distributed_optimizer shards the optimizer over the "
                              f"data-parallel ranks, which hold different experts at "

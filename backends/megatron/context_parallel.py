@@ -363,11 +363,11 @@ class ContextParallelAttention(DotProductAttention):
         key = _GatherKeyValue.apply(key, self.cp_group, cp, rank)  # [S, b, groups, d]
         value = _GatherKeyValue.apply(value, self.cp_group, cp, rank)
         repeat = heads // self.num_query_groups_per_partition
-        if self._fused_ok():
-            return self._sdpa(query, key, value, blocked, q_pos, repeat > 1)
-        if repeat > 1:
+        if repeat > 1:  # expanded after the exchange (so groups travel, not heads)
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
+        if self._fused_ok():
+            return self._sdpa(query, key, value, blocked, q_pos)
 
         q = query.reshape(sq, b * heads, d).transpose(0, 1)  # [b * heads, sq, d]
         k = key.reshape(total, b * heads, d).transpose(0, 1)  # [b * heads, S, d]
@@ -393,18 +393,19 @@ class ContextParallelAttention(DotProductAttention):
                 and not self.config.apply_query_key_layer_scaling
                 and (self.attention_dropout.p == 0.0 or not self.training))
 
-    def _sdpa(self, query, key, value, blocked, q_pos, gqa: bool):
-        """The attention through torch's fused kernels (O(s x S) mask, no score matrix kept on
-        CUDA; GQA without expanding the keys). A query that may attend to no key at all (a
-        padding row) is let see itself, where megatron's softmax path averages over every key:
-        such rows are padding, their outputs unused."""
+    def _sdpa(self, query, key, value, blocked, q_pos):
+        """The attention through torch's fused kernels (on CUDA the memory-efficient one takes
+        a mask: no score matrix kept; keys and values come expanded to the query heads, which
+        that kernel needs). A query that may attend to no key at all (a padding row) is let
+        see itself, where megatron's softmax path averages over every key: such rows are
+        padding, their outputs unused."""
         sq, b, heads, _ = query.shape
         allowed = ~blocked  # [b|1, 1, sq, S], True = may attend (torch's convention)
         itself = torch.arange(allowed.shape[-1], device=q_pos.device)[None, :] == q_pos[:, None]
         allowed = allowed | (~allowed.any(-1, keepdim=True) & itself)
         out = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-            attn_mask=allowed, scale=self.softmax_scale, enable_gqa=gqa)  # [b, heads, sq, d]
+            attn_mask=allowed, scale=self.softmax_scale)  # [b, heads, sq, d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 

@@ -170,15 +170,13 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
     moe: dict[str, Any] = {}
     if layout.moe:
         shape |= moe_fields(layout)
+        # megatron-core refuses tp > 1 without sequence parallelism in training mode only (a
+        # speed check: the all-to-all dispatcher is exact either way, each tensor rank routing
+        # the whole sequence); the step runs the model in eval mode, and the local spec's torch
+        # norms refuse sequence_parallel without Apex. It stays an option.
         moe = dict(moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
                    moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
                    expert_tensor_parallel_size=tp)
-        sequence_parallel = config_kw.get("sequence_parallel", tp > 1)
-        if tp > 1 and not sequence_parallel:
-            raise ValueError(f"megatron-core runs a mixture-of-experts model at "
-                             f"tensor_model_parallel_size = {tp} with sequence_parallel only; "
-                             f"remove sequence_parallel = false from the megatron table")
-        moe["sequence_parallel"] = sequence_parallel
         if config_kw.get("moe_router_load_balancing_type", "none") != "none" \
                 or config_kw.get("moe_aux_loss_coeff", 0.0):
             raise ValueError("the router's load-balancing loss is moe.aux_loss_coef (the train "
@@ -248,9 +246,11 @@ def initialize_parallel(tensor_model_parallel_size: int = 1,
 def build_model(hf_config, options: dict[str, Any] | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
                 ) -> "MegatronCausalLM":
-    """A MegatronCausalLM for this rank's stage on `device` (random weights)."""
+    """A MegatronCausalLM for this rank's stage on `device` (random weights), in eval mode (the
+    train step's: no dropout; megatron-core's MoE layer refuses tp > 1 without sequence
+    parallelism in training mode)."""
     options = dict(options or {})
-    gpt = build_gpt(hf_config, options, dtype).to(device)
+    gpt = build_gpt(hf_config, options, dtype).to(device).eval()
     module = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
     return MegatronCausalLM(module, hf_config)
 
@@ -425,8 +425,9 @@ class MegatronRouting:
       layers averaged, weighted by the micro-batch's share of the step's tokens:
       `aux_per_token`, set by the step) to the backward inside the forward, so every pipeline
       stage trains its own routers; `aux_loss()` is therefore None.
-    Statistics are summed over the model-parallel group (tensor ranks hold parts of the tokens,
-    pipeline stages their layers) in `take_stats`, which every rank of it calls.
+    Statistics are summed over the pipeline stages (each holds its layers) and, under sequence
+    parallelism, the tensor ranks (each holds part of the tokens) in `take_stats`, which every
+    rank of the model-parallel group calls.
     Megatron recomputes layers in training mode only; the step runs the model in eval mode.
     """
 
@@ -493,7 +494,10 @@ class MegatronRouting:
             counts[layer] += c
         sums = torch.tensor([self._pairs, self._pairs_diff, self._aux_sum, self._aux_count],
                             dtype=torch.float64)
-        group = parallel_state.get_model_parallel_group()
+        # tensor ranks see parts of the sequence under sequence parallelism, else all of it
+        split = self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1
+        group = (parallel_state.get_model_parallel_group() if split
+                 else parallel_state.get_pipeline_model_parallel_group())
         if torch.distributed.get_world_size(group) > 1:
             for tensor, op in ((grids, torch.distributed.ReduceOp.MAX),
                                (counts, torch.distributed.ReduceOp.SUM),

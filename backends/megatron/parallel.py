@@ -9,8 +9,16 @@ time, converted to HF names there, and sent from later stages to global rank 0; 
 each piece out as it comes, so a push (or the HF export) streams the model. Memory bound: on a
 device, one tensor's gathered shards beyond the model; in host memory, one piece on every rank
 (plus what the consumer keeps: one bucket of a push, one shard file of an export).
+A mixture-of-experts layer's experts are gathered over the expert tensor x expert-parallel
+group of expert replica 0 (the expert-parallel ranks are data-parallel ranks, so ranks outside
+replica 0 take part in those gathers).
 `hf_tensors_on_rank0` collects the stream into one dict (tests, small models).
-Invariant: at any TP/PP layout the stream equals that of the same model at TP=PP=1 (up to
+Gradients: `sum_sequence_parallel_grads` (sequence parallelism: replicated norms and routers
+summed over the tensor ranks, once per gradient; the norm does it first), `grad_norm` (experts
+of other expert-parallel ranks counted over their group), `sum_data_parallel_grads` /
+`ExpertDataParallel` (the step's data-parallel sum with each expert-parallel expert summed over
+its expert data-parallel group only).
+Invariant: at any TP/PP/EP layout the stream equals that of the same model at TP=PP=EP=1 (up to
 float summation order); the gradient norm is the same on every rank of the model-parallel group.
 """
 
