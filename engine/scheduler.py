@@ -625,10 +625,11 @@ class Scheduler:
         routes = routes_array(self.routing.recorded, self.moe).view(
             b, w, self.moe.num_layers, self.moe.top_k).cpu()
         self.routing.recorded = {}
+        steps = None if prefill else routes.unbind(0)  # [1, layers, k] views of this step's
         for i, (s, out) in enumerate(zip(seqs, rows)):
             if self._wants_routes(s):
-                n = len(s.tokens) if prefill else 1
-                out.routes, out.routes_prefill = routes[i, w - n:].clone(), prefill
+                out.routes_prefill = prefill
+                out.routes = routes[i, w - len(s.tokens):].clone() if prefill else steps[i]
 
     def _forward_invariant(self, wave: _Wave) -> list[_RowOut]:
         """`_forward` in true on-policy mode: the invariant prefill (rows from position 0) or
