@@ -773,6 +773,7 @@ class Scheduler:
         routes = None
         if s.routes and self._wants_routes(s):  # every position that was a model input
             routes = torch.cat(s.routes)[:len(s.tokens) - 1]
+        s.routes = None  # the decode steps' views go with the rows still running
         s.future.set_result(RoutedGenResult(
             rid=s.req.rid, prompt_ids=s.req.input_ids, output_ids=list(s.output_ids),
             text=visible_text(self.tokenizer, s), finish_reason=s.finish,
