@@ -291,6 +291,7 @@ def test_the_glm_deepseek_layout_dense_first_layer_and_sigmoid_router_replays():
     routing.set_batch([(rec.reshape(2, 6, 3, 2), valid)])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, base)
+    routing.close()
     router = model.model.layers[1].mlp.gate
     hidden = torch.randn(5, 32)
     logits, _, _ = router(hidden)
