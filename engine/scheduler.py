@@ -36,16 +36,16 @@ Invariants:
   between waves, or (weight update only) at a step boundary while generation is paused.
 
 Routed experts (mixture-of-experts models; SGLang's `return_routed_experts`): with routes
-enabled (`routed_experts`: None = whenever the model has routed experts, True = required, False =
-never, SGLang without --enable-return-routed-experts), `models.moe.Routing` hooks every router
-of the model. A forward whose wave holds a request with `return_routed_experts` records the
-expert ids of every position it fed: a prefill's rows are the sequence's whole token list (its
-left padding dropped) and replace what the sequence had (a retracted sequence is prefilled
-again: its routes are those of the new prefill, as SGLang reads them from the KV slots of the
-last computation), a decode step appends one row per sequence. The result carries the first
-len(tokens) - 1 rows ([seqlen - 1, num_hidden_layers, top_k] int32, 0 in layers without
-experts): every position that was a model input. A request queued and never prefilled (aborted
-before its wave) has none.
+enabled (`routed_experts`: None = whenever the model has routed experts and its routers can be
+hooked, True = required, False = never, SGLang without --enable-return-routed-experts),
+`models.moe.Routing` hooks every router of the model. A forward whose wave holds a request
+with `return_routed_experts` records the expert ids of every position it fed: a prefill's rows
+are the sequence's whole token list (its left padding dropped) and replace what the sequence
+had (a retracted sequence is prefilled again: its routes are those of the new prefill, as
+SGLang reads them from the KV slots of the last computation), a decode step appends one row
+per sequence. The result carries the first len(tokens) - 1 rows ([seqlen - 1,
+num_hidden_layers, top_k] int32, 0 in layers without experts): every position that was a model
+input. A request queued and never prefilled (aborted before its wave) has none.
 
 Pause modes (SGLang's `PauseGenerationReqInput.mode`, default "abort"): new requests always wait
 until `continue_generation`. "abort": queued and running requests finish at once with
@@ -77,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -113,6 +114,8 @@ from models.tiny import TINY
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "RoutedGenRequest",
            "RoutedGenResult", "SamplingParams", "Scheduler", "cache_kwarg"]
+
+log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -243,8 +246,15 @@ class Scheduler:
             raise ValueError(f"--enable-return-routed-experts: {source} is not a "
                              f"mixture-of-experts model (its config names no routed experts "
                              f"and num_experts_per_tok), so there are no routes to return")
-        enabled = self.moe is not None and routed_experts is not False
-        self.routing: Routing | None = Routing(model, self.moe) if enabled else None
+        self.routing: Routing | None = None
+        if self.moe is not None and routed_experts is not False:
+            try:
+                self.routing = Routing(model, self.moe)
+            except ValueError as e:  # routers this transformers version does not expose
+                if routed_experts:
+                    raise ValueError(f"--enable-return-routed-experts: {e}") from e
+                log.warning("%s: routed experts cannot be recorded, so none are returned: %s",
+                            source, e)
         self.source: str | None = source  # checkpoint the weights equal (None: pushed tensors)
         self.device, self.dtype, self.seed = device, dtype, seed
         self.max_batch_size = max(1, max_batch_size)

@@ -198,6 +198,22 @@ async def test_a_dense_model_with_the_flag_is_refused_at_load():
         is False
 
 
+async def test_routers_that_cannot_be_hooked_turn_routes_off_unless_they_were_required(
+        checkpoint, monkeypatch):
+    """A MoE model whose routers Routing cannot find (another transformers layout) is still
+    served, without routes; with the flag it is refused, saying why."""
+    def refuse(model, shape=None):
+        raise ValueError("no routers found")
+
+    monkeypatch.setattr("engine.scheduler.Routing", refuse)
+    async with running(checkpoint) as s:
+        assert s.routing is None
+        result, = await s.generate([request("x", PROMPTS[0], 2, seed=1)])
+        assert result.routed_experts is None and len(result.output_ids) == 2
+    with pytest.raises(ValueError, match="--enable-return-routed-experts: no routers found"):
+        await Scheduler.create(checkpoint, routed_experts=True)
+
+
 # ----------------------------------------------------------------------------- HTTP, fixtures
 def test_the_fixtures_hold_sglangs_shape_and_the_plain_forwards_routes():
     """[prompt_tokens + completion_tokens - 1, layers, top_k] int32 in base64 per answer, the
