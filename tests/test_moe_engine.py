@@ -35,7 +35,7 @@ from models.load import load_model, save_checkpoint, tokenizer_from_dir
 from models.moe import MoeShape, Routing, routes_array
 from models.tiny import build_tiny
 from models.tokenizer import build_char_tokenizer
-from tests.test_engine import Gate, post, until
+from tests.test_engine import Gate, post, serve, until
 from transport.schema import routed_experts_dtype
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
@@ -281,6 +281,22 @@ async def test_a_dense_model_answers_a_request_for_routes_without_them():
         status, body = await post(client, "/generate", {**fx["request"],
                                                         "routed_experts_start_len": 2})
         assert status == 400 and "routed_experts_start_len" in body["error"]["message"]
+
+
+async def test_the_inference_worker_actor_serves_routes_of_a_moe_model(ipc, checkpoint,
+                                                                          reference):
+    """The embedded worker of the actors (no SGLang flags) returns routes for a MoE model, one
+    per answer of a batch, each the plain forward's."""
+    async with serve(ipc, model=checkpoint) as (worker, client):
+        prompts = [PROMPTS[0], PROMPTS[1]]
+        sp = {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 4, "ignore_eos": True}
+        answers = await client.generate(prompts, sp, return_routed_experts=True)
+        plain = await client.generate(prompts[0], sp)
+    assert "routed_experts" not in plain["meta_info"]
+    for prompt, a in zip(prompts, answers, strict=True):
+        got = decoded(a)
+        assert got.shape == (len(prompt) + 2, 2, 2)
+        assert np.array_equal(got, plain_routes(reference, prompt + a["output_ids"]).numpy())
 
 
 # ----------------------------------------------------------------------------- the session
