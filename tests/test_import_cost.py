@@ -25,6 +25,8 @@ LIGHT = [
     "runtime.child",  # every actor process, before it imports its class
     "actors.buffer",
     "actors.router",
+    "actors.inference_config",  # plan classes (runtime/loading.py): what the launcher reads
+    "actors.prefetcher_config",
     "launch.cluster",  # the launcher
     "launch.supervisor",
     "launch.config",
