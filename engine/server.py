@@ -39,7 +39,7 @@ Matched against (read in the public sglang sources, no server was run):
   processor's `maybe_collect_routed_experts` (collected when a request finishes, an abort of a
   running request included; a request never scheduled has none) and `tokenizer_manager.py`
   `_handle_batch_output` (`meta_info["routed_experts"]` = base64 of the int32 array's bytes, set
-  only when there is one). Fixture and versions: tests/fixtures/sglang/README.md.
+  only when there is one). Fixtures and versions: tests/fixtures/sglang/ROUTED_EXPERTS.md.
 
 Deliberate differences / not confirmed:
 - Unknown top-level /generate fields are rejected with 400 (SGLang's pydantic model ignores them);
