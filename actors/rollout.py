@@ -40,6 +40,7 @@ import os
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -50,11 +51,19 @@ from actors.rollout_config import (  # noqa: F401 - the config: also read from h
 )
 from engine.chat_template import chat_format
 from engine.client import SglangClient
-from engine.session import AGENT_STATS, AgentLink, HttpSession, SessionFailed
+from engine.session import (
+    AGENT_STATS,
+    AgentLink,
+    HttpSession,
+    SessionFailed,
+    checkpoint_expert_layout,
+)
 from engine.weight_push import adapter_name
 from envs.loader import load_envs
 from envs.openai_api import AgentEndpoint
 from models.load import load_tokenizer
+from models.moe import MoeShape, moe_shape
+from models.tiny import TINY, tiny_config
 from runtime.actor import EndRun
 from transport.errors import RlxError
 from transport.metrics import sample_record
@@ -65,6 +74,18 @@ log = logging.getLogger(__name__)
 
 
 NO_SIGNAL_NOTICE_S = 600.0  # a domain without learning signal is said at most this often
+
+
+def expert_layout(model: str, tokenizer: Any) -> MoeShape:
+    """The expert layout of the run's policy (a tiny name's config, else the checkpoint's
+    config.json); ValueError naming the fix for a dense model."""
+    shape = moe_shape(tiny_config(model)) if model in TINY else \
+        checkpoint_expert_layout(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if shape is None:
+        raise ValueError(f"routed_experts = true but the model {model!r} has no routed experts "
+                         f"(a dense model): remove `moe` from [rl] (or routed_experts from the "
+                         f"rollout's table)")
+    return shape
 
 
 class EpisodeTimeout(RlxError):
@@ -157,6 +178,9 @@ class RolloutActor(RolloutActorPlan):
         cfg = self.config
         self.envs = load_envs([msgspec.to_builtins(e) for e in cfg.envs])
         self.tokenizer = load_tokenizer(self.facts.model)
+        # a MoE policy's expert layout, to read the workers' routed experts (None: not asked)
+        self.moe = expert_layout(self.facts.model, self.tokenizer) if cfg.routed_experts \
+            else None
         self.client = SglangClient(self.peer(cfg.router).http, timeout_s=cfg.request_timeout_s)
         self._closers.append(self.client.close)
         self.buffer = await self.connect(cfg.buffer)
@@ -299,7 +323,8 @@ class RolloutActor(RolloutActorPlan):
                               or self.config.max_new_tokens, retries=self.config.retries,
                               agent=self.agent,
                               nucleus_top_logprobs=self.config.nucleus_top_logprobs,
-                              lora=self._adapter())
+                              lora=self._adapter(),
+                              routed_experts=self.moe is not None, moe=self.moe)
         async with self.gate:
             try:
                 reward = await run_episode(env, task, session, clock, self.config.env_timeout_s)

@@ -87,5 +87,6 @@ def main() -> None:
 
     engine_args = argparse.Namespace(model_path=args.model_path, host=args.host, port=args.port,
                                      device="cpu", dtype="float32", seed=0, max_batch_size=64,
-                                     batch_wait_ms=1.0)
+                                     batch_wait_ms=1.0,
+                                     enable_return_routed_experts=args.enable_return_routed_experts)
     asyncio.run(serve(engine_args, add_test_routes))
