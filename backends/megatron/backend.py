@@ -99,6 +99,8 @@ class MegatronBackend:
         if (par.tp > 1 or par.ep > 1) and cfg.lora is not None:
             raise ValueError(f"lora on a mixture-of-experts model runs at parallel.tp = ep = 1 "
                              f"on the megatron backend (got tp = {par.tp}, ep = {par.ep})")
+        if cfg.lora is not None:
+            lora.check_moe_targets(True, list(cfg.lora.target_modules))
         if par.pp > 1 and cfg.moe.routing_replay != "off" and any(
                 options.get(key) for key in ("recompute_granularity", "recompute_method")):
             raise ValueError("moe.routing_replay with megatron recomputation at parallel.pp > 1 "

@@ -201,6 +201,19 @@ def _sizes(model: Any, target: str) -> tuple[int, int]:
             "down_proj": (lay.ffn_hidden_size, lay.hidden_size)}[target]
 
 
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_moe_targets(moe: bool, target_modules: list[str]) -> None:
+    """ValueError for MLP targets on a mixture-of-experts model (its MLPs are experts, which
+    take no adapters here)."""
+    mlp = [t for t in target_modules if t in MLP_TARGETS]
+    if moe and mlp:
+        raise ValueError(f"lora.target_modules {mlp} are expert MLPs of a mixture-of-experts "
+                         f"model, which the megatron backend does not adapt; target the "
+                         f"attention projections (q_proj, k_proj, v_proj, o_proj)")
+
+
 def attach(model: Any, cfg: Any) -> None:
     """Adapters (B = 0: the model computes as before) on this stage's layers for the targets of
     `cfg` (a training.config.LoraConfig); every other parameter frozen."""
@@ -210,6 +223,7 @@ def attach(model: Any, cfg: Any) -> None:
     if model.core.config.sequence_parallel:
         raise ValueError("lora with megatron's sequence_parallel is not supported: the "
                          "adapters take whole-sequence inputs")
+    check_moe_targets(model.layout.moe, list(cfg.target_modules))
     for p in model.parameters():
         p.requires_grad_(False)
     adapters = LoraAdapters(cfg)

@@ -282,6 +282,17 @@ class MegatronCausalLM(torch.nn.Module):
         self.config = hf_config  # the HF config: written next to converted weights
         self.layout: Layout = layout_from_hf(hf_config)
         self.routing: MegatronRouting | None = None  # a MoE model's, once made
+        config = self.core.config
+        if self.layout.moe and config.tensor_model_parallel_size > 1 \
+                and not config.sequence_parallel:
+            # every tensor rank holds the whole sequence, and the dispatcher gathers the tokens
+            # of all of them to each expert shard: an expert's weights see each token tp times
+            # (outputs and input gradients come out exact: the combine's reduce-scatter gives
+            # each rank its own copy's sum); their gradients are scaled back to one
+            scale = 1.0 / config.tensor_model_parallel_size
+            for name, param in self.core.named_parameters():
+                if ".mlp.experts." in name:
+                    param.register_hook(lambda grad, scale=scale: grad * scale)
 
     @property
     def core(self) -> GPTModel:

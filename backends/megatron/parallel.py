@@ -13,8 +13,9 @@ A mixture-of-experts layer's experts are gathered over the expert tensor x exper
 group of expert replica 0 (the expert-parallel ranks are data-parallel ranks, so ranks outside
 replica 0 take part in those gathers).
 `hf_tensors_on_rank0` collects the stream into one dict (tests, small models).
-Gradients: `sum_sequence_parallel_grads` (sequence parallelism: replicated norms and routers
-summed over the tensor ranks, once per gradient; the norm does it first), `grad_norm` (experts
+Gradients: `sum_tensor_partial_grads` (replicated parameters with a partial gradient per tensor
+rank, q/k norms and, under sequence parallelism, norms and routers: summed over the tensor ranks
+once per gradient; the norm does it first), `grad_norm` (experts
 of other expert-parallel ranks counted over their group), `sum_data_parallel_grads` /
 `ExpertDataParallel` (the step's data-parallel sum with each expert-parallel expert summed over
 its expert data-parallel group only).
@@ -205,16 +206,26 @@ def is_expert_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    """With sequence parallelism each tensor rank saw its part of the sequence, so the replicated
-    parameters it marks `sequence_parallel` (layer norms, routers) hold a partial gradient: sum
-    them over the tensor ranks (megatron's finalize_model_grads does the same). Once per
-    gradient: a gradient already summed and unchanged since is left alone."""
-    params = [p for p in model.parameters()
-              if p.grad is not None and getattr(p, "sequence_parallel", False)]
-    if not params or parallel_state.get_tensor_model_parallel_world_size() == 1:
+def _tensor_partial(name: str, param: torch.Tensor, config) -> bool:
+    """A replicated parameter whose gradient each tensor rank holds only its part of: what
+    sequence parallelism marks (layer norms, routers: each rank saw part of the sequence), and
+    the per-head q/k norms (each rank applies them to its heads only)."""
+    return (bool(config.sequence_parallel) and getattr(param, "sequence_parallel", False)) or (
+        bool(config.qk_layernorm) and ("q_layernorm" in name or "k_layernorm" in name))
+
+
+def sum_tensor_partial_grads(model: MegatronCausalLM) -> None:
+    """Sum the gradients of `_tensor_partial` parameters over the tensor ranks (megatron's
+    finalize_model_grads does the same). Once per gradient: a gradient already summed and
+    unchanged since is left alone."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
-    done = getattr(model, "_sequence_parallel_summed", {})
+    config = model.core.config
+    params = [p for name, p in model.core.named_parameters()
+              if p.grad is not None and _tensor_partial(name, p, config)]
+    if not params:
+        return
+    done = getattr(model, "_tensor_partial_summed", {})
     if all(done.get(id(p)) == (id(p.grad), p.grad._version) for p in params):
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -224,15 +235,18 @@ def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
         n = p.grad.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
-    object.__setattr__(model, "_sequence_parallel_summed",
+    object.__setattr__(model, "_tensor_partial_summed",
                        {id(p): (id(p.grad), p.grad._version) for p in params})
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """Global L2 norm of the gradients: each shard counted once (tensor-parallel duplicates and
     the last stage's copy of tied embeddings skipped), summed over the model-parallel group;
-    expert-parallel experts over the expert tensor x expert x pipeline group."""
-    sum_sequence_parallel_grads(model)
+    expert-parallel experts over the expert tensor x expert x pipeline group. Partial gradients
+    of replicated parameters are summed over the tensor ranks first
+    (`sum_tensor_partial_grads`)."""
+    if hasattr(model, "core"):
+        sum_tensor_partial_grads(model)
     params = [p for p in model.parameters() if p.grad is not None]
     first = params[0].grad if params else torch.zeros(())
     total = torch.zeros((), dtype=torch.float32, device=first.device)
