@@ -221,6 +221,8 @@ def two_ranks(rank: int, tmp: Path) -> dict:
             step = report[name]["step"]
             checkpoint.save_distributed(step["model"], tmp / "ckpt-ep2", step["optimizer"],
                                         step=1, version=1)
+            adam = _adam_state(step["model"])
+            checkpoint.save_distributed(step["model"], tmp / "ckpt-adam-ep2", adam)
         if name == "ep1":
             step = report[name]["step"]
             checkpoint.save_distributed(step["model"], tmp / "ckpt-ep1", step["optimizer"],
@@ -238,8 +240,41 @@ def two_ranks(rank: int, tmp: Path) -> dict:
         model = from_hf_model(moe_model(seed=7))
         meta = checkpoint.load_distributed(model, tmp / directory)
         report[name] = {"weights": model.hf_state_dict(), "step": meta["step"]}
+        if ep == 1:  # AdamW's moments follow their experts to the other layout
+            adam = _adam_template(model)
+            checkpoint.load_distributed(model, tmp / "ckpt-adam-ep2", adam)
+            report[name]["adam_misfit"] = _adam_misfit(model, adam)
         parallel_state.destroy_model_parallel()
     return report
+
+
+def _adam_state(model):
+    """An AdamW state whose first moment is 0.1 x each parameter: one step (lr 0) on gradients
+    equal to the weights."""
+    from training.master_weights import as_train_optimizer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    for p in model.parameters():
+        p.grad = p.detach().clone()
+    opt.step()
+    return as_train_optimizer(opt)
+
+
+def _adam_template(model):
+    from training.master_weights import as_train_optimizer
+
+    return as_train_optimizer(torch.optim.AdamW(model.parameters(), lr=0.0))
+
+
+def _adam_misfit(model, adam) -> float:
+    """max |exp_avg - 0.1 x parameter| over every rank's parameters (0: each moment came back
+    with its own expert)."""
+    worst = torch.zeros(())
+    for p in model.parameters():
+        moment = adam.optimizer.state[p]["exp_avg"]
+        worst = torch.maximum(worst, (moment - 0.1 * p.detach()).abs().max())
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    return float(worst)
 
 
 def four_ranks(rank: int, tmp: Path) -> dict:
@@ -405,6 +440,7 @@ def test_checkpoint_resumes_across_expert_layouts(reports):
         assert sorted(got) == sorted(saved)
         assert all(torch.equal(got[k], saved[k]) for k in saved), name
         assert reports[name]["step"] == 1
+    assert reports["ep2_at_ep1"]["adam_misfit"] < 1e-7
 
 
 def test_tensor_and_expert_parallel_four_ranks(reports4, want):
