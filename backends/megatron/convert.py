@@ -33,7 +33,7 @@ from models.moe import moe_shape
 from models.tiny import TINY, tiny_config
 
 SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+                           "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 MOE_ARCHITECTURES = frozenset({"qwen3_moe"})  # the mixture-of-experts families converted
 # megatron's llama3 RoPE scaling has fixed low/high frequency factors and original context
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
