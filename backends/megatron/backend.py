@@ -9,7 +9,10 @@ schedule (`runner`), HF-named tensors are gathered to global rank 0 (`iter_hf_te
 checkpoints use megatron's distributed format, resumable at any layout. A LoRA student (`lora`)
 gets tensor-parallel adapters under PEFT's names (lora.py: `attach_lora`, `adapter_tensors`,
 `load_adapter`, `adapters_off`, `merged_tensors`), and its checkpoint is a PEFT adapter
-directory with the optimizer state, no base weights. The option table
+directory with the optimizer state, no base weights. A mixture-of-experts policy (Qwen3-MoE)
+splits its experts over parallel.ep data-parallel ranks (`init_model_parallel`), its placement
+checked at load (`check_config`), and gets `routing(model)` (model.py MegatronRouting: routing
+replay, route metrics, the load-balancing loss). The option table
 (`TrainConfig.megatron`) is checked here. Invariant: importing this module imports megatron-core
 only through the submodules it names at the top (all of them from `mcore.py`); the config
 checks need only `convert.py`.

@@ -1,12 +1,19 @@
 """A megatron-core GPTModel built from a Hugging Face config, behind the trainer's model contract.
 
-Role: `build_model` turns an HF config (Qwen2/Qwen3/Llama) plus the user's `megatron` option table
-into a GPTModel on the tensor/pipeline parallel layout of `megatron.core.parallel_state`, and
+Role: `build_model` turns an HF config (Qwen2/Qwen3/Llama, Qwen3-MoE) plus the user's
+`megatron` option table into a GPTModel on the tensor/pipeline parallel layout of
+`megatron.core.parallel_state`, and
 `MegatronCausalLM` wraps it so `algos.logprobs` and `training.step` use it unchanged:
 forward(input_ids, attention_mask=..., position_ids=...) returns `.logits` [B, T, V] gathered
 over the tensor-parallel ranks. Native pass-through: every key of the option table that is a
 TransformerConfig field or a GPTModel keyword is passed as given; keys describing the model's
 shape (they come from the HF config) or unknown keys are refused.
+A mixture-of-experts config (Qwen3-MoE) gives a MoE GPTModel: SequentialMLP experts behind
+megatron's all-to-all token dispatcher, split over `expert_model_parallel_size` (parallel.ep)
+and, as megatron defaults it, the tensor ranks; megatron's own load-balancing loss is off (it
+runs in training mode only, the step runs eval mode): `MegatronRouting` (the train step's
+routing object: replay, route metrics, the load-balancing loss of models/moe.py) wraps the
+routers.
 
 Invariant: on the same weights and batch the wrapper's logits equal the transformers model's to
 float precision. Megatron applies RoPE at positions 0..T-1 of the padded row; scores depend only
