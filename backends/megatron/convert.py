@@ -14,8 +14,12 @@ Megatron layouts, per tensor rank r of tp:
 - linear_fc1: [gate rows of rank r; up rows of rank r] (gate and up each split in tp chunks).
 - linear_proj, linear_fc2: split along the input (column) dim; embeddings and output_layer along
   the vocabulary (row) dim; layer norms (and q/k norms) are replicated.
-- mixture of experts (Qwen3-MoE; SequentialMLP experts): the router (`mlp.router.weight` <-
-  HF `mlp.gate.weight`) is replicated; expert e of E lives on expert-parallel rank
+- mixture of experts (Qwen3-MoE; GLM-4.5 without its MTP layer; SequentialMLP experts): the
+  router (`mlp.router.weight` <- HF `mlp.gate.weight`, GLM's `mlp.router.expert_bias` <-
+  `mlp.gate.e_score_correction_bias`) is replicated, GLM's shared experts
+  (`mlp.shared_experts.linear_fc1/fc2` <- `mlp.shared_experts.{gate,up,down}_proj`) split like a
+  dense MLP, and a dense layer (GLM's first_k_dense_replace, Qwen3-MoE's mlp_only_layers) is a
+  dense MLP; expert e of E lives on expert-parallel rank
   e // (E / ep) as `mlp.experts.local_experts.<e mod E/ep>`, its linear_fc1 / linear_fc2 split
   over the expert tensor-parallel ranks (etp, megatron's default: tp) like a dense MLP's. HF
   names are the per-expert checkpoint names (`mlp.experts.<e>.gate_proj.weight`, `up_proj`,
@@ -33,8 +37,10 @@ from models.moe import moe_shape
 from models.tiny import TINY, tiny_config
 
 SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-MOE_ARCHITECTURES = frozenset({"qwen3_moe"})  # the mixture-of-experts families converted
+                           "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                           "glm4_moe": "Glm4MoeForCausalLM"}
+# the mixture-of-experts families converted
+MOE_ARCHITECTURES = frozenset({"qwen3_moe", "glm4_moe"})
 # megatron's llama3 RoPE scaling has fixed low/high frequency factors and original context
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
@@ -58,6 +64,14 @@ class Layout:
     top_k: int = 0  # experts routed per token
     moe_ffn_hidden_size: int = 0  # one expert's MLP width (each of gate and up)
     norm_topk_prob: bool = True  # the k routed weights renormalized to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers with experts (the others are dense)
+    score_function: str = "softmax"  # router scores: softmax, or sigmoid (GLM-4.5)
+    expert_bias: bool = False  # a score correction bias chooses the experts (GLM-4.5)
+    num_groups: int = 1  # expert groups of group-limited routing (1: none)
+    group_topk: int = 1  # groups each token may route into
+    scaling_factor: float = 1.0  # routed weights scaled by it
+    shared_ffn_hidden_size: int = 0  # the shared experts' MLP width (0: none)
+    rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates
 
     @property
     def moe(self) -> bool:
@@ -82,15 +96,27 @@ def check_supported(hf_config) -> None:
                          f"megatron backend converts the experts of "
                          f"{', '.join(SUPPORTED_ARCHITECTURES[k] for k in MOE_ARCHITECTURES)} "
                          f"only; use the torch backend")
-    if moe is not None and list(moe.moe_layers) != list(range(moe.num_layers)):
-        dense = sorted(set(range(moe.num_layers)) - set(moe.moe_layers))
-        raise ValueError(f"layers {dense} of this mixture-of-experts model are dense "
-                         f"(mlp_only_layers / decoder_sparse_step): the megatron backend "
-                         f"converts models whose every layer has experts; use the torch backend")
+    if kind == "glm4_moe":
+        _check_glm(hf_config)
     if kind == "llama" and (getattr(hf_config, "attention_bias", False)
                             or getattr(hf_config, "mlp_bias", False)):
         raise ValueError("Llama configs with attention_bias or mlp_bias are not supported")
     rope_scaling_factor(hf_config)
+
+
+def _check_glm(hf_config) -> None:
+    """ValueError for GLM-4.5 routing megatron computes otherwise: megatron's sigmoid router
+    always renormalizes the k weights, and scores a group by its top (k / group_topk) experts
+    where GLM / DeepSeek-V3 take the top 2."""
+    if not getattr(hf_config, "norm_topk_prob", True):
+        raise ValueError("norm_topk_prob = false with sigmoid routing is not supported by the "
+                         "megatron backend (megatron renormalizes the routed weights)")
+    groups, top = hf_config.n_group or 1, hf_config.topk_group or 1
+    if groups > 1 and hf_config.num_experts_per_tok // top != 2:
+        raise ValueError(f"group-limited routing with n_group = {groups}, topk_group = {top}, "
+                         f"num_experts_per_tok = {hf_config.num_experts_per_tok}: megatron "
+                         f"scores a group by its top num_experts_per_tok / topk_group experts, "
+                         f"the model by its top 2; supported when they agree")
 
 
 def check_model_reference(path: str) -> None:
@@ -162,26 +188,42 @@ def layout_from_hf(hf_config) -> Layout:
     check_supported(hf_config)
     heads = hf_config.num_attention_heads
     moe = moe_shape(hf_config)
+    glm = hf_config.model_type == "glm4_moe"
     experts = {} if moe is None else dict(
         num_experts=moe.num_experts, top_k=moe.top_k,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)))
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+        moe_layers=tuple(moe.moe_layers))
+    if glm:
+        experts |= dict(score_function="sigmoid", expert_bias=True,
+                        num_groups=hf_config.n_group or 1, group_topk=hf_config.topk_group or 1,
+                        scaling_factor=float(hf_config.routed_scaling_factor),
+                        shared_ffn_hidden_size=(hf_config.n_shared_experts or 0)
+                        * hf_config.moe_intermediate_size)
+    rotary = float(rope_parameters(hf_config).get("partial_rotary_factor",
+                                                  getattr(hf_config, "partial_rotary_factor",
+                                                          1.0)))
     return Layout(
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         hidden_size=hf_config.hidden_size, ffn_hidden_size=hf_config.intermediate_size,
         vocab_size=hf_config.vocab_size, tied_embeddings=bool(hf_config.tie_word_embeddings),
-        qkv_bias=hf_config.model_type == "qwen2",
-        qk_norm=hf_config.model_type in ("qwen3", "qwen3_moe"), **experts)
+        qkv_bias=hf_config.model_type == "qwen2" or (glm and bool(hf_config.attention_bias)),
+        qk_norm=hf_config.model_type in ("qwen3", "qwen3_moe")
+        or (glm and bool(hf_config.use_qk_norm)), rotary_percent=rotary, **experts)
 
 
 def check_tensor_parallel(layout: Layout, tp: int) -> None:
     """ValueError unless heads, groups, MLP width and vocabulary divide evenly over tp ranks."""
     sizes = [("num_heads", layout.num_heads), ("num_query_groups", layout.num_query_groups),
              ("vocab_size", layout.vocab_size)]
-    sizes.append(("moe_ffn_hidden_size", layout.moe_ffn_hidden_size) if layout.moe
-                 else ("ffn_hidden_size", layout.ffn_hidden_size))
+    if not layout.moe or len(layout.moe_layers) < layout.num_layers:
+        sizes.append(("ffn_hidden_size", layout.ffn_hidden_size))
+    if layout.moe:
+        sizes.append(("moe_ffn_hidden_size", layout.moe_ffn_hidden_size))
+    if layout.shared_ffn_hidden_size:
+        sizes.append(("shared experts' ffn_hidden_size", layout.shared_ffn_hidden_size))
     for name, value in sizes:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor "
@@ -226,8 +268,6 @@ def _layer_rules(layout: Layout) -> list[tuple[str, str, int | None]]:
     rules = [("input_layernorm.weight", "input_layernorm.weight", None),
              ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
              ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", 1)]
-    if not layout.moe:
-        rules.append(("mlp.down_proj.weight", "mlp.linear_fc2.weight", 1))
     if layout.qk_norm:
         rules += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
                   ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None)]
@@ -277,8 +317,17 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], layout: Layout, rank: int = 0, t
         for part in ("weight", "bias") if layout.qkv_bias else ("weight",):
             qkv = [take(f"{attn}{p}_proj.{part}") for p in "qkv"]
             out[f"{dst}self_attention.linear_qkv.{part}"] = pack_qkv(*qkv, layout, rank, tp)
-        if layout.moe:
+        if i in layout.moe_layers:
             out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight").clone()
+            if layout.expert_bias:
+                out[dst + "mlp.router.expert_bias"] = take(
+                    src + "mlp.gate.e_score_correction_bias").clone()
+            if layout.shared_ffn_hidden_size:
+                shared = src + "mlp.shared_experts."
+                out[dst + "mlp.shared_experts.linear_fc1.weight"] = _fc1(
+                    take(shared + "gate_proj.weight"), take(shared + "up_proj.weight"), rank, tp)
+                out[dst + "mlp.shared_experts.linear_fc2.weight"] = _split(
+                    take(shared + "down_proj.weight"), 1, rank, tp)
             mine = local_experts(layout, ep_rank, ep)
             for e in range(layout.num_experts):
                 hf_e = f"{src}mlp.experts.{e}."
@@ -292,6 +341,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], layout: Layout, rank: int = 0, t
             continue
         gate, up = take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")
         out[dst + "mlp.linear_fc1.weight"] = _fc1(gate, up, rank, tp)
+        out[dst + "mlp.linear_fc2.weight"] = _split(take(src + "mlp.down_proj.weight"), 1, rank,
+                                                    tp)
     if last:
         out["decoder.final_layernorm.weight"] = take("model.norm.weight").clone()
         head = "model.embed_tokens.weight" if layout.tied_embeddings else "lm_head.weight"
@@ -342,18 +393,32 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], layout: Layout,
                              layout)
             for p, t in zip("qkv", qkv):
                 out[f"{dst}self_attn.{p}_proj.{part}"] = t
-        if layout.moe:
+        if i in layout.moe_layers:
             out[dst + "mlp.gate.weight"] = cat(src + "mlp.router.weight", None)
+            if layout.expert_bias:
+                out[dst + "mlp.gate.e_score_correction_bias"] = cat(
+                    src + "mlp.router.expert_bias", None)
+            if layout.shared_ffn_hidden_size:
+                _mlp_to_hf(shards, src + "mlp.shared_experts.", dst + "mlp.shared_experts.", out)
             _experts_to_hf(expert_shards, layout, src, dst, out)
             continue
-        halves = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
-        out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
-        out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+        _mlp_to_hf(shards, src + "mlp.", dst + "mlp.", out)
     if last:
         out["model.norm.weight"] = cat("decoder.final_layernorm.weight", None)
         if not layout.tied_embeddings:
             out["lm_head.weight"] = cat("output_layer.weight", 0)
     return out
+
+
+def _mlp_to_hf(shards: list[dict[str, torch.Tensor]], src: str, dst: str,
+               out: dict[str, torch.Tensor]) -> None:
+    """A tensor-parallel MLP's gate/up/down projections (megatron prefix `src`) under HF names
+    (prefix `dst`)."""
+    halves = [s[src + "linear_fc1.weight"].chunk(2) for s in shards]
+    out[dst + "gate_proj.weight"] = torch.cat([h[0] for h in halves])
+    out[dst + "up_proj.weight"] = torch.cat([h[1] for h in halves])
+    out[dst + "down_proj.weight"] = torch.cat([s[src + "linear_fc2.weight"] for s in shards],
+                                              dim=1)
 
 
 def _experts_to_hf(expert_shards: list[list[dict[str, torch.Tensor]]], layout: Layout, src: str,

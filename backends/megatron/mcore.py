@@ -17,7 +17,10 @@ try:
         warnings.simplefilter("ignore")
         from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_layer_local_spec,
+        )
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer import TransformerConfig
@@ -32,6 +35,6 @@ if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the torc
     moe_utils.te_general_gemm = None
 
 __all__ = ["Float16Module", "GPTModel", "TransformerConfig", "dist_checkpointing",
-           "get_forward_backward_func", "get_gpt_layer_local_spec",
+           "get_forward_backward_func", "get_gpt_decoder_block_spec", "get_gpt_layer_local_spec",
            "get_transformer_layer_offset", "param_is_not_shared",
            "param_is_not_tensor_parallel_duplicate", "parallel_state", "tensor_parallel"]

@@ -49,6 +49,7 @@ from backends.megatron.mcore import (
     Float16Module,
     GPTModel,
     TransformerConfig,
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_transformer_layer_offset,
     parallel_state,
@@ -78,7 +79,7 @@ OWNED_MODEL_KWARGS = frozenset({
     "config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process",
     "post_process", "share_embeddings_and_output_weights", "position_embedding_type",
     "rotary_base", "rope_scaling", "rope_scaling_factor", "pg_collection", "vp_stage",
-    "mtp_block_spec"})
+    "mtp_block_spec", "rotary_percent"})
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 MODEL_KWARGS = frozenset(inspect.signature(GPTModel.__init__).parameters) - {"self"}
 # declared types, to turn command-line strings into values
@@ -195,14 +196,27 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
 
 
 def moe_fields(layout: Layout) -> dict[str, Any]:
-    """The TransformerConfig fields of a MoE layout (Qwen3-MoE: softmax routing over every
-    expert, the top k renormalized when norm_topk_prob, SequentialMLP experts)."""
-    return dict(num_moe_experts=layout.num_experts, moe_router_topk=layout.top_k,
-                moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
-                moe_router_score_function="softmax",
-                # pre-softmax: weights are the softmax over all experts (no renormalization);
-                # else the softmax over the top k logits, which is softmax-then-renormalize
-                moe_router_pre_softmax=not layout.norm_topk_prob, moe_grouped_gemm=False)
+    """The TransformerConfig fields of a MoE layout, SequentialMLP experts: Qwen3-MoE's softmax
+    routing over every expert (the top k renormalized when norm_topk_prob); GLM-4.5's sigmoid
+    scores with a score correction bias choosing the experts, group-limited routing, scaled
+    weights, shared experts; dense layers where the model has them (moe_layer_freq)."""
+    fields = dict(num_moe_experts=layout.num_experts, moe_router_topk=layout.top_k,
+                  moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
+                  moe_router_score_function=layout.score_function,
+                  # pre-softmax: weights are the softmax over all experts (no renormalization);
+                  # else the softmax over the top k logits, which is softmax-then-renormalize
+                  moe_router_pre_softmax=not layout.norm_topk_prob, moe_grouped_gemm=False,
+                  moe_router_enable_expert_bias=layout.expert_bias,
+                  moe_router_topk_scaling_factor=(layout.scaling_factor
+                                                  if layout.scaling_factor != 1.0 else None),
+                  moe_layer_freq=[int(i in layout.moe_layers)
+                                  for i in range(layout.num_layers)])
+    if layout.num_groups > 1:
+        fields |= dict(moe_router_num_groups=layout.num_groups,
+                       moe_router_group_topk=layout.group_topk)
+    if layout.shared_ffn_hidden_size:
+        fields["moe_shared_expert_intermediate_size"] = layout.shared_ffn_hidden_size
+    return fields
 
 
 def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTModel:
@@ -211,9 +225,11 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
     layout = layout_from_hf(hf_config)
     _, model_kw = split_options(options)
     factor = rope_scaling_factor(hf_config)
-    spec = get_gpt_layer_local_spec(num_experts=layout.num_experts or None,
-                                    moe_grouped_gemm=False, qk_layernorm=layout.qk_norm,
-                                    normalization="RMSNorm")
+    if layout.moe:  # per layer: experts or a dense MLP (moe_layer_freq), this stage's layers
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
     return GPTModel(
         config, spec, vocab_size=layout.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
@@ -222,7 +238,8 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_parameters(hf_config)["rope_theta"],
-        rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0, **model_kw)
+        rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
+        rotary_percent=layout.rotary_percent, **model_kw)
 
 
 def initialize_parallel(tensor_model_parallel_size: int = 1,
@@ -468,7 +485,9 @@ class MegatronRouting:
         self._zero_stats()
         self.routers = {}
         for i, layer in zip(model.layers, model.core.decoder.layers):
-            router = layer.mlp.router
+            router = getattr(layer.mlp, "router", None)
+            if router is None:  # a dense layer
+                continue
             router.routing = self._wrap(router, i)  # an instance attribute over the method
             self.routers[i] = router
 
