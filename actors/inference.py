@@ -52,7 +52,8 @@ class InferenceWorker(InferenceWorkerPlan):
         info = {"model_path": cfg.model, "tokenizer_path": cfg.model, "host": cfg.host,
                 "device": cfg.device, "dtype": cfg.dtype, "random_seed": cfg.seed,
                 "batch_wait_ms": cfg.batch_wait_ms, "true_on_policy": cfg.true_on_policy}
-        self.server = EngineServer(self.scheduler, info, max_body_bytes=cfg.max_body_bytes)
+        self.server = EngineServer(self.scheduler, info, max_body_bytes=cfg.max_body_bytes,
+                                   routes_always=cfg.return_routed_experts)
         self._runner, port = await start_server(self.server, cfg.host,
                                                 self.stable_port("http", cfg.host, cfg.port))
         info["port"] = port

@@ -37,6 +37,11 @@ class InferenceWorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # drops them: resume reloads the last checkpoint loaded, or zeros when the last version came
     # as tensors, and the trainer's next push fills them (saves one copy and one host model)
     weights_cpu_backup: bool = True
+    # a mixture-of-experts model: answer every /generate with its routed experts
+    # (meta_info.routed_experts), asked for or not. sglang-router 0.3.2 drops the request's
+    # `return_routed_experts` field on the way, so a rollout behind it relies on this (`[rl]`
+    # with `moe` sets it)
+    return_routed_experts: bool = False
 
 
 class InferenceWorkerPlan(Actor):

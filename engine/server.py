@@ -455,7 +455,13 @@ class EngineServer:
     """aiohttp handlers over one Scheduler; `app` is the web.Application to run."""
 
     def __init__(self, scheduler: Scheduler, info: dict[str, Any],
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, routes_always: bool = False):
+        """`routes_always`: a MoE model's answers carry routed experts whether or not the
+        request asked (a router that drops the field keeps them reachable)."""
+        if routes_always and scheduler.routing is None:
+            raise ValueError("return_routed_experts: the served model has no routed experts to "
+                             "return (a dense model, or routers that cannot be hooked)")
+        self.routes_always = routes_always
         self.scheduler = scheduler
         self.info = info  # model_path, tokenizer_path, host, port, ... for /server_info
         self.max_body_bytes = max_body_bytes  # 413 above it (weight tensors: their own limit)
@@ -492,6 +498,9 @@ class EngineServer:
             reqs, batch = parse_generate(body, s.tokenizer, s.vocab_size, s.context_len)
         except BadRequest as e:
             return error_response(str(e), e.status)
+        if self.routes_always:
+            for q in reqs:
+                q.return_routed_experts = True
         try:
             results = await s.generate(reqs)
         except BadRequest as e:  # an adapter that is not loaded

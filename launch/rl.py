@@ -19,8 +19,8 @@ Embedded workers on CUDA get the trainer's `weight_sync.path = "auto"` (CUDA IPC
 NCCL to the others; disk stays the default elsewhere); the teachers and `opd` go to the pool and
 the trainer (with opd mode "top_p" or `top_p_replay`, the rollout records each token's nucleus:
 `nucleus_top_logprobs`); the worker names to the trainer. With `moe` (a mixture-of-experts
-policy) the rollout asks for each token's routed experts, SGLang workers start with
---enable-return-routed-experts and the trainer gets the table.
+policy) the trainer gets the table and, with embedded workers, the workers answer with each
+token's routed experts and the rollout keeps them in the samples.
 
 Per-actor tables stay the way to change anything else or to lay out a custom cluster: a table
 `[actors.<name>]` the file also has is merged over the derived one (tables key by key, any other
@@ -82,9 +82,10 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
     # LoraConfig; {} = its defaults); absent = full fine-tuning. Pushes send the adapter only
     lora: dict[str, Any] | None = None
     # a mixture-of-experts policy's training: { routing_replay = "off" | "rollout",
-    # aux_loss_coef } (training/config.py MoeConfig; {} = its defaults). Present: the workers
-    # return each token's experts with the samples (SGLang workers start with
-    # --enable-return-routed-experts) and the trainer measures (and replays) them
+    # aux_loss_coef } (training/config.py MoeConfig; {} = its defaults). Present, with embedded
+    # workers: they return each token's experts with every answer, the rollout puts them in the
+    # samples and the trainer measures (and replays) them. SGLang workers cannot (sglang-router
+    # 0.3.2 drops the request field): routing_replay = "rollout" is refused with them
     moe: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -102,6 +103,12 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"mode = 'colocated' trains and generates in turn, so the rollout "
                              f"cannot run ahead: max_staleness must be 0 (or left out), not "
                              f"{self.max_staleness}")
+        if self.moe and self.moe.get("routing_replay") == "rollout" and self.engine != "embedded":
+            raise ValueError("moe.routing_replay = 'rollout' needs each token's experts from the "
+                             "workers, but sglang-router 0.3.2 (in front of SGLang workers) drops "
+                             "/generate's return_routed_experts field, so SGLang cannot be asked "
+                             "for them through it; use engine = 'embedded' or routing_replay = "
+                             "'off'")
         if (self.opd or self.teacher_memory or self.teacher_mode != "colocated") \
                 and not self.teachers:
             raise ValueError("opd / teacher_memory / teacher_mode are set but teachers is "
@@ -123,6 +130,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
             cfg: dict[str, Any] = {"model": rl.model, "seed": rl.seed + i}
             cfg.update(_unless_default(device=(rl.device, "cpu"), dtype=(rl.dtype, "float32"),
                                        true_on_policy=(rl.true_on_policy, False)))
+            if rl.moe is not None:  # routes in every answer: the router drops the request flag
+                cfg["return_routed_experts"] = True
             actors[name] = {"cls": "actors.inference:InferenceWorker", "env": dict(env),
                             "config": cfg}
         actors["router"] = {"cls": "actors.router:RouterActor", "after": list(workers),
@@ -133,13 +142,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
         for name in workers:
             actors[name] = {"cls": "actors.sglang_worker:SglangWorker", "after": ["router"],
                             "config": {"model_path": rl.model, "register_with": "router"}}
-            sglang = {}
             if rl.lora is not None:  # SGLang serves adapters only when started for them
-                sglang |= _sglang_lora(rl.lora)
-            if rl.moe is not None:  # and returns routed experts only when started for it
-                sglang["enable_return_routed_experts"] = True
-            if sglang:
-                actors[name]["config"]["sglang"] = sglang
+                actors[name]["config"]["sglang"] = _sglang_lora(rl.lora)
     staleness = rl.max_staleness if rl.max_staleness is not None else (
         0 if rl.mode == "colocated" else 1)
     actors["buffer"] = {"cls": "actors.buffer:BufferActor",
@@ -164,8 +168,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
     if teachers and (rl.opd.get("mode") == "top_p" or rl.opd.get("top_p_replay")):
         # the nucleus each token was sampled from, recorded for the trainer (docs/mopd.md)
         rollout["nucleus_top_logprobs"] = NUCLEUS_TOP_LOGPROBS
-    if rl.moe is not None:  # each token's experts, for the trainer's routing replay / metrics
-        rollout["routed_experts"] = True
+    if rl.moe is not None and rl.engine == "embedded":  # each token's experts, for the
+        rollout["routed_experts"] = True  # trainer's routing replay and metrics
     rollout.update({"eval_every": rl.eval_every, "eval_tasks": rl.eval_tasks,
                     "envs": copy.deepcopy(rl.envs)})
     actors["rollout"] = {"cls": "actors.rollout:RolloutActor", "after": rollout_after,

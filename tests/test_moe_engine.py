@@ -299,6 +299,29 @@ async def test_the_inference_worker_actor_serves_routes_of_a_moe_model(ipc, chec
         assert np.array_equal(got, plain_routes(reference, prompt + a["output_ids"]).numpy())
 
 
+async def test_a_server_with_routes_always_answers_requests_that_did_not_ask(checkpoint,
+                                                                             reference):
+    """sglang-router 0.3.2 drops the request's return_routed_experts: a worker started with
+    return_routed_experts = true answers with routes anyway; a dense model cannot."""
+    async with running(checkpoint) as scheduler:
+        server = EngineServer(scheduler, {"model_path": checkpoint}, routes_always=True)
+        runner, port = await start_server(server, "127.0.0.1", 0)
+        client = SglangClient(f"http://127.0.0.1:{port}", timeout_s=60)
+        try:
+            sp = {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 4,
+                  "ignore_eos": True}
+            a = await client.generate(PROMPTS[2], sp)  # no flag in the request
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await server.weights.close()
+    got = decoded(a)
+    assert np.array_equal(got, plain_routes(reference, PROMPTS[2] + a["output_ids"]).numpy())
+    async with running("tiny-qwen2") as dense:
+        with pytest.raises(ValueError, match="no routed experts"):
+            EngineServer(dense, {"model_path": "tiny-qwen2"}, routes_always=True)
+
+
 # ----------------------------------------------------------------------------- the session
 class Stub:
     """A /generate client answering from a list; keeps the requests' keyword arguments."""

@@ -210,11 +210,17 @@ def test_moe_makes_the_rollout_return_routed_experts_and_gives_the_trainer_the_t
         'moe = { routing_replay = "rollout", aux_loss_coef = 0.01 }\n'
     a = load(write(tmp_path, text)).actors
     assert a["rollout"].config["routed_experts"] is True
+    assert a["worker0"].config["return_routed_experts"] is True  # the router drops the field
     assert a["trainer"].config["moe"] == {"routing_replay": "rollout", "aux_loss_coef": 0.01}
-    sglang = load(write(tmp_path, text + 'engine = "sglang"\nlora = {}\n')).actors["worker0"]
-    assert sglang.config["sglang"]["enable_return_routed_experts"] is True
-    assert sglang.config["sglang"]["enable_lora"] is True  # both kinds of serving options
     plain = load(write(tmp_path, BASE)).actors
     assert "routed_experts" not in plain["rollout"].config and "moe" not in plain["trainer"].config
+    assert "return_routed_experts" not in plain["worker0"].config
     with pytest.raises(ConfigError, match="routing_replay"):
         load(write(tmp_path, text.replace('"rollout"', '"always"')))
+    # SGLang behind sglang-router 0.3.2 cannot be asked for routes: replay is refused, and
+    # without it nothing asks for them
+    with pytest.raises(ConfigError, match="drops /generate's return_routed_experts"):
+        load(write(tmp_path, text + 'engine = "sglang"\n'))
+    off = text.replace('"rollout"', '"off"') + 'engine = "sglang"\n'
+    sglang = load(write(tmp_path, off)).actors
+    assert "routed_experts" not in sglang["rollout"].config and "moe" in sglang["trainer"].config
