@@ -1,4 +1,6 @@
-"""Mixture-of-experts on the megatron backend (tiny-qwen3-moe, fp32, CPU over gloo): HF <->
+"""Mixture-of-experts on the megatron backend (tiny-qwen3-moe and a tiny GLM-4.5 layout: shared
+experts, a dense first layer, sigmoid routing with a score correction bias; fp32, CPU over
+gloo): HF <->
 megatron conversion at every expert layout, logits against transformers, routing replay against
 the torch backend's (models/moe.py `Routing`), one train step (routing replay and the
 load-balancing loss on) at ep = 2, tp = 2 and pp = 2 against the torch backend's step, resuming
@@ -29,7 +31,7 @@ from backends.megatron.convert import (
     layout_from_hf,
     megatron_to_hf,
 )
-from models.moe import NO_ROUTE, Routing, checkpoint_tensors, moe_shape
+from models.moe import NO_ROUTE, Routing, checkpoint_tensors, moe_shape, routes_array
 from models.tiny import build_char_tokenizer, tiny_config
 
 SPAWN_TIMEOUT_S = 540
@@ -40,26 +42,53 @@ NAME = "tiny-qwen3-moe"
 # shared fixtures of the parent and the ranks
 # ---------------------------------------------------------------------------------------------
 
-def moe_model(seed: int = 0):
-    """The tiny MoE transformers model with non-trivial norms and decisive routers (router
-    weights of std 1: no near-ties between experts, whose order float rounding could flip)."""
+def glm_config():
+    """GLM-4.5's layout at tiny size: 4 layers (the first dense), 4 routed experts (top 2) and
+    a shared one, sigmoid scores with a correction bias, scaled weights, q/k/v biases, RoPE on
+    half of each head."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=54, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=False, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
+        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "rope_type": "default"})
+
+
+def model_config(kind: str):
+    return glm_config() if kind == "glm" else tiny_config(NAME)
+
+
+def moe_model(seed: int = 0, kind: str = "qwen"):
+    """A tiny MoE transformers model (kind "qwen": tiny-qwen3-moe, "glm": `glm_config`) with
+    non-trivial norms, biases and score corrections, and decisive routers (router weights of
+    std 1: no near-ties between experts, whose order float rounding could flip)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(NAME), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(model_config(kind), dtype=torch.float32).eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
             if "norm" in key:
                 p.normal_(1.0, 0.1)
             elif key.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 1.0)
+            elif key.endswith("bias"):
+                p.normal_(0.0, 0.1)
+        for key, b in model.named_buffers():
+            if key.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     return model
 
 
 def hf_checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     """The model's tensors under their checkpoint (per-expert) names, tied lm_head left out."""
     out = {k: v.clone() for k, v in checkpoint_tensors(model.state_dict().items())}
-    out.pop("lm_head.weight", None)
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
     return out
 
 
@@ -88,8 +117,8 @@ def own_routes(hf, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         hf(input_ids=ids, attention_mask=mask)
     routing.close()
-    out = torch.stack([routing.recorded[i].reshape(*ids.shape, shape.top_k)
-                       for i in range(shape.num_layers)], dim=2).to(torch.int32)
+    out = routes_array(routing.recorded, shape).reshape(*ids.shape, shape.num_layers,
+                                                        shape.top_k)
     return out.masked_fill(~mask.bool()[:, :, None, None], NO_ROUTE)
 
 
@@ -167,7 +196,7 @@ def _layout_checks(hf, with_step: bool = True) -> dict:
     out["other_stats"] = routing.take_stats()
     out["other_logits"] = logits.detach()
     out["router_grads"] = [float(layer.mlp.router.weight.grad.abs().sum())
-                           for layer in model.core.decoder.layers]
+                           for layer in model.core.decoder.layers if hasattr(layer.mlp, "router")]
     routing.close()
     if with_step:
         out["step"] = _train_step(hf)
@@ -232,6 +261,15 @@ def two_ranks(rank: int, tmp: Path) -> dict:
         for part in report[name].get("step", {}), :
             part.pop("model", None)
             part.pop("optimizer", None)
+        parallel_state.destroy_model_parallel()
+    # the GLM-4.5 layout: ep = 2 and pp = 2 (a dense and a MoE layer per stage)
+    for name, (pp, ep) in {"glm_ep2": (1, 2), "glm_pp2": (2, 1)}.items():
+        initialize_parallel(1, pp, expert_model_parallel_size=ep)
+        glm = moe_model(kind="glm")
+        report[name] = (_layout_checks(glm) if pp == 1 else
+                        {"weights": from_hf_model(glm).hf_state_dict(), "step": _train_step(glm)})
+        report[name]["step"].pop("model")
+        report[name]["step"].pop("optimizer")
         parallel_state.destroy_model_parallel()
     # resume across expert layouts: ep = 2's checkpoint at ep = 1, ep = 1's at ep = 2
     for name, (ep, directory) in {"ep2_at_ep1": (1, "ckpt-ep2"),
@@ -307,11 +345,20 @@ def reports4(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def want() -> dict:
+    return _want("qwen")
+
+
+@pytest.fixture(scope="module")
+def want_glm() -> dict:
+    return _want("glm")
+
+
+def _want(kind: str) -> dict:
     from training.backends import get_backend
     from training.moe import attach
     from training.step import TrainState, train_on_batch
 
-    hf = moe_model()
+    hf = moe_model(kind=kind)
     ids, mask = padded_batch(hf.config.vocab_size)
     shape = moe_shape(hf.config)
     with torch.no_grad():
@@ -323,7 +370,7 @@ def want() -> dict:
         other_stats = routing.take_stats()
         routing.close()
     tok = build_char_tokenizer()
-    model = moe_model()
+    model = moe_model(kind=kind)
     backend = get_backend("torch")
     attach(model, backend.routing(model))
     state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0), backend=backend)
@@ -350,6 +397,22 @@ def test_conversion_round_trip_is_bit_exact(tp, ep):
               for q in range(ep)]
     assert len([k for k in shards[-1][0] if ".local_experts." in k and "fc1" in k]) == \
         layout.num_layers * layout.num_experts // ep
+    back = megatron_to_hf(shards[0], layout, expert_shards=shards)
+    assert sorted(back) == sorted(hf)
+    for key, value in hf.items():
+        assert torch.equal(back[key], value), key
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2), (1, 4)])
+def test_glm_layout_round_trip_is_bit_exact(tp, ep):
+    """Shared experts, the expert score correction bias, a dense first layer, q/k/v biases."""
+    hf = hf_checkpoint_tensors(moe_model(kind="glm"))
+    layout = layout_from_hf(glm_config())
+    assert layout.moe_layers == (1, 2, 3) and layout.shared_ffn_hidden_size == 32
+    shards = [[hf_to_megatron(hf, layout, r, tp, ep_rank=q, ep=ep) for r in range(tp)]
+              for q in range(ep)]
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in shards[0][0]  # the dense layer
+    assert "decoder.layers.1.mlp.router.expert_bias" in shards[0][0]
     back = megatron_to_hf(shards[0], layout, expert_shards=shards)
     assert sorted(back) == sorted(hf)
     for key, value in hf.items():
@@ -489,10 +552,14 @@ def test_unsupported_expert_layouts_and_options_are_refused():
 
     from backends.megatron.model import split_options
 
-    config = tiny_config(NAME)
-    config.mlp_only_layers = [0]
-    with pytest.raises(ValueError, match=r"layers \[0\] of this mixture-of-experts model are "
-                                         r"dense"):
+    config = glm_config()
+    config.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob = false with sigmoid routing"):
+        layout_from_hf(config)
+    config = glm_config()
+    config.n_group, config.topk_group = 2, 2
+    with pytest.raises(ValueError, match=r"n_group = 2, topk_group = 2, num_experts_per_tok = "
+                                         r"2: megatron scores a group by its top"):
         layout_from_hf(config)
     other = Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, hidden_size=64,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -501,3 +568,22 @@ def test_unsupported_expert_layouts_and_options_are_refused():
     for key in ("num_moe_experts", "moe_router_topk", "expert_model_parallel_size"):
         with pytest.raises(ValueError, match=f"{key}.*set from the HF config / parallel"):
             split_options({key: 2})
+
+
+def test_glm_layout_on_two_ranks(reports, want_glm):
+    """ep = 2: the HF export, logits, routing replay against the torch backend's, the train
+    step; pp = 2 (a dense and a MoE layer per stage): the export and the train step."""
+    mask = want_glm["mask"]
+    for name in ("glm_ep2", "glm_pp2"):
+        got = reports[name]
+        assert sorted(got["weights"]) == sorted(want_glm["weights"])
+        assert all(torch.equal(got["weights"][k], v) for k, v in want_glm["weights"].items())
+        assert _max_diff(got["step"]["weights"], want_glm["step_weights"]) < 1e-5, name
+    got = reports["glm_ep2"]
+    assert (got["logits"] - want_glm["logits"]).abs()[mask].max() < 1e-5
+    assert (got["own_logits"] - got["logits"]).abs()[mask].max() < 1e-6
+    assert (got["other_logits"] - got["logits"]).abs()[mask].max() > 1e-2
+    assert (got["other_logits"] - want_glm["other_logits"]).abs()[mask].max() < 1e-5
+    for key, value in want_glm["other_stats"].items():
+        assert got["other_stats"][key] == pytest.approx(value, rel=1e-6), key
+    assert len(got["router_grads"]) == 3 and all(g > 0 for g in got["router_grads"])
