@@ -14,7 +14,8 @@ data-parallel training compute the same advantages. `advantage_estimator` is one
 
 The estimators are one table, `ESTIMATORS`: an `Estimator` record per name with its scoring
 (`sample_scores`), its token function (`token_advantages`) and what the step does around it
-(`whitened`, `token_rewards`: accepts KL reward shaping, `needs_critic`).
+(`whitened`, `token_rewards`: accepts KL reward shaping, `needs_critic`); all but the token
+function are algos/estimators.py's records (no torch: what a config is checked with).
 
 Whitening spans every policy token of the optimizer step, across micro-batches and ranks:
 `whiten_sums` gives (N, sum a, sum a^2) in float64 per micro-batch; the caller adds them up
@@ -36,9 +37,15 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import torch
+
+from algos.estimators import (  # noqa: F401 - the table: also read from here
+    SPECS,
+    TOKEN_REWARDS,
+    EstimatorSpec,
+    check_estimator,
+)
 
 # (per-sample scores [B], policy-token mask [B, T] float, reward-shaping KL [B, T] or None,
 #  kl_coef, critic values [B, T] or None, gamma, lam) -> (advantages [B, T], returns or None)
@@ -48,16 +55,11 @@ TokenFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float,
 
 
 @dataclasses.dataclass(frozen=True)
-class Estimator:
-    """One advantage estimator: how it scores samples, turns scores into token advantages, and
-    what the step does around it."""
+class Estimator(EstimatorSpec):
+    """One advantage estimator: its record (algos/estimators.py) and its token function."""
 
-    name: str
-    scores: Literal["zero", "raw", "group_normalised", "group_centred"]  # `sample_scores`
-    token_fn: TokenFn  # scores -> token advantages (and returns), before whitening
-    whitened: bool = False  # advantages whitened over the whole step (every rank)
-    token_rewards: bool = False  # accepts KL reward shaping (kl.in_reward)
-    needs_critic: bool = False  # the critic's values (GAE); the config needs `critic`
+    # scores -> token advantages (and returns), before whitening
+    token_fn: TokenFn = dataclasses.field(kw_only=True)
 
 
 def _broadcast(scores, mask, kl, kl_coef, values, gamma, lam):
@@ -82,21 +84,13 @@ def _gae(scores, mask, kl, kl_coef, values, gamma, lam):
     return adv * mask, returns
 
 
-ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
-    Estimator("grpo", "group_normalised", _broadcast),
-    Estimator("dr_grpo", "group_centred", _broadcast),
-    Estimator("reinforce_plus_plus", "raw", _reinforce, whitened=True, token_rewards=True),
-    Estimator("reinforce_plus_plus_baseline", "group_centred", _baseline, whitened=True,
-              token_rewards=True),
-    Estimator("ppo", "raw", _gae, whitened=True, token_rewards=True, needs_critic=True),
-    Estimator("none", "zero", _broadcast),  # A = 0 (pure distillation: only OPD trains)
-)}
-TOKEN_REWARDS = tuple(n for n, e in ESTIMATORS.items() if e.token_rewards)  # for messages
-
-
-def check_estimator(name: str) -> None:
-    if name not in ESTIMATORS:
-        raise ValueError(f"advantage_estimator = {name!r}; use one of {', '.join(ESTIMATORS)}")
+TOKEN_FNS: dict[str, TokenFn] = {"grpo": _broadcast, "dr_grpo": _broadcast,
+                                 "reinforce_plus_plus": _reinforce,
+                                 "reinforce_plus_plus_baseline": _baseline, "ppo": _gae,
+                                 "none": _broadcast}
+ESTIMATORS: dict[str, Estimator] = {
+    name: Estimator(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)},
+                    token_fn=TOKEN_FNS[name]) for name, spec in SPECS.items()}
 
 
 def estimator(name: str) -> Estimator:

@@ -53,9 +53,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -301,6 +304,8 @@ def map_topk(teacher_ids: np.ndarray, teacher_logprobs: np.ndarray,
 def repeated_entries(ids: torch.Tensor) -> torch.Tensor:
     """[..., k] bool: entries whose id already appeared earlier in the same row (padding of
     `map_topk`'s rows; a server's top-k never repeats an id)."""
+    import torch  # here: the numpy alignment above is read without it (logic/teachers.py)
+
     k = ids.shape[-1]
     eq = ids[..., :, None] == ids[..., None, :]  # [..., k, k]
     earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(-1)
@@ -319,6 +324,8 @@ def sorted_prob_distance(student_logits: torch.Tensor, teacher_logprobs: torch.T
         raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher log-probs "
                          f"{tuple(teacher_logprobs.shape)} must be [B, T, *] over the mask "
                          f"{tuple(mask.shape)}")
+    import torch  # here: the numpy alignment above is read without it (logic/teachers.py)
+
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     t = temperature if temperature > 0 else 1.0
     p = torch.softmax(student_logits.to(dtype) / t, dim=-1).sort(dim=-1, descending=True).values

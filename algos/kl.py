@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("k1", "k2", "k3")
+from algos.estimators import KL_ESTIMATORS as ESTIMATORS
+
 K3_CLAMP = 10.0  # bound on each token's k3 estimate (nats)
 
 

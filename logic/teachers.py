@@ -43,7 +43,7 @@ import msgspec
 import numpy as np
 
 from algos.cross_tokenizer import Alignment, align, vocab_map
-from algos.opd import OpdConfig
+from algos.opd_config import OpdConfig
 from transport.errors import RlxError
 from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
 

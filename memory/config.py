@@ -1,14 +1,16 @@
 """The colocated teachers' memory settings (`teacher_memory` of the trainer's config) and the
-weight memory they build (memory/manager.py)."""
+weight memory they build (memory/manager.py, imported by `build`: the launcher reads the table
+without torch, tests/test_import_cost.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from memory.manager import WeightMemory
+if TYPE_CHECKING:
+    from memory.manager import WeightMemory
 
 
 class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -34,6 +36,8 @@ class TeacherMemoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
               chunk_bytes: int = 16 << 20) -> WeightMemory:
         """An empty weight memory for teachers of `sizes` bytes (name -> bytes) on `device`:
         slots of the largest, this host budget, NVMe under `nvme_path(run_dir)`."""
+        from memory.manager import WeightMemory
+
         return WeightMemory(device, gpu_slots=self.gpu_slots, slot_bytes=max(sizes.values()),
                             host_budget_bytes=self.host_budget(sizes), lookahead=self.lookahead,
                             nvme_dir=self.nvme_path(run_dir), chunk_bytes=chunk_bytes,

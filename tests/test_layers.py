@@ -33,10 +33,11 @@ RANK = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
 OPTIONAL_INSIDE_FUNCTIONS = {
     ("*", "backends.megatron"),  # megatron-core is optional: only for backend = "megatron"
     ("bench.transport", "bench.ray_baseline"),  # ray, only for the baseline
-    # torch and transformers at their tops, needed only by a plan that names a model / has a
-    # trainer: the launcher of other plans (and --help) stays light (tests/test_import_cost.py)
-    ("launch.config", "models.hub"),
-    ("launch.plan", "engine.weight_sync"),
+    # torch at their tops, needed only by the trainer's process (WeightSyncConfig.build): the
+    # launcher, which reads the table, stays light (tests/test_import_cost.py)
+    ("engine.weight_sync_config", "engine.weight_push"),
+    ("engine.weight_sync_config", "engine.weight_sync"),
+    ("memory.config", "memory.manager"),  # the colocated teachers' memory (`build`)
 }
 
 

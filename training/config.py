@@ -22,10 +22,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from algos.advantages import TOKEN_REWARDS, check_estimator, estimator
-from algos.kl import ESTIMATORS as KL_ESTIMATORS
-from algos.mismatch import MismatchConfig
-from algos.opd import OpdConfig, check_placement, is_loss_term
+from algos.estimators import KL_ESTIMATORS, TOKEN_REWARDS, check_estimator, estimator_spec
+from algos.mismatch_config import MismatchConfig
+from algos.opd_config import OpdConfig, check_placement, is_loss_term
 from logic.teachers import TeacherSpec, route_table
 from memory.config import TeacherMemoryConfig
 from models.lora import LORA_TARGETS, LoraConfig  # noqa: F401 - the trainer's `lora` table
@@ -380,7 +379,7 @@ def check_algorithm(cfg: TrainConfig) -> None:
     """ValueError naming both options of any incompatible pair that spans components (each
     component checks its own fields)."""
     est = cfg.loss.advantage_estimator
-    needs_critic = estimator(est).needs_critic
+    needs_critic = estimator_spec(est).needs_critic
     if needs_critic and cfg.critic is None:
         raise ValueError("loss.advantage_estimator = 'ppo' needs a critic: add critic = {} (a "
                          "value model from the policy's checkpoint) or critic = { model = ..., "
@@ -388,7 +387,7 @@ def check_algorithm(cfg: TrainConfig) -> None:
     if not needs_critic and cfg.critic is not None:
         raise ValueError(f"critic is set but loss.advantage_estimator = {est!r} uses no value "
                          "model; use advantage_estimator = 'ppo' or remove critic")
-    if cfg.kl.in_reward and not estimator(est).token_rewards:
+    if cfg.kl.in_reward and not estimator_spec(est).token_rewards:
         raise ValueError(f"kl.in_reward = true and loss.advantage_estimator = {est!r} conflict: "
                          f"{est} ignores token rewards; use kl.use_kl_loss = true or one of "
                          f"{TOKEN_REWARDS}")
