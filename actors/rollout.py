@@ -51,6 +51,7 @@ from actors.rollout_config import (  # noqa: F401 - the config: also read from h
 )
 from engine.chat_template import chat_format
 from engine.client import SglangClient
+from engine.errors import UnusableAnswer
 from engine.session import (
     AGENT_STATS,
     AgentLink,
@@ -157,7 +158,9 @@ class RolloutActor(RolloutActorPlan):
         super().__init__(ctx, config)
         cfg = self.config
         self.failed_batches, self.last_notice, self.last_failure = 0, -1e9, ""
+        self.moe: MoeShape | None = None  # the policy's expert layout (routed_experts asked)
         self.env_errors = 0  # episodes of the current batch the environment failed
+        self.answer_errors = 0  # episodes of the current batch whose answer was unusable
         # the last groups sent, re-sent to a restarted buffer
         self.sent: collections.deque = collections.deque(
             maxlen=cfg.resend_batches * cfg.groups_per_batch)
@@ -340,6 +343,9 @@ class RolloutActor(RolloutActorPlan):
                 if not isinstance(e, SessionFailed) and session.generation_error is None:
                     self.env_errors += 1
                     self.env_failed.add(f"{group_id}-{index}")
+                elif isinstance(e, UnusableAnswer) or isinstance(session.generation_error,
+                                                                  UnusableAnswer):
+                    self.answer_errors += 1  # the workers answer, unusably: not transient
                 self.last_failure = (f"{domain} task {task.id!r} (episode {group_id}-{index}): "
                                      f"{type(e).__name__}: {e}")
                 log.warning("%s: episode %s-%d failed: %s", self.name, group_id, index, e)
@@ -439,13 +445,16 @@ class RolloutActor(RolloutActorPlan):
         # a batch counts as dead when every group failed and the environment raised (workers
         # that are down fail generation instead: that ends when they are back, not the run)
         env_errors, self.env_errors = self.env_errors, 0
-        dead = dead_groups == len(groups) and env_errors > 0
+        # so do answers the rollout cannot use (asking again gets the same answer)
+        answer_errors, self.answer_errors = self.answer_errors, 0
+        dead = dead_groups == len(groups) and env_errors + answer_errors > 0
         self.failed_batches = self.failed_batches + 1 if dead else 0
         limit = self.config.max_failed_batches
         if limit and self.failed_batches >= limit:
             raise EndRun(f"every episode of {limit} consecutive batches failed (batch "
                          f"{batch_index}); last failure: {self.last_failure}; fix the "
-                         f"environment or raise rollout max_failed_batches")
+                         f"environment (or the workers' answers) or raise rollout "
+                         f"max_failed_batches")
         now = time.monotonic()
         if failed and now - self.last_notice >= self.config.failure_notice_interval_s:
             self.last_notice = now

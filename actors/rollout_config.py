@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 
 from engine.chat_template import check_chat_template
-from engine.session import DRIFT_RULES
+from engine.drift import DRIFT_RULES
 from envs.loader import check_at_load, load_envs
-from models.load import check_model_path
+from models.names import check_model_path
 from runtime.actor import Actor
 from runtime.facts import RunFacts
 
@@ -49,7 +49,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_batches: int = 0  # stop after this many batches (0 = until the run ends)
     retries: int = 3  # attempts per turn after the first
     # the run fails (exit 1) after this many consecutive batches in which every group failed
-    # and the environment raised (workers that are down do not count); 0 = never
+    # and the environment raised or the workers' answers were unusable (engine/errors.py
+    # UnusableAnswer: asking again gets the same); workers that are down do not count; 0 = never
     max_failed_batches: int = 3
     # warn (naming the domain, with two responses) when every group of a domain scored the same
     # within the group, so GRPO has nothing to learn from it, this many batches in a row (0 = never)

@@ -57,3 +57,9 @@ class SyncError(EngineError, RuntimeError):
 class SessionFailed(EngineError, RuntimeError):
     """A turn could not be generated within the retry budget, or the server's answer to it is
     unusable."""
+
+
+class UnusableAnswer(SessionFailed):
+    """The server answered a turn, but the answer cannot be used (a field missing, malformed or
+    inconsistent): asking again gets the same, so a rollout whose every episode ends so stops
+    (actors/rollout.py max_failed_batches) instead of failing episodes forever."""

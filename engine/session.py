@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from engine.chat_template import ChatFormat
-from engine.errors import SessionFailed
+from engine.drift import DRIFT_RULES
+from engine.errors import SessionFailed, UnusableAnswer
 from engine.sampling import nucleus
 from envs.openai_api import (
     AgentEndpoint,
@@ -60,7 +61,6 @@ from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Sample, r
 
 log = logging.getLogger(__name__)
 
-DRIFT_RULES = ("split", "fail")
 # what `HttpSession.agent_stats` counts (the rollout publishes them as rollout/agent/<name>)
 AGENT_STATS = ("episodes", "requests", "tool_calls", "drift_splits", "dropped_tokens", "refused",
                "sampling_overrides")
@@ -172,7 +172,7 @@ class HttpSession:
         meta = out["meta_info"]
         lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         if len(lps) != len(ids):
-            raise SessionFailed(f"server returned {len(ids)} tokens but {len(lps)} log-probs")
+            raise UnusableAnswer(f"server returned {len(ids)} tokens but {len(lps)} log-probs")
         self._record_nucleus(ids, meta)
         version = weight_version(meta.get("weight_version"))  # when the request finished
         spans = meta.get("weight_version_spans")  # embedded engine, held across an update
@@ -232,10 +232,10 @@ class HttpSession:
         but the last token."""
         ids = out.get("output_ids")
         if not isinstance(ids, list):
-            raise SessionFailed("the answer's output_ids is not a list (routed_experts cannot "
+            raise UnusableAnswer("the answer's output_ids is not a list (routed_experts cannot "
                                 "be checked against it)")
         if "routed_experts" not in out["meta_info"]:
-            raise SessionFailed("asked for routed_experts, but the answer's meta_info has none: "
+            raise UnusableAnswer("asked for routed_experts, but the answer's meta_info has none: "
                                 "an SGLang server returns them for a mixture-of-experts model "
                                 "when started with --enable-return-routed-experts")
         return decode_routed_experts(out["meta_info"]["routed_experts"],
@@ -256,7 +256,7 @@ class HttpSession:
             return
         tops = meta.get("output_top_logprobs")
         if not isinstance(tops, list) or len(tops) != len(ids):
-            raise SessionFailed(f"asked for top_logprobs_num = {self.nucleus_top_logprobs}, got "
+            raise UnusableAnswer(f"asked for top_logprobs_num = {self.nucleus_top_logprobs}, got "
                                 f"output_top_logprobs for {len(tops or [])} of {len(ids)} tokens")
         top_p = float(self._turn_params["top_p"])
         for token, entries in zip(ids, tops):
@@ -528,24 +528,24 @@ def decode_routed_experts(value: Any, rows: int, moe: MoeShape) -> np.ndarray:
     as an array of `routed_experts_dtype(num_experts)`; SessionFailed naming the field when it
     is not exactly that (its length is checked before anything is decoded)."""
     if not isinstance(value, str):
-        raise SessionFailed(f"meta_info.routed_experts must be a base64 string, got "
+        raise UnusableAnswer(f"meta_info.routed_experts must be a base64 string, got "
                             f"{type(value).__name__}")
     count = rows * moe.num_layers * moe.top_k
     chars = 4 * -(-count * 4 // 3)
     if len(value) != chars:
-        raise SessionFailed(f"meta_info.routed_experts has {len(value)} base64 characters; "
+        raise UnusableAnswer(f"meta_info.routed_experts has {len(value)} base64 characters; "
                             f"{rows} positions x {moe.num_layers} layers x {moe.top_k} experts "
                             f"(int32) take {chars}")
     try:
         raw = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise SessionFailed(f"meta_info.routed_experts is not valid base64: {e}") from None
+        raise UnusableAnswer(f"meta_info.routed_experts is not valid base64: {e}") from None
     if len(raw) != 4 * count:
-        raise SessionFailed(f"meta_info.routed_experts decodes to {len(raw)} bytes, not the "
+        raise UnusableAnswer(f"meta_info.routed_experts decodes to {len(raw)} bytes, not the "
                             f"{4 * count} of {rows} x {moe.num_layers} x {moe.top_k} int32 ids")
     ids = np.frombuffer(raw, dtype="<i4").reshape(rows, moe.num_layers, moe.top_k)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= moe.num_experts):
-        raise SessionFailed(f"meta_info.routed_experts holds expert ids outside [0, "
+        raise UnusableAnswer(f"meta_info.routed_experts holds expert ids outside [0, "
                             f"{moe.num_experts}): {int(ids.min())}..{int(ids.max())}")
     return ids.astype(routed_experts_dtype(moe.num_experts))
 
@@ -597,5 +597,5 @@ def weight_version(value) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise SessionFailed(f"weight_version {value!r} in the reply is no version this trainer "
+        raise UnusableAnswer(f"weight_version {value!r} in the reply is no version this trainer "
                             f"pushed (they are integers)") from None

@@ -20,6 +20,7 @@ from actors.rollout import RolloutActor, RolloutConfig
 from engine.client import SglangClient
 from engine.weight_sync import DiskSync
 from models.load import save_checkpoint
+from models.tokenizer import build_char_tokenizer
 from runtime.actor import EndRun
 from runtime.facts import RunFacts
 from tests.helpers import context, running
@@ -251,3 +252,41 @@ async def test_a_wait_past_its_limit_ends_the_run_naming_the_wait_and_the_settin
         with pytest.raises(TimeoutError):  # no limit named: the error is the caller's to handle
             async with actor.waiting_for("something"):
                 raise TimeoutError
+
+
+class _MalformedAnswers:
+    """A /generate client whose every answer lacks the log-probs of its tokens."""
+
+    async def generate(self, input_ids, params, **kw):
+        return {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-1.0, 5, None]],
+                                                    "finish_reason": {"type": "length"}}}
+
+
+async def test_answers_the_rollout_cannot_use_end_the_run_after_dead_batches(ipc):
+    """Workers that answer every turn unusably (here: fewer log-probs than tokens) are not
+    down: asking again gets the same. Their episodes count toward max_failed_batches, so the
+    run ends with the reason instead of failing episodes forever."""
+    from envs.loader import load_envs
+
+    cfg = RolloutConfig(envs=[], max_failed_batches=2, failure_notice_interval_s=0.0,
+                        retries=0)
+    actor = RolloutActor(context("rollout", ipc, facts=RunFacts(model="tiny-qwen2")), cfg)
+    try:
+        actor.envs = load_envs([{"cls": "envs.builtin.arith:ArithEnv"}])
+        actor.tokenizer = build_char_tokenizer()
+        actor.client, actor.agent, actor.moe = _MalformedAnswers(), None, None
+        actor.gate = asyncio.Semaphore(4)
+        task = next(iter(actor.envs.tasks("train", 0)))
+        for batch in range(2):
+            samples = [await actor.play(task, {"temperature": 1.0}, f"b{batch}", i)
+                       for i in range(2)]
+            assert all(s.status == "failed" and "log-probs" in s.error for s in samples)
+            assert actor.answer_errors == 2 and actor.env_errors == 0
+            if batch == 0:
+                actor.check_failures(batch, [samples])
+                assert actor.failed_batches == 1
+        with pytest.raises(EndRun, match="every episode of 2 consecutive batches failed.*"
+                                         "log-probs.*the workers' answers"):
+            actor.check_failures(1, [samples])
+    finally:
+        actor.factory.close()
