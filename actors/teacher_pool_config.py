@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from algos.opd import OpdConfig, check_placement
+from algos.opd_config import OpdConfig, check_placement
 from logic.teachers import (
     CrossVocab,
     TeacherSpec,
@@ -16,7 +16,8 @@ from logic.teachers import (
     same_vocab,
     tokenizer_source,
 )
-from models.load import check_model_path, load_tokenizer
+from models.names import check_model_path
+from models.tokenizer_load import load_tokenizer
 from runtime.actor import Actor
 from runtime.facts import RunFacts
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from engine.weight_sync import check_sync_device
 from engine.weight_sync_config import WeightSyncConfig
+from engine.weight_sync_plan import check_sync_device
 from logic.teachers import check_vocab
-from models.load import check_model_path, load_tokenizer
+from models.names import check_model_path
+from models.tokenizer_load import load_tokenizer
 from runtime.actor import Actor
 from runtime.devices import gpu_ids
-from training.backends import check_backend
+from training.backend_checks import check_backend
 from training.config import CheckpointConfig, TrainConfig
 
 

@@ -29,23 +29,13 @@ from typing import Any
 import msgspec
 
 from actors.trainer import TrainerConfig
-from runtime.actor import Actor, ActorContext
+from actors.trainer_rank_config import TrainerRankConfig, TrainerRankPlan  # noqa: F401
+from runtime.actor import ActorContext
 from runtime.child import ChildSpec
 from training.ranks import join_group, rank_config, serve_commands, use_interface_of
 from transport.schema import Endpoints
 
 log = logging.getLogger(__name__)
-
-
-class TrainerRankConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Written by the launcher from the trainer's table (launch/config.py `rank_entries`)."""
-
-    trainer: str  # the trainer actor's name (rank 0)
-    rank: int  # this process's global rank, 1..world_size-1
-    world_size: int  # tp * pp * dp of the trainer's `parallel`
-    config: dict[str, Any]  # the trainer's config table (as its own spec has it)
-    store: str = ""  # rank 0's TCP store, host:port (filled by the launcher at each start)
-    address: str = ""  # this host's address in [[hosts]] ("" = the trainer's host)
 
 
 def _rank_trainer_config(cfg: TrainerRankConfig, run_dir: str) -> TrainerConfig:
@@ -55,17 +45,8 @@ def _rank_trainer_config(cfg: TrainerRankConfig, run_dir: str) -> TrainerConfig:
     return msgspec.structs.replace(rank_config(trainer, cfg.rank, run_dir), prefetcher="")
 
 
-class TrainerRank(Actor):
-    Config = TrainerRankConfig
-    role = "trainer_rank"
+class TrainerRank(TrainerRankPlan):
     exit_hard = True  # runtime.child leaves with os._exit (see the module's text)
-
-    @classmethod
-    def check_config(cls, config: TrainerRankConfig) -> None:
-        if not 0 < config.rank < config.world_size:
-            raise ValueError(f"rank {config.rank} of {config.world_size}: ranks 1..N-1 run here "
-                             f"(rank 0 is the trainer actor)")
-        msgspec.convert(config.config, TrainerConfig)
 
     async def on_start(self) -> None:
         cfg = self.config

@@ -6,19 +6,23 @@ and their placement, its own device, its run directory, a writer of one version'
 safetensors, a factory of weight streams) into the one object the trainer calls per version,
 `push(version) -> PushReport` (engine/weight_push.py). The configured path is read there only,
 through engine/weight_sync.py `make_weight_sync`; the checks that need the placement of the
-other actors are engine/weight_sync.py `check_sync_device` and `check_weight_sync_placement`.
+other actors are engine/weight_sync_plan.py `check_sync_device` and `check_weight_sync_placement`.
+
+The table is read by the launcher (the trainer's plan class) and the push built by the trainer
+alone: the push's modules (torch at their tops) are imported by `build`, so that the launcher
+stays free of torch (tests/test_import_cost.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
 
 import msgspec
 
-from engine.client import SglangClient
-from engine.weight_push import DiskPush, FallbackPush, StreamPush
-from engine.weight_sync import DiskSync, make_weight_sync
+if TYPE_CHECKING:
+    from engine.client import SglangClient
+    from engine.weight_push import DiskPush, FallbackPush, StreamPush
 
 
 class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -79,6 +83,9 @@ class WeightSyncConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         `write(directory, shard_bytes)`: writes one version's HF safetensors there (awaitable);
         `stream()`: one version as a WeightStream (read by the in-memory paths). A placement
         no group can serve, or cuda_ipc from a CPU trainer, raises SyncError here."""
+        from engine.weight_push import DiskPush, FallbackPush, StreamPush
+        from engine.weight_sync import DiskSync, make_weight_sync
+
         transport = await make_weight_sync(
             self.path, clients, device, self.bucket_bytes, names=names, devices=worker_devices,
             own_devices=own_devices, timeout_s=self.timeout_s, retries=self.retries,

@@ -27,6 +27,7 @@ import msgspec
 from envs.loader import EnvSpecError, one_line
 from launch import rl as rl_table
 from launch.plan import PlanError, check_plan
+from models import hub
 from runtime import passthrough as pt
 from runtime.actor import ActorView
 from runtime.facts import RunFacts, fact_hint
@@ -425,10 +426,6 @@ def _resolve_model_paths(node: Any, base: Path, fetched: dict[str, str] | None =
         return
     for key, value in node.items():
         if key in MODEL_FIELDS and isinstance(value, str):
-            # models/hub.py imports torch and transformers (models/load.py) at its top: imported
-            # at the first model field, so that a plan without one does not pay for them
-            from models import hub
-
             try:
                 node[key] = hub.resolve(value, base, fetched)
             except hub.HubError as e:

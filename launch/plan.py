@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from actors.inference_config import InferenceWorkerConfig
+from engine.weight_sync_plan import check_weight_sync_placement
 from runtime.actor import ActorView
 from runtime.facts import DECIDED_BY, RunFacts, TeacherFact
 from transport.errors import RlxError
@@ -134,10 +135,6 @@ def _check_trainer(name: str, cfg: Any, views: dict[str, ActorView]) -> None:
         _check_pool(name, cfg, f"[actors.{pool}.config]", views[pool].config)
     for w in cfg.workers:
         _check_invariant(name, cfg, w, views[w].config)
-    # engine/weight_sync.py imports torch at its top: imported here, for a plan with a trainer
-    # (whose class has imported it already), so that the launcher of other plans stays light
-    from engine.weight_sync import check_weight_sync_placement
-
     try:
         check_weight_sync_placement(cfg.weight_sync.path, cfg.workers,
                                     [views[w].gpus for w in cfg.workers], views[name].gpus,

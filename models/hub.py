@@ -14,7 +14,7 @@ before anything starts, so that every actor gets a name it can load without a ne
    bars on stderr; with `HF_HUB_OFFLINE=1` only the cache is read. The field becomes the
    snapshot's local folder. Weight formats the engines here never read (flax, tf, onnx, gguf,
    `original/`) are not fetched.
-Anything else is kept as written, and the actor's own check (models/load.py check_model_path)
+Anything else is kept as written, and the actor's own check (models/names.py check_model_path)
 refuses it, naming these places.
 
 Invariant: `resolve` never raises anything but HubError (a one-line message that says what to
@@ -29,8 +29,7 @@ import re
 import sys
 from pathlib import Path
 
-from models.load import is_checkpoint_dir
-from models.tiny import TINY
+from models.names import TINY_NAMES, is_checkpoint_dir
 from transport.errors import RlxError
 
 # org/name, each part letters, digits, '-', '_', '.' (the hub's own rule), then @revision
@@ -58,7 +57,7 @@ def hub_id(value: str) -> tuple[str, str | None] | None:
 def resolve(value: str, base: Path, fetched: dict[str, str] | None = None) -> str:
     """The reference actors get for the model field `value` of a hosts file in folder `base`
     (the module docstring's order); `fetched` caches hub ids across the fields of one load."""
-    if not value or value in TINY:
+    if not value or value in TINY_NAMES:
         return value
     if os.path.isabs(value):
         return value
@@ -67,7 +66,7 @@ def resolve(value: str, base: Path, fetched: dict[str, str] | None = None) -> st
             return str(folder.resolve())
     parsed = hub_id(value)
     if parsed is None:
-        return value  # the actor's check says where it looked (models/load.py)
+        return value  # the actor's check says where it looked (models/names.py)
     fetched = {} if fetched is None else fetched
     if value not in fetched:
         fetched[value] = fetch(*parsed, looked=local_candidates(value, base))

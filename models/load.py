@@ -10,20 +10,16 @@ ValueError naming the reference and what was expected; it never downloads anythi
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+# what needs no model (no torch): also read from here
+from models.names import check_model_path, is_checkpoint_dir  # noqa: F401
 from models.tiny import TINY, build_tiny
-from models.tokenizer import build_char_tokenizer
-
-
-def is_checkpoint_dir(path: str) -> bool:
-    """A directory holding a Hugging Face config.json."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+from models.tokenizer_load import load_tokenizer, tokenizer_from_dir  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -36,38 +32,6 @@ def quiet_progress():
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-def check_model_path(path: str) -> None:
-    """ValueError (naming the path and what is expected) unless `path` can be loaded."""
-    if path not in TINY and not is_checkpoint_dir(path):
-        raise ValueError(f"cannot load model {path!r}: expected a built-in tiny model name "
-                         f"({', '.join(sorted(TINY))}), a Hugging Face checkpoint directory "
-                         f"containing config.json (absolute, or relative to the hosts file's "
-                         f"folder, the working directory or the packaged examples/), or a hub "
-                         f"id org/name (models/hub.py)")
-
-
-def load_tokenizer(path: str):
-    """The tokenizer alone (the rollout needs no model weights)."""
-    check_model_path(path)
-    if path in TINY:
-        return build_char_tokenizer()
-    return tokenizer_from_dir(path)
-
-
-def tokenizer_from_dir(path: str):
-    """The checkpoint's own tokenizer. A plain tokenizers-library tokenizer (ours) is loaded as
-    such: AutoTokenizer would pick the model family's class (Qwen2Tokenizer), whose
-    pre-tokenizer silently drops the spaces our character tokenizer encodes."""
-    config_path = os.path.join(path, "tokenizer_config.json")
-    cls = ""
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            cls = json.load(f).get("tokenizer_class", "")
-    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):

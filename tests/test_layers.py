@@ -38,6 +38,7 @@ OPTIONAL_INSIDE_FUNCTIONS = {
     ("engine.weight_sync_config", "engine.weight_push"),
     ("engine.weight_sync_config", "engine.weight_sync"),
     ("memory.config", "memory.manager"),  # the colocated teachers' memory (`build`)
+    ("models.tokenizer_load", "models.tokenizer"),  # transformers, when a tokenizer is loaded
 }
 
 

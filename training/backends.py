@@ -49,6 +49,12 @@ from memory.layout import module_tensors
 from models import lora
 from models.load import load_model, save_checkpoint
 from models.moe import Routing, checkpoint_tensors, fuse_experts, moe_shape
+from training.backend_checks import (  # noqa: F401 - also read from here
+    MEGATRON,
+    REGISTRY,
+    check_backend,
+    check_torch_config,
+)
 from training.config import LoraConfig, TrainConfig, distributed_optimizer
 from training.fsdp import iter_full_state, save_pretrained, shard_state
 from training.master_weights import ClipFn
@@ -129,13 +135,7 @@ class TorchBackend:
     streams_weights = shards_model
 
     def check_config(self, cfg: TrainConfig, colocated: bool = False) -> None:
-        if cfg.megatron:
-            raise ValueError(f"`{MEGATRON}` options are set but backend = 'torch'; set "
-                             f"backend = '{MEGATRON}' or remove them")
-        if cfg.parallel.shard == "fsdp2" and colocated:
-            raise ValueError("parallel.shard = 'fsdp2' and mode = 'colocated' conflict: sleeping "
-                             "moves the trainer's tensors off the GPU, and FSDP's sharded storage "
-                             "is not moved yet; use mode = 'decoupled' or shard = 'none'")
+        check_torch_config(cfg, colocated)  # training/backend_checks.py: read without torch
 
     def init_model_parallel(self, cfg: TrainConfig) -> Any:
         return None  # data-parallel only: the world
@@ -217,12 +217,6 @@ class TorchBackend:
         return Routing(model) if moe_shape(model.config) is not None else None
 
 
-MEGATRON = "megatron"
-# name -> module:class, imported when first asked for (optional dependencies stay unimported)
-REGISTRY: dict[str, str] = {"torch": f"{__name__}:TorchBackend",
-                            MEGATRON: "backends.megatron.backend:MegatronBackend"}
-
-
 def get_backend(name: str) -> TrainingBackend:
     """A fresh backend named `name` (one per trainer state)."""
     if name not in REGISTRY:
@@ -239,12 +233,6 @@ def model_runner(backend: TrainingBackend, cfg: TrainConfig, model: Any) -> Mode
 
 def backend_for(cfg: TrainConfig) -> TrainingBackend:
     return get_backend(cfg.backend)
-
-
-def check_backend(cfg: TrainConfig, colocated: bool = False) -> None:
-    """What the configured backend needs of the install, the checkpoint and the device, at load
-    (ValueError naming what to change)."""
-    backend_for(cfg).check_config(cfg, colocated)
 
 
 __all__ = ["REGISTRY", "TorchBackend", "TrainingBackend", "backend_for", "check_backend",
