@@ -639,7 +639,7 @@ class MegatronRouting:
         if not backward:
             self._count(layer, chosen, valid)
         if self.keep_logits and torch.is_grad_enabled() and self.aux_per_token:
-            probs = self._with_aux(flat, chosen, valid, probs, index, count=not backward)
+            probs = self._with_aux(flat, chosen, valid, probs, count=not backward)
         return probs, routing_map
 
     def _compare(self, own: torch.Tensor, given: torch.Tensor, has: torch.Tensor,
@@ -659,7 +659,7 @@ class MegatronRouting:
             self._counts[layer] = self._counts.get(layer, 0) + counts
 
     def _with_aux(self, logits: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor,
-                  probs: torch.Tensor, index: int, count: bool) -> torch.Tensor:
+                  probs: torch.Tensor, count: bool) -> torch.Tensor:
         """`probs` carrying this layer's share of the load-balancing loss (class docstring)."""
         e, k = self.shape.num_experts, self.shape.top_k
         mean_probs = F.softmax(logits, dtype=torch.float, dim=-1)
@@ -676,6 +676,6 @@ class MegatronRouting:
         if count:
             self._aux_sum += float(e * (fraction * whole / tokens).sum())
             self._aux_count += 1
-        micro_batch_tokens = float(self._layouts[index][1].sum())
-        weight = self.aux_per_token * micro_batch_tokens / len(self.shape.moe_layers)
+        # this forward's real tokens (all of the micro-batch's, or the rows a `select` names)
+        weight = self.aux_per_token * float(tokens) / len(self.shape.moe_layers)
         return _AttachLoss.apply(probs, loss * weight)
