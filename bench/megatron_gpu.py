@@ -7,7 +7,8 @@ tp), then:
    transformers model and on the megatron model (TF32 off); max / mean |diff| over real tokens;
 2. bf16 (Float16Module): `training.step.train_on_batch` steps (AdamW on the bf16 weights)
    timed after a warm-up, next to the same steps on the transformers model (TP=1 only).
-`python -m bench.megatron_gpu [--hidden 896 --layers 24 ...]`, or for TP=2
+`python -m bench.megatron_gpu [--hidden 896 --layers 24 ...]` (with `--experts E --top-k K` a
+Qwen3-MoE model, `--ffn` each expert's width), or for TP=2
 `torchrun --nproc_per_node 2 -m bench.megatron_gpu --tp 2`. Final line (rank 0): RESULT tp=...
 params=... logprob_max_abs_diff_fp32=... logprob_mean_abs_diff_fp32=... megatron_step_s=...
 torch_step_s=... (torch only at tp=1). `--device cpu --cpu-shim` runs it on CPU with tiny
@@ -46,6 +47,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--ffn", type=int, default=4864)
     p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE model with this "
+                   "many experts per layer (--ffn is then each expert's width)")
+    p.add_argument("--top-k", type=int, default=8, help="MoE: experts per token")
+    p.add_argument("--head-dim", type=int, default=128, help="MoE (Qwen3): attention head dim")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--response-len", type=int, default=384)
@@ -55,8 +60,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def hf_config(args):
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
+    if args.experts:  # a Qwen3-MoE layer stack (megatron: SequentialMLP experts without TE)
+        return Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                              num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                              num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                              num_experts=args.experts, num_experts_per_tok=args.top_k,
+                              moe_intermediate_size=args.ffn, norm_topk_prob=True,
+                              max_position_embeddings=4096, tie_word_embeddings=True,
+                              rope_theta=1000000.0, rms_norm_eps=1e-6)
     return Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
                        num_key_value_heads=args.kv_heads, intermediate_size=args.ffn,
