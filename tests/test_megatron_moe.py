@@ -189,11 +189,16 @@ def _layout_checks(hf, with_step: bool = True) -> dict:
         out["own_logits"] = model(ids, attention_mask=mask).logits
         routing.clear()
         out["own_stats"] = routing.take_stats()
-    routing.set_batch([(random_routes(shape, *ids.shape, seed=5), mask.bool())])
+    routes = random_routes(shape, *ids.shape, seed=5)
+    routing.set_batch([(routes, mask.bool())])
     logits = model(ids, attention_mask=mask).logits
     (logits * mask[:, :, None]).sum().backward()
     routing.clear()
     out["other_stats"] = routing.take_stats()
+    routing.set_batch([(routes, mask.bool())])
+    with torch.no_grad(), routing.select(torch.tensor([1, 2]), 6):  # a forward per length
+        out["select_logits"] = model(ids[1:, :6], attention_mask=mask[1:, :6]).logits
+    routing.clear()
     out["other_logits"] = logits.detach()
     out["router_grads"] = [float(layer.mlp.router.weight.grad.abs().sum())
                            for layer in model.core.decoder.layers if hasattr(layer.mlp, "router")]
@@ -368,6 +373,8 @@ def _want(kind: str) -> dict:
         routing.set_batch([(random_routes(shape, *ids.shape, seed=5), mask.bool())])
         other = hf(input_ids=ids, attention_mask=mask).logits
         other_stats = routing.take_stats()
+        with routing.select(torch.tensor([1, 2]), 6):
+            selected = hf(input_ids=ids[1:, :6], attention_mask=mask[1:, :6]).logits
         routing.close()
     tok = build_char_tokenizer()
     model = moe_model(kind=kind)
@@ -376,6 +383,7 @@ def _want(kind: str) -> dict:
     state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0), backend=backend)
     stats = train_on_batch(state, samples_with_routes(tok, shape), step_config())
     return {"weights": hf_checkpoint_tensors(hf), "logits": logits, "other_logits": other,
+            "select_logits": selected,
             "other_stats": other_stats, "mask": mask.bool(), "step_stats": stats,
             "step_weights": hf_checkpoint_tensors(model)}
 
@@ -484,6 +492,9 @@ def test_replaying_other_routes_matches_the_torch_backend(reports, want, name):
     for key, value in want["other_stats"].items():
         assert got["other_stats"][key] == pytest.approx(value, rel=1e-6), key
     assert all(g > 0 for g in got["router_grads"])  # weights recomputed from the logits
+    # rows 1 and 2 cut to 6 tokens (`select`): the same routes at the same positions
+    sel = mask[1:, :6]
+    assert (got["select_logits"] - want["select_logits"]).abs()[sel].max() < 1e-5
 
 
 @pytest.mark.parametrize("name", LAYOUTS + ["pp2"])
@@ -587,3 +598,41 @@ def test_glm_layout_on_two_ranks(reports, want_glm):
     for key, value in want_glm["other_stats"].items():
         assert got["other_stats"][key] == pytest.approx(value, rel=1e-6), key
     assert len(got["router_grads"]) == 3 and all(g > 0 for g in got["router_grads"])
+
+
+def trainer_state_one_rank(rank: int, tmp: Path) -> dict:
+    """The trainer's own setup (training/setup.py load_train_state) of a megatron MoE policy on
+    one rank: its routing object, the weights it pushes, a checkpoint and its resume."""
+    from actors.trainer import TrainerConfig
+    from tests import megatron_moe_shim
+    from training.moe import routing_of
+    from training.setup import load_train_state
+
+    megatron_moe_shim.install()
+    cfg = TrainerConfig(model=NAME, workers=["w"], backend="megatron",
+                        moe={"routing_replay": "rollout"})
+    state = load_train_state(cfg, str(tmp), resume=False)
+    routing = routing_of(state.model)
+    named = dict(state.named_weights())
+    with torch.no_grad():
+        state.model.core.decoder.layers[1].mlp.experts.local_experts[3].linear_fc2.weight.add_(
+            0.5)
+    state.step = 2
+    state.save(tmp / "checkpoints" / "step_000002")
+    resumed = load_train_state(cfg, str(tmp), resume=True)
+    return {"routing": type(routing).__name__, "named": named, "step": resumed.step,
+            "resumed": dict(resumed.named_weights())}
+
+
+def test_trainer_setup_routing_push_names_and_resume(tmp_path):
+    from models.tiny import build_tiny
+
+    report = run_ranks("trainer_state_one_rank", tmp_path, world=1)
+    assert report["routing"] == "MegatronRouting"
+    hf, _ = build_tiny(NAME, seed=0)
+    want = hf_checkpoint_tensors(hf)
+    assert sorted(report["named"]) == sorted(want)  # the per-expert checkpoint names
+    assert all(torch.equal(report["named"][k], v) for k, v in want.items())
+    assert report["step"] == 2
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert torch.equal(report["resumed"][key], want[key] + 0.5)
