@@ -10,7 +10,8 @@ A backend answers:
 - at load, in the actor: `check_config(cfg, colocated)` (ValueError naming what to change);
 - forming the ranks: `joins_group_first` (the ranks join the process group before loading:
   the model is built on the model-parallel groups), `init_model_parallel(cfg)` right after
-  `init_process_group` (returns the data-parallel group, None = the world), `position()` (which
+  `init_process_group` (returns the data-parallel group, None = the world, or an object with
+  training/data_parallel.py DataParallel's reductions), `position()` (which
   shard this rank holds), `shards_model` (rank 0 gathers to push and export; every rank writes
   its part of a checkpoint), `shard(state, dtype, lr, weight_decay)` (parallel.shard = "fsdp2":
   the loaded policy sharded over the data-parallel ranks after their weight check; the config

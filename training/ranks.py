@@ -122,8 +122,11 @@ class Ranks:
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
-        # the backend's model-parallel groups; their data-parallel group (None: the world)
-        self.dp = DataParallel(backend.init_model_parallel(cfg))
+        # the backend's model-parallel groups; their data-parallel group (None: the world), or
+        # the backend's own reductions with DataParallel's interface (megatron: experts summed
+        # over their expert data-parallel group only)
+        group = backend.init_model_parallel(cfg)
+        self.dp = group if hasattr(group, "sum_grads") else DataParallel(group)
 
     @property
     def sharded(self) -> bool:

@@ -44,6 +44,7 @@ from backends.megatron.model import (
     load_model,
     parallel_state,
 )
+from backends.megatron.parallel import ExpertDataParallel
 from backends.megatron.pipeline import PipelineRunner
 
 if TYPE_CHECKING:  # annotations only: the training library is a layer above
@@ -126,11 +127,14 @@ class MegatronBackend:
                              "the last stage alone for it); use pp = 1 or set kl.ref_model")
 
     def init_model_parallel(self, cfg: TrainConfig) -> Any:
-        """megatron's tp x pp x dp groups over the joined world; the data-parallel group."""
+        """megatron's tp x pp x dp (x ep) groups over the joined world; the step's data-parallel
+        reductions over them."""
         initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_s,
                             cfg.parallel.ep)
         self._parallel = True
-        return parallel_state.get_data_parallel_group()
+        # the step's data-parallel sums: dense gradients over the data-parallel group, each
+        # expert's over its expert data-parallel group (the others hold other experts)
+        return ExpertDataParallel()
 
     def position(self) -> tuple[int, ...]:
         """(tensor rank, stage); with expert parallelism (tensor rank, stage, expert-parallel
