@@ -112,6 +112,12 @@ class ActorProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def completed(self) -> bool:
+        """It ended its run itself: Stopped as completed, then exit code 0."""
+        return (self.proc is not None and self.proc.returncode == 0
+                and self.stopped is not None and self.stopped.completed)
+
 
 class RunFailed(RlxError):
     """The run cannot continue; the message names the actor and its error."""
@@ -485,7 +491,9 @@ class Supervisor:
 
     async def start_group(self, aps: list[ActorProcess]) -> None:
         """Spawn every member of a restart group, then wait for every READY; StartFailed naming
-        the first member that exits or stays silent (the others are stopped first)."""
+        the first member that exits or stays silent (the others are stopped first). A member
+        that completed its run meanwhile (READY, then done: a leader quicker than a slow member's
+        start) has not failed: `supervise` records its completion once the group is started."""
         store = await self.pick_store(aps[0].name)
         for ap in aps:
             self.give_store(ap, store)
@@ -500,12 +508,12 @@ class Supervisor:
         while failed is None and not all(ap.ready.is_set() for ap in aps):
             waits = {asyncio.ensure_future(ap.ready.wait()) for ap in aps
                      if not ap.ready.is_set()}
-            waits |= {asyncio.ensure_future(ap.proc.wait()) for ap in aps}
+            waits |= {asyncio.ensure_future(ap.proc.wait()) for ap in aps if not ap.completed}
             done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
                                          return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-            failed = next((ap for ap in aps if not ap.alive), None)
+            failed = next((ap for ap in aps if not ap.alive and not ap.completed), None)
             if failed is None and not done:
                 silent = [ap for ap in aps if not ap.ready.is_set()]
                 await self.stop_members(aps)

@@ -20,7 +20,9 @@ from runtime.actor import Actor
 class LeaderConfig(msgspec.Struct, forbid_unknown_fields=True):
     ranks: int = 2  # the group's size (this actor and ranks - 1 members)
     # "start": rank 1 exits (code 3) before READY on every start; "once": rank 1 exits (code 5)
-    # after READY on the first start only
+    # after READY on the first start only; "early": the leader completes at once, and the
+    # members report READY only once its process has exited (a leader quicker than its group's
+    # start: not a failure)
     fail: str = ""
     store: str = ""  # the group's store (the launcher writes it at each start)
 
@@ -46,6 +48,9 @@ class Leader(Actor):
         starts = (Path(self.ctx.run_dir) / "starts.txt").read_text().splitlines()
         if self.config.fail == "once" and sum(s.startswith("leader") for s in starts) == 1:
             await asyncio.Event().wait()  # its rank 1 fails: the launcher restarts both
+        if self.config.fail == "early":
+            record(self.ctx.run_dir, f"leader pid {os.getpid()}")
+            return
         # like a trainer, whose work needs its ranks: it completes only once every member of
         # this start runs (the launcher has their READY), never while the group still starts
         await group_running(Path(self.ctx.run_dir), self.config.store, self.config.ranks)
@@ -82,6 +87,20 @@ async def group_started(run_dir: Path) -> None:
         await asyncio.sleep(0.05)
 
 
+async def leader_gone(run_dir: Path) -> None:
+    """Until the leader's process has completed and the launcher has reaped it (a zombie still
+    answers signal 0)."""
+    while True:
+        pids = [int(line.split()[-1]) for line in (run_dir / "starts.txt").read_text()
+                .splitlines() if line.startswith("leader pid ")]
+        if pids:
+            try:
+                os.kill(pids[-1], 0)
+            except ProcessLookupError:
+                return
+        await asyncio.sleep(0.05)
+
+
 class Member(Actor):
     Config = MemberConfig
 
@@ -92,6 +111,8 @@ class Member(Actor):
         if cfg.config.get("fail") == "start" and cfg.rank == 1:
             print("rank 1: no such checkpoint", flush=True)
             os._exit(3)
+        if cfg.config.get("fail") == "early":
+            await leader_gone(Path(self.ctx.run_dir))
 
     async def run(self) -> None:
         cfg = self.config

@@ -268,6 +268,28 @@ def test_a_rank_that_dies_restarts_its_whole_group(tmp_path):
     assert info["completed"] == "leader"
 
 
+@pytest.mark.timeout(120)
+def test_a_leader_that_completes_while_its_group_starts_completes_the_run(tmp_path):
+    """The leader runs (and completes) as soon as its own READY is in; members slower to start
+    are still starting. Its exit (code 0, Stopped as completed) is no start failure: the group's
+    start ends with the members' READY and the run completes with the leader."""
+    from tests.test_cluster import exit_info, launch
+
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(GROUP.format(fail="early", restarts=0))
+    result = launch(hosts, tmp_path / "run", timeout_s=100)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "during start" not in out, out
+    assert "leader completed" in out, out
+    lines = (tmp_path / "run" / "starts.txt").read_text().splitlines()
+    assert sum(line.startswith("member") for line in lines) == 2, lines
+    info = exit_info(tmp_path / "run")
+    assert info["completed"] == "leader"
+    assert {n: a["restarts"] for n, a in info["actors"].items()} == {
+        "leader": 0, "leader.rank1": 0, "leader.rank2": 0}
+
+
 def test_rank_processes_are_placed_on_the_hosts_of_parallel_hosts(tmp_path):
     """parallel.hosts: the launcher places rank r on its host (ranks_per_host consecutive ranks
     each), with that host's address, and counts the hosts as the run's."""
