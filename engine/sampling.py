@@ -50,6 +50,9 @@ class GenRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     lora: str | None = None  # the loaded LoRA adapter it runs with (None: the base model)
+    # SGLang's return_routed_experts: the result carries the experts each position was routed to
+    # (a mixture-of-experts model with routes enabled, engine/scheduler.py)
+    return_routed_experts: bool = False
 
 
 TopList = list[tuple[float, int]]
@@ -74,6 +77,9 @@ class GenResult:
     # (first output token index, weight version) per version that computed output tokens, in
     # order: more than one when a pause held the request across a weight update
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # the routed experts of every position that was a model input: [seqlen - 1,
+    # num_hidden_layers, top_k] int32 (None: not asked, routes disabled, or never prefilled)
+    routed_experts: torch.Tensor | None = None
 
 
 

@@ -121,19 +121,10 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-@dataclasses.dataclass
-class RoutedGenRequest(GenRequest):
-    """A request that may ask for its routed experts (SGLang's `return_routed_experts`)."""
-
-    return_routed_experts: bool = False
-
-
-@dataclasses.dataclass
-class RoutedGenResult(GenResult):
-    """A result with the routed experts of every position that was a model input: [seqlen - 1,
-    num_hidden_layers, top_k] int32 (None: not asked, routes disabled, or never prefilled)."""
-
-    routed_experts: torch.Tensor | None = None
+# earlier names: a request's `return_routed_experts` and a result's `routed_experts` are
+# GenRequest's and GenResult's own fields (engine/sampling.py)
+RoutedGenRequest = GenRequest
+RoutedGenResult = GenResult
 
 
 @dataclasses.dataclass(eq=False)
@@ -697,7 +688,7 @@ class Scheduler:
 
     @staticmethod
     def _wants_routes(s: _Seq) -> bool:
-        return bool(getattr(s.req, "return_routed_experts", False))
+        return s.req.return_routed_experts
 
     @staticmethod
     def _wants_input_logprobs(s: _Seq) -> bool:
@@ -784,7 +775,7 @@ class Scheduler:
         if s.routes and self._wants_routes(s):  # every position that was a model input
             routes = torch.cat(s.routes)[:len(s.tokens) - 1]
         s.routes = None  # the decode steps' views go with the rows still running
-        s.future.set_result(RoutedGenResult(
+        s.future.set_result(GenResult(
             rid=s.req.rid, prompt_ids=s.req.input_ids, output_ids=list(s.output_ids),
             text=visible_text(self.tokenizer, s), finish_reason=s.finish,
             weight_version=self.weight_version, e2e_latency=time.monotonic() - s.created,

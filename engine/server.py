@@ -89,7 +89,6 @@ from engine.scheduler import (
     DEFAULT_MAX_NEW_TOKENS,
     GenRequest,
     GenResult,
-    RoutedGenRequest,
     SamplingParams,
     Scheduler,
 )
@@ -347,7 +346,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int,
     for i, ids in enumerate(prompts):
         _check_logprob_args(want_lp[i], starts[i], tops[i], len(ids))
         params = parse_sampling_params(sps[i], len(ids), context_len)
-        requests.append(RoutedGenRequest(
+        requests.append(GenRequest(
             rid=rids[i], input_ids=ids, params=params, return_logprob=want_lp[i],
             logprob_start_len=logprob_window_start(want_lp[i], starts[i], len(ids),
                                                    params.max_new_tokens),
@@ -421,9 +420,8 @@ def format_result(result: GenResult, req: GenRequest, tokenizer, with_text: bool
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = _top_triples(result.input_top, tokenizer, with_text)
             meta["output_top_logprobs"] = _top_triples(result.output_top, tokenizer, with_text)
-    routes = getattr(result, "routed_experts", None)
-    if getattr(req, "return_routed_experts", False) and routes is not None:
-        meta["routed_experts"] = routes_base64(routes)
+    if req.return_routed_experts and result.routed_experts is not None:
+        meta["routed_experts"] = routes_base64(result.routed_experts)
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
 
 
