@@ -248,6 +248,8 @@ def two_ranks(rank: int, tmp: Path) -> dict:
         initialize_parallel(tp, pp, expert_model_parallel_size=ep)
         if pp == 1:
             report[name] = _layout_checks(hf)
+        if name == "tp2":  # the distributed optimizer completes q/k norm gradients too
+            report[name]["distributed_optimizer"] = _optimizer_paths(hf)
         else:
             report[name] = {"weights": from_hf_model(hf).hf_state_dict(),
                             "step": _train_step(hf)}
@@ -289,6 +291,35 @@ def two_ranks(rank: int, tmp: Path) -> dict:
             report[name]["adam_misfit"] = _adam_misfit(model, adam)
         parallel_state.destroy_model_parallel()
     return report
+
+
+def _optimizer_paths(hf) -> dict:
+    """One AdamW step through training/setup.py's optimizer (clipping on) replicated and with
+    the distributed optimizer (dp = 1 here): the weights after each."""
+    import msgspec
+
+    from backends.megatron.model import from_hf_model
+    from training.backends import get_backend, model_runner
+    from training.config import OptimizerConfig, ParallelConfig
+    from training.moe import attach
+    from training.setup import build_optimizer
+    from training.step import TrainState, train_on_batch
+
+    tok = build_char_tokenizer()
+    backend = get_backend("megatron")
+    out = {}
+    for kind in ("replicated", "distributed"):
+        cfg = msgspec.structs.replace(
+            step_config(), backend="megatron", optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.5),
+            parallel=ParallelConfig(tp=2, distributed_optimizer=kind == "distributed"))
+        model = from_hf_model(hf)
+        attach(model, backend.routing(model))
+        state = TrainState(model, tok, build_optimizer(cfg, backend, model, torch.float32),
+                           backend=backend)
+        train_on_batch(state, samples_with_routes(tok, moe_shape(hf.config)), cfg, None,
+                       model_runner(backend, cfg, model))
+        out[kind] = model.hf_state_dict()
+    return out
 
 
 def _adam_state(model):
@@ -505,6 +536,14 @@ def test_train_step_equals_the_torch_backend(reports, want, name):
                                                        rel=1e-5, abs=1e-6)
     assert _max_diff(got["weights"], want["step_weights"]) < 1e-5
     assert "moe/route_mismatch" in got["stats"] and "moe/aux_loss" in got["stats"]
+
+
+def test_the_distributed_optimizer_completes_tensor_partial_gradients(reports):
+    """At tp = 2 the q/k norms' gradients are partial per tensor rank: the distributed
+    optimizer's step sums them as the replicated step does (same weights after AdamW)."""
+    paths = reports["tp2"]["distributed_optimizer"]
+    assert any("q_norm" in n for n in paths["replicated"])
+    assert _max_diff(paths["replicated"], paths["distributed"]) < 1e-6
 
 
 def test_checkpoint_resumes_across_expert_layouts(reports):

@@ -19,8 +19,9 @@ A backend answers:
   process group goes);
 - building the state (training/setup.py): `load_policy(cfg, dtype)`, `grad_clip(model)` (the
   global norm of a sharded model, for the optimizer), `optimizer_groups()` (the distributed
-  optimizer's groups), `transformers_policy(model)` (the policy as a transformers model the
-  reference/critic copy, or None), `tensor_shard(cfg)` (colocated teachers' row shard);
+  optimizer's groups) and `prepare_grads(model)` (what it runs before reducing: partial
+  gradients completed, or None), `transformers_policy(model)` (the policy as a transformers
+  model the reference/critic copy, or None), `tensor_shard(cfg)` (colocated teachers' row shard);
 - training: `runner(cfg, model)` (the model passes, training/runner.py; None = `TorchRunner`, a
   whole forward per micro-batch: use `model_runner`), `step_stats(cfg)`;
 - weights and checkpoints: `iter_hf_tensors(model)` / `streams_weights` / `save_hf(...)` /
@@ -82,6 +83,8 @@ class TrainingBackend(Protocol):
     def grad_clip(self, model: Any) -> ClipFn | None: ...
 
     def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool] | None, Any]: ...
+
+    def prepare_grads(self, model: Any) -> Callable[[], None] | None: ...
 
     def transformers_policy(self, model: Any) -> torch.nn.Module | None: ...
 
@@ -152,6 +155,9 @@ class TorchBackend:
 
     def grad_clip(self, model: Any) -> ClipFn | None:
         return None  # whole parameters: torch's clip (a sharded optimizer clips its shards)
+
+    def prepare_grads(self, model: Any) -> Callable[[], None] | None:
+        return None
 
     def optimizer_groups(self) -> tuple[Any, Any, Any]:
         raise ValueError("parallel.distributed_optimizer needs a model-parallel backend; the "

@@ -79,6 +79,9 @@ class DistributedOptimizer(TrainOptimizer):
                             else self.params[0].device)
         counted = counted or (lambda p: True)
         self.norm_group = norm_group
+        # called before the reduction: the backend's gradient completion (megatron: q/k norm
+        # gradients summed over the tensor ranks); None = none
+        self.prepare: Callable[[], None] | None = None
         # runs of my range whose elements count in the norm: (first, end) within the range
         self._counted = [(dst, dst + n) for i, _, dst, n in self._pieces()
                          if counted(self.params[i])]
@@ -124,7 +127,10 @@ class DistributedOptimizer(TrainOptimizer):
         """(`dp` unused: the reduction is over the optimizer's own group.) This replica's range of the gradients summed over the data-parallel group
         (reduce-scatter, in fp32), clipped to `max_norm` by the global norm taken from the
         ranges (each element once, over the data- and model-parallel groups); returns the norm
-        and leaves the range for `step`. The parameters' gradients are dropped."""
+        and leaves the range for `step`. The parameters' gradients are dropped. `prepare`
+        (set by training/setup.py from the backend) completes the gradients first."""
+        if self.prepare is not None:
+            self.prepare()
         flat = torch.zeros(self.size * self.world, dtype=torch.float32, device=self.comm_device)
         offset = 0
         with torch.no_grad():

@@ -145,9 +145,10 @@ def build_optimizer(cfg: TrainConfig, backend: TrainingBackend, model: torch.nn.
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     if distributed_optimizer(cfg):
         group, counted, norm_group = backend.optimizer_groups()
-        return DistributedOptimizer(params, group, cfg.optimizer.lr,
-                                    cfg.optimizer.weight_decay, counted=counted,
-                                    norm_group=norm_group)
+        opt = DistributedOptimizer(params, group, cfg.optimizer.lr, cfg.optimizer.weight_decay,
+                                   counted=counted, norm_group=norm_group)
+        opt.prepare = backend.prepare_grads(model)
+        return opt
     return make_optimizer(params, dtype, cfg.optimizer.master_weights,
                           cfg.optimizer.lr, cfg.optimizer.weight_decay, backend.grad_clip(model))
 

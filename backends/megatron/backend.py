@@ -20,6 +20,7 @@ checks need only `convert.py`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ from backends.megatron.model import (
     load_model,
     parallel_state,
 )
-from backends.megatron.parallel import ExpertDataParallel
+from backends.megatron.parallel import ExpertDataParallel, sum_tensor_partial_grads
 from backends.megatron.pipeline import PipelineRunner
 
 if TYPE_CHECKING:  # annotations only: the training library is a layer above
@@ -165,6 +166,11 @@ class MegatronBackend:
 
     def grad_clip(self, model: Any) -> Callable[[float], float] | None:
         return model.clip_grad_norm  # over the TP/PP groups, each element once
+
+    def prepare_grads(self, model: Any) -> Callable[[], None]:
+        """What the distributed optimizer runs before its reduce-scatter: the tensor ranks'
+        partial gradients (q/k norms) summed, as the replicated step's norm does."""
+        return functools.partial(sum_tensor_partial_grads, model)
 
     def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool], Any]:
         """(data-parallel group, whether a parameter counts in the norm, model-parallel group)."""
