@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from typing import Any
 
 import torch
 
 from algos.logprobs import logits_to_logprobs
+from engine.nucleus import nucleus  # noqa: F401 - also read from here
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -150,22 +150,6 @@ def top_list(logprobs: torch.Tensor, k: int) -> TopList:
         return []
     vals, ids = logprobs.topk(min(k, logprobs.numel()))
     return list(zip(vals.tolist(), ids.tolist()))
-
-
-def nucleus(top: list[tuple[float, int]], top_p: float) -> tuple[list[int], float] | None:
-    """The top-p nucleus from a token's top (logprob, token_id) pairs at the sampling
-    temperature (as `top_list` gives them, or SGLang's `output_top_logprobs`): the ids of the
-    shortest most-likely-first prefix whose probability reaches top_p (the set `filter_probs`
-    samples from) and the log of that prefix's mass; None when the pairs end before the mass
-    reaches top_p (the nucleus holds more tokens than were returned)."""
-    ids: list[int] = []
-    mass = 0.0
-    for lp, token in sorted(top, key=lambda pair: -pair[0]):
-        ids.append(int(token))
-        mass += math.exp(lp)
-        if mass >= top_p:
-            return ids, math.log(mass)
-    return None
 
 
 def input_logprobs(logits: torch.Tensor, window: list[int], temperature: float,

@@ -46,7 +46,7 @@ import numpy as np
 from engine.chat_template import ChatFormat
 from engine.drift import DRIFT_RULES
 from engine.errors import SessionFailed, UnusableAnswer
-from engine.sampling import nucleus
+from engine.nucleus import nucleus
 from envs.openai_api import (
     AgentEndpoint,
     ChatRequest,
