@@ -248,11 +248,11 @@ def two_ranks(rank: int, tmp: Path) -> dict:
         initialize_parallel(tp, pp, expert_model_parallel_size=ep)
         if pp == 1:
             report[name] = _layout_checks(hf)
-        if name == "tp2":  # the distributed optimizer completes q/k norm gradients too
-            report[name]["distributed_optimizer"] = _optimizer_paths(hf)
         else:
             report[name] = {"weights": from_hf_model(hf).hf_state_dict(),
                             "step": _train_step(hf)}
+        if name == "tp2":  # the distributed optimizer completes q/k norm gradients too
+            report[name]["distributed_optimizer"] = _optimizer_paths(hf)
         if ep == 2:  # a checkpoint after the step, resumed at ep = 1 below
             step = report[name]["step"]
             checkpoint.save_distributed(step["model"], tmp / "ckpt-ep2", step["optimizer"],

@@ -5,8 +5,9 @@ it.
 Role: lets megatron-core build and run a GPTModel on a CPU-only torch (CI) without any change to
 the backend code: `torch.cuda.current_device()` answers "cpu", `synchronize` / `manual_seed` /
 `Tensor.cuda()` do nothing, megatron's CUDA RNG tracker is replaced by one over CPU generator
-states, and the pipeline schedules' one hard-coded `device="cuda"` allocation (a token
-counter) lands on the CPU.
+states, the pipeline schedules' one hard-coded `device="cuda"` allocation (a token
+counter) lands on the CPU, and the MoE all-to-all token dispatcher's streams and events are
+no-ops (its split sizes become host values as on CUDA).
 `install_on_import()` arms it for a whole process tree (tests/megatron_shim/sitecustomize.py):
 it installs the patches the moment the backend imports megatron-core, so processes that never
 use megatron pay nothing (torch too is imported inside the functions, not at import).
@@ -87,6 +88,51 @@ class _TorchOnCpu:
         return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+class _Event:
+    """torch.cuda.Event on the CPU: nothing to wait for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+
+class _Stream:
+    """torch.cuda.Stream on the CPU: one object stands for every stream, so megatron's MoE
+    token dispatcher never thinks it is on a side stream."""
+
+    _one: "_Stream | None" = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def record_event(self, event=None) -> _Event:
+        return event or _Event()
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """The MoE dispatcher's device-to-host step for split sizes, which it applies to CUDA
+    tensors only: on the CPU they must become host values too (all_to_all_single takes
+    lists)."""
+    import torch
+
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor.cpu() if torch.is_tensor(tensor) else tensor
+
+
 def _patch(owner: object, name: str, value: object) -> None:
     _saved.setdefault((owner, name), getattr(owner, name))
     setattr(owner, name, value)
@@ -106,6 +152,14 @@ def install() -> None:
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     _patch(schedules, "torch", _TorchOnCpu())
+    # mixture of experts: the all-to-all token dispatcher's streams, events and host copies
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(torch.cuda, "Stream", _Stream)
+    _patch(torch.cuda, "current_stream", lambda device=None: _Stream())
+    _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    _patch(torch.cuda, "Event", _Event)
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _to_host)
 
 
 def uninstall() -> None:
