@@ -36,6 +36,7 @@ from models.tiny import build_char_tokenizer, tiny_config
 
 SPAWN_TIMEOUT_S = 540
 NAME = "tiny-qwen3-moe"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,3 +676,63 @@ def test_trainer_setup_routing_push_names_and_resume(tmp_path):
     assert report["step"] == 2
     key = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert torch.equal(report["resumed"][key], want[key] + 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# through the launcher
+# ---------------------------------------------------------------------------------------------
+
+EP_HOSTS = """
+[run]
+name = "moe-ep"
+shutdown_timeout_s = 5.0
+plots = false
+
+[rl]
+model = "{model}"
+workers = 1
+group_size = 8
+groups_per_batch = 8
+max_staleness = 0
+num_steps = {steps}
+lr = 3e-4
+micro_batch_size = 64
+save_every = 3
+eval_every = 1000
+eval_tasks = 20
+moe = {{ routing_replay = "rollout" }}
+envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
+
+[actors.trainer.config]
+backend = "megatron"
+parallel = {{ dp = {dp}, ep = {ep} }}
+"""
+
+
+@pytest.mark.timeout(400)
+def test_expert_parallel_trainer_from_hosts_toml_resumes_at_another_expert_layout(tmp_path):
+    """examples/moe-tiny with `parallel = { dp = 2, ep = 2 }` from hosts.toml (two trainer
+    ranks, each holding 2 of the 4 experts per layer; routing replay on): the run completes with
+    the worker's log-probs equal to the trainer's and the routes agreeing; resumed with ep = 1
+    on one rank it continues from the ep = 2 checkpoint."""
+    import json
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
+    hosts, run_dir = tmp_path / "hosts.toml", tmp_path / "run"
+    model = ROOT / "examples" / "moe-tiny"
+    for steps, dp, ep, flag in ((6, 2, 2, "--run-dir"), (8, 1, 1, "--resume")):
+        hosts.write_text(EP_HOSTS.format(model=model, steps=steps, dp=dp, ep=ep))
+        done = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), flag,
+                               str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
+               .splitlines()]
+    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    assert [int(v["version"]) for v in steps] == list(range(1, 9))
+    for v in steps:
+        assert v["train/logprob_abs_diff"] < 1e-5 and v["moe/route_mismatch"] < 0.01, v
+    assert "resumed from the checkpoint of step 6" in done.stdout
+    assert (run_dir / "logs" / "trainer.rank1.log").is_file()  # the ep = 2 run had two ranks
