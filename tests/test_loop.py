@@ -80,29 +80,86 @@ def run(tmp_path: Path, run_dir: Path, steps: int, resume: bool = False, stalene
     return result, [r for r in records if r["actor"] == "trainer" and "version" in r["values"]]
 
 
-@pytest.mark.timeout(480)  # two cluster runs of ~30-60 s each on 2 cores
-def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> dict:
+    """One run, resumed once, that the tests below read (two cluster runs instead of four):
+    4 synchronous steps whose weights go over a process group that cannot form (master_address
+    192.0.2.1, TEST-NET, is no address of this host: every version falls back to disk), then a
+    resume to 6 steps, overlapped, on two data-parallel ranks that shard the model (FSDP2),
+    whose weights go over a process group with the worker (gloo), then once more with nothing
+    left to do."""
+    tmp_path = tmp_path_factory.mktemp("loop")
     run_dir = tmp_path / "run"
-    result, steps = run(tmp_path, run_dir, steps=4, staleness=0)
+    first, first_steps = run(tmp_path, run_dir, steps=4, staleness=0, sync="distributed",
+                             sync_opts=', master_address = "192.0.2.1", retries = 0')
+    weights_after_first = sorted(p.name for p in (run_dir / "weights").iterdir()) \
+        if (run_dir / "weights").is_dir() else []
+    final = json.loads((run_dir / "final_eval.json").read_text()) \
+        if (run_dir / "final_eval.json").exists() else None
+    if first.returncode != 0:
+        return {"first": first, "first_steps": first_steps, "run_dir": run_dir}
+    resumed, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1, dp=2,
+                         shard="fsdp2", sync="distributed")
+    again = subprocess.run([sys.executable, "-m", "launch.cluster", str(tmp_path / "hosts.toml"),
+                            "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    return {"first": first, "first_steps": first_steps, "weights_after_first": weights_after_first,
+            "final": final, "resumed": resumed, "steps": steps, "again": again,
+            "run_dir": run_dir}
+
+
+def _first(short_run: dict) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    result = short_run["first"]
     assert result.returncode == 0, result.stdout[-3000:]
+    return result, short_run["first_steps"]
+
+
+def _resumed(short_run: dict) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    _first(short_run)
+    result = short_run["resumed"]
+    assert result.returncode == 0, result.stdout[-3000:]
+    return result, short_run["steps"]
+
+
+@pytest.mark.timeout(600)  # the fixture's two cluster runs of ~30-60 s each on 2 cores
+def test_short_run_advances_versions_with_aligned_logprobs(short_run):
+    _, steps = _first(short_run)
+    run_dir = short_run["run_dir"]
     assert [r["values"]["version"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         v = r["values"]
         assert v["train/staleness_max"] == 0  # synchronous: every sample is fresh
         assert v["train/fresh_tokens"] == v["train/tokens"] > 0
         assert v["train/logprob_abs_diff"] < 1e-5, v  # fp32: worker and trainer agree
-        assert v["train/engine_logprob_abs_diff"] < 1e-5, v
+        assert v["train/engine_logprob_abs_diff"] < 1e-5, v  # disk carried the weights
         assert v["train/samples"] == 16
         assert {"reward/math", "reward/reverse"} <= set(v)
-    final = json.loads((run_dir / "final_eval.json").read_text())
+    final = short_run["final"]
     assert final["version"] == 4 and set(final["scores"]) == {"math", "reverse"}
     assert (run_dir / "checkpoints" / "step_000004" / "trainer_state.pt").exists()
-    # resume: continue the same run to 6 steps from the step-4 checkpoint, now overlapped and on
-    # two data-parallel ranks that shard the model (FSDP2: both load the checkpoint, refuse to
-    # start if they differ, then shard it; each push gathers the whole model to rank 0)
-    result, steps = run(tmp_path, run_dir, steps=6, resume=True, staleness=1, dp=2,
-                        shard="fsdp2")
-    assert result.returncode == 0, result.stdout[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_distributed_push_falls_back_to_disk(short_run):
+    """No group can form, so every version goes through disk, said on the console with the
+    cause, and the run completes."""
+    result, steps = _first(short_run)
+    # the first push (version 0) and one per step went through disk
+    assert [r["values"]["weight_sync/fallbacks"] for r in steps] == [2, 3, 4, 5]
+    assert short_run["weights_after_first"] == ["v3", "v4"]  # keep_versions = 2
+    notices = [m for m in console_messages(result.stdout) if "sent through disk" in m]
+    assert len(notices) == 5, result.stdout[-3000:]
+    assert "weight version 4 over distributed failed" in notices[-1]
+    assert "master_address '192.0.2.1'" in notices[-1]
+
+
+@pytest.mark.timeout(600)
+def test_a_resumed_run_continues_on_two_sharded_ranks(short_run):
+    """The resume continues the run to 6 steps from the step-4 checkpoint, overlapped and on two
+    data-parallel ranks that shard the model (FSDP2: both load the checkpoint, refuse to start
+    if they differ, then shard it; each push gathers the whole model to rank 0)."""
+    result, steps = _resumed(short_run)
+    run_dir = short_run["run_dir"]
     assert [r["values"]["version"] for r in steps][-2:] == [5, 6]
     assert all(r["values"]["train/staleness_max"] <= 1 for r in steps[-2:])
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
@@ -117,11 +174,25 @@ def test_short_run_advances_versions_with_aligned_logprobs_then_resumes(tmp_path
     assert any("resumed from the checkpoint of step 4 (weight version 4); 2 of 6 steps to go"
                in m for m in console_messages(result.stdout))  # said on the console
     # once more: nothing is left to do, and nothing starts
-    again = subprocess.run([sys.executable, "-m", "launch.cluster", str(tmp_path / "hosts.toml"),
-                            "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60)
+    again = short_run["again"]
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already complete (trainer finished at step 6 of num_steps = 6)" in again.stdout
+
+
+@pytest.mark.timeout(600)
+def test_weights_over_a_process_group(short_run):
+    """The resumed run's versions (4, its checkpoint's, then 5 and 6) are broadcast to the
+    worker over gloo, gathered from the two sharded ranks, never written to disk."""
+    _, steps = _resumed(short_run)
+    run_dir = short_run["run_dir"]
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == \
+        short_run["weights_after_first"]  # nothing written since the first run
+    assert [r["values"]["weight_sync/fallbacks"] for r in steps[-2:]] == [0, 0]
+    # the worker generated with the trainer's broadcast weights: the first batch after the
+    # resume was generated wholly by version 4 (trained weights, broadcast at the start), so a
+    # missing or partial update would show as a mismatch of order 1e-2 or more against the
+    # worker's own base-tiny (later batches mix versions per token: staleness 1)
+    assert steps[-2]["values"]["train/engine_logprob_abs_diff"] < 1e-5, steps[-2]["values"]
 
 
 @pytest.mark.timeout(300)
@@ -159,35 +230,3 @@ def test_colocated_synchronous_run(tmp_path):
     held = {v["memory/device_bytes"] for v in worker if v["memory/released"] == 0.0}
     assert 0.0 in released  # the worker gave its weights up while the trainer trained
     assert held and min(held) > 0
-
-
-@pytest.mark.timeout(300)
-def test_weights_over_a_process_group(tmp_path):
-    run_dir = tmp_path / "run"
-    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, sync="distributed")
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert [r["values"]["version"] for r in steps] == [1, 2]
-    assert not (run_dir / "weights").exists()  # broadcast over gloo, never written
-    # the worker generated with the trainer's broadcast weights: a missing or partial update
-    # would show as a mismatch of order 1e-2 or more after the trained version 1 arrives
-    assert steps[-1]["values"]["train/engine_logprob_abs_diff"] < 1e-5, steps[-1]["values"]
-    assert all(r["values"]["train/engine_logprob_abs_diff"] < 1e-3 for r in steps)
-
-
-@pytest.mark.timeout(300)
-def test_a_failing_distributed_push_falls_back_to_disk(tmp_path):
-    """192.0.2.1 (TEST-NET) is no address of this host: no group can form, so every version
-    goes through disk, said on the console with the cause, and the run completes."""
-    run_dir = tmp_path / "run"
-    result, steps = run(tmp_path, run_dir, steps=2, staleness=0, sync="distributed",
-                        sync_opts=', master_address = "192.0.2.1", retries = 0')
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert [r["values"]["version"] for r in steps] == [1, 2]
-    # the first push (version 0) and one per step went through disk
-    assert [r["values"]["weight_sync/fallbacks"] for r in steps] == [2, 3]
-    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v1", "v2"]
-    notices = [m for m in console_messages(result.stdout) if "sent through disk" in m]
-    assert len(notices) == 3, result.stdout[-3000:]
-    assert "weight version 2 over distributed failed" in notices[-1]
-    assert "master_address '192.0.2.1'" in notices[-1]
-    assert steps[-1]["values"]["train/engine_logprob_abs_diff"] < 1e-5  # disk carried them
