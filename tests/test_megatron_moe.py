@@ -33,6 +33,7 @@ from backends.megatron.convert import (
 )
 from models.moe import NO_ROUTE, Routing, checkpoint_tensors, moe_shape, routes_array
 from models.tiny import build_char_tokenizer, tiny_config
+from tests.test_megatron_parallel import run_ranks as spawn_ranks
 
 SPAWN_TIMEOUT_S = 540
 NAME = "tiny-qwen3-moe"
@@ -154,23 +155,7 @@ def step_config(micro_batch_size: int = 1):
 
 def run_ranks(target: str, tmp_path: Path, world: int) -> dict:
     """`target`(rank, tmp) of this module on `world` child processes; rank 0's report."""
-    code = (f"from tests.test_megatron_parallel import rank_main; "
-            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r}, {__name__!r})")
-    root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for r in range(world)]
-    try:
-        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
-    assert not errors, "\n".join(errors)
-    assert codes == [0] * world
-    return torch.load(tmp_path / "report.pt", weights_only=False)
+    return spawn_ranks(target, tmp_path, world, __name__, SPAWN_TIMEOUT_S, weights_only=False)
 
 
 def _layout_checks(hf, with_step: bool = True) -> dict:

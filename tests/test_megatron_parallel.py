@@ -27,9 +27,11 @@ with warnings.catch_warnings():
 SPAWN_TIMEOUT_S = 100
 
 
-def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name__) -> dict:
+def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name__,
+              timeout_s: float = SPAWN_TIMEOUT_S, weights_only: bool = True) -> dict:
     """Run `module`'s `target`(rank, tmp_path) (default: this module's) on `world` child
-    processes; rank 0's report."""
+    processes, each given `timeout_s`; rank 0's report (`weights_only = False`: a report that
+    holds more than tensors and plain data)."""
     code = (f"from tests.test_megatron_parallel import rank_main; "
             f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r}, {module!r})")
     root = Path(__file__).resolve().parent.parent
@@ -37,7 +39,7 @@ def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name_
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for r in range(world)]
     try:
-        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
+        codes = [p.wait(timeout_s) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -46,7 +48,7 @@ def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name_
     errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
     assert not errors, "\n".join(errors)
     assert codes == [0] * world
-    return torch.load(tmp_path / "report.pt", weights_only=True)
+    return torch.load(tmp_path / "report.pt", weights_only=weights_only)
 
 
 def rank_main(target: str, rank: int, world: int, tmp: str, module: str = __name__) -> None:
