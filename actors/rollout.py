@@ -59,12 +59,12 @@ from engine.session import (
     SessionFailed,
     checkpoint_expert_layout,
 )
-from engine.weight_push import adapter_name
+from engine.weight_sync_plan import adapter_name
 from envs.loader import load_envs
 from envs.openai_api import AgentEndpoint
-from models.load import load_tokenizer
-from models.moe import MoeShape, moe_shape
-from models.tiny import TINY, tiny_config
+from models.moe_shape import TINY_MOE, MoeShape
+from models.names import TINY_NAMES
+from models.tokenizer_load import load_tokenizer
 from runtime.actor import EndRun
 from transport.errors import RlxError
 from transport.metrics import sample_record
@@ -80,7 +80,7 @@ NO_SIGNAL_NOTICE_S = 600.0  # a domain without learning signal is said at most t
 def expert_layout(model: str, tokenizer: Any) -> MoeShape:
     """The expert layout of the run's policy (a tiny name's config, else the checkpoint's
     config.json); ValueError naming the fix for a dense model."""
-    shape = moe_shape(tiny_config(model)) if model in TINY else \
+    shape = TINY_MOE.get(model) if model in TINY_NAMES else \
         checkpoint_expert_layout(str(getattr(tokenizer, "name_or_path", "") or ""))
     if shape is None:
         raise ValueError(f"routed_experts = true but the model {model!r} has no routed experts "

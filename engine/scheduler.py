@@ -112,19 +112,13 @@ from models.load import load_model
 from models.moe import Routing, expert_views, fused_expert_names, moe_shape, routes_array
 from models.tiny import TINY
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "RoutedGenRequest",
-           "RoutedGenResult", "SamplingParams", "Scheduler", "cache_kwarg"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenRequest", "GenResult", "SamplingParams", "Scheduler",
+           "cache_kwarg"]
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-# earlier names: a request's `return_routed_experts` and a result's `routed_experts` are
-# GenRequest's and GenResult's own fields (engine/sampling.py)
-RoutedGenRequest = GenRequest
-RoutedGenResult = GenResult
 
 
 @dataclasses.dataclass(eq=False)

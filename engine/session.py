@@ -56,7 +56,7 @@ from envs.openai_api import (
     parse_tool_calls,
     same_assistant_message,
 )
-from models.moe import MoeShape, moe_shape
+from models.moe_shape import MoeShape, moe_shape
 from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Sample, routed_experts_dtype
 
 log = logging.getLogger(__name__)

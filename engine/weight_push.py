@@ -36,6 +36,7 @@ from engine import cuda_ipc
 from engine.client import SglangClient
 from engine.errors import EngineHTTPError, EngineUnavailable
 from engine.weight_sync import DiskSync, SyncError, TensorSync, WeightStream, _settle, as_stream
+from engine.weight_sync_plan import ADAPTER_PREFIX, adapter_name  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +116,6 @@ class DiskPush:
         """Nothing to leave (disk holds no connection)."""
 
 
-ADAPTER_PREFIX = "policy"
-
-
-def adapter_name(version: int) -> str:
-    """The name weight version `version` of a LoRA student is loaded under on every worker
-    (what the rollout's requests name in `lora_path`)."""
-    return f"{ADAPTER_PREFIX}-v{version}"
 
 
 class AdapterPush:

@@ -107,3 +107,12 @@ def check_weight_sync_placement(path: str, workers: list[str], gpus: list[list[s
                     [f"[actors.{workers[i]}]" for i in nccl], nccl=device.startswith("cuda"))
     except SyncError as e:
         raise ValueError(str(e)) from None
+
+
+ADAPTER_PREFIX = "policy"
+
+
+def adapter_name(version: int) -> str:
+    """The name weight version `version` of a LoRA student is loaded under on every worker
+    (what the rollout's requests name in `lora_path`)."""
+    return f"{ADAPTER_PREFIX}-v{version}"

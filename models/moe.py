@@ -30,33 +30,10 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from models.moe_shape import MoeShape, moe_shape  # noqa: F401 - re-exported
+
 NO_ROUTE = -1  # a position without a recorded route: the router chooses itself
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    num_layers: int  # decoder layers (the routes' layer axis, MoE or not)
-    moe_layers: tuple[int, ...]  # layers with routed experts
-    num_experts: int
-    top_k: int
-
-
-def moe_shape(config: Any) -> MoeShape | None:
-    """The expert layout of an HF config, None for a dense model."""
-    cfg = getattr(config, "text_config", None) or config
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) \
-        or getattr(cfg, "num_local_experts", None)
-    top_k = getattr(cfg, "num_experts_per_tok", None)
-    if not experts or not top_k:
-        return None
-    layers = cfg.num_hidden_layers
-    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
-    first_dense = getattr(cfg, "first_k_dense_replace", 0) or 0
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    moe = tuple(i for i in range(layers)
-                if i not in dense and i >= first_dense and (i + 1) % step == 0)
-    return MoeShape(layers, moe, int(experts), int(top_k))
 
 
 def _is_router(module: torch.nn.Module) -> bool:

@@ -27,12 +27,14 @@ LIGHT = [
     "runtime.child",  # every actor process, before it imports its class
     "actors.buffer",
     "actors.router",
+    "actors.rollout",  # in every run; it loads a tokenizer (transformers) only when started
     "actors.inference_config",  # plan classes (runtime/loading.py): what the launcher reads
     "actors.prefetcher_config",
     "actors.trainer_config",
     "actors.trainer_rank_config",
     "actors.rollout_config",
     "actors.teacher_pool_config",
+    "models.moe_shape",
     "launch.cluster",  # the launcher
     "launch.supervisor",
     "launch.config",

@@ -358,3 +358,13 @@ def test_a_moe_run_from_rl_replays_the_workers_routes_and_learns_math(tmp_path):
     assert final >= evals[0] + 0.08, (evals, final)  # 0.43 at the base, greedy on 100 tasks
     files = load_safetensors(run_dir / "checkpoints" / "step_000030", device="cpu")
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in files
+
+
+def test_the_light_tiny_moe_layouts_are_the_tiny_models():
+    from models.moe_shape import TINY_MOE
+    from models.tiny import TINY
+
+    moe = {name for name, cfg in TINY.items() if moe_shape(cfg) is not None}
+    assert moe == set(TINY_MOE)
+    for name in moe:
+        assert TINY_MOE[name] == moe_shape(TINY[name])

@@ -22,7 +22,7 @@ import torch
 
 from engine.client import SglangClient
 from engine.errors import SessionFailed
-from engine.scheduler import RoutedGenRequest, SamplingParams, Scheduler
+from engine.scheduler import GenRequest, SamplingParams, Scheduler
 from engine.server import EngineServer, start_server
 from engine.session import (
     HttpSession,
@@ -109,8 +109,8 @@ async def served(source: str, **kw):
 
 
 def request(rid: str, prompt: list[int], n: int, seed: int, routes: bool = True
-            ) -> RoutedGenRequest:
-    return RoutedGenRequest(rid=rid, input_ids=prompt, return_routed_experts=routes,
+            ) -> GenRequest:
+    return GenRequest(rid=rid, input_ids=prompt, return_routed_experts=routes,
                             params=SamplingParams(max_new_tokens=n, temperature=1.0,
                                                   ignore_eos=True, sampling_seed=seed))
 
