@@ -185,9 +185,11 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     tp: int = 1  # tensor-parallel size (tensor_model_parallel_size)
     pp: int = 1  # pipeline-parallel size (pipeline_model_parallel_size)
-    # data-parallel size; None = derived: len(devices) / (tp * pp) with `devices`, else 1
+    # data-parallel size; None = derived: len(devices) / (tp * pp * cp) with `devices`, else 1
     dp: int | None = None
-    cp: int = 1  # context-parallel size: only 1 (the trainer has no context-parallel path)
+    # context-parallel size (context_parallel_size, the megatron backend): each sequence split
+    # over cp ranks of one replica (load-balanced chunks), keys and values all-gathered
+    cp: int = 1
     # expert-parallel size (expert_model_parallel_size, the megatron backend with a
     # mixture-of-experts model): each MoE layer's experts split over ep ranks, tokens sent to
     # their experts all-to-all. It divides the data-parallel ranks (dp * cp), adding none
@@ -225,15 +227,13 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                              f"0, got tp = {self.tp}, pp = {self.pp}, cp = {self.cp}, "
                              f"timeout_s = {self.timeout_s}, start_timeout_s = "
                              f"{self.start_timeout_s}")
-        if self.cp != 1:
-            raise ValueError(f"parallel.cp = {self.cp}: context parallelism is not supported by "
-                             f"the trainer (its micro-batches are whole sequences); set cp = 1")
-        model = self.tp * self.pp
+        model = self.tp * self.pp * self.cp
         dp = self.dp
         if dp is None:
             if self.devices and len(self.devices) % model:
                 raise ValueError(f"parallel.devices lists {len(self.devices)} devices, not a "
-                                 f"multiple of tp * pp = {model}; list tp * pp * dp devices")
+                                 f"multiple of tp * pp = {self.tp * self.pp} times cp = "
+                                 f"{self.cp}; list tp * pp * dp * cp devices")
             dp = len(self.devices) // model if self.devices else 1
             msgspec.structs.force_setattr(self, "dp", dp)
         if dp < 1:
@@ -245,7 +245,8 @@ class ParallelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                              f"data-parallel ones; set dp to a multiple of ep")
         if self.devices and len(self.devices) != self.world_size:
             raise ValueError(f"parallel.devices lists {len(self.devices)} devices but tp * pp * "
-                             f"dp = {self.tp} * {self.pp} * {dp} = {self.world_size} ranks; "
+                             f"dp * cp = {self.tp} * {self.pp} * {dp} * {self.cp} = "
+                             f"{self.world_size} ranks; "
                              f"list one device per rank (or omit dp to derive it)")
         if len(set(self.devices)) != len(self.devices) and not self.hosts:
             raise ValueError(f"parallel.devices {self.devices} names a device twice: each rank "
@@ -439,6 +440,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.tp = {par.tp}, pp = {par.pp} need backend = '{MP}' (the "
                          f"torch backend is data-parallel only); set backend = '{MP}' or "
                          f"tp = pp = 1")
+    if cfg.backend == "torch" and par.cp > 1:
+        raise ValueError(f"parallel.cp = {par.cp} needs backend = '{MP}' (context parallelism "
+                         f"splits each sequence over megatron's context-parallel ranks; the "
+                         f"torch backend runs whole sequences); set backend = '{MP}' or cp = 1")
     if distributed_optimizer(cfg) and cfg.backend != MP:
         raise ValueError(f"parallel.distributed_optimizer = true needs backend = '{MP}' "
                          "(the torch backend shards its optimizer state with shard = 'fsdp2')")
