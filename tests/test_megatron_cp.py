@@ -56,29 +56,13 @@ def run_ranks(target: str, tmp_path: Path, world: int) -> dict:
     return torch.load(tmp_path / "report.pt", weights_only=True)
 
 
-class _TorchWithoutPinning:
-    """The torch module as megatron's rope_utils sees it on a CPU-only torch: `pin_memory=True`
-    (which needs an accelerator) is dropped; everything else is torch itself."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, pin_memory: bool = False, **kwargs):
-        return torch.tensor(*args, **kwargs)
-
-
 def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
     """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
     warnings.simplefilter("ignore")
     try:
-        from megatron.core.models.common.embeddings import rope_utils
-
         from backends.megatron import cpu_shim as shim
 
-        shim.install()
-        # megatron's RoPE slices the positions of a CP rank with a pinned index tensor
-        rope_utils.torch = _TorchWithoutPinning()
+        shim.install()  # with RoPE's pinned CP index tensor made a plain one
         store = torch.distributed.FileStore(f"{tmp}/store", world)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
         report = globals()[target](rank, world, Path(tmp))

@@ -20,7 +20,6 @@ checks need only `convert.py`.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -45,7 +44,11 @@ from backends.megatron.model import (
     load_model,
     parallel_state,
 )
-from backends.megatron.parallel import ExpertDataParallel, sum_tensor_partial_grads
+from backends.megatron.parallel import (
+    ExpertDataParallel,
+    sum_context_parallel_grads,
+    sum_tensor_partial_grads,
+)
 from backends.megatron.pipeline import PipelineRunner
 
 if TYPE_CHECKING:  # annotations only: the training library is a layer above
@@ -86,10 +89,28 @@ class MegatronBackend:
         if not cfg.device.startswith("cuda") and not on_cpu_shim():
             raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
                              "CPU path); use backend = 'torch' with device = 'cpu'")
+        if cfg.parallel.cp > 1:
+            self._check_cp(cfg)
         if is_moe(cfg.model):
             self._check_moe(cfg)
         if cfg.lora is not None:
             self._check_lora(cfg)
+
+    @staticmethod
+    def _check_cp(cfg: TrainConfig) -> None:
+        """ValueError for what context parallelism (parallel.cp > 1) does not cover yet."""
+        par = cfg.parallel
+        if is_moe(cfg.model):
+            raise ValueError(f"parallel.cp = {par.cp} with a mixture-of-experts model is not "
+                             f"supported by the megatron backend (its routing record maps "
+                             f"whole sequences, each CP rank holds two chunks); use cp = 1")
+        if par.pp > 1:
+            raise ValueError(f"parallel.cp = {par.cp} with pp = {par.pp} is not supported by the "
+                             f"megatron backend (the pipeline runner sends whole sequences "
+                             f"between stages); use pp = 1 or cp = 1")
+        if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
+            raise ValueError(f"parallel.cp = {par.cp} with megatron's sequence_parallel is not "
+                             f"supported; unset sequence_parallel or use cp = 1")
 
     @staticmethod
     def _check_moe(cfg: TrainConfig) -> None:
@@ -131,10 +152,11 @@ class MegatronBackend:
         """megatron's tp x pp x dp (x ep) groups over the joined world; the step's data-parallel
         reductions over them."""
         initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.timeout_s,
-                            cfg.parallel.ep)
+                            cfg.parallel.ep, cfg.parallel.cp)
         self._parallel = True
         # the step's data-parallel sums: dense gradients over the data-parallel group, each
-        # expert's over its expert data-parallel group (the others hold other experts)
+        # expert's over its expert data-parallel group (the others hold other experts); the
+        # CP ranks of a replica share its micro-batches, their gradients summed with it
         return ExpertDataParallel()
 
     def position(self) -> tuple[int, ...]:
@@ -168,9 +190,14 @@ class MegatronBackend:
         return model.clip_grad_norm  # over the TP/PP groups, each element once
 
     def prepare_grads(self, model: Any) -> Callable[[], None]:
-        """What the distributed optimizer runs before its reduce-scatter: the tensor ranks'
-        partial gradients (q/k norms) summed, as the replicated step's norm does."""
-        return functools.partial(sum_tensor_partial_grads, model)
+        """What the distributed optimizer runs before its reduce-scatter (over the
+        data-parallel group without the context-parallel ranks): the tensor ranks' partial
+        gradients (q/k norms) summed, as the replicated step's norm does, and the
+        context-parallel ranks' parts of every gradient summed."""
+        def prepare() -> None:
+            sum_tensor_partial_grads(model)
+            sum_context_parallel_grads([p for p in model.parameters() if p.requires_grad])
+        return prepare
 
     def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool], Any]:
         """(data-parallel group, whether a parameter counts in the norm, model-parallel group)."""
@@ -197,6 +224,8 @@ class MegatronBackend:
         stats = {"train/tp_size": float(cfg.parallel.tp), "train/pp_size": float(cfg.parallel.pp)}
         if cfg.parallel.ep > 1:
             stats["train/ep_size"] = float(cfg.parallel.ep)
+        if cfg.parallel.cp > 1:
+            stats["train/cp_size"] = float(cfg.parallel.cp)
         return stats
 
     def routing(self, model: MegatronCausalLM) -> MegatronRouting | None:

@@ -214,10 +214,11 @@ def _restore_optimizer(optimizer: Any, loaded: dict[str, Any], saved: dict | Non
 
 def _writes_critic() -> bool:
     """The rank that writes the critic: the last stage's first tensor rank of replica 0 (only
-    the last stage trains it)."""
+    the last stage trains it), its first context-parallel rank."""
     return (parallel_state.is_pipeline_last_stage()
             and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
+            and parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0)
 
 
 def save_trainer_checkpoint(state: Any, directory: str | Path) -> None:

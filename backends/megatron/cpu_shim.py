@@ -6,7 +6,8 @@ Role: lets megatron-core build and run a GPTModel on a CPU-only torch (CI) witho
 the backend code: `torch.cuda.current_device()` answers "cpu", `synchronize` / `manual_seed` /
 `Tensor.cuda()` do nothing, megatron's CUDA RNG tracker is replaced by one over CPU generator
 states, the pipeline schedules' one hard-coded `device="cuda"` allocation (a token
-counter) lands on the CPU, and the MoE all-to-all token dispatcher's streams and events are
+counter) lands on the CPU, RoPE's pinned index tensor at context_parallel_size > 1 is a plain
+one, and the MoE all-to-all token dispatcher's streams and events are
 no-ops (its split sizes become host values as on CUDA).
 `install_on_import()` arms it for a whole process tree (tests/megatron_shim/sitecustomize.py):
 it installs the patches the moment the backend imports megatron-core, so processes that never
@@ -88,6 +89,23 @@ class _TorchOnCpu:
         return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+class _TorchWithoutPinning:
+    """The torch module as megatron's RoPE sees it: `pin_memory=True` (an accelerator's) is
+    dropped (`get_pos_emb_on_this_cp_rank` slices a context-parallel rank's positions with a
+    pinned index tensor)."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, pin_memory: bool = False, **kwargs):
+        import torch
+
+        return torch.tensor(*args, **kwargs)
+
+
 class _Event:
     """torch.cuda.Event on the CPU: nothing to wait for."""
 
@@ -152,6 +170,10 @@ def install() -> None:
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     _patch(schedules, "torch", _TorchOnCpu())
+    # context parallelism: RoPE keeps a CP rank's positions through a pinned index tensor
+    from megatron.core.models.common.embeddings import rope_utils
+
+    _patch(rope_utils, "torch", _TorchWithoutPinning())
     # mixture of experts: the all-to-all token dispatcher's streams, events and host copies
     from megatron.core.transformer.moe import token_dispatcher
 

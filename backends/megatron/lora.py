@@ -320,8 +320,9 @@ def whole_on_rank0(model: Any, local: dict[str, tuple[torch.Tensor, int | None]]
     """Whole tensors on global rank 0 (CPU), {} elsewhere, from every rank's parts (`local`:
     name -> (this rank's part, its split dim over tensor ranks or None)); names are global, so
     stages need no renaming. Collective: every rank of the job calls it; only data-parallel
-    replica 0 moves data."""
-    if parallel_state.get_data_parallel_rank() != 0:
+    replica 0 (its first context-parallel rank) moves data."""
+    if parallel_state.get_data_parallel_rank() != 0 \
+            or parallel_state.get_context_parallel_rank() != 0:
         return {}
     shards = _gather_to_first_tensor_rank({k: t for k, (t, _) in local.items()})
     whole: dict[str, torch.Tensor] | None = None

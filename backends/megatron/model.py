@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
+from backends.megatron.context_parallel import cp_layer_spec, cp_logits
 from backends.megatron.convert import (
     Layout,
     check_expert_parallel,
@@ -157,9 +158,11 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     check_tensor_parallel(layout, tp)
     check_expert_parallel(layout, ep)
-    for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                      ("context_parallel_size", cp)):
         if key in options and options[key] != size:
             raise ValueError(f"megatron option {key}={options[key]} differs from the "
                              f"initialized parallel state ({size}); initialize_parallel sets it")
@@ -192,7 +195,8 @@ def transformer_config(hf_config, options: dict[str, Any], dtype: torch.dtype
                              "runs the model in eval mode): remove moe_router_load_balancing_type "
                              "/ moe_aux_loss_coeff from the megatron table")
     return TransformerConfig(**(PORTABLE_DEFAULTS | precision | moe | config_kw | shape),
-                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                             context_parallel_size=cp)
 
 
 def moe_fields(layout: Layout) -> dict[str, Any]:
@@ -230,6 +234,8 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
                                           normalization="RMSNorm")
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+    # the core attention that also runs at context_parallel_size > 1 (megatron's own at cp = 1)
+    spec = cp_layer_spec(spec)
     return GPTModel(
         config, spec, vocab_size=layout.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
@@ -244,24 +250,29 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
 
 def initialize_parallel(tensor_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1, seed: int = 0,
-                        timeout_s: float = 1800.0, expert_model_parallel_size: int = 1) -> None:
+                        timeout_s: float = 1800.0, expert_model_parallel_size: int = 1,
+                        context_parallel_size: int = 1) -> None:
     """Megatron's parallel state and RNG tracker on the already-initialized default group (the
-    data-parallel size is what the world leaves; the expert-parallel ranks are taken from the
-    data-parallel ones, the experts split over expert_model_parallel_size ranks and, as
-    megatron defaults it, over the tensor ranks); its groups' collectives fail after
-    `timeout_s`."""
+    data-parallel size is what the world leaves after tp x pp x cp; the expert-parallel ranks
+    are taken from the data-parallel x context-parallel ones, the experts split over
+    expert_model_parallel_size ranks and, as megatron defaults it, over the tensor ranks); its
+    groups' collectives fail after `timeout_s`."""
     if not torch.distributed.is_initialized():
         raise ValueError("torch.distributed must be initialized before the megatron backend "
                          "(torchrun, or init_process_group with a store)")
-    tp, pp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
-                  expert_model_parallel_size)
+    tp, pp, ep, cp = (tensor_model_parallel_size, pipeline_model_parallel_size,
+                      expert_model_parallel_size, context_parallel_size)
     world = torch.distributed.get_world_size()
-    dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
-    if ep > 1 and (dp == 0 or dp % ep):
-        raise ValueError(f"expert parallelism ep = {ep} must divide the data-parallel size "
-                         f"world / (tp * pp) = {world} / ({tp} * {pp}): megatron takes the "
-                         f"expert-parallel ranks from the data-parallel ones")
+    if world % (tp * pp * cp):
+        raise ValueError(f"{world} ranks cannot hold tp * pp * cp = {tp} * {pp} * {cp} "
+                         f"model-parallel ranks per replica")
+    dp = world // (tp * pp * cp)
+    if ep > 1 and (dp * cp) % ep:
+        raise ValueError(f"expert parallelism ep = {ep} must divide dp * cp = world / (tp * pp) "
+                         f"= {world} / ({tp} * {pp}): megatron takes the expert-parallel ranks "
+                         f"from the data-parallel x context-parallel ones")
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                             context_parallel_size=cp,
                                              distributed_timeout_minutes=timeout_s / 60,
                                              create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -342,6 +353,8 @@ class MegatronCausalLM(torch.nn.Module):
                              "through backends.megatron.pipeline.PipelineRunner")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if self.core.config.context_parallel_size > 1:  # each CP rank its chunks, gathered
+            return CausalLMOutput(logits=cp_logits(self.module, input_ids, attention_mask))
         width = input_ids.shape[1]
         input_ids, attention_mask = pad_to_split(self.core.config, input_ids, attention_mask)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)

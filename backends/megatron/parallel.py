@@ -151,11 +151,14 @@ def iter_hf_tensors(model: MegatronCausalLM) -> Iterator[tuple[str, torch.Tensor
     """The whole model's HF tensors on global rank 0 (CPU; at tp = 1 on the model's device),
     one piece at a time as they are gathered (the embedding, each layer, the final norm and
     output layer; later stages' pieces as they arrive), nothing on the other ranks. Collective:
-    every rank runs it to the end; ranks outside data-parallel replica 0 return at once, except
+    every rank runs it to the end; ranks outside data-parallel replica 0 (and its context-parallel
+    ranks but the first) return at once, except
     (a MoE model) those holding the other experts: a layer's experts are gathered from the
     expert-parallel ranks of expert replica 0. A consumer that lets go of each piece before
     asking for the next holds one piece of the model, never the whole of it."""
-    replica0 = parallel_state.get_data_parallel_rank() == 0
+    # the CP ranks of a replica hold the same weights: its CP rank 0 speaks for it
+    replica0 = (parallel_state.get_data_parallel_rank() == 0
+                and parallel_state.get_context_parallel_rank() == 0)
     experts = model.layout.moe and parallel_state.get_expert_data_parallel_rank() == 0
     if not (replica0 or experts):
         return
@@ -277,6 +280,21 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
+def sum_context_parallel_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients over megatron's context-parallel group: each CP rank holds the part
+    that flowed through its positions (context_parallel.gather_from_cp), their sum the whole
+    (missing = zero). No-op at cp = 1."""
+    if parallel_state.get_context_parallel_world_size() == 1 or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+        offset += g.numel()
+
+
 def sum_data_parallel_grads(params: list[torch.nn.Parameter], group: Any = None) -> None:
     """Sum gradients over the data-parallel ranks as the train step's DataParallel.sum_grads does
     (missing = zero), but each expert-parallel expert's over the expert data-parallel group
@@ -299,15 +317,19 @@ def sum_data_parallel_grads(params: list[torch.nn.Parameter], group: Any = None)
 class ExpertDataParallel:
     """The train step's data-parallel reductions (training/data_parallel.py DataParallel's
     interface: rank, world_size, sum_grads, sum_tensor, gather) over megatron's data-parallel
-    group, gradients summed by `sum_data_parallel_grads` (experts over their own group)."""
+    group (context-parallel ranks excluded: the CP ranks of a replica get the same
+    micro-batches and compute the same per-sequence statistics, so sums and gathers count a
+    replica once), gradients summed by `sum_data_parallel_grads` (experts over their own group)
+    over the data-parallel x context-parallel group (each CP rank holds its positions' part)."""
 
     def __init__(self) -> None:
         self.group = parallel_state.get_data_parallel_group()
+        self.grad_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        sum_data_parallel_grads(params, self.group)
+        sum_data_parallel_grads(params, self.grad_group)
 
     def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.to(_comm_device(), copy=True)
