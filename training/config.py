@@ -463,6 +463,11 @@ def _check_parallel(cfg: TrainConfig) -> None:
             raise ValueError(f"{MP} option {key} = {options[key]} and parallel = "
                              f"{{ tp = {par.tp}, pp = {par.pp} }} conflict: the layout comes "
                              f"from `parallel`; remove {key} from the {MP} table")
+    if "context_parallel_size" in options and options["context_parallel_size"] != par.cp:
+        raise ValueError(f"{MP} option context_parallel_size = "
+                         f"{options['context_parallel_size']} and parallel.cp = {par.cp} "
+                         f"conflict: the layout comes from `parallel`; remove "
+                         f"context_parallel_size from the {MP} table")
     if par.pp > 1 and cfg.mismatch.proximal == "rollout_version":
         raise ValueError(f"parallel.pp = {par.pp} and mismatch proximal = 'rollout_version' "
                          f"conflict: old-weight copies need a whole model on one rank; use "
