@@ -144,6 +144,8 @@ def _check(changes: dict, model: str = "examples/base-tiny") -> None:
     ({"parallel": {"cp": 2, "devices": ["cuda:0", "cuda:1", "cuda:2"]}},
      r"lists 3 devices, not a multiple of tp \* pp = 1 times cp = 2"),
     ({"parallel": {"cp": 2, "pp": 2}}, r"parallel.cp = 2 with pp = 2 is not supported"),
+    ({"parallel": {"cp": 2}, "megatron": {"context_parallel_size": 4}},
+     r"context_parallel_size = 4 and parallel.cp = 2 conflict"),
     ({"parallel": {"cp": 2}, "megatron": {"sequence_parallel": True}},
      r"parallel.cp = 2 with megatron's sequence_parallel"),
 ])
