@@ -57,17 +57,20 @@ def _step(hf, dp, optimizer: str = "sgd", cp: int = 1) -> dict:
     state = TrainState(model, tok, opt, backend=backend)
     stats = train_on_batch(state, batch(tok), cfg, dp, model_runner(backend, cfg, model))
     return {"stats": torch.tensor([stats[k] for k in STATS], dtype=torch.float64),
-            "weights": model.hf_state_dict()}
+            "weights": model.hf_state_dict(), "model": model, "optimizer": state.optimizer}
 
 
 def cp_ranks(rank: int, tmp: Path) -> dict:
     """cp = 2 on both ranks (export, log-probs, the step replicated and distributed), then the
     same two ranks as dp = 2 running the whole batch each (the one-rank step)."""
     from algos.logprobs import token_logprobs_and_entropy
+    from backends.megatron import checkpoint
     from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
     from backends.megatron.parallel import ExpertDataParallel
     from tests.test_megatron_convert import hf_model
     from tests.test_megatron_model import padded_batch
+    from training.backends import get_backend
+    from training.setup import build_optimizer
 
     hf = hf_model("qwen3")
     ids, mask = padded_batch(hf.config.vocab_size)
@@ -84,11 +87,22 @@ def cp_ranks(rank: int, tmp: Path) -> dict:
     report["cp2"] = _step(hf, dp, cp=2)
     report["cp2_adamw"] = _step(hf, dp, "adamw", cp=2)
     report["cp2_distributed"] = _step(hf, ExpertDataParallel(), "distributed", cp=2)
+    saved = report["cp2_distributed"]  # resumed below at cp = 1 (dp = 2)
+    checkpoint.save_distributed(saved["model"], tmp / "ckpt", saved["optimizer"], step=1,
+                                version=1)
     parallel_state.destroy_model_parallel()
     initialize_parallel(1, 1)  # dp = 2: each rank the whole batch alone (no reductions)
     report["cp1"] = _step(hf, None)
     report["cp1_adamw"] = _step(hf, None, "adamw")
+    resumed = from_hf_model(hf_model("qwen3", seed=7))
+    optimizer = build_optimizer(_config(True), get_backend("megatron"), resumed, torch.float32)
+    report["resumed_step"] = checkpoint.load_distributed(resumed, tmp / "ckpt", optimizer)["step"]
+    report["resumed"] = resumed.hf_state_dict()
     parallel_state.destroy_model_parallel()
+    for part in report.values():
+        if isinstance(part, dict):
+            part.pop("model", None)
+            part.pop("optimizer", None)
     report["hf"] = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     return report
 
@@ -129,6 +143,14 @@ def test_context_parallel_step_equals_one_rank(report, kind, want, tolerance):
     assert _max_diff(got["weights"], want["weights"]) < tolerance
     start = {k: report["hf"][k] for k in want["weights"]}
     assert _max_diff(want["weights"], start) > 1e-3  # it moved
+
+
+def test_a_cp_2_checkpoint_resumes_at_cp_1(report):
+    """The distributed optimizer's checkpoint written at cp = 2 loads at cp = 1 (dp = 2)."""
+    assert report["resumed_step"] == 1
+    saved = report["cp2_distributed"]["weights"]
+    for key, value in report["resumed"].items():
+        assert torch.equal(value, saved[key]), key
 
 
 def _check(changes: dict, model: str = "examples/base-tiny") -> None:
