@@ -12,7 +12,12 @@ gets tensor-parallel adapters under PEFT's names (lora.py: `attach_lora`, `adapt
 directory with the optimizer state, no base weights. A mixture-of-experts policy (Qwen3-MoE)
 splits its experts over parallel.ep data-parallel ranks (`init_model_parallel`), its placement
 checked at load (`check_config`), and gets `routing(model)` (model.py MegatronRouting: routing
-replay, route metrics, the load-balancing loss). The option table
+replay, route metrics, the load-balancing loss). Context parallelism (parallel.cp): the
+model's forward splits each sequence over the CP ranks of a replica (model.py, through
+context_parallel.py); the CP ranks share the replica's micro-batches (the step's data-parallel
+reductions exclude them) and sum their gradients (`init_model_parallel`'s reductions,
+`prepare_grads`); MoE, pp > 1 and sequence_parallel are refused with cp > 1 (`check_config`).
+The option table
 (`TrainConfig.megatron`) is checked here. Invariant: importing this module imports megatron-core
 only through the submodules it names at the top (all of them from `mcore.py`); the config
 checks need only `convert.py`.

@@ -14,6 +14,10 @@ and, as megatron defaults it, the tensor ranks; megatron's own load-balancing lo
 runs in training mode only, the step runs eval mode): `MegatronRouting` (the train step's
 routing object: replay, route metrics, the load-balancing loss of models/moe.py) wraps the
 routers.
+At context_parallel_size > 1 (parallel.cp) every core attention is context_parallel.py's
+ContextParallelAttention (`cp_layer_spec`; megatron's own computation at cp = 1) and the forward
+runs `cp_logits`: each CP rank its load-balanced chunks at their global positions, the logits
+gathered back to [B, T, V] in global order.
 
 Invariant: on the same weights and batch the wrapper's logits equal the transformers model's to
 float precision. Megatron applies RoPE at positions 0..T-1 of the padded row; scores depend only
