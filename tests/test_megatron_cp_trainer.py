@@ -107,6 +107,26 @@ def cp_ranks(rank: int, tmp: Path) -> dict:
     return report
 
 
+def tp_cp_ranks(rank: int, tmp: Path) -> dict:
+    """tp = 2 x cp = 2 on four ranks (one replica), then the same ranks as dp = 4 (each the
+    whole batch alone): the SGD step of each."""
+    from backends.megatron.model import initialize_parallel, parallel_state
+    from backends.megatron.parallel import ExpertDataParallel
+    from tests.test_megatron_convert import hf_model
+
+    hf = hf_model("qwen3")
+    initialize_parallel(2, 1, context_parallel_size=2)
+    report = {"tp2cp2": _step(hf, ExpertDataParallel(), cp=2)}
+    parallel_state.destroy_model_parallel()
+    initialize_parallel(1, 1)
+    report["cp1"] = _step(hf, None)
+    parallel_state.destroy_model_parallel()
+    for part in report.values():
+        part.pop("model", None)
+        part.pop("optimizer", None)
+    return report
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     return run_ranks("cp_ranks", tmp_path_factory.mktemp("cp"), world=2, module=__name__,
@@ -151,6 +171,13 @@ def test_a_cp_2_checkpoint_resumes_at_cp_1(report):
     saved = report["cp2_distributed"]["weights"]
     for key, value in report["resumed"].items():
         assert torch.equal(value, saved[key]), key
+
+
+def test_tensor_and_context_parallel_four_ranks_equal_one(tmp_path):
+    got = run_ranks("tp_cp_ranks", tmp_path, world=4, module=__name__,
+                    timeout_s=SPAWN_TIMEOUT_S)
+    assert torch.allclose(got["tp2cp2"]["stats"], got["cp1"]["stats"], rtol=1e-5, atol=1e-6)
+    assert _max_diff(got["tp2cp2"]["weights"], got["cp1"]["weights"]) < 1e-5
 
 
 def _check(changes: dict, model: str = "examples/base-tiny") -> None:
