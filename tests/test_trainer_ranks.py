@@ -183,7 +183,7 @@ def test_a_stuck_then_a_dead_rank_are_named(tmp_path):
 
 @pytest.mark.parametrize("change, words", [
     ({"parallel": {"dp": 0}}, "dp >= 1"),
-    ({"parallel": {"cp": 2}, "backend": "megatron"}, "parallel.cp = 2: context parallelism"),
+    ({"parallel": {"cp": 2}}, "parallel.cp = 2 needs backend = 'megatron'"),
     ({"parallel": {"tp": 2}}, "parallel.tp = 2, pp = 1 need backend = 'megatron'"),
     ({"parallel": {"tp": 2, "devices": ["cpu", "cpu", "cpu"]}, "backend": "megatron"},
      "lists 3 devices, not a multiple of tp \\* pp = 2"),
