@@ -75,7 +75,23 @@ class _Layout:
     valid: torch.Tensor  # [rows, width] bool: real tokens
 
 
-class Routing:
+class RowSelect:
+    """`select`, shared by the routing objects: the forwards inside run rows `rows` of the
+    first layout cut to `length` tokens (`_select` holds them meanwhile)."""
+
+    _select: tuple[torch.Tensor, int] | None = None
+
+    @contextlib.contextmanager
+    def select(self, rows: torch.Tensor, length: int) -> Iterator[None]:
+        """Forwards inside run rows `rows` of the first layout, cut to `length` tokens."""
+        self._select = (rows, length)
+        try:
+            yield
+        finally:
+            self._select = None
+
+
+class Routing(RowSelect):
     """Hooks on every router of `model` (see the module docstring). Not thread-safe: one
     forward at a time, as the engine and the trainer run them."""
 
@@ -114,15 +130,6 @@ class Routing:
 
     def clear(self) -> None:
         self._layouts, self._kept, self._select = [], [], None
-
-    @contextlib.contextmanager
-    def select(self, rows: torch.Tensor, length: int) -> Iterator[None]:
-        """Forwards inside run rows `rows` of the first layout, cut to `length` tokens."""
-        self._select = (rows, length)
-        try:
-            yield
-        finally:
-            self._select = None
 
     def aux_loss(self) -> torch.Tensor | None:
         """Switch-style load-balancing loss of the forwards since set_batch (with keep_logits):

@@ -27,7 +27,6 @@ the same function as HF's position_ids = cumsum(mask) - 1.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -64,7 +63,7 @@ from backends.megatron.parallel import clip_grad_norm as clip_global_grad_norm
 from backends.megatron.parallel import hf_tensors_on_rank0, iter_hf_tensors
 from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from models.load import load_model as load_hf
-from models.moe import NO_ROUTE, checkpoint_tensors, in_backward, moe_shape
+from models.moe import NO_ROUTE, RowSelect, checkpoint_tensors, in_backward, moe_shape
 from transport.dtypes import torch_dtype
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
@@ -458,7 +457,7 @@ def replay_probs(config: TransformerConfig, logits: torch.Tensor, ids: torch.Ten
     return probs
 
 
-class MegatronRouting:
+class MegatronRouting(RowSelect):
     """The routing object of a megatron MoE policy (training/moe.py reads it; models/moe.py
     `Routing` is the transformers models' one, with the same protocol): `record`, `replay`,
     `keep_logits`, `set_batch(layouts)`, `clear()`, `select(rows, length)`, `take_stats()`,
@@ -524,15 +523,6 @@ class MegatronRouting:
     def clear(self) -> None:
         self._close_grid()
         self._layouts, self._select = [], None
-
-    @contextlib.contextmanager
-    def select(self, rows: torch.Tensor, length: int) -> Iterator[None]:
-        """Forwards inside run rows `rows` of the first layout, cut to `length` tokens."""
-        self._select = (rows, length)
-        try:
-            yield
-        finally:
-            self._select = None
 
     def aux_loss(self) -> None:
         return None  # added inside the forward (class docstring)
