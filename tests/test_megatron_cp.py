@@ -12,9 +12,6 @@ failure shows here with its values and any rank's traceback.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -28,6 +25,7 @@ with warnings.catch_warnings():
 
 from backends.megatron import context_parallel as cpmod  # noqa: E402
 from backends.megatron.mcore import get_gpt_layer_local_spec  # noqa: E402
+from tests.test_megatron_parallel import run_ranks as spawn_ranks  # noqa: E402
 
 SPAWN_TIMEOUT_S = 420  # four ranks on a loaded two-core machine took two minutes
 VOCAB = 64
@@ -35,43 +33,9 @@ LENGTHS = (13, 9, 5)  # right-padded to 13: at cp = 2 padded to 16
 
 
 def run_ranks(target: str, tmp_path: Path, world: int) -> dict:
-    """Run this module's `target`(rank, world, tmp_path) on `world` child processes; rank 0's
-    report."""
-    code = (f"from tests.test_megatron_cp import rank_main; "
-            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r})")
-    root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for r in range(world)]
-    try:
-        codes = [p.wait(SPAWN_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
-    assert not errors, "\n".join(errors)
-    assert codes == [0] * world
-    return torch.load(tmp_path / "report.pt", weights_only=True)
-
-
-def rank_main(target: str, rank: int, world: int, tmp: str) -> None:
-    """Child entry: megatron on CPU over gloo, the traceback written for the parent on failure."""
-    warnings.simplefilter("ignore")
-    try:
-        from backends.megatron import cpu_shim as shim
-
-        shim.install()  # with RoPE's pinned CP index tensor made a plain one
-        store = torch.distributed.FileStore(f"{tmp}/store", world)
-        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        report = globals()[target](rank, world, Path(tmp))
-        if rank == 0:
-            torch.save(report, f"{tmp}/report.pt")
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        Path(tmp, f"error-{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+    """This module's `target`(rank, tmp_path) on `world` child processes (megatron on CPU over
+    gloo); rank 0's report."""
+    return spawn_ranks(target, tmp_path, world, __name__, SPAWN_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,9 +150,10 @@ def _max_over_world(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-def compare_layouts(rank: int, world: int, tmp: Path) -> dict:
+def compare_layouts(rank: int, tmp: Path) -> dict:
     """cp = 2 (tp = world / 2) against cp = 1 on the same ranks: max differences over all
     ranks."""
+    world = torch.distributed.get_world_size()
     from backends.megatron.mcore import parallel_state, tensor_parallel
     from backends.megatron.model import blocked_attention
 
