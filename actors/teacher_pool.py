@@ -16,17 +16,19 @@ else "" and counted in `opd/unrouted_samples`). Then:
 The group then goes on to the buffer. Per teacher it publishes tokens scored, scoring time and
 the sampled reverse-KL estimate mean(log pi_student - log pi_teacher) over the rollout's tokens.
 A teacher declared with the student's tokenizer (the default) whose vocabulary differs is refused
-before the run starts. One with its own (`tokenizer = "auto"` or a directory, server mode) is
-scored across vocabularies: each sample is re-tokenized for it (logic/teachers.py `CrossVocab`:
-the request carries the teacher's own token ids), the teacher's scores are moved onto the
-student's tokens by aligned character spans (algos/cross_tokenizer.py: each student token of a
-span gets `teacher_logprobs = rollout log-prob - the span's difference`, so the trainer's r_t is
-the span's, or with `span_credit = "prefix"` its causal share from the teacher's top-k prefix
-probabilities, for which the request asks `top_logprobs_num = prefix_top_k`; top-k mapped to student ids by token text at spans of one token on each side), and
-per teacher it publishes `aligned_char_frac` (response characters inside aligned spans),
+before the run starts. One with its own (`tokenizer = "auto"` or a directory) is scored across
+vocabularies: each sample is re-tokenized for it (logic/teachers.py `CrossVocab`: the request
+carries the teacher's own token ids), and the teacher's scores are moved onto the student's
+tokens by aligned character spans (`CrossVocab.onto_student`, algos/cross_tokenizer.py): each
+student token of a span gets `teacher_logprobs = rollout log-prob - the span's difference`, so
+the trainer's r_t is the span's, or with `span_credit = "prefix"` its causal share from the
+teacher's top-k prefix probabilities (the request then asks `top_logprobs_num = prefix_top_k`);
+top-k are mapped to student ids by token text at spans of one token on each side. Per teacher
+it publishes `aligned_char_frac` (response characters inside aligned spans),
 `aligned_spans_per_sample`, and for top-k `topk_matched_frac` (policy tokens with a mapped set)
 and `topk_dropped_mass` (the teacher's top-k probability without a student token, per matched
-token). A colocated teacher with another vocabulary is refused (use mode "server").
+token). A colocated teacher of another vocabulary is scored the same way inside the trainer
+(training/colocated_teachers.py).
 Invariant: every group that arrives leaves, once, in arrival order per teacher batch.
 """
 
@@ -40,18 +42,16 @@ import time
 from collections.abc import Mapping
 from types import MappingProxyType
 
-import numpy as np
-
 from actors.teacher_pool_config import (  # noqa: F401 - the config: also read from here
     TeacherPoolConfig,
     TeacherPoolPlan,
     cross_teachers,
 )
-from algos.cross_tokenizer import map_topk, prefix_teacher_logprobs, spread_sampled
 from engine.client import SglangClient
 from logic.teachers import (
     CrossVocab,
     ScoreError,
+    cross_metrics,
     parse_scores,
     route,
     route_table,
@@ -158,28 +158,12 @@ class TeacherPool(TeacherPoolPlan):
                       top_k: int, prefix: bool) -> None:
         """The teacher's scores of its own tokens moved onto the student's (module docstring),
         and the alignment's counts."""
-        logprobs, top_ids, top_lps = scores
-        al = r.alignment
-        if prefix:
-            values = prefix_teacher_logprobs(s.rollout_logprobs, logprobs, al, r.text,
-                                             r.student_offsets, r.response_ids, top_ids,
-                                             top_lps, cross.teacher_strings)
-        else:
-            values = spread_sampled(s.rollout_logprobs, logprobs, al)
+        values, mapped = cross.onto_student(r, s.rollout_logprobs, s.response_ids, s.loss_mask,
+                                            *scores, top_k, prefix, st)
         s.teacher_logprobs = values.tolist()
-        if top_k:  # the run's k (a prefix teacher may have asked for more)
-            m = map_topk(top_ids[:, :top_k], top_lps[:, :top_k], s.response_ids, al,
-                         cross.id_map)
-            s.teacher_topk_ids = m.ids.astype(TOPK_IDS_DTYPE)
-            s.teacher_topk_logprobs = m.logprobs.astype(TOPK_LOGPROBS_DTYPE)
-            policy = np.asarray(s.loss_mask, dtype=bool)
-            st["topk_policy_tokens"] += int(policy.sum())
-            st["topk_matched"] += int((m.matched & policy).sum())
-            st["topk_dropped_mass"] += float(m.dropped_mass[m.matched & policy].sum())
-        st["cross_samples"] += 1
-        st["chars"] += al.total_chars
-        st["aligned_chars"] += al.aligned_chars
-        st["spans"] += al.num_spans
+        if mapped is not None:
+            s.teacher_topk_ids = mapped.ids.astype(TOPK_IDS_DTYPE)
+            s.teacher_topk_logprobs = mapped.logprobs.astype(TOPK_LOGPROBS_DTYPE)
 
     def _fail(self, name: str, samples: list[Sample]) -> None:
         """No signal for these samples: trained without distillation, counted per teacher."""
@@ -197,14 +181,5 @@ class TeacherPool(TeacherPoolPlan):
             values[f"opd/{name}/score_time_s"] = st["time_s"]
             if st["tokens"]:
                 values[f"opd/{name}/sampled_reverse_kl"] = st["kl_sum"] / st["tokens"]
-            if st["cross_samples"]:
-                values[f"opd/{name}/aligned_char_frac"] = (
-                    st["aligned_chars"] / st["chars"] if st["chars"] else 1.0)
-                values[f"opd/{name}/aligned_spans_per_sample"] = \
-                    st["spans"] / st["cross_samples"]
-            if st["topk_policy_tokens"]:
-                values[f"opd/{name}/topk_matched_frac"] = \
-                    st["topk_matched"] / st["topk_policy_tokens"]
-                values[f"opd/{name}/topk_dropped_mass"] = \
-                    st["topk_dropped_mass"] / max(st["topk_matched"], 1)
+            values |= cross_metrics(name, st)
         self.metrics.publish(values)

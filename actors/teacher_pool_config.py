@@ -11,9 +11,8 @@ from algos.opd_config import OpdConfig, check_placement
 from logic.teachers import (
     CrossVocab,
     TeacherSpec,
-    check_vocab,
+    cross_vocab,
     route_table,
-    same_vocab,
     tokenizer_source,
 )
 from models.names import check_model_path
@@ -58,7 +57,7 @@ class TeacherPoolPlan(Actor):
     @classmethod
     def check_facts(cls, config: TeacherPoolConfig, facts: RunFacts) -> None:
         """Every teacher shares the student's (the run's model's) vocabulary, or declares its
-        own tokenizer and is served (scored across vocabularies); teachers score at the run's
+        own tokenizer (scored across vocabularies); teachers score at the run's
         sampling temperature."""
         cross_teachers(config, facts)
 
@@ -73,8 +72,9 @@ class TeacherPoolPlan(Actor):
 def cross_teachers(config: TeacherPoolConfig, facts: RunFacts) -> dict[str, CrossVocab]:
     """{teacher: CrossVocab} for the teachers whose tokenizer differs from the student's (the
     run's model's); ValueError for one declared with the student's tokenizer
-    (`tokenizer = "student"`, the default), or one that is colocated (the trainer runs
-    teachers on the student's token ids)."""
+    (`tokenizer = "student"`, the default) or one whose tokenizer gives no offsets
+    (logic/teachers.py `cross_vocab`). Colocated teachers are scored across vocabularies by
+    the trainer, which checks them again against its own model."""
     if not facts.model:
         raise ValueError("no trainer on this pool's buffer decides the student model, whose "
                          f"tokenizer the teachers are checked against: add a trainer with "
@@ -82,20 +82,7 @@ def cross_teachers(config: TeacherPoolConfig, facts: RunFacts) -> dict[str, Cros
     student = load_tokenizer(facts.model)
     out: dict[str, CrossVocab] = {}
     for t in config.teachers:
-        teacher = load_tokenizer(tokenizer_source(t))
-        if same_vocab(student, teacher):
-            continue
-        if t.tokenizer == "student":
-            check_vocab(student, teacher, t.name)  # raises, naming the differences
-        if config.mode != "server":
-            raise ValueError(f"teacher {t.name!r} has a tokenizer of its own (tokenizer = "
-                             f"{t.tokenizer!r}) that differs from the student's; teachers of "
-                             f"another vocabulary are scored by a teacher server: set the "
-                             f"teacher mode to \"server\" ([rl] teacher_mode = \"server\" "
-                             f"with the teacher's `worker` or `url`)")
-        if not getattr(teacher, "is_fast", False):
-            raise ValueError(f"teacher {t.name!r}: its tokenizer gives no character offsets "
-                             "(a fast, tokenizers-library tokenizer is needed to align it with "
-                             "the student's)")
-        out[t.name] = CrossVocab(student, teacher)
+        cross = cross_vocab(student, load_tokenizer(tokenizer_source(t)), t)
+        if cross is not None:
+            out[t.name] = cross
     return out

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from algos.opd_config import check_cross_vocab
 from engine.weight_sync_config import WeightSyncConfig
 from engine.weight_sync_plan import check_sync_device
-from logic.teachers import check_vocab
+from logic.teachers import cross_vocab, tokenizer_source
 from models.names import check_model_path
 from models.tokenizer_load import load_tokenizer
 from runtime.actor import Actor
@@ -52,7 +53,8 @@ class TrainerActorPlan(Actor):
             student = load_tokenizer(config.model)
             for t in config.teachers:
                 check_model_path(t.model)
-                check_vocab(student, load_tokenizer(t.model), t.name)
+                if cross_vocab(student, load_tokenizer(tokenizer_source(t)), t) is not None:
+                    check_cross_vocab(t.opd or config.opd, f"teacher {t.name!r}")
         check_backend(config, colocated=config.mode == "colocated")
         check_sync_device(config.weight_sync.path, config.device)
         if config.lora is not None and config.weight_sync.path == "distributed":

@@ -318,6 +318,36 @@ def head_top_k_ids(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
     return out
 
 
+@torch.no_grad()
+def head_token_scores(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      temperature: float = 1.0, k: int = 0, *, chunk_tokens: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A scorer's reply from its head, chunk by chunk (no gradient): (log_softmax(h W^T / T)
+    at `targets` [N], the k most likely ids [N, k] and their log-probs [N, k]), float32 (float64
+    for float64 inputs); k = 0 gives [N, 0] top-k. What a teacher server returns for a sequence
+    (`input_token_logprobs`, `input_top_logprobs`), for a colocated teacher of another
+    vocabulary (training/colocated_teachers.py)."""
+    _check_head(hidden, weight)
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be [N] for hidden "
+                         f"{tuple(hidden.shape)}")
+    _check_ids(targets, weight.shape[0])
+    t, dtype = effective_temperature(temperature), _arith(hidden)
+    n, k = hidden.shape[0], min(max(int(k), 0), weight.shape[0])
+    logp = torch.empty(n, dtype=dtype, device=hidden.device)
+    ids = torch.empty((n, k), dtype=torch.long, device=hidden.device)
+    top = torch.empty((n, k), dtype=dtype, device=hidden.device)
+    chunk = chunk_tokens_for(weight.shape[0], chunk_tokens)
+    for s in range(0, n, chunk):
+        z = _logits(hidden[s:s + chunk], weight, t, dtype)
+        z -= z.logsumexp(-1, keepdim=True)
+        logp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None].long())[:, 0]
+        if k:
+            best = z.topk(k, dim=-1)
+            ids[s:s + chunk], top[s:s + chunk] = best.indices, best.values
+    return logp, ids, top
+
+
 # --- set reverse KL: two ways to walk the sets -------------------------------------------------
 
 class _RowSets:

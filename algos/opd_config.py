@@ -86,3 +86,21 @@ def check_placement(cfg: OpdConfig, placement: str, teacher: str = "teacher") ->
         raise ValueError(f"{teacher}: mode = {cfg.mode!r} needs the teacher's logits, which a "
                          f"teacher server does not return; use a colocated teacher or one of "
                          f"the server modes {SERVER_MODES} (top_k with top_k_from = 'teacher')")
+
+
+CROSS_VOCAB_MODES = SERVER_MODES  # what a teacher of another vocabulary gives, wherever it runs
+
+
+def check_cross_vocab(cfg: OpdConfig, teacher: str = "teacher") -> None:
+    """Refuse a mode a teacher of another vocabulary cannot give: its distribution is over its
+    own ids, so only its sampled-token log-probs and its top-k (mapped to student ids by text:
+    algos/cross_tokenizer.py) reach the student."""
+    if cfg.mode in CROSS_VOCAB_MODES and not (cfg.mode == "top_k"
+                                              and cfg.top_k_from == "student"):
+        return
+    raise ValueError(f"{teacher}: mode = {cfg.mode!r}"
+                     f"{' with top_k_from = student' if cfg.mode == 'top_k' else ''} reads the "
+                     f"teacher's distribution at the student's token ids, but this teacher has "
+                     f"another vocabulary; use mode = 'sampled' (span log-probs) or mode = "
+                     f"'top_k' with top_k_from = 'teacher' (its top-k mapped to student ids by "
+                     f"token text), docs/mopd.md")

@@ -33,16 +33,25 @@ entries, token ids must fit int32, and log-probs float32.
 
 from __future__ import annotations
 
+import collections
 import math
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from algos.cross_tokenizer import Alignment, align, vocab_map
+from algos.cross_tokenizer import (
+    Alignment,
+    MappedTopK,
+    align,
+    map_topk,
+    prefix_teacher_logprobs,
+    spread_sampled,
+    vocab_map,
+)
 from algos.opd_config import OpdConfig
 from transport.errors import RlxError
 from transport.schema import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
@@ -62,7 +71,7 @@ class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     opd: OpdConfig | None = None  # this teacher's signal (colocated only; None = the run's opd)
     # "student": the teacher shares the student's tokenizer (refused if its vocabulary differs);
     # "auto": the teacher checkpoint's own tokenizer, scored across vocabularies where it
-    # differs (server mode); or a tokenizer directory
+    # differs (server or colocated); or a tokenizer directory
     tokenizer: str = "student"
     # across vocabularies, sampled signal within a span of several student tokens: "spread"
     # (each carries the span's difference) or "prefix" (each its own causal share, from the
@@ -121,6 +130,22 @@ def same_vocab(student: Any, teacher: Any) -> bool:
         for a in ("bos_token_id", "eos_token_id", "pad_token_id"))
 
 
+def cross_vocab(student: Any, teacher: Any, spec: TeacherSpec) -> CrossVocab | None:
+    """The teacher's `CrossVocab` against the student when its tokenizer differs, None when
+    both share one; ValueError for a teacher declared with the student's tokenizer
+    (`tokenizer = "student"`, the default) whose vocabulary differs, or whose tokenizer gives no
+    character offsets."""
+    if same_vocab(student, teacher):
+        return None
+    if spec.tokenizer == "student":
+        check_vocab(student, teacher, spec.name)  # raises, naming the differences
+    if not getattr(teacher, "is_fast", False):
+        raise ValueError(f"teacher {spec.name!r}: its tokenizer gives no character offsets "
+                         "(a fast, tokenizers-library tokenizer is needed to align it with "
+                         "the student's)")
+    return CrossVocab(student, teacher)
+
+
 def check_vocab(student: Any, teacher: Any, name: str) -> None:
     """Refuse a teacher whose tokenizer maps tokens to other ids than the student's."""
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
@@ -130,8 +155,7 @@ def check_vocab(student: Any, teacher: Any, name: str) -> None:
             f"teacher {name!r} has a different vocabulary from the student ({len(t_vocab)} vs "
             f"{len(s_vocab)} tokens; first differences {diff}): distillation compares log-probs "
             "of the same token ids, so the teacher must use the student's tokenizer, or declare "
-            "its own (tokenizer = \"auto\", teacher mode \"server\": scored across "
-            "vocabularies, docs/mopd.md)")
+            "its own (tokenizer = \"auto\": scored across vocabularies, docs/mopd.md)")
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(student, attr, None) != getattr(teacher, attr, None):
             raise ValueError(f"teacher {name!r}: {attr} differs from the student's")
@@ -261,6 +285,66 @@ class CrossVocab:
         al = align(s_off, t_off, len(text), teacher_ok=t_ok,
                    student_group=None if loss_mask is None else list(loss_mask))
         return Retokenized(t_prompt, t_ids, al, text, s_off)
+
+
+    def onto_student(self, r: Retokenized, rollout_logprobs: Sequence[float],
+                     response_ids: Sequence[int], loss_mask: Sequence[int],
+                     logprobs: Sequence[float], top_ids: np.ndarray | None,
+                     top_lps: np.ndarray | None, top_k: int, prefix: bool,
+                     stats: collections.Counter | None = None
+                     ) -> tuple[np.ndarray, MappedTopK | None]:
+        """The teacher's scores of its own tokens (`logprobs` [n_t], top-k [n_t, >= k]) moved
+        onto the student's tokens of sample `r` (algos/cross_tokenizer.py): the per-token
+        teacher values [n_s] float64 (`spread_sampled`, or with `prefix` the causal shares of
+        `prefix_teacher_logprobs`, which read the top-k), and with `top_k` the first k entries
+        mapped to student ids (`map_topk`); the alignment's counts are added to `stats`
+        (chars, aligned_chars, spans, cross_samples; topk_policy_tokens, topk_matched,
+        topk_dropped_mass). The teacher pool and colocated teachers both read scores this way."""
+        al = r.alignment
+        if prefix:
+            values = prefix_teacher_logprobs(rollout_logprobs, logprobs, al, r.text,
+                                             r.student_offsets, r.response_ids, top_ids,
+                                             top_lps, self.teacher_strings)
+        else:
+            values = spread_sampled(rollout_logprobs, logprobs, al)
+        mapped = None
+        if top_k:  # the run's k (a prefix teacher may have been asked for more)
+            mapped = map_topk(top_ids[:, :top_k], top_lps[:, :top_k], response_ids, al,
+                              self.id_map)
+        if stats is not None:
+            if mapped is not None:
+                policy = np.asarray(loss_mask, dtype=bool)
+                stats["topk_policy_tokens"] += int(policy.sum())
+                stats["topk_matched"] += int((mapped.matched & policy).sum())
+                stats["topk_dropped_mass"] += float(
+                    mapped.dropped_mass[mapped.matched & policy].sum())
+            stats["cross_samples"] += 1
+            stats["chars"] += al.total_chars
+            stats["aligned_chars"] += al.aligned_chars
+            stats["spans"] += al.num_spans
+        return values, mapped
+
+
+def cross_metrics(name: str, st: Mapping[str, float]) -> dict[str, float]:
+    """A cross-vocabulary teacher's alignment metrics from `onto_student`'s counts:
+    opd/<name>/aligned_char_frac (response characters inside aligned spans),
+    aligned_spans_per_sample, and for top-k topk_matched_frac (policy tokens with a mapped
+    set) and topk_dropped_mass (the teacher's top-k probability without a student token, per
+    matched token)."""
+    out: dict[str, float] = {}
+    if st.get("cross_samples"):
+        out[f"opd/{name}/aligned_char_frac"] = (
+            st["aligned_chars"] / st["chars"] if st.get("chars") else 1.0)
+        out[f"opd/{name}/aligned_spans_per_sample"] = st["spans"] / st["cross_samples"]
+    if st.get("topk_policy_tokens"):
+        out[f"opd/{name}/topk_matched_frac"] = st["topk_matched"] / st["topk_policy_tokens"]
+        out[f"opd/{name}/topk_dropped_mass"] = \
+            st["topk_dropped_mass"] / max(st["topk_matched"], 1)
+    return out
+
+
+CROSS_COUNTS = ("cross_samples", "chars", "aligned_chars", "spans", "topk_policy_tokens",
+                "topk_matched", "topk_dropped_mass")  # `onto_student`'s stats keys
 
 
 class ScoreError(RlxError, ValueError):

@@ -27,14 +27,30 @@ from algos.cross_tokenizer import (
     spread_sampled,
     vocab_map,
 )
-from algos.opd import OpdConfig, sampled_log_ratio, top_k_reverse_kl
+from algos.opd import (
+    OpdConfig,
+    gather_scores,
+    ids_reverse_kl,
+    sampled_log_ratio,
+    top_k_reverse_kl,
+)
 from logic.teachers import CrossVocab, TeacherSpec
+from memory.config import TeacherMemoryConfig
 from models.load import load_model, load_tokenizer
 from runtime.facts import RunFacts
 from tests.helpers import context
 from tests.test_engine import serve
 from training.batching import make_micro_batch
-from training.colocated_teachers import OpdInputs, _fill_server, sampled_ratio
+from training.colocated_teachers import (
+    ColocatedTeachers,
+    OpdInputs,
+    OpdSignals,
+    _fill_server,
+    _put_topk,
+    sampled_ratio,
+)
+from training.config import TrainConfig
+from training.step import opd_term_loss
 from transport.schema import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,8 +323,7 @@ def test_the_pool_refuses_what_it_cannot_align():
     facts = RunFacts(model=STUDENT)
     with pytest.raises(ValueError, match="different vocabulary.*tokenizer = \"auto\""):
         TeacherPool.check_facts(pool_config("server", "student"), facts)
-    with pytest.raises(ValueError, match='set the teacher mode to "server"'):
-        TeacherPool.check_facts(pool_config("colocated", "auto"), facts)
+    TeacherPool.check_facts(pool_config("colocated", "auto"), facts)  # the trainer scores it
     TeacherPool.check_facts(pool_config("server", "auto"), facts)
     assert list(cross_teachers(pool_config("server", "auto"), facts)) == ["arith"]
     # a teacher of the student's vocabulary declared with its own tokenizer: the plain path
@@ -331,12 +346,8 @@ async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k, credi
     carries the teacher's token ids, and each student token gets the float64 reference of its
     span's difference (sampled) or its mapped top-k; the alignment counts are published."""
     student = load_tokenizer(STUDENT)
-    model, teacher = load_model(BPE_TEACHER, "cpu", torch.float32)
-    enc = student.encode
-    batch = [sample([student.bos_token_id] + enc(p, add_special_tokens=False),
-                    enc(a, add_special_tokens=False) + [student.eos_token_id],
-                    rollout=[-0.5, -0.25, -0.125][:len(a) + 1], teacher="arith")
-             for p, a in [("9+9=", "18"), ("3+4=", "7"), ("9+8=", "17")]]
+    model, _ = load_model(BPE_TEACHER, "cpu", torch.float32)
+    batch = cross_batch(student)
     facts = RunFacts(model=STUDENT)
     async with serve(ipc, model=BPE_TEACHER) as (worker, client):
         cfg = pool_config("server", "auto", top_k, url=worker.bound.http, credit=credit)
@@ -350,7 +361,26 @@ async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k, credi
             pool.factory.close()
     st = pool.stats["arith"]
     assert st["failed_samples"] == 0 and all(s.teacher == "arith" for s in batch)
-    cv = pool.cross["arith"]
+    spans = check_cross_scores(batch, pool.cross["arith"], model, top_k, credit)
+    assert st["spans"] == spans and st["cross_samples"] == 3
+    assert st["aligned_chars"] == st["chars"] == 3 + 2 + 3  # "18<eos>", "7<eos>", "17<eos>"
+    assert st["tokens"] == sum(len(s.response_ids) for s in batch)
+
+
+def cross_batch(student) -> list[Sample]:
+    enc = student.encode
+    return [sample([student.bos_token_id] + enc(p, add_special_tokens=False),
+                   enc(a, add_special_tokens=False) + [student.eos_token_id],
+                   rollout=[-0.5, -0.25, -0.125][:len(a) + 1], teacher="arith")
+            for p, a in [("9+9=", "18"), ("3+4=", "7"), ("9+8=", "17")]]
+
+
+def check_cross_scores(batch: list[Sample], cv: CrossVocab, model, top_k: int,
+                       credit: str) -> int:
+    """Each sample's teacher_logprobs / top-k against the float64 reference of the teacher on
+    its own tokens: each student token carries its span's difference (spread), the values sum
+    to the teacher's and a 2:1 span's first is log P_1 (prefix), mapped top-k in the teacher's
+    order; returns the spans counted."""
     spans = 0
     for s in batch:
         r = cv.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
@@ -382,12 +412,78 @@ async def test_the_pool_scores_a_teacher_of_its_own_vocabulary(ipc, top_k, credi
                                                             top.values.tolist())
                           if cv.id_map[i] >= 0]
                 n = len(mapped)
+                assert n >= 1
                 assert s.teacher_topk_ids[j, :n].tolist() == [i for i, _ in mapped]
                 assert s.teacher_topk_logprobs[j, :n].tolist() == pytest.approx(
                     [v for _, v in mapped], abs=1e-5)
-    assert st["spans"] == spans and st["cross_samples"] == 3
-    assert st["aligned_chars"] == st["chars"] == 3 + 2 + 3  # "18<eos>", "7<eos>", "17<eos>"
-    assert st["tokens"] == sum(len(s.response_ids) for s in batch)
+    return spans
+
+
+@pytest.mark.parametrize("top_k,credit", [(0, "spread"), (4, "spread"), (0, "prefix")])
+def test_a_colocated_teacher_of_its_own_vocabulary_scores_as_a_server(tmp_path, top_k, credit):
+    """The trainer's colocated teacher of another vocabulary (training/colocated_teachers.py
+    `_cross_output`): its forward on its own tokens from weight memory, moved onto the
+    student's tokens, gives the float64 reference of the pool's server path; the step's
+    inputs hold them (teacher_logp, the mapped top-k in topk_rows) and the counts."""
+    student = load_tokenizer(STUDENT)
+    model, _ = load_model(BPE_TEACHER, "cpu", torch.float32)
+    spec = TeacherSpec(name="arith", model=BPE_TEACHER, domains=["math"], tokenizer="auto",
+                       span_credit=credit)
+    opd = OpdConfig(mode="top_k", top_k=top_k, top_k_from="teacher") if top_k else OpdConfig()
+    teachers = ColocatedTeachers.load([spec], "cpu", torch.float32, TeacherMemoryConfig(
+        nvme_dir=str(tmp_path / "nvme")), str(tmp_path), student_tokenizer=student)
+    batch = cross_batch(student)
+    try:
+        assert list(teachers.cross) == ["arith"]
+        cfg = TrainConfig(model=STUDENT, teachers=[spec], opd=opd)
+        mbs = [make_micro_batch(batch[:2]), make_micro_batch(batch[2:])]
+        signals = OpdSignals(mbs, cfg, 1.0, teachers, [0, 1])
+        inputs = [signals.inputs(0), signals.inputs(1)]
+        signals.close()
+    finally:
+        teachers.close()
+    for mb, inp in zip(mbs, inputs):
+        assert torch.equal(inp.mask, mb.mask)  # every sample scored
+        assert inp.teacher_logits is None and inp.teacher_heads is None
+        for b, s in enumerate(mb.samples):
+            n = len(s.response_ids)
+            s.teacher_logprobs = inp.teacher_logp[b, :n].double().tolist()
+            if top_k:
+                assert bool(inp.topk_rows[b])
+                s.teacher_topk_ids = inp.topk_ids[b, :n].numpy()
+                s.teacher_topk_logprobs = inp.topk_logp[b, :n].numpy()
+    spans = check_cross_scores(batch, teachers.cross["arith"], model, top_k, credit)
+    st = signals.cross_stats["arith"]
+    assert st["spans"] == spans and st["cross_samples"] == 3 and st["failed_samples"] == 0
+    assert st["aligned_chars"] == st["chars"] == 8
+    if top_k:
+        assert st["topk_policy_tokens"] == 8 and 0 < st["topk_matched"] <= 8
+
+
+def test_the_step_reads_a_teachers_own_topk_beside_colocated_logits():
+    """A micro-batch whose top_k rows come from a teacher of another vocabulary (its mapped
+    set) and from a colocated teacher's logits: each row's KL is the one of its own source."""
+    torch.manual_seed(0)
+    samples = [sample([1, 2], [3, 4, 5]), sample([1, 2], [6, 7, 0])]
+    mb = make_micro_batch(samples)
+    cfg_k = OpdConfig(mode="top_k", top_k=2, top_k_from="teacher")
+    logits = torch.randn(2, 3, 8, dtype=torch.float64)
+    teacher_logits = torch.randn(2, 3, 8, dtype=torch.float64)
+    inp = OpdInputs(mask=mb.mask.double(), coef=torch.ones(2, dtype=torch.float64),
+                    configs=[cfg_k, cfg_k], teacher_logits=teacher_logits)
+    ids = torch.tensor([[[1, 2], [3, 3], [0, 5]]])
+    lps = torch.tensor([[[-0.5, -1.5], [-0.1, -math.inf], [-1.0, -2.0]]], dtype=torch.float64)
+    _put_topk(inp, [0], ids, lps)
+    assert inp.topk_rows.tolist() == [True, False]
+    cfg = TrainConfig(model=STUDENT, opd=cfg_k)
+    sums: dict[str, list[float]] = {}
+    got = opd_term_loss(cfg, 1.0, mb, inp, logits, 2, sums)
+    row0 = top_k_reverse_kl(logits[:1], ids, lps, mb.mask[:1].double(), 1.0)
+    top = teacher_logits[1:].topk(2, dim=-1).indices
+    row1 = ids_reverse_kl(logits[1:], top, gather_scores(teacher_logits[1:], top, 1.0),
+                          mb.mask[1:].double(), 1.0)
+    want = (row0.sum() / 3 + row1.sum() / 3) / 2  # sample means, over the step's 2 samples
+    assert float(got) == pytest.approx(float(want), rel=1e-9)
 
 
 # --- one short run through the launcher -----------------------------------------------------------
@@ -413,3 +509,33 @@ def test_a_cross_vocabulary_run_through_the_launcher(tmp_path):
     steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
     assert [v["version"] for v in steps] == [1, 2]
     assert all(v["opd/arith/tokens"] > 0 for v in steps)
+
+
+@pytest.mark.timeout(240)
+def test_a_colocated_cross_vocabulary_run_through_the_launcher(tmp_path):
+    """examples/mopd-cross-vocab-colocated.toml for two steps in top_k mode: the trainer runs
+    the teacher of its own vocabulary from its weight memory, publishes its alignment and
+    mapped top-k metrics, and distils on it; a mode that needs the teacher's distribution at
+    student ids is refused at load."""
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "launch.cluster", "examples/mopd-cross-vocab-colocated.toml"]
+    refused = subprocess.run(base + ["--dry-run", "--set", "rl.opd={mode='full'}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "teacher 'arith': mode = 'full'" in refused.stdout + refused.stderr
+    result = subprocess.run(
+        base + ["--run-dir", str(run_dir), "--set", "rl.num_steps=2", "--set",
+                "rl.eval_every=0", "--set", "rl.save_every=0", "--set", "rl.groups_per_batch=8",
+                "--set", "rl.workers=1", "--set", "run.plots=false", "--set",
+                "rl.opd={mode='top_k', top_k=4, top_k_from='teacher'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    assert [v["version"] for v in steps] == [1, 2]
+    for v in steps:
+        assert v["opd/arith/tokens"] > 0 and v["opd/arith/failed_samples"] == 0
+        assert 0.9 <= v["opd/arith/aligned_char_frac"] <= 1.0
+        assert v["opd/arith/aligned_spans_per_sample"] >= 1.0
+        assert 0.0 < v["opd/arith/topk_matched_frac"] <= 1.0
+        assert math.isfinite(v["opd/arith/reverse_kl"]) and v["opd/arith/reverse_kl"] >= 0

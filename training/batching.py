@@ -51,21 +51,41 @@ class MicroBatch:
             packed_routes=None if self.packed_routes is None else self.packed_routes.to(device))
 
 
+def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(input_ids [B, L] right-padded, attention_mask [B, L], prompt_lens [B], response
+    columns R >= 1) of prompt + response token lists."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attn[b, :len(p) + len(r)] = 1
+    resp = max(1, max(len(r) for r in responses))
+    return ids, attn, torch.tensor([len(p) for p in prompts]), resp
+
+
 def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    width = max(lengths)
-    resp = max(1, max(len(s.response_ids) for s in samples))
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    ids, attn, prompt_lens, resp = _padded([s.prompt_ids for s in samples],
+                                           [s.response_ids for s in samples], pad_id)
     mask = torch.zeros((len(samples), resp))
     rlp = torch.zeros((len(samples), resp))
     for b, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        ids[b, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[b, :len(seq)] = 1
         n = len(s.response_ids)
         mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
         rlp[b, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float)
-    return MicroBatch(samples, ids, attn, torch.tensor([len(s.prompt_ids) for s in samples]),
-                      mask, rlp, torch.tensor([s.reward for s in samples], dtype=torch.float),
-                      routes=sample_routes(samples, width))
+    return MicroBatch(samples, ids, attn, prompt_lens, mask, rlp,
+                      torch.tensor([s.reward for s in samples], dtype=torch.float),
+                      routes=sample_routes(samples, ids.shape[1]))
+
+
+def token_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0
+                ) -> MicroBatch:
+    """A micro-batch of token ids alone (no samples, every response token masked in): what a
+    colocated teacher of another vocabulary scores, the samples in its own tokens."""
+    ids, attn, prompt_lens, resp = _padded(prompts, responses, pad_id)
+    mask = torch.zeros((len(prompts), resp))
+    for b, r in enumerate(responses):
+        mask[b, :len(r)] = 1.0
+    return MicroBatch([], ids, attn, prompt_lens, mask, torch.zeros_like(mask),
+                      torch.zeros(len(prompts)))

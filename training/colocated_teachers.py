@@ -47,11 +47,21 @@ import torch
 
 from algos.cross_tokenizer import repeated_entries
 from algos.logprobs import gather_logprobs, logits_to_logprobs
+from algos.loss_head import head_token_scores
 from algos.opd import nucleus_logprobs, sampled_log_ratio, token_logprobs_chunked
-from logic.teachers import TeacherSpec, opd_configs, teacher_order
+from logic.teachers import (
+    CrossVocab,
+    ScoreError,
+    TeacherSpec,
+    cross_vocab,
+    opd_configs,
+    teacher_order,
+    tokenizer_source,
+)
 from memory.config import TeacherMemoryConfig
 from memory.manager import WeightMemory
-from training.batching import MicroBatch
+from models.tokenizer_load import load_tokenizer
+from training.batching import MicroBatch, token_batch
 from training.config import TrainConfig
 from training.heads import (
     ResponseHead,
@@ -79,8 +89,11 @@ class OpdInputs:
     # or, when the student gives its head (training/heads.py), each colocated loss-term
     # teacher's head over its rows of the micro-batch: [(rows, ResponseHead of those rows)]
     teacher_heads: list[tuple[list[int], ResponseHead]] | None = None
-    topk_ids: torch.Tensor | None = None  # [B, R, k] (server top_k)
-    topk_logp: torch.Tensor | None = None  # [B, R, k]
+    # a teacher's own top-k, as student ids (teacher servers, and colocated teachers of
+    # another vocabulary: mapped by token text), for the rows in topk_rows [B]
+    topk_ids: torch.Tensor | None = None  # [B, R, k]
+    topk_logp: torch.Tensor | None = None  # [B, R, k], -inf: not in the set
+    topk_rows: torch.Tensor | None = None  # [B] bool
     # the nucleus the rollout sampled each token from (top_p, top_p_replay): ids [B, R, K] and
     # which are real [B, R, K]; the samples that have a record [B]; the tokens that have a
     # nucleus [B, R]; log of its rollout mass [B, R]
@@ -92,6 +105,17 @@ class OpdInputs:
     # [B, R] tokens whose teacher_logp is renormalised over their nucleus (top-p replay with a
     # colocated sampled teacher): r_t pairs them with the student's replayed log-probs
     teacher_replayed: torch.Tensor | None = None
+
+
+@dataclass
+class CrossOutput:
+    """A colocated teacher of another vocabulary's scores of its rows, on the student's tokens
+    (`CrossVocab.onto_student`, as the teacher pool does with a server's reply)."""
+
+    logp: torch.Tensor  # [b, R] float32 per-student-token teacher values
+    valid: torch.Tensor  # [b] bool: rows that could be scored (else no signal)
+    topk_ids: torch.Tensor | None = None  # [b, R, k] student ids (top_k mode)
+    topk_logp: torch.Tensor | None = None  # [b, R, k], -inf: padding
 
 
 def student_pass(model: Any, mb: MicroBatch, temperature: float, heads: bool = False
@@ -139,9 +163,15 @@ class TeacherStream:
 
     def __init__(self, owner: ColocatedTeachers, mbs: list[MicroBatch], order: list[int],
                  temperature: float, logit_teachers: set[str], next_teachers: list[str] = (),
-                 replay_teachers: set[str] = frozenset(), heads: bool = False):
+                 replay_teachers: set[str] = frozenset(), heads: bool = False,
+                 cross_k: dict[str, int] | None = None):
         self.owner, self.mbs, self.temperature, self.heads = owner, mbs, temperature, heads
         self.logit_teachers, self.replay_teachers = logit_teachers, set(replay_teachers)
+        self.cross_k = dict(cross_k or {})  # teacher of another vocabulary -> its top_k (0: none)
+        # per teacher of another vocabulary: `CrossVocab.onto_student`'s counts, and
+        # failed_samples (a sample its tokenizer cannot convert: no signal)
+        self.cross_stats: dict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter)
         rank = {t: i for i, t in enumerate(owner.teacher_order(mbs))}
         self.order = list(order)
         self.plan: dict[int, list[str]] = {}  # micro-batch -> its teachers, in compute order
@@ -200,6 +230,8 @@ class TeacherStream:
         log-probs, from its head when it has a plain one and no nucleus is replayed (no
         logits made)."""
         skeleton = self.owner.skeletons[name]
+        if name in self.owner.cross:
+            return self._cross_output(name, part, params)
         if name in self.logit_teachers:
             if not self.heads:
                 return response_logits(skeleton, part, params)
@@ -215,6 +247,75 @@ class TeacherStream:
             return head_response_logprobs(head, part, self.temperature, False)[0]
         return self._token_logprobs(part, rows, response_logits(skeleton, part, params),
                                     replayed)
+
+    def _cross_output(self, name: str, part: MicroBatch, params: dict) -> CrossOutput:
+        """A teacher of another vocabulary: its rows re-tokenized for it, scored in its own
+        tokens (log-probs, and the top-k its top_k mode or `span_credit = "prefix"` reads),
+        moved onto the student's tokens by aligned spans, as the teacher pool does."""
+        cross, spec = self.owner.cross[name], self.owner.specs[name]
+        run_k = self.cross_k.get(name, 0)
+        prefix = spec.span_credit == "prefix"
+        k = max(run_k, spec.prefix_top_k) if prefix else run_k
+        stats = self.cross_stats[name]
+        retok: list[Any] = []
+        for s in part.samples:
+            try:
+                retok.append(cross.retokenize(s.prompt_ids, s.response_ids, s.loss_mask))
+            except ScoreError:
+                retok.append(None)
+                stats["failed_samples"] += 1
+        B, R = part.mask.shape
+        dev = part.mask.device
+        out = CrossOutput(torch.zeros(B, R, device=dev),
+                          torch.tensor([r is not None for r in retok], device=dev))
+        scored = [i for i, r in enumerate(retok) if r is not None]
+        if run_k:
+            out.topk_ids = torch.zeros(B, R, run_k, dtype=torch.long)
+            out.topk_logp = torch.full((B, R, run_k), -math.inf)
+        if scored:
+            lp, ids, top = self._own_scores(name, [retok[i] for i in scored], params, k, dev)
+            logp = out.logp.new_zeros(B, R, device="cpu").numpy()
+            for row, i in enumerate(scored):
+                s, r = part.samples[i], retok[i]
+                n_t, n_s = len(r.response_ids), len(s.response_ids)
+                values, mapped = cross.onto_student(
+                    r, s.rollout_logprobs, s.response_ids, s.loss_mask, lp[row, :n_t],
+                    ids[row, :n_t] if k else None, top[row, :n_t] if k else None, run_k,
+                    prefix, stats)
+                logp[i, :n_s] = values
+                if mapped is not None:  # k columns, fewer for a teacher of fewer tokens
+                    w = mapped.ids.shape[1]
+                    out.topk_ids[i, :n_s, :w] = torch.from_numpy(mapped.ids)
+                    out.topk_logp[i, :n_s, :w] = torch.from_numpy(mapped.logprobs)
+            out.logp = torch.from_numpy(logp).to(dev)
+        if out.topk_ids is not None:
+            out.topk_logp.masked_fill_(repeated_entries(out.topk_ids), -math.inf)
+            out.topk_ids, out.topk_logp = out.topk_ids.to(dev), out.topk_logp.to(dev)
+        return out
+
+    def _own_scores(self, name: str, retok: list[Any], params: dict, k: int, dev: Any
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([b, Rt] log-probs of the teacher's own response tokens, [b, Rt, k] its top-k ids
+        and log-probs), float64 on the host, at the run's temperature: from its head, chunked,
+        when it has a plain one, else from its response logits."""
+        skeleton = self.owner.skeletons[name]
+        pad = getattr(self.owner.cross[name].teacher, "pad_token_id", None) or 0
+        tmb = token_batch([r.prompt_ids for r in retok], [r.response_ids for r in retok],
+                          pad).to(dev)
+        tokens = response_tokens(tmb)
+        b, rt = tokens.shape
+        head = response_head(skeleton, tmb, params)
+        if head is not None:
+            lp, ids, top = head_token_scores(head.hidden.reshape(b * rt, -1), head.weight,
+                                             tokens.reshape(-1), self.temperature, k)
+        else:
+            z = logits_to_logprobs(response_logits(skeleton, tmb, params), self.temperature)
+            z = z.reshape(b * rt, -1)
+            lp = z.gather(-1, tokens.reshape(-1, 1))[:, 0]
+            best = z.topk(min(k, z.shape[-1]), dim=-1)
+            ids, top = best.indices, best.values
+        return (lp.view(b, rt).double().cpu().numpy(), ids.view(b, rt, -1).cpu().numpy(),
+                top.view(b, rt, -1).double().cpu().numpy())
 
     def _token_logprobs(self, part: MicroBatch, rows: list[int], logits: torch.Tensor,
                         nucleus: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -269,22 +370,33 @@ class ColocatedTeachers:
     """Teachers as weight sets of a WeightMemory on the trainer's device."""
 
     def __init__(self, memory: Any, skeletons: dict[str, torch.nn.Module],
-                 specs: list[TeacherSpec]):
+                 specs: list[TeacherSpec], cross: dict[str, CrossVocab] | None = None):
         """`memory`: a WeightMemory holding `teacher:<name>` sets; `skeletons`: name -> a meta
-        skeleton of that teacher's architecture (teachers of one architecture share one)."""
+        skeleton of that teacher's architecture (teachers of one architecture share one);
+        `cross`: the teachers of another vocabulary than the student's, scored across it."""
         self.memory, self.skeletons = memory, skeletons
         self.specs = {t.name: t for t in specs}
+        self.cross = dict(cross or {})
 
     @classmethod
     def load(cls, specs: list[TeacherSpec], device: str, dtype: torch.dtype,
              cfg: TeacherMemoryConfig, run_dir: str, seed: int = 0,
-             shard: RowShard | None = None) -> ColocatedTeachers:
+             shard: RowShard | None = None, student_tokenizer: Any = None
+             ) -> ColocatedTeachers:
         """Teachers from their checkpoints, within the host budget from the start: those the
         budget holds on the pinned host, the others streamed from their checkpoints straight to
         NVMe, each registered with its checkpoint as its source (training/teacher_weights.py);
-        `shard`: this tensor rank's rows of each teacher's linear layers."""
+        `shard`: this tensor rank's rows of each teacher's linear layers. With the student's
+        tokenizer, a teacher whose own differs is scored across vocabularies (ValueError for
+        one declared with the student's: logic/teachers.py `cross_vocab`)."""
+        cross = {}
+        if student_tokenizer is not None:
+            for t in specs:
+                c = cross_vocab(student_tokenizer, load_tokenizer(tokenizer_source(t)), t)
+                if c is not None:
+                    cross[t.name] = c
         memory, skeletons = load_teachers(specs, device, dtype, cfg, run_dir, seed, shard=shard)
-        return cls(memory, skeletons, specs)
+        return cls(memory, skeletons, specs, cross)
 
     def teacher_order(self, mbs: list[MicroBatch]) -> list[str]:
         """The step's teachers: those already in a slot first (so the one a step ends with is
@@ -295,11 +407,13 @@ class ColocatedTeachers:
 
     def stream(self, mbs: list[MicroBatch], order: list[int], temperature: float,
                logit_teachers: set[str], next_teachers: list[str] = (),
-               replay_teachers: set[str] = frozenset(), heads: bool = False) -> TeacherStream:
+               replay_teachers: set[str] = frozenset(), heads: bool = False,
+               cross_k: dict[str, int] | None = None) -> TeacherStream:
         """Teacher outputs of `mbs`, computed when asked for, micro-batch by micro-batch in
-        `order` (`TeacherStream.get`); `heads`: logit teachers give their ResponseHead."""
+        `order` (`TeacherStream.get`); `heads`: logit teachers give their ResponseHead;
+        `cross_k`: the top_k of each teacher of another vocabulary (0: sampled)."""
         return TeacherStream(self, mbs, order, temperature, logit_teachers, next_teachers,
-                             replay_teachers, heads)
+                             replay_teachers, heads, cross_k)
 
     def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool | set[str],
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
@@ -344,10 +458,17 @@ class OpdSignals:
         self.stream = None
         self._server_s = 0.0
         if teachers is not None:
-            logit_teachers = {n for n, c in self.configs.items() if wants_teacher_logits(c)}
-            replay = {n for n, c in self.configs.items() if c.mode == "sampled" and c.top_p_replay}
+            own = {n: c for n, c in self.configs.items() if n not in teachers.cross}
+            logit_teachers = {n for n, c in own.items() if wants_teacher_logits(c)}
+            replay = {n for n, c in own.items() if c.mode == "sampled" and c.top_p_replay}
+            cross_k = {n: self.configs.get(n, cfg.opd).top_k for n in teachers.cross}
             self.stream = teachers.stream(mbs, self.order, temperature, logit_teachers,
-                                          next_teachers, replay, heads)
+                                          next_teachers, replay, heads, cross_k)
+
+    @property
+    def cross_stats(self) -> dict[str, collections.Counter]:
+        """Per colocated teacher of another vocabulary, its alignment counts this step."""
+        return self.stream.cross_stats if self.stream is not None else {}
 
     @property
     def time_s(self) -> float:
@@ -411,7 +532,14 @@ def _fill_colocated(inp: OpdInputs, mb: MicroBatch,
     its output as it is."""
     B = len(mb.samples)
     for rows, out in outs.values():
-        if isinstance(out, ResponseHead):
+        if isinstance(out, CrossOutput):
+            if inp.teacher_logp is None:
+                inp.teacher_logp = out.logp.new_zeros((B,) + tuple(out.logp.shape[1:]))
+            inp.teacher_logp[rows] = out.logp
+            inp.mask[rows] = inp.mask[rows] * out.valid[:, None]
+            if out.topk_ids is not None:
+                _put_topk(inp, rows, out.topk_ids, out.topk_logp)
+        elif isinstance(out, ResponseHead):
             inp.teacher_heads = (inp.teacher_heads or []) + [(rows, out)]
         elif out.dim() == 2:
             if inp.teacher_logp is None:
@@ -423,6 +551,25 @@ def _fill_colocated(inp: OpdInputs, mb: MicroBatch,
             if inp.teacher_logits is None:
                 inp.teacher_logits = out.new_zeros((B,) + tuple(out.shape[1:]))
             inp.teacher_logits[rows] = out
+
+
+def _put_topk(inp: OpdInputs, rows: list[int], ids: torch.Tensor, logp: torch.Tensor) -> None:
+    """Rows `rows` of the micro-batch's top-k sets (student ids [b, R, k], log-probs, -inf off
+    the set); sets of several widths are padded with id 0 at -inf."""
+    B, R = inp.mask.shape
+    k = max(ids.shape[-1], 0 if inp.topk_ids is None else inp.topk_ids.shape[-1])
+    if inp.topk_ids is None or inp.topk_ids.shape[-1] < k:
+        old = (inp.topk_ids, inp.topk_logp)
+        inp.topk_ids = torch.zeros(B, R, k, dtype=torch.long, device=ids.device)
+        inp.topk_logp = torch.full((B, R, k), -math.inf, device=ids.device)
+        if old[0] is not None:
+            inp.topk_ids[..., :old[0].shape[-1]], inp.topk_logp[..., :old[0].shape[-1]] = old
+        if inp.topk_rows is None:
+            inp.topk_rows = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    width = ids.shape[-1]
+    inp.topk_ids[rows, :, :width] = ids
+    inp.topk_logp[rows, :, :width] = logp.to(inp.topk_logp.dtype)
+    inp.topk_rows[rows] = True
 
 
 def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
@@ -444,6 +591,8 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
             lps_np[b, :n, :width] = s.teacher_topk_logprobs
         lps.masked_fill_(repeated_entries(ids), -math.inf)
         inp.topk_ids, inp.topk_logp = ids.to(dev), lps.to(dev)
+        inp.topk_rows = torch.zeros(B, dtype=torch.bool, device=dev)
+        inp.topk_rows[[b for b, _ in rows]] = True
         return
     lp = torch.zeros(B, R, device=dev)
     for b, s in enumerate(mb.samples):

@@ -11,8 +11,8 @@ The terms are those of `opd_term_loss`, term for term: for each distinct loss-te
 of the micro-batch's samples, and each colocated teacher's rows (or the server replies' top-k),
 the token sets are
 - `top_k`: the k most likely ids of the student's or the teacher's distribution
-  (`top_k_from`), the teacher read at them from its head; or a server's top-k ids and
-  log-probs;
+  (`top_k_from`), the teacher read at them from its head; or a teacher's own top-k ids and
+  log-probs (a server's reply, or a teacher of another vocabulary's, mapped to student ids);
 - `top_p`: the nucleus the rollout recorded, where a token has one; the rest rebuilt from the
   student's detached logits (`top_p` < 1) or the whole vocabulary (`full`);
 and each set's loss is sum_t w_t KL_t with `algos.opd.opd_weights` (kl_coef x the teacher's
@@ -69,12 +69,17 @@ def opd_head_loss(temperature: float, mb: MicroBatch, inp: OpdInputs, head: Resp
 def _sets(config: Any, mask: torch.Tensor, inp: OpdInputs, head: ResponseHead,
           counts: dict[str, int] | None) -> Iterator[TermSet]:
     """The token sets of one config's term (module docstring)."""
-    if not inp.teacher_heads:  # teacher servers: their top-k (top_k_from = "teacher")
-        if config.mode != "top_k" or inp.topk_ids is None:
-            raise ValueError(f"opd mode {config.mode!r} without colocated teachers needs the "
-                             f"servers' top-k replies (mode 'top_k', top_k_from 'teacher')")
-        yield mask, lambda b, j: {"mode": "top_k", "ids": inp.topk_ids[b, j],
-                                  "teacher_logprobs": inp.topk_logp[b, j]}
+    if config.mode == "top_k" and inp.topk_rows is not None:
+        # a teacher's own top-k: a server's reply, or mapped across vocabularies
+        served = mask * inp.topk_rows.to(mask.dtype)[:, None]
+        yield served, lambda b, j: {"mode": "top_k", "ids": inp.topk_ids[b, j],
+                                    "teacher_logprobs": inp.topk_logp[b, j]}
+        mask = mask - served
+    if not inp.teacher_heads:
+        if mask.any():
+            raise ValueError(f"opd mode {config.mode!r} without colocated teachers of the "
+                             f"student's vocabulary needs top-k replies (mode 'top_k', "
+                             f"top_k_from 'teacher')")
         return
     for rows, teacher in inp.teacher_heads:
         part = mask * _row_mask(rows, mask)[:, None]

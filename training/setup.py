@@ -127,7 +127,7 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
     if cfg.teachers:
         state.teachers = ColocatedTeachers.load(cfg.teachers, cfg.device, dtype,
                                                 cfg.teacher_memory, run_dir, cfg.seed,
-                                                teacher_shard(cfg, backend))
+                                                teacher_shard(cfg, backend), tokenizer)
     if resume:
         latest, state.skipped_checkpoints = resumable_checkpoint(Path(run_dir) / "checkpoints")
         if latest is not None:

@@ -83,7 +83,7 @@ from algos.opd import (
 )
 from algos.policy_loss import masked_sample_sum, ppo_clip_loss
 from algos.value import value_loss
-from logic.teachers import teacher_order
+from logic.teachers import CROSS_COUNTS, cross_metrics, teacher_order
 from models.invariant import enable as enable_invariant
 from training import moe
 from training.aux_models import OldActors, micro_batch_logprobs
@@ -204,7 +204,8 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     if cfg.true_on_policy and dp.rank == 0:
         warn_unequal(totals, state.step)
     if signals is not None:
-        stats |= opd_stats(state, opd_sums, signals.time_s, dp, signals.counts)
+        stats |= opd_stats(state, opd_sums, signals.time_s, dp, signals.counts,
+                           signals.cross_stats)
     parts = dp.gather([t.cpu() for t in _stack([(c, mb.rollout_logp, mb.mask)
                                                  for c, mb in zip(current, mbs)])])
     return runner.share(stats | mismatch_metrics(*_stack(parts)))
@@ -359,16 +360,29 @@ def opd_order(state: TrainState, mbs: list[MicroBatch], cfg: TrainConfig,
 
 
 def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
-              dp: Any, counts: dict[str, int] | None = None) -> dict[str, float]:
+              dp: Any, counts: dict[str, int] | None = None,
+              cross: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
     """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency, the
-    samples whose top-p set came from the rollout's record or from the student's logits, and
-    the policy tokens of records that had no nucleus (`nucleus_fallback_tokens`)."""
+    samples whose top-p set came from the rollout's record or from the student's logits, the
+    policy tokens of records that had no nucleus (`nucleus_fallback_tokens`), and per colocated
+    teacher of another vocabulary its alignment metrics (`cross`: its counts this step)."""
     stats = {"opd/teacher_time_s": time_s}
     if state.teachers is not None:
         counters = state.teachers.memory.counters
         stats["opd/teacher_gpu_loads"] = float(counters["gpu_loads"])
         stats["opd/teacher_gds_loads"] = float(counters["gds_loads"])
         stats["opd/teacher_sync_fallbacks"] = float(counters["sync_fallbacks"])
+        names = sorted(state.teachers.cross)  # the same on every rank
+        if names:
+            keys = (*CROSS_COUNTS, "failed_samples")
+            got = cross or {}
+            summed = dp.sum_tensor(torch.tensor(
+                [[float(got.get(n, {}).get(k, 0)) for k in keys] for n in names],
+                dtype=torch.float64)).tolist()
+            for n, row in zip(names, summed):
+                st = dict(zip(keys, row))
+                stats |= cross_metrics(n, st)
+                stats[f"opd/{n}/failed_samples"] = st["failed_samples"]
     if counts is not None:
         keys = ("rollout_nucleus_samples", "student_nucleus_samples", "nucleus_fallback_tokens")
         summed = dp.sum_tensor(torch.tensor([float(counts.get(k, 0)) for k in keys],
@@ -521,14 +535,19 @@ def opd_term_loss(cfg: TrainConfig, temperature: float, mb: MicroBatch, inp: Opd
         sample_tokens = mask.sum(dim=1)  # a sample's mean spans all its tokens, whatever the set
         parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if config.mode == "top_k":
-            if inp.teacher_logits is not None:  # colocated: the set from either side's logits
+            served = mask * _rows(inp.topk_rows, mask)
+            if served.any():  # a teacher's own top-k (a server's, or mapped across vocabularies)
+                kl = top_k_reverse_kl(logits, inp.topk_ids, inp.topk_logp, served, T)
+                parts.append((kl, None, served))
+            rest = mask - served
+            if rest.any():  # colocated: the set from either side's logits
+                if inp.teacher_logits is None:
+                    raise ValueError("mode = 'top_k' rows without a teacher's top-k or logits")
                 source = logits if config.top_k_from == "student" else inp.teacher_logits
                 ids = top_k_ids(source, config.top_k)
                 kl = ids_reverse_kl(logits, ids, gather_scores(inp.teacher_logits, ids, T),
-                                    mask, T)
-            else:  # server replies: the teacher's top-k (top_k_from = "teacher")
-                kl = top_k_reverse_kl(logits, inp.topk_ids, inp.topk_logp, mask, T)
-            parts.append((kl, None, mask))
+                                    rest, T)
+                parts.append((kl, None, rest))
         else:
             recorded = torch.zeros_like(mask)
             if config.mode == "top_p" and inp.nucleus_rows is not None:
@@ -554,6 +573,13 @@ def opd_term_loss(cfg: TrainConfig, temperature: float, mb: MicroBatch, inp: Opd
                                 sample_tokens)
             total = total + loss
     return total
+
+
+def _rows(rows: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1] of a [B] row selection (None: none), in the mask's dtype."""
+    if rows is None:
+        return mask.new_zeros((mask.shape[0], 1))
+    return rows.to(mask.dtype)[:, None]
 
 
 def _accumulate(totals: dict[str, float], mb: MicroBatch, terms: Any, ent: torch.Tensor,
