@@ -23,11 +23,13 @@ tokens by aligned character spans (`CrossVocab.onto_student`, algos/cross_tokeni
 student token of a span gets `teacher_logprobs = rollout log-prob - the span's difference`, so
 the trainer's r_t is the span's, or with `span_credit = "prefix"` its causal share from the
 teacher's top-k prefix probabilities (the request then asks `top_logprobs_num = prefix_top_k`);
-top-k are mapped to student ids by token text at spans of one token on each side. Per teacher
-it publishes `aligned_char_frac` (response characters inside aligned spans),
-`aligned_spans_per_sample`, and for top-k `topk_matched_frac` (policy tokens with a mapped set)
-and `topk_dropped_mass` (the teacher's top-k probability without a student token, per matched
-token). A colocated teacher of another vocabulary is scored the same way inside the trainer
+top-k are mapped to student ids by token text at spans of one token on each side, and with opd
+`uld_coef` the teacher's top-k at each other span's start travels for the sorted-probability
+term (`Sample.teacher_sorted_*`). Per teacher it publishes `aligned_char_frac` (response
+characters inside aligned spans), `aligned_spans_per_sample`, and for top-k `topk_matched_frac`
+(policy tokens with a mapped set), `topk_dropped_mass` (the teacher's top-k probability without
+a student token, per matched token) and `sorted_rows_frac` (policy tokens given the sorted
+term). A colocated teacher of another vocabulary is scored the same way inside the trainer
 (training/colocated_teachers.py).
 Invariant: every group that arrives leaves, once, in arrival order per teacher batch.
 """
@@ -142,7 +144,7 @@ class TeacherPool(TeacherPoolPlan):
                     else:
                         self._cross_scores(s, r, parse_scores(
                             reply, r.prompt_ids, r.response_ids, asked_k, where), cross, st,
-                            k, prefix)
+                            k, prefix, cfg.opd.uld_coef > 0)
                 except ScoreError as e:  # this reply only: the batch's others stand
                     log.warning("%s", e)
                     self._fail(name, [s])
@@ -155,15 +157,18 @@ class TeacherPool(TeacherPoolPlan):
 
     @staticmethod
     def _cross_scores(s: Sample, r, scores, cross: CrossVocab, st: collections.Counter,
-                      top_k: int, prefix: bool) -> None:
+                      top_k: int, prefix: bool, sorted_term: bool = False) -> None:
         """The teacher's scores of its own tokens moved onto the student's (module docstring),
         and the alignment's counts."""
-        values, mapped = cross.onto_student(r, s.rollout_logprobs, s.response_ids, s.loss_mask,
-                                            *scores, top_k, prefix, st)
-        s.teacher_logprobs = values.tolist()
-        if mapped is not None:
-            s.teacher_topk_ids = mapped.ids.astype(TOPK_IDS_DTYPE)
-            s.teacher_topk_logprobs = mapped.logprobs.astype(TOPK_LOGPROBS_DTYPE)
+        out = cross.onto_student(r, s.rollout_logprobs, s.response_ids, s.loss_mask, *scores,
+                                 top_k, prefix, st, sorted_term)
+        s.teacher_logprobs = out.values.tolist()
+        if out.topk is not None:
+            s.teacher_topk_ids = out.topk.ids.astype(TOPK_IDS_DTYPE)
+            s.teacher_topk_logprobs = out.topk.logprobs.astype(TOPK_LOGPROBS_DTYPE)
+        if out.sorted_positions is not None:
+            s.teacher_sorted_positions = out.sorted_positions.astype(TOPK_IDS_DTYPE)
+            s.teacher_sorted_logprobs = out.sorted_logprobs.astype(TOPK_LOGPROBS_DTYPE)
 
     def _fail(self, name: str, samples: list[Sample]) -> None:
         """No signal for these samples: trained without distillation, counted per teacher."""

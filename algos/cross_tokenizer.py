@@ -44,7 +44,11 @@ Signals, with n_s student and n_t teacher tokens and spans S (all float64 here):
 3. distribution, sorted probabilities (`sorted_prob_distance`, ULD-style): where tokens do not
    match, compare the two distributions' probability vectors sorted descending, padded with
    zeros to one length: `sum_i |p_(i) - q_(i)|`; it needs no id correspondence at all, and
-   ignores which token holds which probability.
+   ignores which token holds which probability. It is taken where both sides predict the same
+   thing: at the first student token of an aligned span against the span's first teacher
+   token (`span_starts`), both conditioned on all the text before the span, at spans the
+   exact-match set does not cover (several tokens on a side, or no mapped entry); the
+   teacher's side is its top-k (opd `uld_coef`).
 Invariant: no function changes its inputs; every array out is new.
 """
 
@@ -299,6 +303,20 @@ def map_topk(teacher_ids: np.ndarray, teacher_logprobs: np.ndarray,
         valid[i, :m] = True
         matched[i] = True
     return MappedTopK(out_ids, out_lps, valid, matched, dropped)
+
+
+def span_starts(al: Alignment) -> tuple[np.ndarray, np.ndarray]:
+    """([n_spans] the first student token of each aligned span, [n_spans] its first teacher
+    token): the two positions whose next-token distributions condition on the same text (all
+    of it before the span), where the sorted-probability term compares them."""
+    n = al.num_spans
+    out = []
+    for span in (al.student_span, al.teacher_span):
+        first = np.full(n, len(span), dtype=np.int64)
+        at = np.flatnonzero(span >= 0)
+        np.minimum.at(first, span[at], at)
+        out.append(first)
+    return out[0], out[1]
 
 
 def repeated_entries(ids: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,10 @@ class OpdConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # renormalise the policy gradient's log-probs (training, proximal, rollout) over the nucleus
     # the rollout recorded for each token (the source's top-p replay); any mode
     top_p_replay: bool = False
+    # top_k mode with top_k_from = "teacher", teachers of another vocabulary: weight of the
+    # sorted-probability (ULD-style) term at the student tokens that start an aligned span the
+    # mapped top-k does not cover (algos/cross_tokenizer.py `sorted_prob_distance`); 0 = off
+    uld_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in OPD_MODES:
@@ -52,6 +56,13 @@ class OpdConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                              f"{self.mode!r}); set mode = 'top_k' or remove top_k")
         if self.top_k_from not in TOP_K_FROM:
             raise ValueError(f"top_k_from = {self.top_k_from!r}; use one of {TOP_K_FROM}")
+        if not (math.isfinite(self.uld_coef) and self.uld_coef >= 0):
+            raise ValueError(f"uld_coef must be a finite number >= 0, got {self.uld_coef}")
+        if self.uld_coef and not (self.mode == "top_k" and self.top_k_from == "teacher"):
+            raise ValueError(f"uld_coef = {self.uld_coef} compares the student's distribution "
+                             f"with the teacher's top-k, which only mode = 'top_k' with "
+                             f"top_k_from = 'teacher' asks for (mode is {self.mode!r}, "
+                             f"top_k_from {self.top_k_from!r}); set those or remove uld_coef")
         if self.top_k_from != "student" and self.mode != "top_k":
             raise ValueError(f"top_k_from = {self.top_k_from!r} is only used by mode = 'top_k' "
                              f"(mode is {self.mode!r}); remove it")

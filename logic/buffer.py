@@ -180,6 +180,7 @@ def _check_ok_lengths(sample: Sample, where: str) -> None:
     if len(sample.teacher_logprobs) > n:
         raise ValueError(f"{where}: teacher log-probs must not outnumber the {n} response tokens")
     _check_topk(sample, n, where)
+    _check_sorted(sample, n, where)
     _check_routes(sample, where)
 
 
@@ -217,6 +218,26 @@ def _check_topk(sample: Sample, n: int, where: str) -> None:
                          f"must both be [{n}, k] (one row per response token, k >= 1)")
     if ids.size and (ids.min() < 0 or not np.isfinite(lps).all()):
         raise ValueError(f"{where}: teacher top-k ids must be >= 0 and log-probs finite")
+
+
+def _check_sorted(sample: Sample, n: int, where: str) -> None:
+    """The sorted-probability term's rows, when present: increasing positions [m] in the
+    response, log-probs [m, k] finite, of Sample's dtypes."""
+    pos, lps = sample.teacher_sorted_positions, sample.teacher_sorted_logprobs
+    if pos is None and lps is None:
+        return
+    for name, value, dtype in (("teacher_sorted_positions", pos, TOPK_IDS_DTYPE),
+                               ("teacher_sorted_logprobs", lps, TOPK_LOGPROBS_DTYPE)):
+        if not isinstance(value, np.ndarray) or value.dtype != dtype:
+            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise ValueError(f"{where}: {name} must be an array of {dtype} (both sorted-term "
+                             f"arrays or neither), got {got}")
+    if pos.ndim != 1 or lps.ndim != 2 or lps.shape[0] != pos.shape[0] or lps.shape[1] < 1 or \
+            (pos.size and (pos.min() < 0 or pos.max() >= n or (np.diff(pos) <= 0).any())) or \
+            not np.isfinite(lps).all():
+        raise ValueError(f"{where}: teacher sorted-term positions {pos.shape} must be increasing "
+                         f"response positions in [0, {n}) and its log-probs {lps.shape} "
+                         f"[positions, k >= 1], finite")
 
 
 def check_group(samples: list[Sample], config: BufferConfig, facts: RunFacts) -> None:

@@ -49,6 +49,7 @@ from algos.cross_tokenizer import (
     align,
     map_topk,
     prefix_teacher_logprobs,
+    span_starts,
     spread_sampled,
     vocab_map,
 )
@@ -291,15 +292,18 @@ class CrossVocab:
                      response_ids: Sequence[int], loss_mask: Sequence[int],
                      logprobs: Sequence[float], top_ids: np.ndarray | None,
                      top_lps: np.ndarray | None, top_k: int, prefix: bool,
-                     stats: collections.Counter | None = None
-                     ) -> tuple[np.ndarray, MappedTopK | None]:
+                     stats: collections.Counter | None = None, sorted_term: bool = False
+                     ) -> StudentScores:
         """The teacher's scores of its own tokens (`logprobs` [n_t], top-k [n_t, >= k]) moved
         onto the student's tokens of sample `r` (algos/cross_tokenizer.py): the per-token
         teacher values [n_s] float64 (`spread_sampled`, or with `prefix` the causal shares of
-        `prefix_teacher_logprobs`, which read the top-k), and with `top_k` the first k entries
-        mapped to student ids (`map_topk`); the alignment's counts are added to `stats`
-        (chars, aligned_chars, spans, cross_samples; topk_policy_tokens, topk_matched,
-        topk_dropped_mass). The teacher pool and colocated teachers both read scores this way."""
+        `prefix_teacher_logprobs`, which read the top-k), with `top_k` the first k entries
+        mapped to student ids (`map_topk`), and with `sorted_term` the teacher's top-k
+        log-probs at the first policy token of each span the mapped set does not cover
+        (`span_starts`: the sorted-probability term's rows); the alignment's counts are added
+        to `stats` (chars, aligned_chars, spans, cross_samples; topk_policy_tokens,
+        topk_matched, topk_dropped_mass; sorted_rows). The teacher pool and colocated teachers
+        both read scores this way."""
         al = r.alignment
         if prefix:
             values = prefix_teacher_logprobs(rollout_logprobs, logprobs, al, r.text,
@@ -311,6 +315,16 @@ class CrossVocab:
         if top_k:  # the run's k (a prefix teacher may have been asked for more)
             mapped = map_topk(top_ids[:, :top_k], top_lps[:, :top_k], response_ids, al,
                               self.id_map)
+        out = StudentScores(values, mapped)
+        if sorted_term and mapped is not None:
+            first_s, first_t = span_starts(al)
+            keep = first_t < len(r.response_ids)
+            pos, t_pos = first_s[keep], first_t[keep]
+            keep = ~mapped.matched[pos] & (np.asarray(loss_mask, dtype=bool)[pos])
+            out.sorted_positions = pos[keep]
+            out.sorted_logprobs = np.asarray(top_lps, dtype=np.float64)[t_pos[keep], :top_k]
+            if stats is not None:
+                stats["sorted_rows"] += int(keep.sum())
         if stats is not None:
             if mapped is not None:
                 policy = np.asarray(loss_mask, dtype=bool)
@@ -322,15 +336,27 @@ class CrossVocab:
             stats["chars"] += al.total_chars
             stats["aligned_chars"] += al.aligned_chars
             stats["spans"] += al.num_spans
-        return values, mapped
+        return out
+
+
+@dataclass
+class StudentScores:
+    """A teacher of another vocabulary's scores on the student's tokens (`onto_student`)."""
+
+    values: np.ndarray  # [n_s] float64 per-token teacher values (Sample.teacher_logprobs)
+    topk: MappedTopK | None = None  # its top-k mapped to student ids (top_k mode)
+    # the sorted-probability term's rows: student token positions [m] int64 and the teacher's
+    # top-k log-probs there [m, k] float64 (None: not asked)
+    sorted_positions: np.ndarray | None = None
+    sorted_logprobs: np.ndarray | None = None
 
 
 def cross_metrics(name: str, st: Mapping[str, float]) -> dict[str, float]:
     """A cross-vocabulary teacher's alignment metrics from `onto_student`'s counts:
     opd/<name>/aligned_char_frac (response characters inside aligned spans),
     aligned_spans_per_sample, and for top-k topk_matched_frac (policy tokens with a mapped
-    set) and topk_dropped_mass (the teacher's top-k probability without a student token, per
-    matched token)."""
+    set), topk_dropped_mass (the teacher's top-k probability without a student token, per
+    matched token) and sorted_rows_frac (policy tokens given the sorted-probability term)."""
     out: dict[str, float] = {}
     if st.get("cross_samples"):
         out[f"opd/{name}/aligned_char_frac"] = (
@@ -340,11 +366,12 @@ def cross_metrics(name: str, st: Mapping[str, float]) -> dict[str, float]:
         out[f"opd/{name}/topk_matched_frac"] = st["topk_matched"] / st["topk_policy_tokens"]
         out[f"opd/{name}/topk_dropped_mass"] = \
             st["topk_dropped_mass"] / max(st["topk_matched"], 1)
+        out[f"opd/{name}/sorted_rows_frac"] = st.get("sorted_rows", 0) / st["topk_policy_tokens"]
     return out
 
 
 CROSS_COUNTS = ("cross_samples", "chars", "aligned_chars", "spans", "topk_policy_tokens",
-                "topk_matched", "topk_dropped_mass")  # `onto_student`'s stats keys
+                "topk_matched", "topk_dropped_mass", "sorted_rows")  # `onto_student`'s keys
 
 
 class ScoreError(RlxError, ValueError):

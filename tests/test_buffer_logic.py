@@ -351,6 +351,25 @@ def test_check_sample_refuses_malformed_topk_arrays():
                 shape)
 
 
+def test_check_sample_refuses_malformed_sorted_term_arrays():
+    cfg, shape = BufferConfig(), facts(2, 1)
+    pos, lps = np.array([0, 1], np.int32), np.full((2, 3), -1.0, np.float32)
+    good = msgspec.structs.replace(with_topk(mk("g", 0)), teacher_sorted_positions=pos,
+                                   teacher_sorted_logprobs=lps)
+    check_group([good], cfg, shape)
+    check_group([msgspec.structs.replace(good, teacher_sorted_positions=pos[:0],
+                                         teacher_sorted_logprobs=lps[:0])], cfg, shape)
+    for change, message in [
+            ({"teacher_sorted_logprobs": None}, "teacher_sorted_logprobs must be an array"),
+            ({"teacher_sorted_positions": pos.astype(np.int64)}, "got int64"),
+            ({"teacher_sorted_positions": pos[::-1].copy()}, "must be increasing"),
+            ({"teacher_sorted_positions": pos + 1}, r"in \[0, 2\)"),
+            ({"teacher_sorted_logprobs": lps[:1]}, r"\[positions, k >= 1\]"),
+            ({"teacher_sorted_logprobs": lps * np.inf}, "finite")]:
+        with pytest.raises(ValueError, match=message):
+            check_group([msgspec.structs.replace(good, **change)], cfg, shape)
+
+
 def test_check_version_is_monotone_one_step_at_a_time():
     check_version("trainer_version", -1, 57, 57)  # the first announcement may be anything
     for seen, new in [(3, 3), (3, 4), (0, 1)]:

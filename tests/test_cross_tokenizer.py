@@ -24,6 +24,7 @@ from algos.cross_tokenizer import (
     repeated_entries,
     sorted_prob_distance,
     span_differences,
+    span_starts,
     spread_sampled,
     vocab_map,
 )
@@ -50,6 +51,7 @@ from training.colocated_teachers import (
     sampled_ratio,
 )
 from training.config import TrainConfig
+from training.opd_heads import sorted_term_loss
 from training.step import opd_term_loss
 from transport.schema import Sample
 
@@ -288,6 +290,57 @@ def test_sorted_probability_distance_float64():
 
 # --- the pool: re-tokenization, a served teacher of its own vocabulary, config checks ----------
 
+def test_the_sorted_term_compares_span_starts_the_mapped_set_misses():
+    """`span_starts` and `onto_student(sorted_term=True)`: at "12+7=19" (student characters,
+    teacher 12|+|7=|19) the rows are the first student token of each span the exact-match set
+    does not cover, with the top-k of that span's first teacher token; observation spans are
+    left out; `sorted_term_loss` is uld_coef x the float64 sorted distance there, weighted
+    over the sample's policy tokens, its gradient the reference's."""
+    al = align(offsets(S_PIECES), offsets(T_PIECES), 7)
+    first_s, first_t = span_starts(al)
+    assert first_s.tolist() == [0, 2, 3, 5] and first_t.tolist() == [0, 1, 2, 3]
+    rng = np.random.default_rng(0)
+    top_lps = np.log(rng.dirichlet(np.ones(5), size=4))[:, :3]
+    top_ids = np.tile(np.arange(3), (4, 1))
+    cv = CrossVocab.__new__(CrossVocab)  # the id map alone: teacher ids 0..2 -> student 7, -1
+    cv._id_map = np.array([7, -1, -1])
+    r = type("R", (), {"alignment": al, "response_ids": [0] * 4})()
+    mask = [1, 1, 1, 1, 1, 0, 0]  # the span "19" holds observation tokens
+    st: collections.Counter = collections.Counter()
+    got = cv.onto_student(r, S_LP, list(range(7)), mask, T_LP, top_ids, top_lps, 3, False, st,
+                          sorted_term=True)
+    # span "+" is one-to-one with a mapped entry (teacher id 0 -> student 7): exact term
+    assert got.topk.matched.tolist() == [False, False, True, False, False, False, False]
+    assert got.sorted_positions.tolist() == [0, 3]  # "12", "7=" (not "+", not "19")
+    assert got.sorted_logprobs.tolist() == top_lps[[0, 2]].tolist()
+    assert st["sorted_rows"] == 2
+    # the loss term against float64
+    torch.manual_seed(0)
+    logits = torch.randn(1, 7, 6, dtype=torch.float64, requires_grad=True)
+    inp = OpdInputs(mask=torch.tensor([mask], dtype=torch.float64),
+                    coef=torch.tensor([0.5], dtype=torch.float64), configs=[None])
+    pos = torch.zeros(1, 7, dtype=torch.bool)
+    pos[0, [0, 3]] = True
+    lp = torch.full((1, 7, 3), -math.inf, dtype=torch.float64)
+    lp[0, [0, 3]] = torch.from_numpy(got.sorted_logprobs)
+    inp.sorted_pos, inp.sorted_logp = pos, lp
+    cfg = OpdConfig(mode="top_k", top_k=3, top_k_from="teacher", uld_coef=0.25)
+    counts: collections.Counter = collections.Counter()
+    loss = sorted_term_loss(lambda b, j: logits[b, j], cfg, inp.mask, inp, 2,
+                            inp.mask.sum(1), 0.5, counts)
+    want = 0.0
+    for j in (0, 3):
+        p = torch.softmax(logits[0, j] / 0.5, -1).sort(descending=True).values
+        q = torch.tensor(np.exp(lp[0, j].numpy())).sort(descending=True).values
+        want = want + (p - torch.nn.functional.pad(q, (0, 3))).abs().sum()
+    want = 0.25 * 0.5 * want / 5 / 2  # uld_coef x coef x sum / policy tokens / samples
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
+    g, = torch.autograd.grad(loss, logits)
+    g_ref, = torch.autograd.grad(want, logits)
+    assert torch.allclose(g, g_ref, atol=1e-14) and g[0, 1].abs().sum() == 0
+    assert counts["uld_tokens"] == 2
+
+
 def test_retokenize_for_a_bpe_teacher():
     student, teacher = load_tokenizer(STUDENT), load_tokenizer(BPE_TEACHER)
     cv = CrossVocab(student, teacher)
@@ -308,9 +361,15 @@ def test_retokenize_for_a_bpe_teacher():
     assert m[teacher.eos_token_id] == student.eos_token_id  # by role
 
 
+def cross_opd(top_k: int) -> OpdConfig:
+    """sampled, or top_k from the teacher with the sorted-probability term."""
+    return OpdConfig(mode="top_k", top_k=top_k, top_k_from="teacher", uld_coef=0.5) if top_k \
+        else OpdConfig()
+
+
 def pool_config(mode: str, tokenizer: str, top_k: int = 0, url: str = "",
                 credit: str = "spread") -> TeacherPoolConfig:
-    opd = OpdConfig(mode="top_k", top_k=top_k, top_k_from="teacher") if top_k else OpdConfig()
+    opd = cross_opd(top_k)
     return TeacherPoolConfig(mode=mode, max_retries=1, request_timeout_s=30.0, opd=opd,
                              teachers=[TeacherSpec(name="arith", model=BPE_TEACHER,
                                                    domains=["math"], tokenizer=tokenizer,
@@ -380,8 +439,8 @@ def check_cross_scores(batch: list[Sample], cv: CrossVocab, model, top_k: int,
     """Each sample's teacher_logprobs / top-k against the float64 reference of the teacher on
     its own tokens: each student token carries its span's difference (spread), the values sum
     to the teacher's and a 2:1 span's first is log P_1 (prefix), mapped top-k in the teacher's
-    order; returns the spans counted."""
-    spans = 0
+    order, and the sorted term's rows; returns the spans counted."""
+    spans = sorted_rows = 0
     for s in batch:
         r = cv.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
         spans += r.alignment.num_spans
@@ -416,6 +475,22 @@ def check_cross_scores(batch: list[Sample], cv: CrossVocab, model, top_k: int,
                 assert s.teacher_topk_ids[j, :n].tolist() == [i for i, _ in mapped]
                 assert s.teacher_topk_logprobs[j, :n].tolist() == pytest.approx(
                     [v for _, v in mapped], abs=1e-5)
+            # the sorted term: a span's first student token where the mapped set misses,
+            # against the span's first teacher token's top-k
+            al, rows = r.alignment, []
+            for span in range(al.num_spans):
+                first = int(np.flatnonzero(al.student_span == span)[0])
+                if one[first] < 0 or not len(set(s.teacher_topk_ids[first].tolist())
+                                             - {s.response_ids[first]}) and \
+                        s.teacher_topk_ids[first][0] == s.response_ids[first] and \
+                        s.teacher_topk_logprobs[first][0] == 0:
+                    rows.append((first, int(np.flatnonzero(al.teacher_span == span)[0])))
+            assert s.teacher_sorted_positions.tolist() == [a for a, _ in rows]
+            sorted_rows += len(rows)
+            for (a, t), got in zip(rows, s.teacher_sorted_logprobs):
+                assert got.tolist() == pytest.approx(ref[t].topk(top_k).values.tolist(),
+                                                     abs=1e-5)
+    assert sorted_rows >= (2 if top_k else 0)  # "18", "17": two student tokens, one teacher's
     return spans
 
 
@@ -429,7 +504,7 @@ def test_a_colocated_teacher_of_its_own_vocabulary_scores_as_a_server(tmp_path, 
     model, _ = load_model(BPE_TEACHER, "cpu", torch.float32)
     spec = TeacherSpec(name="arith", model=BPE_TEACHER, domains=["math"], tokenizer="auto",
                        span_credit=credit)
-    opd = OpdConfig(mode="top_k", top_k=top_k, top_k_from="teacher") if top_k else OpdConfig()
+    opd = cross_opd(top_k)
     teachers = ColocatedTeachers.load([spec], "cpu", torch.float32, TeacherMemoryConfig(
         nvme_dir=str(tmp_path / "nvme")), str(tmp_path), student_tokenizer=student)
     batch = cross_batch(student)
@@ -452,6 +527,8 @@ def test_a_colocated_teacher_of_its_own_vocabulary_scores_as_a_server(tmp_path, 
                 assert bool(inp.topk_rows[b])
                 s.teacher_topk_ids = inp.topk_ids[b, :n].numpy()
                 s.teacher_topk_logprobs = inp.topk_logp[b, :n].numpy()
+                s.teacher_sorted_positions = inp.sorted_pos[b, :n].nonzero()[:, 0].numpy()
+                s.teacher_sorted_logprobs = inp.sorted_logp[b, :n][inp.sorted_pos[b, :n]].numpy()
     spans = check_cross_scores(batch, teachers.cross["arith"], model, top_k, credit)
     st = signals.cross_stats["arith"]
     assert st["spans"] == spans and st["cross_samples"] == 3 and st["failed_samples"] == 0
@@ -527,7 +604,7 @@ def test_a_colocated_cross_vocabulary_run_through_the_launcher(tmp_path):
         base + ["--run-dir", str(run_dir), "--set", "rl.num_steps=2", "--set",
                 "rl.eval_every=0", "--set", "rl.save_every=0", "--set", "rl.groups_per_batch=8",
                 "--set", "rl.workers=1", "--set", "run.plots=false", "--set",
-                "rl.opd={mode='top_k', top_k=4, top_k_from='teacher'}"],
+                "rl.opd={mode='top_k', top_k=4, top_k_from='teacher', uld_coef=0.1}"],
         cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert result.returncode == 0, result.stdout[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -539,3 +616,15 @@ def test_a_colocated_cross_vocabulary_run_through_the_launcher(tmp_path):
         assert v["opd/arith/aligned_spans_per_sample"] >= 1.0
         assert 0.0 < v["opd/arith/topk_matched_frac"] <= 1.0
         assert math.isfinite(v["opd/arith/reverse_kl"]) and v["opd/arith/reverse_kl"] >= 0
+        # two-digit sums are one teacher token: the sorted term's rows
+        assert v["opd/uld_tokens"] > 0 and 0 < v["opd/uld_distance"] <= 2
+        assert 0 < v["opd/arith/sorted_rows_frac"] < 1
+
+
+def test_uld_coef_needs_the_teachers_top_k():
+    OpdConfig(mode="top_k", top_k=4, top_k_from="teacher", uld_coef=0.1)
+    for kw in ({"mode": "sampled"}, {"mode": "top_k", "top_k": 4}, {"mode": "full"}):
+        with pytest.raises(ValueError, match="uld_coef = 0.1 compares .* top_k_from = 'teacher'"):
+            OpdConfig(uld_coef=0.1, **kw)
+    with pytest.raises(ValueError, match="uld_coef must be a finite number >= 0"):
+        OpdConfig(mode="top_k", top_k=4, top_k_from="teacher", uld_coef=-1.0)

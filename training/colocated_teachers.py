@@ -94,6 +94,10 @@ class OpdInputs:
     topk_ids: torch.Tensor | None = None  # [B, R, k]
     topk_logp: torch.Tensor | None = None  # [B, R, k], -inf: not in the set
     topk_rows: torch.Tensor | None = None  # [B] bool
+    # the sorted-probability term (opd uld_coef, teachers of another vocabulary): the positions
+    # that have one [B, R] bool, and the teacher's top-k log-probs there [B, R, k]
+    sorted_pos: torch.Tensor | None = None
+    sorted_logp: torch.Tensor | None = None
     # the nucleus the rollout sampled each token from (top_p, top_p_replay): ids [B, R, K] and
     # which are real [B, R, K]; the samples that have a record [B]; the tokens that have a
     # nucleus [B, R]; log of its rollout mass [B, R]
@@ -116,6 +120,8 @@ class CrossOutput:
     valid: torch.Tensor  # [b] bool: rows that could be scored (else no signal)
     topk_ids: torch.Tensor | None = None  # [b, R, k] student ids (top_k mode)
     topk_logp: torch.Tensor | None = None  # [b, R, k], -inf: padding
+    sorted_pos: torch.Tensor | None = None  # [b, R] bool (opd uld_coef)
+    sorted_logp: torch.Tensor | None = None  # [b, R, k]
 
 
 def student_pass(model: Any, mb: MicroBatch, temperature: float, heads: bool = False
@@ -164,10 +170,10 @@ class TeacherStream:
     def __init__(self, owner: ColocatedTeachers, mbs: list[MicroBatch], order: list[int],
                  temperature: float, logit_teachers: set[str], next_teachers: list[str] = (),
                  replay_teachers: set[str] = frozenset(), heads: bool = False,
-                 cross_k: dict[str, int] | None = None):
+                 cross: dict[str, Any] | None = None):
         self.owner, self.mbs, self.temperature, self.heads = owner, mbs, temperature, heads
         self.logit_teachers, self.replay_teachers = logit_teachers, set(replay_teachers)
-        self.cross_k = dict(cross_k or {})  # teacher of another vocabulary -> its top_k (0: none)
+        self.cross = dict(cross or {})  # teacher of another vocabulary -> its OpdConfig
         # per teacher of another vocabulary: `CrossVocab.onto_student`'s counts, and
         # failed_samples (a sample its tokenizer cannot convert: no signal)
         self.cross_stats: dict[str, collections.Counter] = collections.defaultdict(
@@ -253,7 +259,9 @@ class TeacherStream:
         tokens (log-probs, and the top-k its top_k mode or `span_credit = "prefix"` reads),
         moved onto the student's tokens by aligned spans, as the teacher pool does."""
         cross, spec = self.owner.cross[name], self.owner.specs[name]
-        run_k = self.cross_k.get(name, 0)
+        config = self.cross[name]
+        run_k = config.top_k if config.mode == "top_k" else 0
+        sorted_term = bool(run_k and config.uld_coef > 0)
         prefix = spec.span_credit == "prefix"
         k = max(run_k, spec.prefix_top_k) if prefix else run_k
         stats = self.cross_stats[name]
@@ -272,25 +280,35 @@ class TeacherStream:
         if run_k:
             out.topk_ids = torch.zeros(B, R, run_k, dtype=torch.long)
             out.topk_logp = torch.full((B, R, run_k), -math.inf)
+        if sorted_term:
+            out.sorted_pos = torch.zeros(B, R, dtype=torch.bool)
+            out.sorted_logp = torch.full((B, R, run_k), -math.inf)
         if scored:
             lp, ids, top = self._own_scores(name, [retok[i] for i in scored], params, k, dev)
             logp = out.logp.new_zeros(B, R, device="cpu").numpy()
             for row, i in enumerate(scored):
                 s, r = part.samples[i], retok[i]
                 n_t, n_s = len(r.response_ids), len(s.response_ids)
-                values, mapped = cross.onto_student(
+                got = cross.onto_student(
                     r, s.rollout_logprobs, s.response_ids, s.loss_mask, lp[row, :n_t],
                     ids[row, :n_t] if k else None, top[row, :n_t] if k else None, run_k,
-                    prefix, stats)
-                logp[i, :n_s] = values
-                if mapped is not None:  # k columns, fewer for a teacher of fewer tokens
-                    w = mapped.ids.shape[1]
-                    out.topk_ids[i, :n_s, :w] = torch.from_numpy(mapped.ids)
-                    out.topk_logp[i, :n_s, :w] = torch.from_numpy(mapped.logprobs)
+                    prefix, stats, sorted_term)
+                logp[i, :n_s] = got.values
+                if got.topk is not None:  # k columns, fewer for a teacher of fewer tokens
+                    w = got.topk.ids.shape[1]
+                    out.topk_ids[i, :n_s, :w] = torch.from_numpy(got.topk.ids)
+                    out.topk_logp[i, :n_s, :w] = torch.from_numpy(got.topk.logprobs)
+                if got.sorted_positions is not None and len(got.sorted_positions):
+                    pos = torch.from_numpy(got.sorted_positions)
+                    out.sorted_pos[i, pos] = True
+                    out.sorted_logp[i, pos, :got.sorted_logprobs.shape[1]] = \
+                        torch.from_numpy(got.sorted_logprobs).float()
             out.logp = torch.from_numpy(logp).to(dev)
         if out.topk_ids is not None:
             out.topk_logp.masked_fill_(repeated_entries(out.topk_ids), -math.inf)
             out.topk_ids, out.topk_logp = out.topk_ids.to(dev), out.topk_logp.to(dev)
+        if out.sorted_pos is not None:
+            out.sorted_pos, out.sorted_logp = out.sorted_pos.to(dev), out.sorted_logp.to(dev)
         return out
 
     def _own_scores(self, name: str, retok: list[Any], params: dict, k: int, dev: Any
@@ -408,12 +426,12 @@ class ColocatedTeachers:
     def stream(self, mbs: list[MicroBatch], order: list[int], temperature: float,
                logit_teachers: set[str], next_teachers: list[str] = (),
                replay_teachers: set[str] = frozenset(), heads: bool = False,
-               cross_k: dict[str, int] | None = None) -> TeacherStream:
+               cross: dict[str, Any] | None = None) -> TeacherStream:
         """Teacher outputs of `mbs`, computed when asked for, micro-batch by micro-batch in
         `order` (`TeacherStream.get`); `heads`: logit teachers give their ResponseHead;
-        `cross_k`: the top_k of each teacher of another vocabulary (0: sampled)."""
+        `cross`: the OpdConfig of each teacher of another vocabulary."""
         return TeacherStream(self, mbs, order, temperature, logit_teachers, next_teachers,
-                             replay_teachers, heads, cross_k)
+                             replay_teachers, heads, cross)
 
     def outputs(self, mbs: list[MicroBatch], temperature: float, logits: bool | set[str],
                 next_teachers: list[str] = ()) -> dict[tuple[str, int], torch.Tensor]:
@@ -461,9 +479,9 @@ class OpdSignals:
             own = {n: c for n, c in self.configs.items() if n not in teachers.cross}
             logit_teachers = {n for n, c in own.items() if wants_teacher_logits(c)}
             replay = {n for n, c in own.items() if c.mode == "sampled" and c.top_p_replay}
-            cross_k = {n: self.configs.get(n, cfg.opd).top_k for n in teachers.cross}
+            cross = {n: self.configs.get(n, cfg.opd) for n in teachers.cross}
             self.stream = teachers.stream(mbs, self.order, temperature, logit_teachers,
-                                          next_teachers, replay, heads, cross_k)
+                                          next_teachers, replay, heads, cross)
 
     @property
     def cross_stats(self) -> dict[str, collections.Counter]:
@@ -539,6 +557,8 @@ def _fill_colocated(inp: OpdInputs, mb: MicroBatch,
             inp.mask[rows] = inp.mask[rows] * out.valid[:, None]
             if out.topk_ids is not None:
                 _put_topk(inp, rows, out.topk_ids, out.topk_logp)
+            if out.sorted_pos is not None:
+                _put_sorted(inp, rows, out.sorted_pos, out.sorted_logp)
         elif isinstance(out, ResponseHead):
             inp.teacher_heads = (inp.teacher_heads or []) + [(rows, out)]
         elif out.dim() == 2:
@@ -572,6 +592,23 @@ def _put_topk(inp: OpdInputs, rows: list[int], ids: torch.Tensor, logp: torch.Te
     inp.topk_rows[rows] = True
 
 
+def _put_sorted(inp: OpdInputs, rows: list[int], pos: torch.Tensor, logp: torch.Tensor
+                ) -> None:
+    """Rows `rows` of the sorted-probability term: its positions [b, R] and the teacher's
+    top-k log-probs there [b, R, k] (-inf elsewhere); widths padded with -inf."""
+    B, R = inp.mask.shape
+    k = max(logp.shape[-1], 0 if inp.sorted_logp is None else inp.sorted_logp.shape[-1])
+    if inp.sorted_logp is None or inp.sorted_logp.shape[-1] < k:
+        old = inp.sorted_logp
+        inp.sorted_logp = torch.full((B, R, k), -math.inf, device=logp.device)
+        if old is not None:
+            inp.sorted_logp[..., :old.shape[-1]] = old
+        if inp.sorted_pos is None:
+            inp.sorted_pos = torch.zeros(B, R, dtype=torch.bool, device=logp.device)
+    inp.sorted_pos[rows] = pos
+    inp.sorted_logp[rows, :, :logp.shape[-1]] = logp.to(inp.sorted_logp.dtype)
+
+
 def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
     B, R = mb.mask.shape
     dev = mb.mask.device
@@ -593,6 +630,14 @@ def _fill_server(inp: OpdInputs, mb: MicroBatch, mode: str) -> None:
         inp.topk_ids, inp.topk_logp = ids.to(dev), lps.to(dev)
         inp.topk_rows = torch.zeros(B, dtype=torch.bool, device=dev)
         inp.topk_rows[[b for b, _ in rows]] = True
+        sorted_rows = [(b, s) for b, s in rows if s.teacher_sorted_positions is not None]
+        for b, s in sorted_rows:
+            n, width = s.teacher_sorted_logprobs.shape
+            pos = torch.zeros(1, R, dtype=torch.bool)
+            pos[0, torch.from_numpy(s.teacher_sorted_positions.astype(np.int64))] = True
+            lp = torch.full((1, R, width), -math.inf)
+            lp[0, pos[0]] = torch.from_numpy(s.teacher_sorted_logprobs).float()
+            _put_sorted(inp, [b], pos.to(dev), lp.to(dev))
         return
     lp = torch.zeros(B, R, device=dev)
     for b, s in enumerate(mb.samples):

@@ -18,16 +18,18 @@ the token sets are
 and each set's loss is sum_t w_t KL_t with `algos.opd.opd_weights` (kl_coef x the teacher's
 coefficient over the sample's policy tokens and the step's samples), its gradient made in the
 same pass (`head_weighted_set_kl`). Each teacher's KL per token is added to `sums` for the
-per-teacher metrics.
+per-teacher metrics. A config with `uld_coef` adds the sorted-probability term at the positions
+a teacher of another vocabulary gave it (`sorted_term_loss`, shared with opd_term_loss).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from algos.cross_tokenizer import sorted_prob_distance
 from algos.loss_head import head_top_k_ids, head_weighted_set_kl
 from algos.opd import is_loss_term, opd_weights, teacher_kl_sums
 from training.batching import MicroBatch
@@ -51,6 +53,10 @@ def opd_head_loss(temperature: float, mb: MicroBatch, inp: OpdInputs, head: Resp
         if not mask.any():
             continue
         sample_tokens = mask.sum(dim=1)  # a sample's mean spans all its tokens, whatever the set
+        uld = sorted_term_loss(lambda b, j: head.hidden[b, j] @ head.weight.T, config, mask,
+                               inp, num_samples, sample_tokens, temperature, counts)
+        if uld is not None:
+            total = total + uld
         for part, args in _sets(config, mask, inp, head, counts):
             b, j = part.nonzero(as_tuple=True)
             if not len(b):
@@ -64,6 +70,31 @@ def opd_head_loss(temperature: float, mb: MicroBatch, inp: OpdInputs, head: Resp
                 per_token[b, j] = kl
                 teacher_kl_sums(per_token, part, teachers, sums)
     return total
+
+
+def sorted_term_loss(rows_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     config: Any, mask: torch.Tensor, inp: OpdInputs, num_samples: int,
+                     sample_tokens: torch.Tensor, temperature: float,
+                     counts: dict[str, float] | None = None) -> torch.Tensor | None:
+    """uld_coef x the sorted-probability distance (algos/cross_tokenizer.py
+    `sorted_prob_distance`) between the student's distribution and a teacher of another
+    vocabulary's top-k, at the positions of `mask` that have one (`inp.sorted_pos`), weighted
+    as the OPD terms (over each sample's policy tokens and the step's samples);
+    `rows_logits(b, j)`: the student's logits [m, V] at those positions, made only there.
+    None when no position has one. Adds uld_tokens and uld_distance_sum to `counts`."""
+    if not config.uld_coef or inp.sorted_pos is None:
+        return None
+    part = mask * inp.sorted_pos.to(mask.dtype)
+    b, j = part.nonzero(as_tuple=True)
+    if not len(b):
+        return None
+    d = sorted_prob_distance(rows_logits(b, j)[None], inp.sorted_logp[b, j][None],
+                             torch.ones(1, len(b), device=part.device), temperature)[0]
+    w = opd_weights(part, inp.coef, num_samples, config.uld_coef, sample_tokens)[b, j]
+    if counts is not None:
+        counts["uld_tokens"] += len(b)
+        counts["uld_distance_sum"] += float(d.detach().sum())
+    return (w.to(d.dtype) * d).sum()
 
 
 def _sets(config: Any, mask: torch.Tensor, inp: OpdInputs, head: ResponseHead,

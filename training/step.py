@@ -99,7 +99,7 @@ from training.colocated_teachers import (
 from training.config import TrainConfig
 from training.data_parallel import NO_CAP, SingleProcess, plan_micro_batches
 from training.heads import ResponseHead, plain_head, response_tokens
-from training.opd_heads import opd_head_loss
+from training.opd_heads import opd_head_loss, sorted_term_loss
 from training.packing import pack
 from training.runner import ModelRunner, TorchRunner
 from training.state import TrainState
@@ -364,8 +364,10 @@ def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
               cross: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
     """Per-teacher reverse KL and tokens (summed over ranks), teacher time and residency, the
     samples whose top-p set came from the rollout's record or from the student's logits, the
-    policy tokens of records that had no nucleus (`nucleus_fallback_tokens`), and per colocated
-    teacher of another vocabulary its alignment metrics (`cross`: its counts this step)."""
+    policy tokens of records that had no nucleus (`nucleus_fallback_tokens`), the positions and
+    mean distance of the sorted-probability term (`uld_tokens`, `uld_distance`), and per
+    colocated teacher of another vocabulary its alignment metrics (`cross`: its counts this
+    step)."""
     stats = {"opd/teacher_time_s": time_s}
     if state.teachers is not None:
         counters = state.teachers.memory.counters
@@ -384,10 +386,15 @@ def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
                 stats |= cross_metrics(n, st)
                 stats[f"opd/{n}/failed_samples"] = st["failed_samples"]
     if counts is not None:
-        keys = ("rollout_nucleus_samples", "student_nucleus_samples", "nucleus_fallback_tokens")
+        keys = ("rollout_nucleus_samples", "student_nucleus_samples", "nucleus_fallback_tokens",
+                "uld_tokens", "uld_distance_sum")
         summed = dp.sum_tensor(torch.tensor([float(counts.get(k, 0)) for k in keys],
                                             dtype=torch.float64))
-        stats |= {f"opd/{k}": v for k, v in zip(keys, summed.tolist())}
+        got = dict(zip(keys, summed.tolist()))
+        stats |= {f"opd/{k}": got[k] for k in keys[:3]}
+        if got["uld_tokens"]:  # the sorted-probability term's mean distance and positions
+            stats["opd/uld_tokens"] = got["uld_tokens"]
+            stats["opd/uld_distance"] = got["uld_distance_sum"] / got["uld_tokens"]
     # every rank sums the same teachers, even one that had no samples on this rank
     names = sorted({n for part in dp.gather(sorted(sums)) for n in part if n})  # "": none
     if names:
@@ -533,6 +540,10 @@ def opd_term_loss(cfg: TrainConfig, temperature: float, mb: MicroBatch, inp: Opd
         if not mask.any():
             continue
         sample_tokens = mask.sum(dim=1)  # a sample's mean spans all its tokens, whatever the set
+        uld = sorted_term_loss(lambda b, j: logits[b, j], config, mask, inp, num_samples,
+                               sample_tokens, T, counts)
+        if uld is not None:
+            total = total + uld
         parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if config.mode == "top_k":
             served = mask * _rows(inp.topk_rows, mask)

@@ -35,7 +35,7 @@ else:
 # 2: Sample.teacher_topk_ids / teacher_topk_logprobs are arrays (tensor frames), not nested lists
 # (Sample.rollout_nucleus_* came later as optional fields: a peer without them ignores them and
 # sends none, which the trainer reads as "no recorded nucleus"; no new version; likewise
-# Sample.teacher_coef, read as 1.0 when absent)
+# Sample.teacher_coef, read as 1.0 when absent, and Sample.teacher_sorted_*, as no term)
 PROTOCOL_VERSION = 2
 
 
@@ -256,6 +256,12 @@ class Sample(Msg):
     teacher_logprobs: list[float] = []
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
+    # a teacher of another vocabulary with opd uld_coef > 0: the response positions [m]
+    # (TOPK_IDS_DTYPE, increasing) given the sorted-probability term, and the teacher's top-k
+    # log-probs there [m, k] (TOPK_LOGPROBS_DTYPE): both or neither (logic/teachers.py
+    # `CrossVocab.onto_student`)
+    teacher_sorted_positions: np.ndarray | None = None
+    teacher_sorted_logprobs: np.ndarray | None = None
     # the top-p nucleus each response token was sampled from, as the rollout recorded it
     # (engine/session.py, `nucleus_top_logprobs`; top_p OPD and top_p_replay read it): token j's
     # ids are rollout_nucleus_ids[offsets[j]:offsets[j + 1]] (ragged, NUCLEUS_IDS_DTYPE; an
