@@ -415,9 +415,9 @@ def _distributed_optimizer_round_trip(adapter: dict[str, torch.Tensor], tmp: Pat
         model = megatron_student("qwen2-untied", ALL,
                                  adapter if name == "trained" else {k: v * 0 for k, v in
                                                                     adapter.items()})
-        group, counted, norm_group = backend.optimizer_groups()
-        opt = DistributedOptimizer(model.parameters(), group, 1e-2, counted=counted,
-                                   norm_group=norm_group)
+        [(params, group, counted, norm_group)] = backend.optimizer_shards(
+            list(model.parameters()))
+        opt = DistributedOptimizer(params, group, 1e-2, counted=counted, norm_group=norm_group)
         state = TrainState(model, build_char_tokenizer(), opt, backend=backend)
         state.lora = LoraConfig(rank=4, alpha=8.0, target_modules=ALL)
         if name == "trained":

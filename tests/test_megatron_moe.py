@@ -33,6 +33,7 @@ from backends.megatron.convert import (
 )
 from models.moe import NO_ROUTE, Routing, checkpoint_tensors, moe_shape, routes_array
 from models.tiny import build_char_tokenizer, tiny_config
+from tests.helpers import trainer_steps
 from tests.test_megatron_parallel import run_ranks as spawn_ranks
 
 SPAWN_TIMEOUT_S = 540
@@ -239,6 +240,10 @@ def two_ranks(rank: int, tmp: Path) -> dict:
                             "step": _train_step(hf)}
         if name == "tp2":  # the distributed optimizer completes q/k norm gradients too
             report[name]["distributed_optimizer"] = _optimizer_paths(hf)
+        if name == "ep2":  # the experts' optimizer state sharded over their own group
+            from backends.megatron.parallel import ExpertDataParallel
+            report[name]["distributed_optimizer"] = _optimizer_paths(
+                hf, {"dp": 2, "ep": 2}, ExpertDataParallel())
         if ep == 2:  # a checkpoint after the step, resumed at ep = 1 below
             step = report[name]["step"]
             checkpoint.save_distributed(step["model"], tmp / "ckpt-ep2", step["optimizer"],
@@ -279,9 +284,10 @@ def two_ranks(rank: int, tmp: Path) -> dict:
     return report
 
 
-def _optimizer_paths(hf) -> dict:
+def _optimizer_paths(hf, parallel: dict | None = None, dp=None) -> dict:
     """One AdamW step through training/setup.py's optimizer (clipping on) replicated and with
-    the distributed optimizer (dp = 1 here): the weights after each."""
+    the distributed optimizer at `parallel` (default tp = 2, dp = 1), the gradients summed over
+    `dp` on the replicated path: the weights after each, and each step's gradient norm."""
     import msgspec
 
     from backends.megatron.model import from_hf_model
@@ -297,14 +303,17 @@ def _optimizer_paths(hf) -> dict:
     for kind in ("replicated", "distributed"):
         cfg = msgspec.structs.replace(
             step_config(), backend="megatron", optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.5),
-            parallel=ParallelConfig(tp=2, distributed_optimizer=kind == "distributed"))
+            parallel=ParallelConfig(**(parallel or {"tp": 2}),
+                                    distributed_optimizer=kind == "distributed"))
         model = from_hf_model(hf)
         attach(model, backend.routing(model))
         state = TrainState(model, tok, build_optimizer(cfg, backend, model, torch.float32),
                            backend=backend)
-        train_on_batch(state, samples_with_routes(tok, moe_shape(hf.config)), cfg, None,
-                       model_runner(backend, cfg, model))
+        stats = train_on_batch(state, samples_with_routes(tok, moe_shape(hf.config)), cfg, dp,
+                               model_runner(backend, cfg, model))
         out[kind] = model.hf_state_dict()
+        out[f"{kind}_norm"] = stats["train/grad_norm"]
+        out[f"{kind}_optimizer"] = type(state.optimizer).__name__
     return out
 
 
@@ -532,6 +541,19 @@ def test_the_distributed_optimizer_completes_tensor_partial_gradients(reports):
     assert _max_diff(paths["replicated"], paths["distributed"]) < 1e-6
 
 
+def test_the_distributed_optimizer_with_expert_parallelism(reports):
+    """At dp = 2, ep = 2 the dense parameters' AdamW state is sharded over both ranks and each
+    expert's over its expert data-parallel group (training/distributed_optimizer.py
+    `DistributedOptimizers`): the same weights and the same global gradient norm (dense and
+    expert squares together) as the replicated step."""
+    paths = reports["ep2"]["distributed_optimizer"]
+    assert paths["distributed_optimizer"] == "DistributedOptimizers"
+    assert paths["replicated_norm"] > 0.5  # clipped: the norm decides the update's scale
+    assert paths["distributed_norm"] == pytest.approx(paths["replicated_norm"], rel=1e-5)
+    assert any(".experts." in n for n in paths["replicated"])
+    assert _max_diff(paths["replicated"], paths["distributed"]) < 1e-6
+
+
 def test_checkpoint_resumes_across_expert_layouts(reports):
     assert _max_diff(reports["ep1"]["unloaded"], reports["ep2"]["step"]["weights"]) > 1e-3
     for name, source in (("ep2_at_ep1", "ep2"), ("ep1_at_ep2", "ep1")):
@@ -569,8 +591,7 @@ def test_placement_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"ep = 2\) needs a mixture-of-experts model; this "
                                          r"one is dense"):
         check(model="tiny-qwen3", parallel={"ep": 2, "dp": 2})
-    with pytest.raises(ValueError, match=r"distributed_optimizer.*parallel.ep = 2"):
-        check(parallel={"ep": 2, "dp": 2, "distributed_optimizer": True})
+    check(parallel={"ep": 2, "dp": 2, "distributed_optimizer": True})  # accepted now
     with pytest.raises(ValueError, match=r"lora on a mixture-of-experts model.*ep = 2"):
         check(parallel={"ep": 2, "dp": 2}, lora={"rank": 4, "target_modules": ["q_proj"]})
     check(lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]})
@@ -690,32 +711,31 @@ envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} 
 
 [actors.trainer.config]
 backend = "megatron"
-parallel = {{ dp = {dp}, ep = {ep} }}
+parallel = {{ dp = {dp}, ep = {ep}, distributed_optimizer = {do} }}
 """
 
 
 @pytest.mark.timeout(400)
 def test_expert_parallel_trainer_from_hosts_toml_resumes_at_another_expert_layout(tmp_path):
-    """examples/moe-tiny with `parallel = { dp = 2, ep = 2 }` from hosts.toml (two trainer
-    ranks, each holding 2 of the 4 experts per layer; routing replay on): the run completes with
-    the worker's log-probs equal to the trainer's and the routes agreeing; resumed with ep = 1
-    on one rank it continues from the ep = 2 checkpoint."""
-    import json
+    """examples/moe-tiny with `parallel = { dp = 2, ep = 2, distributed_optimizer = true }`
+    from hosts.toml (two trainer ranks, each holding 2 of the 4 experts per layer, the optimizer
+    state sharded; routing replay on): the run completes with the worker's log-probs equal to
+    the trainer's and the routes agreeing; resumed with ep = 1 on one rank (the replicated
+    optimizer) it continues from the ep = 2 checkpoint."""
     import os
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
     hosts, run_dir = tmp_path / "hosts.toml", tmp_path / "run"
     model = ROOT / "examples" / "moe-tiny"
-    for steps, dp, ep, flag in ((6, 2, 2, "--run-dir"), (8, 1, 1, "--resume")):
-        hosts.write_text(EP_HOSTS.format(model=model, steps=steps, dp=dp, ep=ep))
+    for steps, dp, ep, do, flag in ((6, 2, 2, "true", "--run-dir"),
+                                    (8, 1, 1, "false", "--resume")):
+        hosts.write_text(EP_HOSTS.format(model=model, steps=steps, dp=dp, ep=ep, do=do))
         done = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), flag,
                                str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
-               .splitlines()]
-    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    steps = trainer_steps(run_dir)
     assert [int(v["version"]) for v in steps] == list(range(1, 9))
     for v in steps:
         assert v["train/logprob_abs_diff"] < 1e-5 and v["moe/route_mismatch"] < 0.01, v

@@ -18,10 +18,11 @@ A backend answers:
   allows it with the torch backend only), `close()` (its model-parallel groups, before the
   process group goes);
 - building the state (training/setup.py): `load_policy(cfg, dtype)`, `grad_clip(model)` (the
-  global norm of a sharded model, for the optimizer), `optimizer_groups()` (the distributed
-  optimizer's groups) and `prepare_grads(model)` (what it runs before reducing: partial
-  gradients completed, or None), `transformers_policy(model)` (the policy as a transformers
-  model the reference/critic copy, or None), `tensor_shard(cfg)` (colocated teachers' row shard);
+  global norm of a sharded model, for the optimizer), `optimizer_shards(params)` (the
+  distributed optimizer's parts: parameters, shard group, norm filter and group) and
+  `prepare_grads(model)` (what it runs before reducing: partial gradients completed, or None),
+  `transformers_policy(model)` (the policy as a transformers model the reference/critic copy,
+  or None), `tensor_shard(cfg)` (colocated teachers' row shard);
 - training: `runner(cfg, model)` (the model passes, training/runner.py; None = `TorchRunner`, a
   whole forward per micro-batch: use `model_runner`), `step_stats(cfg)`;
 - weights and checkpoints: `iter_hf_tensors(model)` / `streams_weights` / `save_hf(...)` /
@@ -82,7 +83,9 @@ class TrainingBackend(Protocol):
 
     def grad_clip(self, model: Any) -> ClipFn | None: ...
 
-    def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool] | None, Any]: ...
+    def optimizer_shards(self, params: list[torch.nn.Parameter]
+                         ) -> list[tuple[list[torch.nn.Parameter], Any,
+                                         Callable[[torch.Tensor], bool] | None, Any]]: ...
 
     def prepare_grads(self, model: Any) -> Callable[[], None] | None: ...
 
@@ -159,7 +162,7 @@ class TorchBackend:
     def prepare_grads(self, model: Any) -> Callable[[], None] | None:
         return None
 
-    def optimizer_groups(self) -> tuple[Any, Any, Any]:
+    def optimizer_shards(self, params: list[torch.nn.Parameter]) -> list[Any]:
         raise ValueError("parallel.distributed_optimizer needs a model-parallel backend; the "
                          "torch backend shards its optimizer state with shard = 'fsdp2'")
 

@@ -1,19 +1,19 @@
 """The distributed optimizer: AdamW state and fp32 main weights sharded over data-parallel ranks.
 
 Role: `parallel.distributed_optimizer = true` (`use_distributed_optimizer` in the backend's
-option table, ZeRO stage 1): each of the D data-parallel replicas of one tensor/pipeline shard keeps 1/D of that
-shard's optimizer state, AdamW's two moments and the fp32 main weights, instead of all of it.
-The rank's parameters are laid end to end in one flat index space (model order, padded to a
-multiple of D); replica r owns the contiguous range [r * S, (r + 1) * S), S = ceil(N / D), and
-its AdamW steps one fp32 tensor of that range.
+option table, ZeRO stage 1): each of the D data-parallel replicas of one tensor/pipeline shard
+keeps 1/D of that shard's optimizer state, AdamW's two moments and the fp32 main weights,
+instead of all of it. The rank's parameters are laid end to end in one flat index space (model
+order, padded to a multiple of D); replica r owns the contiguous range [r * S, (r + 1) * S), S =
+ceil(N / D), and its AdamW steps one fp32 tensor of that range.
 
-Per step (`step(max_norm)`: `reduce_and_clip`, then `apply`; training/step.py): the gradients are reduce-scattered
-over the data-parallel group in fp32 (each replica receives the sum for its range only), the
-global norm is taken from the ranges (each element once: tensor-parallel duplicates and the tied
-output copy left out, summed over the data- and model-parallel groups) and the range clipped by
-it, each replica takes the AdamW step on its range, and the updated ranges are all-gathered (in
-the parameters' dtype) into every replica's parameters: the bytes of the replicated step's
-all-reduce.
+Per step (`step(max_norm)`: `reduce_and_clip`, then `apply`; training/step.py): the gradients
+are reduce-scattered over the data-parallel group in fp32 (each replica receives the sum for its
+range only), the global norm is taken from the ranges (each element once: tensor-parallel
+duplicates and the tied output copy left out, summed over the data- and model-parallel groups)
+and the range clipped by it, each replica takes the AdamW step on its range, and the updated
+ranges are all-gathered (in the parameters' dtype) into every replica's parameters: the bytes of
+the replicated step's all-reduce.
 
 Memory per parameter (bf16 parameters with fp32 main weights): 2 (weight) + 2 (gradient) +
 12 / D (main weight, two moments) bytes, against 2 + 2 + 12 replicated; the step's transients
@@ -34,13 +34,18 @@ moment and main weight sharded like its parameter), so a checkpoint written with
 optimizer resumes with or without it, at any layout; `load_view` takes the ranges back out of
 a loaded view. The gather holds the tensor/pipeline shard's whole optimizer state for the
 duration of a save (the replicated optimizer's size), not between saves.
+
+Expert parallelism (`DistributedOptimizers`): an expert is replicated over its expert
+data-parallel group, not the data-parallel group, so the experts get a distributed optimizer
+of their own over that group, the dense parameters one over the data-parallel group; the two
+share one global norm (each part's squares summed over its groups, then added) and one view.
 """
 
 from __future__ import annotations
 
 import math
 import types
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -124,13 +129,22 @@ class DistributedOptimizer(TrainOptimizer):
             p.grad = None
 
     def reduce_and_clip(self, max_norm: float, dp: Any = None) -> float:
-        """(`dp` unused: the reduction is over the optimizer's own group.) This replica's range of the gradients summed over the data-parallel group
-        (reduce-scatter, in fp32), clipped to `max_norm` by the global norm taken from the
-        ranges (each element once, over the data- and model-parallel groups); returns the norm
-        and leaves the range for `step`. The parameters' gradients are dropped. `prepare`
-        (set by training/setup.py from the backend) completes the gradients first."""
+        """(`dp` unused: the reduction is over the optimizer's own group.) This replica's range
+        of the gradients summed over the data-parallel group (reduce-scatter, in fp32), clipped
+        to `max_norm` by the global norm taken from the ranges (each element once, over the
+        data- and model-parallel groups); returns the norm and leaves the range for `step`. The
+        parameters' gradients are dropped. `prepare` (set by training/setup.py from the
+        backend) completes the gradients first."""
         if self.prepare is not None:
             self.prepare()
+        norm = self.reduce_squares().sqrt()
+        self.clip_range(norm, max_norm)
+        return float(norm)
+
+    def reduce_squares(self) -> torch.Tensor:
+        """Reduce-scatter the gradients into this replica's range (kept for `clip`) and return
+        the sum of squares of the counted elements over the data- and model-parallel groups
+        (the norm's square); no `prepare`, no clipping."""
         flat = torch.zeros(self.size * self.world, dtype=torch.float32, device=self.comm_device)
         offset = 0
         with torch.no_grad():
@@ -152,11 +166,16 @@ class DistributedOptimizer(TrainOptimizer):
             dist.all_reduce(square, group=self.group)
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
             dist.all_reduce(square, group=self.norm_group)
-        norm = square.sqrt()
+        self._mine = mine
+        return square
+
+    def clip_range(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale the range `reduce_squares` left by min(1, max_norm / norm) (no clipping for
+        max_norm 0 / inf or a norm that is not finite) and hand it to AdamW."""
+        mine, self._mine = self._mine, None
         if max_norm and max_norm > 0 and math.isfinite(max_norm) and math.isfinite(float(norm)):
             mine.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         self.master[0].grad = mine.to(self.master[0].device)
-        return float(norm)
 
     def apply(self) -> None:
         """AdamW on my range (its gradient from `reduce_and_clip`, else my range of the
@@ -243,3 +262,99 @@ class DistributedOptimizer(TrainOptimizer):
             if key not in new:
                 new[key] = value
         self.optimizer.state[main] = new
+
+
+class DistributedOptimizers(TrainOptimizer):
+    """Several distributed optimizers stepped as one, each over its own group (expert
+    parallelism: the dense parameters over the data-parallel group, the experts over the expert
+    data-parallel group, where each expert is replicated): the gradients completed once
+    (`prepare`), reduced by each, clipped by one global norm over all of them, each stepping its
+    ranges. Checkpoints see one per-parameter view, the parts' views laid end to end."""
+
+    holds_ranges = True
+
+    def __init__(self, parts: list[DistributedOptimizer]):
+        if not parts:
+            raise ValueError("DistributedOptimizers needs at least one part")
+        self.parts = parts
+        self.params = [p for part in parts for p in part.params]
+        self.prepare: Callable[[], None] | None = None
+
+    @property
+    def masters(self) -> bool:
+        return self.parts[0].masters
+
+    @property
+    def has_masters(self) -> bool:
+        return self.masters
+
+    @property
+    def state(self) -> Any:
+        return {k: v for part in self.parts for k, v in part.optimizer.state.items()}
+
+    @property
+    def param_groups(self) -> Any:
+        return [g for part in self.parts for g in part.optimizer.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def reduce_and_clip(self, max_norm: float, dp: Any = None) -> float:
+        if self.prepare is not None:
+            self.prepare()
+        squares = [part.reduce_squares() for part in self.parts]
+        norm = sum(squares[1:], squares[0]).sqrt()
+        for part in self.parts:
+            part.clip_range(norm, max_norm)
+        return float(norm)
+
+    def apply(self) -> None:
+        for part in self.parts:
+            part.apply()
+
+    def steps_taken(self) -> int:
+        return max(part.steps_taken() for part in self.parts)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for part in self.parts:
+            yield from part.tensors()
+
+    def to(self, device: str | torch.device) -> None:
+        for part in self.parts:
+            part.to(device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for part, st in zip(self.parts, saved["parts"], strict=True):
+            part.load_state_dict(st)
+
+    @staticmethod
+    def _joined(views: list[types.SimpleNamespace]) -> types.SimpleNamespace:
+        inner = types.SimpleNamespace(state={k: v for view in views
+                                             for k, v in view.optimizer.state.items()})
+        return types.SimpleNamespace(optimizer=inner,
+                                     params=[p for view in views for p in view.params],
+                                     master=[m for view in views for m in view.master],
+                                     has_masters=views[0].has_masters)
+
+    def full_view(self) -> types.SimpleNamespace:
+        """The parts' per-parameter views end to end (collective over each part's group)."""
+        return self._joined([part.full_view() for part in self.parts])
+
+    def empty_view(self) -> types.SimpleNamespace:
+        return self._joined([part.empty_view() for part in self.parts])
+
+    def load_view(self, view: types.SimpleNamespace) -> None:
+        """Each part's share of a view made by `empty_view` (the same order)."""
+        start = 0
+        for part in self.parts:
+            end = start + len(part.params)
+            master = view.master[start:end]
+            part.load_view(types.SimpleNamespace(
+                optimizer=types.SimpleNamespace(state={m: view.optimizer.state.get(m, {})
+                                                       for m in master}),
+                params=view.params[start:end], master=master, has_masters=view.has_masters))
+            start = end

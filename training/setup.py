@@ -32,7 +32,7 @@ from training.backends import TrainingBackend, backend_for
 from training.checkpoints import resumable_checkpoint
 from training.colocated_teachers import ColocatedTeachers, RowShard
 from training.config import TrainConfig, distributed_optimizer
-from training.distributed_optimizer import DistributedOptimizer
+from training.distributed_optimizer import DistributedOptimizer, DistributedOptimizers
 from training.master_weights import TrainOptimizer, make_optimizer
 from training.moe import attach as attach_routing
 from training.packing import use_packed_attention
@@ -144,9 +144,10 @@ def build_optimizer(cfg: TrainConfig, backend: TrainingBackend, model: torch.nn.
     backend's global norm."""
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     if distributed_optimizer(cfg):
-        group, counted, norm_group = backend.optimizer_groups()
-        opt = DistributedOptimizer(params, group, cfg.optimizer.lr, cfg.optimizer.weight_decay,
-                                   counted=counted, norm_group=norm_group)
+        parts = [DistributedOptimizer(part, group, cfg.optimizer.lr, cfg.optimizer.weight_decay,
+                                      counted=counted, norm_group=norm_group)
+                 for part, group, counted, norm_group in backend.optimizer_shards(params)]
+        opt = parts[0] if len(parts) == 1 else DistributedOptimizers(parts)
         opt.prepare = backend.prepare_grads(model)
         return opt
     return make_optimizer(params, dtype, cfg.optimizer.master_weights,

@@ -51,6 +51,7 @@ from backends.megatron.model import (
 )
 from backends.megatron.parallel import (
     ExpertDataParallel,
+    is_expert_parallel,
     sum_context_parallel_grads,
     sum_tensor_partial_grads,
 )
@@ -122,11 +123,6 @@ class MegatronBackend:
         """ValueError for a mixture-of-experts layout this backend cannot run (the expert count
         against ep is checked with the model's other sizes, check_parallel_layout)."""
         par, options = cfg.parallel, cfg.megatron
-        if par.ep > 1 and distributed_optimizer(cfg):
-            raise ValueError(f"parallel.distributed_optimizer shards the optimizer over the "
-                             f"data-parallel ranks, which hold different experts at "
-                             f"parallel.ep = {par.ep}; set ep = 1 or distributed_optimizer = "
-                             f"false")
         if (par.tp > 1 or par.ep > 1) and cfg.lora is not None:
             raise ValueError(f"lora on a mixture-of-experts model runs at parallel.tp = ep = 1 "
                              f"on the megatron backend (got tp = {par.tp}, ep = {par.ep})")
@@ -204,12 +200,26 @@ class MegatronBackend:
             sum_context_parallel_grads([p for p in model.parameters() if p.requires_grad])
         return prepare
 
-    def optimizer_groups(self) -> tuple[Any, Callable[[torch.Tensor], bool], Any]:
-        """(data-parallel group, whether a parameter counts in the norm, model-parallel group)."""
-        return (parallel_state.get_data_parallel_group(),
-                lambda p: bool(param_is_not_shared(p)
-                               and param_is_not_tensor_parallel_duplicate(p)),
-                parallel_state.get_model_parallel_group())
+    def optimizer_shards(self, params: list[torch.nn.Parameter]
+                         ) -> list[tuple[list[torch.nn.Parameter], Any, Callable, Any]]:
+        """The distributed optimizer's parts: (parameters, the group their optimizer state is
+        sharded over, whether a parameter counts in the norm, the group the norm is summed over
+        beyond it). Dense parameters: the data-parallel and model-parallel groups; with expert
+        parallelism the experts apart: the expert data-parallel group (where each expert is
+        replicated) and the expert tensor x expert x pipeline group."""
+        def counted(p: torch.Tensor) -> bool:
+            return bool(param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p))
+
+        experts = [p for p in params if is_expert_parallel(p)] \
+            if parallel_state.get_expert_model_parallel_world_size() > 1 else []
+        chosen = {id(p) for p in experts}
+        dense = [p for p in params if id(p) not in chosen]
+        parts = [(dense, parallel_state.get_data_parallel_group(), counted,
+                  parallel_state.get_model_parallel_group())] if dense else []
+        if experts:
+            parts.append((experts, parallel_state.get_expert_data_parallel_group(), counted,
+                          parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
+        return parts
 
     def transformers_policy(self, model: Any) -> torch.nn.Module | None:
         return None  # the reference / critic are transformers models from the checkpoint
