@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -98,3 +99,16 @@ class MessageReader:
         else:
             self.message = text
         return self.message
+
+
+def metric_records(run_dir: Path) -> list[dict]:
+    """Every record of a run's metrics.jsonl ({"actor", "values", ...}), in order."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text()
+            .splitlines()]
+
+
+def trainer_steps(run: Path | list[dict]) -> list[dict]:
+    """The trainer's per-step values (its records that carry a version), in order, from a run
+    directory or its `metric_records`."""
+    records = run if isinstance(run, list) else metric_records(run)
+    return [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import math
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from logic.teachers import CrossVocab, TeacherSpec
 from memory.config import TeacherMemoryConfig
 from models.load import load_model, load_tokenizer
 from runtime.facts import RunFacts
-from tests.helpers import context
+from tests.helpers import context, metric_records, trainer_steps
 from tests.test_engine import serve
 from training.batching import make_micro_batch
 from training.colocated_teachers import (
@@ -577,13 +576,12 @@ def test_a_cross_vocabulary_run_through_the_launcher(tmp_path):
          "--set", "run.plots=false"],  # ~2 s of CPU (tests/test_mopd_cluster.py draws them)
         cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert result.returncode == 0, result.stdout[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    pool = [r["values"] for r in records if r["actor"] == "teachers"]
+    pool = [r["values"] for r in metric_records(run_dir) if r["actor"] == "teachers"]
     last = pool[-1]
     assert last["opd/arith/tokens_scored"] > 0 and last["opd/arith/failed_samples"] == 0
     assert 0.9 <= last["opd/arith/aligned_char_frac"] <= 1.0
     assert last["opd/arith/aligned_spans_per_sample"] >= 1.0
-    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    steps = trainer_steps(run_dir)
     assert [v["version"] for v in steps] == [1, 2]
     assert all(v["opd/arith/tokens"] > 0 for v in steps)
 
@@ -607,8 +605,7 @@ def test_a_colocated_cross_vocabulary_run_through_the_launcher(tmp_path):
                 "rl.opd={mode='top_k', top_k=4, top_k_from='teacher', uld_coef=0.1}"],
         cwd=ROOT, capture_output=True, text=True, timeout=230)
     assert result.returncode == 0, result.stdout[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    steps = trainer_steps(run_dir)
     assert [v["version"] for v in steps] == [1, 2]
     for v in steps:
         assert v["opd/arith/tokens"] > 0 and v["opd/arith/failed_samples"] == 0

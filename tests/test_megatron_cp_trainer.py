@@ -21,6 +21,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("megatron.core")
 
+from tests.helpers import trainer_steps
 from tests.test_megatron_parallel import run_ranks  # noqa: E402
 
 SPAWN_TIMEOUT_S = 400  # two ranks, three steps each, on a loaded two-core machine
@@ -248,7 +249,6 @@ def test_context_parallel_trainer_from_hosts_toml_resumes_at_another_cp(tmp_path
     replica, each sequence split over them): the run completes with the worker's log-probs
     equal to the trainer's; resumed at cp = 1 on one rank it continues from the cp = 2
     checkpoint."""
-    import json
     import os
     import subprocess
     import sys
@@ -263,9 +263,7 @@ def test_context_parallel_trainer_from_hosts_toml_resumes_at_another_cp(tmp_path
                                str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
-               .splitlines()]
-    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    steps = trainer_steps(run_dir)
     assert [int(v["version"]) for v in steps] == list(range(1, 6))
     for v in steps:
         assert v["train/logprob_abs_diff"] < 1e-5, v

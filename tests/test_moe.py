@@ -26,6 +26,7 @@ from models.moe import (
     routes_array,
 )
 from models.tiny import build_tiny
+from tests.helpers import metric_records, trainer_steps
 from training import moe
 from training.backends import TorchBackend
 from training.batching import make_micro_batch
@@ -344,9 +345,8 @@ def test_a_moe_run_from_rl_replays_the_workers_routes_and_learns_math(tmp_path):
                              str(run_dir)], cwd=ROOT, capture_output=True, text=True,
                             timeout=360)
     assert result.returncode == 0, result.stdout[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
-               .splitlines()]
-    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+    records = metric_records(run_dir)
+    steps = trainer_steps(records)
     assert len(steps) == 30
     for v in steps:
         assert v["moe/route_mismatch"] < 0.01, v  # routes arrived, engine and trainer agree

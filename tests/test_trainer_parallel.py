@@ -20,7 +20,6 @@ missing reduction or lost optimizer state moves whole tensors by about lr = 1e-3
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+
+from tests.helpers import metric_records, trainer_steps
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -348,9 +349,8 @@ def test_rl_loop_from_hosts_toml_with_megatron_tp2(runs):
     logs = run_dir / "logs"
     assert runs["launcher"] == 0, (runs["tmp"] / "launcher.out").read_text()[-3000:] + \
         "\n".join(p.read_text()[-2000:] for p in sorted(logs.glob("trainer*.log")))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in
-             r["values"]]
+    records = metric_records(run_dir)
+    steps = trainer_steps(records)
     assert [v["version"] for v in steps] == [1, 2]
     for v in steps:
         assert v["train/tp_size"] == 2 and v["train/samples"] == 8
