@@ -144,7 +144,7 @@ class TeacherPool(TeacherPoolPlan):
                     else:
                         self._cross_scores(s, r, parse_scores(
                             reply, r.prompt_ids, r.response_ids, asked_k, where), cross, st,
-                            k, prefix, cfg.opd.uld_coef > 0)
+                            k, prefix, cfg.opd.uld_coef > 0, spec.topk_map)
                 except ScoreError as e:  # this reply only: the batch's others stand
                     log.warning("%s", e)
                     self._fail(name, [s])
@@ -157,11 +157,12 @@ class TeacherPool(TeacherPoolPlan):
 
     @staticmethod
     def _cross_scores(s: Sample, r, scores, cross: CrossVocab, st: collections.Counter,
-                      top_k: int, prefix: bool, sorted_term: bool = False) -> None:
+                      top_k: int, prefix: bool, sorted_term: bool = False,
+                      topk_map: str = "exact") -> None:
         """The teacher's scores of its own tokens moved onto the student's (module docstring),
         and the alignment's counts."""
         out = cross.onto_student(r, s.rollout_logprobs, s.response_ids, s.loss_mask, *scores,
-                                 top_k, prefix, st, sorted_term)
+                                 top_k, prefix, st, sorted_term, topk_map)
         s.teacher_logprobs = out.values.tolist()
         if out.topk is not None:
             s.teacher_topk_ids = out.topk.ids.astype(TOPK_IDS_DTYPE)

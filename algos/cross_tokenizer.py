@@ -38,7 +38,14 @@ Signals, with n_s student and n_t teacher tokens and spans S (all float64 here):
    strings unique on both sides), entries without a match are dropped and their teacher
    probability mass reported (`dropped_mass`); the trainer's top-k reverse KL over the mapped
    set (both sides renormalised there: algos/opd.py `ids_reverse_kl`) is then vocabulary-free.
-   Elsewhere the set is the student's own token alone, whose KL is exactly 0. Rows are padded
+   Elsewhere the set is the student's own token alone, whose KL is exactly 0. First-token
+   projection (`rows = "span_starts"` with a first-token map, a teacher's `topk_map =
+   "first_token"`): each teacher token maps to the student token its text starts with (the
+   student tokenizer's first token of it; equal texts as above), entries of one student token
+   merged (the teacher's probability that the next text starts with that student token, up to
+   its top-k), at the first student token of every aligned span against the span's first
+   teacher token, both conditioned on the text before the span: a teacher's merged tokens then
+   count for their first student token instead of being dropped. Rows are padded
    by repeating their last entry (`Sample`'s top-k arrays must be finite and of one width);
    the trainer treats a repeated id in a row as padding.
 3. distribution, sorted probabilities (`sorted_prob_distance`, ULD-style): where tokens do not
@@ -265,12 +272,17 @@ class MappedTopK:
 
 
 def map_topk(teacher_ids: np.ndarray, teacher_logprobs: np.ndarray,
-             student_tokens: Sequence[int], al: Alignment, id_map: np.ndarray) -> MappedTopK:
+             student_tokens: Sequence[int], al: Alignment, id_map: np.ndarray,
+             rows: str = "one_to_one") -> MappedTopK:
     """The teacher's top-k ([n_t, k] ids and log-probs) as sets over student ids, one row per
-    student token: at one-to-one spans the entries whose teacher id maps to a student id
-    (`vocab_map`), in the teacher's order; every other row is the student's own token with
-    log-prob 0 alone (its set KL is exactly 0). `dropped_mass` is the teacher probability of
-    the dropped entries of one-to-one rows (0 elsewhere)."""
+    student token: at the rows' student tokens the entries whose teacher id maps to a student
+    id (`id_map`: `vocab_map`'s exact texts, or a first-token map), in the teacher's order,
+    entries mapped to one student id merged (their probabilities summed); every other row is
+    the student's own token with log-prob 0 alone (its set KL is exactly 0). `rows`:
+    "one_to_one" (spans of one token on each side, against that teacher token) or
+    "span_starts" (the first student token of every aligned span, against the span's first
+    teacher token: `span_starts`). `dropped_mass` is the teacher probability of the dropped
+    entries of those rows (0 elsewhere)."""
     ids = np.asarray(teacher_ids, dtype=np.int64)
     lps = np.asarray(teacher_logprobs, dtype=np.float64)
     tokens = np.asarray(student_tokens, dtype=np.int64)
@@ -287,7 +299,15 @@ def map_topk(teacher_ids: np.ndarray, teacher_logprobs: np.ndarray,
     valid[:, 0] = True
     matched = np.zeros(n_s, dtype=bool)
     dropped = np.zeros(n_s, dtype=np.float64)
-    partner = al.teacher_of()
+    if rows == "one_to_one":
+        partner = al.teacher_of()
+    elif rows == "span_starts":
+        partner = np.full(n_s, -1, dtype=np.int64)
+        first_s, first_t = span_starts(al)
+        ok = (first_s < n_s) & (first_t < len(al.teacher_span))
+        partner[first_s[ok]] = first_t[ok]
+    else:
+        raise ValueError(f"rows = {rows!r}; use 'one_to_one' or 'span_starts'")
     for i in np.flatnonzero(partner >= 0):
         row_ids, row_lps = ids[partner[i]], lps[partner[i]]
         in_range = (row_ids >= 0) & (row_ids < len(id_map))
@@ -296,9 +316,14 @@ def map_topk(teacher_ids: np.ndarray, teacher_logprobs: np.ndarray,
         dropped[i] = float(np.exp(row_lps[~keep]).sum())
         if not keep.any():
             continue
-        m = int(keep.sum())
-        out_ids[i, :m], out_lps[i, :m] = mapped[keep], row_lps[keep]
-        out_ids[i, m:], out_lps[i, m:] = mapped[keep][-1], row_lps[keep][-1]
+        # entries of one student id merged, in the order of their first appearance
+        uniq, first, inverse = np.unique(mapped[keep], return_index=True, return_inverse=True)
+        merged = np.full(len(uniq), -np.inf)
+        np.logaddexp.at(merged, inverse, row_lps[keep])
+        order = np.argsort(first, kind="stable")
+        m = len(uniq)
+        out_ids[i, :m], out_lps[i, :m] = uniq[order], merged[order]
+        out_ids[i, m:], out_lps[i, m:] = uniq[order][-1], merged[order][-1]
         valid[i] = False
         valid[i, :m] = True
         matched[i] = True

@@ -79,6 +79,11 @@ class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # teacher's top-`prefix_top_k` prefix probabilities): algos/cross_tokenizer.py
     span_credit: str = "spread"
     prefix_top_k: int = 20
+    # across vocabularies, top_k mode: "exact" (the teacher's top-k ids mapped to student ids of
+    # the same text, at spans of one token on each side) or "first_token" (each teacher token to
+    # the student token its text starts with, probabilities of one student token summed, at the
+    # first student token of every aligned span): algos/cross_tokenizer.py `map_topk`
+    topk_map: str = "exact"
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
@@ -87,6 +92,9 @@ class TeacherSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if self.span_credit not in ("spread", "prefix"):
             raise ValueError(f"teacher {self.name!r}: span_credit = {self.span_credit!r}; use "
                              "'spread' or 'prefix'")
+        if self.topk_map not in ("exact", "first_token"):
+            raise ValueError(f"teacher {self.name!r}: topk_map = {self.topk_map!r}; use "
+                             "'exact' or 'first_token'")
         if self.prefix_top_k < 1:
             raise ValueError(f"teacher {self.name!r}: prefix_top_k must be >= 1")
 
@@ -213,6 +221,7 @@ class CrossVocab:
                       if getattr(student, r, None) is not None}
         self.teacher_unk = getattr(teacher, "unk_token_id", None)
         self._id_map: np.ndarray | None = None
+        self._first_map: np.ndarray | None = None
         self._teacher_strings: list[str | None] | None = None
 
     @property
@@ -221,6 +230,22 @@ class CrossVocab:
         if self._teacher_strings is None:
             self._teacher_strings = token_strings(self.teacher)
         return self._teacher_strings
+
+    @property
+    def first_map(self) -> np.ndarray:
+        """Teacher id -> the student id of the same text (`id_map`), else of the student
+        tokenizer's first token of its text (-1: a text of no student token); built on first
+        use (one encode per teacher id)."""
+        if self._first_map is None:
+            m = self.id_map.copy()
+            for t_id in np.flatnonzero(m < 0):
+                text = self.teacher_strings[t_id] if t_id < len(self.teacher_strings) else None
+                if text:
+                    ids = self.student.encode(text, add_special_tokens=False)
+                    if ids and ids[0] not in self.student_special:
+                        m[t_id] = ids[0]
+            self._first_map = m
+        return self._first_map
 
     @property
     def id_map(self) -> np.ndarray:
@@ -292,18 +317,19 @@ class CrossVocab:
                      response_ids: Sequence[int], loss_mask: Sequence[int],
                      logprobs: Sequence[float], top_ids: np.ndarray | None,
                      top_lps: np.ndarray | None, top_k: int, prefix: bool,
-                     stats: collections.Counter | None = None, sorted_term: bool = False
-                     ) -> StudentScores:
-        """The teacher's scores of its own tokens (`logprobs` [n_t], top-k [n_t, >= k]) moved
-        onto the student's tokens of sample `r` (algos/cross_tokenizer.py): the per-token
-        teacher values [n_s] float64 (`spread_sampled`, or with `prefix` the causal shares of
-        `prefix_teacher_logprobs`, which read the top-k), with `top_k` the first k entries
-        mapped to student ids (`map_topk`), and with `sorted_term` the teacher's top-k
-        log-probs at the first policy token of each span the mapped set does not cover
-        (`span_starts`: the sorted-probability term's rows); the alignment's counts are added
-        to `stats` (chars, aligned_chars, spans, cross_samples; topk_policy_tokens,
-        topk_matched, topk_dropped_mass; sorted_rows). The teacher pool and colocated teachers
-        both read scores this way."""
+                     stats: collections.Counter | None = None, sorted_term: bool = False,
+                     topk_map: str = "exact") -> StudentScores:
+        """The teacher's scores of its own tokens (`logprobs` [n_t], top-k [n_t, >= k]) moved onto
+        the student's tokens of sample `r` (algos/cross_tokenizer.py): the per-token
+        teacher values [n_s] float64 (`spread_sampled`, or with `prefix` the causal
+        shares of `prefix_teacher_logprobs`, which read the top-k), with `top_k` the
+        first k entries mapped to student ids (`map_topk`, by `topk_map`: "exact" or
+        "first_token"), and with `sorted_term` the teacher's top-k log-probs at the
+        first policy token of each span the mapped set does not cover (`span_starts`:
+        the sorted-probability term's rows); the alignment's counts are added to `stats`
+        (chars, aligned_chars, spans, cross_samples; topk_policy_tokens, topk_matched,
+        topk_dropped_mass; sorted_rows). The teacher pool and colocated teachers both
+        read scores this way."""
         al = r.alignment
         if prefix:
             values = prefix_teacher_logprobs(rollout_logprobs, logprobs, al, r.text,
@@ -313,8 +339,10 @@ class CrossVocab:
             values = spread_sampled(rollout_logprobs, logprobs, al)
         mapped = None
         if top_k:  # the run's k (a prefix teacher may have been asked for more)
+            first = topk_map == "first_token"
             mapped = map_topk(top_ids[:, :top_k], top_lps[:, :top_k], response_ids, al,
-                              self.id_map)
+                              self.first_map if first else self.id_map,
+                              "span_starts" if first else "one_to_one")
         out = StudentScores(values, mapped)
         if sorted_term and mapped is not None:
             first_s, first_t = span_starts(al)

@@ -250,6 +250,30 @@ def test_topk_moves_onto_student_ids_and_reports_the_dropped_mass():
     assert repeated_entries(torch.from_numpy(m.ids)).tolist() == (~m.valid).tolist()
 
 
+def test_first_token_projection_counts_merged_tokens_for_their_first_student_token():
+    """`topk_map = "first_token"`: the teacher's "12" maps to the student's "1" (its first
+    token), merged with the teacher's "1" (0.7 + 0.2), at the first student token of every
+    aligned span (also the 2:1 span "12"); only the text of no student token ("y") is dropped."""
+    al, id_map, t_ids, t_lps = topk_case()
+    first = id_map.copy()
+    first[T_VOCAB.index("12")] = S_VOCAB.index("1")
+    m = map_topk(t_ids, t_lps, [1, 2, 3, 4], al, first, rows="span_starts")
+    assert m.matched.tolist() == [True, False, True, True]
+    assert m.ids[0, :2].tolist() == [1, 2] and m.valid[0].tolist() == [True, True, False]
+    assert m.logprobs[0, :2].tolist() == pytest.approx([math.log(0.9), math.log(0.05)],
+                                                       abs=1e-15)
+    assert m.ids[1].tolist() == [2, 2, 2] and m.logprobs[1, 0] == 0.0  # inside the span
+    assert m.ids[2, :2].tolist() == [3, 1]  # "+", then "12" as "1"
+    assert m.logprobs[2, :2].tolist() == pytest.approx([math.log(0.6), math.log(0.3)],
+                                                       abs=1e-15)
+    assert m.dropped_mass.tolist() == pytest.approx([0, 0, 0.05, 0], abs=1e-15)
+    assert m.ids[3].tolist() == [4, 6, 5]  # as with the exact map
+    with pytest.raises(ValueError, match="rows = 'x'"):
+        map_topk(t_ids, t_lps, [1, 2, 3, 4], al, first, rows="x")
+    with pytest.raises(ValueError, match="topk_map = 'x'"):
+        TeacherSpec(name="t", model="m", topk_map="x")
+
+
 def test_the_trainers_topk_kl_over_mapped_sets_equals_a_float64_reference():
     """The mapped arrays as the pool sends them (int32 / float32 Sample arrays), read by the
     trainer (repeated ids are padding) into the top-k reverse KL: the KL over the mapped set at
@@ -534,6 +558,51 @@ def test_a_colocated_teacher_of_its_own_vocabulary_scores_as_a_server(tmp_path, 
     assert st["aligned_chars"] == st["chars"] == 8
     if top_k:
         assert st["topk_policy_tokens"] == 8 and 0 < st["topk_matched"] <= 8
+
+
+def test_a_colocated_teacher_projects_its_topk_onto_first_student_tokens(tmp_path):
+    """topk_map = "first_token" through the trainer's colocated path: at the first student
+    token of each span the set is the teacher's float64 top-k at the span's first teacher
+    token, each entry counted for the student token its text starts with ("18" for "1")."""
+    student = load_tokenizer(STUDENT)
+    model, _ = load_model(BPE_TEACHER, "cpu", torch.float32)
+    spec = TeacherSpec(name="arith", model=BPE_TEACHER, domains=["math"], tokenizer="auto",
+                       topk_map="first_token")
+    teachers = ColocatedTeachers.load([spec], "cpu", torch.float32, TeacherMemoryConfig(
+        nvme_dir=str(tmp_path / "nvme")), str(tmp_path), student_tokenizer=student)
+    batch = cross_batch(student)
+    try:
+        cfg = TrainConfig(model=STUDENT, teachers=[spec], opd=OpdConfig(
+            mode="top_k", top_k=6, top_k_from="teacher"))
+        mb = make_micro_batch(batch)
+        signals = OpdSignals([mb], cfg, 1.0, teachers, [0])
+        inp = signals.inputs(0)
+        signals.close()
+    finally:
+        teachers.close()
+    cv = teachers.cross["arith"]
+    two_digit = 0
+    for b, s in enumerate(batch):
+        r = cv.retokenize(s.prompt_ids, s.response_ids, s.loss_mask)
+        ref = float64_teacher_logprobs(model, r.prompt_ids, r.response_ids)
+        first_s, first_t = span_starts(r.alignment)
+        for j, t in zip(first_s.tolist(), first_t.tolist()):
+            top = ref[t].topk(6)
+            want: dict[int, float] = {}
+            for i, v in zip(top.indices.tolist(), top.values.tolist()):
+                sid = int(cv.first_map[i])
+                if sid >= 0:
+                    want[sid] = want.get(sid, 0.0) + math.exp(v)
+            ids = inp.topk_ids[b, j].tolist()
+            got = {i: math.exp(v) for i, v in zip(ids, inp.topk_logp[b, j].tolist())
+                   if v > -math.inf}
+            assert got.keys() == want.keys() and ids[0] == next(iter(want))
+            for i in want:
+                assert got[i] == pytest.approx(want[i], abs=1e-5)
+            two_digit += any(len(cv.teacher_strings[i] or "") == 2 for i in top.indices.tolist())
+    assert two_digit  # merged teacher tokens were counted for their first digit
+    st = signals.cross_stats["arith"]
+    assert st["topk_matched"] == sum(len(s.response_ids) for s in batch) - 2  # not "8", "7"
 
 
 def test_the_step_reads_a_teachers_own_topk_beside_colocated_logits():

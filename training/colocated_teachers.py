@@ -292,7 +292,7 @@ class TeacherStream:
                 got = cross.onto_student(
                     r, s.rollout_logprobs, s.response_ids, s.loss_mask, lp[row, :n_t],
                     ids[row, :n_t] if k else None, top[row, :n_t] if k else None, run_k,
-                    prefix, stats, sorted_term)
+                    prefix, stats, sorted_term, spec.topk_map)
                 logp[i, :n_s] = got.values
                 if got.topk is not None:  # k columns, fewer for a teacher of fewer tokens
                     w = got.topk.ids.shape[1]
