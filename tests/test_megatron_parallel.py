@@ -11,8 +11,9 @@ them, the tests assert), so a failure shows here with its values and any rank's 
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
+import multiprocessing
+import os
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -32,23 +33,47 @@ def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name_
     """Run `module`'s `target`(rank, tmp_path) (default: this module's) on `world` child
     processes, each given `timeout_s`; rank 0's report (`weights_only = False`: a report that
     holds more than tensors and plain data)."""
-    code = (f"from tests.test_megatron_parallel import rank_main; "
-            f"rank_main({target!r}, {{rank}}, {world}, {str(tmp_path)!r}, {module!r})")
-    root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank=r)], cwd=root,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ctx = _rank_context()
+    procs = [ctx.Process(target=_rank_process, args=(target, r, world, str(tmp_path), module))
              for r in range(world)]
+    for p in procs:
+        p.start()
     try:
-        codes = [p.wait(timeout_s) for p in procs]
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
+                p.join()
     errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
     assert not errors, "\n".join(errors)
-    assert codes == [0] * world
+    assert [p.exitcode for p in procs] == [0] * world
     return torch.load(tmp_path / "report.pt", weights_only=weights_only)
+
+
+_CONTEXT: list = []
+
+
+def _rank_context():
+    """A forkserver context whose server has tests/megatron_rank_preload.py imported: ranks
+    are forks of it (started once per test process, on first use)."""
+    if not _CONTEXT:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["tests.megatron_rank_preload"])
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
+def _rank_process(target: str, rank: int, world: int, tmp: str, module: str) -> None:
+    """A rank process: its output discarded (failures go to error-<rank>.txt), then
+    `rank_main`; the process's own cleanup skipped once it is done (its exit code says it)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.chdir(Path(__file__).resolve().parent.parent)
+    rank_main(target, rank, world, tmp, module)
 
 
 def rank_main(target: str, rank: int, world: int, tmp: str, module: str = __name__) -> None:
@@ -175,8 +200,9 @@ PIPELINE_CASES = {
 
 def _case_setup(name: str, model, backend: str = "megatron"):
     """(state, cfg, samples) of PIPELINE_CASES[name] around `model` (a megatron stage, or the
-    whole hf model with backend "torch"): a reference with other weights than the policy (else every KL is 0), a fresh
-    critic, teacher top-k replies on the samples for OPD, SGD (lr 1) behind master weights."""
+    whole hf model with backend "torch"): a reference with other weights than the policy (else
+    every KL is 0), a fresh critic, teacher top-k replies on the samples for OPD, SGD (lr 1)
+    behind master weights."""
     import msgspec
 
     from tests.test_megatron_convert import hf_model
