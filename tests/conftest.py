@@ -38,8 +38,9 @@ def no_leaks():
         new_threads = [t for t in threading.enumerate() if t not in threads and t.is_alive()
                        and type(t).__name__ != "GarbageCollectorThread"]  # pyzmq: per process
         new_children = [p for p in psutil.Process().children(recursive=True)
-                        if p.pid not in children and p.status() != psutil.STATUS_ZOMBIE]
-        new_fds = _fds() - fds
+                        if p.pid not in children and p.status() != psutil.STATUS_ZOMBIE
+                        and not _process_helper(p)]
+        new_fds = _fds() - fds - _helper_fds()
         if not (new_threads or new_children or len(new_fds) > 0) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -47,6 +48,25 @@ def no_leaks():
     assert not new_children, f"leaked processes: {[(p.pid, p.cmdline()) for p in new_children]}"
     leaked = {fd: _target(fd) for fd in new_fds}
     assert not leaked, f"leaked file descriptors: {leaked}"
+
+
+def _process_helper(p: psutil.Process) -> bool:
+    """multiprocessing's forkserver and resource tracker: started once by the first test that
+    forks rank processes (tests/helpers.py `rank_context`), kept for the test process."""
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.forkserver" in cmd or "multiprocessing.resource_tracker" in cmd
+
+
+def _helper_fds() -> set[str]:
+    """This process's ends of those helpers' pipes."""
+    from multiprocessing import forkserver, resource_tracker
+
+    fds = (getattr(forkserver._forkserver, "_forkserver_alive_fd", None),
+           getattr(resource_tracker._resource_tracker, "_fd", None))
+    return {str(fd) for fd in fds if fd is not None}
 
 
 def _target(fd: str) -> str:

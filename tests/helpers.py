@@ -35,40 +35,82 @@ async def running(actor: Actor, timeout_s: float = 10.0):
         await asyncio.wait_for(task, timeout_s)
 
 
+_RANK_CONTEXT: list = []
+
+
+def rank_context():
+    """A forkserver context whose server has tests/rank_preload.py imported (started once per
+    test process, on first use): the tests' rank processes are forks of it. A forked rank ends
+    with os._exit (multiprocessing's forkserver children do): no C++ static destructors after
+    its group is gone (a gloo thread met there aborts a finished process now and then)."""
+    if not _RANK_CONTEXT:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["tests.rank_preload"])
+        _RANK_CONTEXT.append(ctx)
+    return _RANK_CONTEXT[0]
+
+
+def run_forked(target, args_of_rank, world: int, timeout_s: float, log_dir: Path) -> list:
+    """`target(*args_of_rank(r))` in `world` forked rank processes (`rank_context`), each
+    given `timeout_s` from the start, its stdout and stderr in `<log_dir>/rank<r>.log`;
+    returns their exit codes (None: killed at the deadline)."""
+    import time
+
+    ctx = rank_context()
+    procs = [ctx.Process(target=_forked_rank, args=(target, args_of_rank(r),
+                                                      str(Path(log_dir) / f"rank{r}.log")))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [p.exitcode for p in procs]
+
+
+def _forked_rank(target, args: tuple, log: str) -> None:
+    import os
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(Path(__file__).resolve().parent.parent)
+    target(*args)
+
+
 def two_gloo_ranks(module: str, tmp_path: Path, timeout_s: float = 120) -> list[dict]:
     """Run `module`'s `worker(rank, port, out)` as ranks 0 and 1 of a gloo group, each in a
-    process of its own; each writes its report (a dict) with torch.save to `<out>.<rank>`.
-    Returns both reports; a rank that fails fails the test with its stderr."""
-    import os
-    import subprocess
-    import sys
+    forked process of its own (`run_forked`); each writes its report (a dict) with torch.save
+    to `<out>.<rank>`. Returns both reports; a rank that fails fails the test with its output."""
+    import importlib
 
     import torch
 
     from transport.sockets import free_port
 
-    root = Path(__file__).resolve().parent.parent
     port = free_port("127.0.0.1")
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    # os._exit: no C++ static destructors after the group is gone (a gloo thread met there
-    # aborts a finished process now and then; runtime/child.py leaves the same way for actors
-    # with `exit_hard`, the trainer's ranks)
-    code = (f"import os, sys; from {module} import worker; "
-            "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]); "
-            "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port),
-                               str(tmp_path / "out")], cwd=root, env=env,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout_s)
-            assert p.returncode == 0, err[-3000:]
-    finally:
-        for p in procs:  # the other rank of a failed one: ended, its pipe closed
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+    worker = importlib.import_module(module).worker
+    codes = run_forked(_one_thread, lambda r: (worker, r, port, str(tmp_path / "out")), 2,
+                       timeout_s, tmp_path)
+    for r, code in enumerate(codes):
+        assert code == 0, f"rank {r} exit {code}: " + (tmp_path / f"rank{r}.log").read_text()[
+            -3000:]
     return [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+
+
+def _one_thread(worker, rank: int, port: int, out: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # two ranks on the machine's cores, as OMP_NUM_THREADS = 1
+    worker(rank, port, out)
 
 
 def console_messages(stdout: str) -> list[str]:

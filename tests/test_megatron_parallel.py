@@ -11,15 +11,14 @@ them, the tests assert), so a failure shows here with its values and any rank's 
 from __future__ import annotations
 
 import importlib
-import multiprocessing
-import os
-import time
 import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import run_forked
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -33,47 +32,12 @@ def run_ranks(target: str, tmp_path: Path, world: int = 2, module: str = __name_
     """Run `module`'s `target`(rank, tmp_path) (default: this module's) on `world` child
     processes, each given `timeout_s`; rank 0's report (`weights_only = False`: a report that
     holds more than tensors and plain data)."""
-    ctx = _rank_context()
-    procs = [ctx.Process(target=_rank_process, args=(target, r, world, str(tmp_path), module))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    codes = run_forked(rank_main, lambda r: (target, r, world, str(tmp_path), module), world,
+                       timeout_s, tmp_path)
     errors = [f.read_text() for f in sorted(tmp_path.glob("error-*.txt"))]
     assert not errors, "\n".join(errors)
-    assert [p.exitcode for p in procs] == [0] * world
+    assert codes == [0] * world
     return torch.load(tmp_path / "report.pt", weights_only=weights_only)
-
-
-_CONTEXT: list = []
-
-
-def _rank_context():
-    """A forkserver context whose server has tests/megatron_rank_preload.py imported: ranks
-    are forks of it (started once per test process, on first use)."""
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["tests.megatron_rank_preload"])
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
-
-
-def _rank_process(target: str, rank: int, world: int, tmp: str, module: str) -> None:
-    """A rank process: its output discarded (failures go to error-<rank>.txt), then
-    `rank_main`; the process's own cleanup skipped once it is done (its exit code says it)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.chdir(Path(__file__).resolve().parent.parent)
-    rank_main(target, rank, world, tmp, module)
 
 
 def rank_main(target: str, rank: int, world: int, tmp: str, module: str = __name__) -> None:
