@@ -205,14 +205,9 @@ def _check_routes(sample: Sample, where: str) -> None:
 def _check_topk(sample: Sample, n: int, where: str) -> None:
     """Top-k, when present: [n, k] arrays of Sample's dtypes, ids >= 0, log-probs finite."""
     ids, lps = sample.teacher_topk_ids, sample.teacher_topk_logprobs
-    if ids is None and lps is None:
+    if not _array_pair(("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps), "top-k",
+                       where):
         return
-    for name, value, dtype in (("teacher_topk_ids", ids, TOPK_IDS_DTYPE),
-                               ("teacher_topk_logprobs", lps, TOPK_LOGPROBS_DTYPE)):
-        if not isinstance(value, np.ndarray) or value.dtype != dtype:
-            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
-            raise ValueError(f"{where}: {name} must be an array of {dtype} (both top-k "
-                             f"arrays or neither), got {got}")
     if ids.ndim != 2 or ids.shape != lps.shape or ids.shape[0] != n or ids.shape[1] < 1:
         raise ValueError(f"{where}: teacher top-k ids {ids.shape} and log-probs {lps.shape} "
                          f"must both be [{n}, k] (one row per response token, k >= 1)")
@@ -220,18 +215,27 @@ def _check_topk(sample: Sample, n: int, where: str) -> None:
         raise ValueError(f"{where}: teacher top-k ids must be >= 0 and log-probs finite")
 
 
+def _array_pair(ids: tuple[str, object], values: tuple[str, object], what: str,
+                where: str) -> bool:
+    """False when both fields are None; True when they are arrays of Sample's id and log-prob
+    dtypes (TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE); ValueError naming the field otherwise."""
+    if ids[1] is None and values[1] is None:
+        return False
+    for (name, value), dtype in ((ids, TOPK_IDS_DTYPE), (values, TOPK_LOGPROBS_DTYPE)):
+        if not isinstance(value, np.ndarray) or value.dtype != dtype:
+            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise ValueError(f"{where}: {name} must be an array of {dtype} (both {what} "
+                             f"arrays or neither), got {got}")
+    return True
+
+
 def _check_sorted(sample: Sample, n: int, where: str) -> None:
     """The sorted-probability term's rows, when present: increasing positions [m] in the
     response, log-probs [m, k] finite, of Sample's dtypes."""
     pos, lps = sample.teacher_sorted_positions, sample.teacher_sorted_logprobs
-    if pos is None and lps is None:
+    if not _array_pair(("teacher_sorted_positions", pos), ("teacher_sorted_logprobs", lps),
+                       "sorted-term", where):
         return
-    for name, value, dtype in (("teacher_sorted_positions", pos, TOPK_IDS_DTYPE),
-                               ("teacher_sorted_logprobs", lps, TOPK_LOGPROBS_DTYPE)):
-        if not isinstance(value, np.ndarray) or value.dtype != dtype:
-            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
-            raise ValueError(f"{where}: {name} must be an array of {dtype} (both sorted-term "
-                             f"arrays or neither), got {got}")
     if pos.ndim != 1 or lps.ndim != 2 or lps.shape[0] != pos.shape[0] or lps.shape[1] < 1 or \
             (pos.size and (pos.min() < 0 or pos.max() >= n or (np.diff(pos) <= 0).any())) or \
             not np.isfinite(lps).all():
