@@ -204,9 +204,13 @@ def test_context_parallel_placement_is_checked_at_load(changes, words):
         _check(changes)
 
 
-def test_context_parallel_with_a_mixture_of_experts_model_is_refused():
-    with pytest.raises(ValueError, match=r"parallel.cp = 2 with a mixture-of-experts model"):
-        _check({"parallel": {"cp": 2}}, model="tiny-qwen3-moe")
+def test_context_parallel_with_a_mixture_of_experts_model_is_accepted():
+    """cp with MoE (tests/test_megatron_moe.py runs it): accepted with and without ep, and ep
+    must still divide dp * cp."""
+    _check({"parallel": {"cp": 2}}, model="tiny-qwen3-moe")
+    _check({"parallel": {"cp": 2, "ep": 2}}, model="tiny-qwen3-moe")
+    with pytest.raises(ValueError, match=r"ep = 4"):
+        _check({"parallel": {"cp": 2, "ep": 4}}, model="tiny-qwen3-moe")
 
 
 def test_context_parallel_derives_the_data_parallel_size():
@@ -235,20 +239,22 @@ micro_batch_size = 32
 save_every = 2
 eval_every = 1000
 eval_tasks = 20
+moe = {{ routing_replay = "rollout" }}
 envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
 
 [actors.trainer.config]
 backend = "megatron"
-parallel = {{ cp = {cp} }}
+parallel = {{ cp = {cp}, ep = {ep} }}
 """
 
 
 @pytest.mark.timeout(400)
 def test_context_parallel_trainer_from_hosts_toml_resumes_at_another_cp(tmp_path):
-    """examples/base-tiny with `parallel = { cp = 2 }` from hosts.toml (two trainer ranks, one
-    replica, each sequence split over them): the run completes with the worker's log-probs
-    equal to the trainer's; resumed at cp = 1 on one rank it continues from the cp = 2
-    checkpoint."""
+    """examples/moe-tiny with `parallel = { cp = 2, ep = 2 }` from hosts.toml (two trainer
+    ranks, one replica: each sequence split over them, each holding half of the experts, the
+    workers' routes replayed): the run completes with the worker's log-probs equal to the
+    trainer's and the routes agreeing; resumed at cp = ep = 1 on one rank it continues from the
+    cp = 2 checkpoint."""
     import os
     import subprocess
     import sys
@@ -256,9 +262,9 @@ def test_context_parallel_trainer_from_hosts_toml_resumes_at_another_cp(tmp_path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
     hosts, run_dir = tmp_path / "hosts.toml", tmp_path / "run"
-    model = ROOT / "examples" / "base-tiny"
+    model = ROOT / "examples" / "moe-tiny"
     for steps, cp, flag in ((4, 2, "--run-dir"), (5, 1, "--resume")):
-        hosts.write_text(CP_HOSTS.format(model=model, steps=steps, cp=cp))
+        hosts.write_text(CP_HOSTS.format(model=model, steps=steps, cp=cp, ep=cp))
         done = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), flag,
                                str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
@@ -266,7 +272,8 @@ def test_context_parallel_trainer_from_hosts_toml_resumes_at_another_cp(tmp_path
     steps = trainer_steps(run_dir)
     assert [int(v["version"]) for v in steps] == list(range(1, 6))
     for v in steps:
-        assert v["train/logprob_abs_diff"] < 1e-5, v
+        assert v["train/logprob_abs_diff"] < 1e-5 and v["moe/route_mismatch"] < 0.01, v
     assert [v.get("train/cp_size") for v in steps] == [2.0] * 4 + [None]
+    assert [v.get("train/ep_size") for v in steps] == [2.0] * 4 + [None]
     assert "resumed from the checkpoint of step 4" in done.stdout
     assert (run_dir / "logs" / "trainer.rank1.log").is_file()  # the cp = 2 run had two ranks

@@ -260,6 +260,14 @@ def two_ranks(rank: int, tmp: Path) -> dict:
             part.pop("model", None)
             part.pop("optimizer", None)
         parallel_state.destroy_model_parallel()
+    # context parallelism: each rank its two load-balanced chunks of every sequence, the
+    # experts whole on both (cp2) or split over the two CP ranks (cp2ep2)
+    for name, ep in {"cp2": 1, "cp2ep2": 2}.items():
+        initialize_parallel(1, 1, expert_model_parallel_size=ep, context_parallel_size=2)
+        report[name] = _layout_checks(hf)
+        report[name]["step"].pop("model")
+        report[name]["step"].pop("optimizer")
+        parallel_state.destroy_model_parallel()
     # the GLM-4.5 layout: ep = 2 and pp = 2 (a dense and a MoE layer per stage)
     for name, (pp, ep) in {"glm_ep2": (1, 2), "glm_pp2": (2, 1)}.items():
         initialize_parallel(1, pp, expert_model_parallel_size=ep)
@@ -484,7 +492,7 @@ def test_expert_rows_of_each_rank():
                        hf["model.layers.1.mlp.gate.weight"])
 
 
-LAYOUTS = ["ep1", "ep2", "tp2"]
+LAYOUTS = ["ep1", "ep2", "tp2", "cp2", "cp2ep2"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS + ["pp2"])

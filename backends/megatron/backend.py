@@ -106,10 +106,6 @@ class MegatronBackend:
     def _check_cp(cfg: TrainConfig) -> None:
         """ValueError for what context parallelism (parallel.cp > 1) does not cover yet."""
         par = cfg.parallel
-        if is_moe(cfg.model):
-            raise ValueError(f"parallel.cp = {par.cp} with a mixture-of-experts model is not "
-                             f"supported by the megatron backend (its routing record maps "
-                             f"whole sequences, each CP rank holds two chunks); use cp = 1")
         if par.pp > 1:
             raise ValueError(f"parallel.cp = {par.cp} with pp = {par.pp} is not supported by the "
                              f"megatron backend (the pipeline runner sends whole sequences "

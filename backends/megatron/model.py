@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
 from backends.megatron.context_parallel import cp_layer_spec, cp_logits
+from backends.megatron.context_parallel import positions as cp_positions
 from backends.megatron.convert import (
     Layout,
     check_expert_parallel,
@@ -477,8 +478,9 @@ class MegatronRouting(RowSelect):
       `aux_per_token`, set by the step) to the backward inside the forward, so every pipeline
       stage trains its own routers; `aux_loss()` is therefore None.
     Statistics are summed over the pipeline stages (each holds its layers) and, under sequence
-    parallelism, the tensor ranks (each holds part of the tokens) in `take_stats`, which every
-    rank of the model-parallel group calls.
+    or context parallelism, the tensor or context-parallel ranks (each holds part of the
+    tokens: a CP rank its two load-balanced chunks, mapped by their global positions) in
+    `take_stats`, which every rank of the model-parallel and CP groups calls.
     Megatron recomputes layers in training mode only; the step runs the model in eval mode.
     """
 
@@ -538,11 +540,16 @@ class MegatronRouting(RowSelect):
             counts[layer] += c
         sums = torch.tensor([self._pairs, self._pairs_diff, self._aux_sum, self._aux_count],
                             dtype=torch.float64)
-        # tensor ranks see parts of the sequence under sequence parallelism, else all of it
+        # tensor ranks see parts of the sequence under sequence parallelism, else all of it;
+        # context-parallel ranks each see their chunks of it
         split = self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1
-        group = (parallel_state.get_model_parallel_group() if split
-                 else parallel_state.get_pipeline_model_parallel_group())
-        if torch.distributed.get_world_size(group) > 1:
+        groups = [parallel_state.get_model_parallel_group() if split
+                  else parallel_state.get_pipeline_model_parallel_group()]
+        if self.config.context_parallel_size > 1:
+            groups.append(parallel_state.get_context_parallel_group())
+        for group in groups:
+            if torch.distributed.get_world_size(group) == 1:
+                continue
             for tensor, op in ((grids, torch.distributed.ReduceOp.MAX),
                                (counts, torch.distributed.ReduceOp.SUM),
                                (sums, torch.distributed.ReduceOp.SUM)):
@@ -582,8 +589,14 @@ class MegatronRouting(RowSelect):
             return None
         split = self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1
         tp = self.config.tensor_model_parallel_size if split else 1
+        cp = self.config.context_parallel_size
         start = parallel_state.get_tensor_model_parallel_rank() * seq if split else 0
-        full = seq * tp
+        full = seq * tp * cp
+        # this rank's global columns: its part under sequence parallelism, its two
+        # load-balanced chunks under context parallelism (context_parallel.py `positions`)
+        cols = (cp_positions(full, cp, parallel_state.get_context_parallel_rank()) if cp > 1
+                else torch.arange(start, start + seq))
+        slack = 2 * cp if cp > 1 else tp  # the forward pads its length up to a multiple
         candidates: list[tuple[int, torch.Tensor, int]] = []
         if self._select is not None:
             rows, length = self._select
@@ -592,9 +605,8 @@ class MegatronRouting(RowSelect):
             candidates.append((i, torch.arange(valid.shape[0]), valid.shape[1]))
         for i, rows, length in candidates:
             width = self._layouts[i][1].shape[1]
-            if len(rows) != batch or not length <= full < length + tp:
+            if len(rows) != batch or not length <= full < length + slack:
                 continue
-            cols = torch.arange(start, start + seq)
             pos = rows[None, :] * width + cols[:, None]  # [seq, batch], megatron's order
             pos = torch.where(cols[:, None] < length, pos, torch.full_like(pos, -1))
             return pos.reshape(-1), i
@@ -677,6 +689,9 @@ class MegatronRouting(RowSelect):
             if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
                 torch.distributed.all_reduce(
                     totals, group=parallel_state.get_tensor_model_parallel_group())
+            if self.config.context_parallel_size > 1:  # each CP rank holds part of the tokens
+                torch.distributed.all_reduce(
+                    totals, group=parallel_state.get_context_parallel_group())
             counts, tokens, whole = totals[:e], totals[e].clamp(min=1), totals[e + 1:]
         fraction = counts / (tokens * k)
         loss = e * (fraction * local / tokens).sum()  # summed over tensor ranks: the loss
