@@ -28,17 +28,18 @@ SPAWN_TIMEOUT_S = 400  # two ranks, three steps each, on a loaded two-core machi
 STATS = ("train/loss", "train/grad_norm", "train/logprob_abs_diff")
 
 
-def _config(distributed: bool = False, cp: int = 1):
+def _config(distributed: bool = False, cp: int = 1, pp: int = 1):
     from actors.trainer import TrainerConfig
     from training.config import MicroBatchConfig, OptimizerConfig, ParallelConfig
 
     return TrainerConfig(model="x", workers=["w"], backend="megatron",
                          micro_batches=MicroBatchConfig(size=3),
                          optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.5),
-                         parallel=ParallelConfig(cp=cp, distributed_optimizer=distributed))
+                         parallel=ParallelConfig(cp=cp, pp=pp,
+                                                 distributed_optimizer=distributed))
 
 
-def _step(hf, dp, optimizer: str = "sgd", cp: int = 1) -> dict:
+def _step(hf, dp, optimizer: str = "sgd", cp: int = 1, pp: int = 1) -> dict:
     """One train_on_batch (clipping on) on this rank's megatron model of `hf`: "sgd" (lr 1,
     the gradient itself in the weights), "adamw" / "distributed" (AdamW through
     training/setup.py's optimizer, replicated or the distributed optimizer)."""
@@ -51,7 +52,7 @@ def _step(hf, dp, optimizer: str = "sgd", cp: int = 1) -> dict:
 
     tok = build_char_tokenizer()
     backend = get_backend("megatron")
-    cfg = _config(optimizer == "distributed", cp)
+    cfg = _config(optimizer == "distributed", cp, pp)
     model = from_hf_model(hf)
     opt = (torch.optim.SGD(model.parameters(), lr=1.0) if optimizer == "sgd"
            else build_optimizer(cfg, backend, model, torch.float32))
@@ -119,6 +120,9 @@ def tp_cp_ranks(rank: int, tmp: Path) -> dict:
     initialize_parallel(2, 1, context_parallel_size=2)
     report = {"tp2cp2": _step(hf, ExpertDataParallel(), cp=2)}
     parallel_state.destroy_model_parallel()
+    initialize_parallel(1, 2, context_parallel_size=2)  # two stages, each over two CP ranks
+    report["pp2cp2"] = _step(hf, ExpertDataParallel(), cp=2, pp=2)
+    parallel_state.destroy_model_parallel()
     initialize_parallel(1, 1)
     report["cp1"] = _step(hf, None)
     parallel_state.destroy_model_parallel()
@@ -175,10 +179,14 @@ def test_a_cp_2_checkpoint_resumes_at_cp_1(report):
 
 
 def test_tensor_and_context_parallel_four_ranks_equal_one(tmp_path):
+    """tp = 2 x cp = 2, and pp = 2 x cp = 2 through megatron's pipeline schedule (each stage
+    sends its CP share of the activations), each equal to the one-rank step."""
     got = run_ranks("tp_cp_ranks", tmp_path, world=4, module=__name__,
                     timeout_s=SPAWN_TIMEOUT_S)
-    assert torch.allclose(got["tp2cp2"]["stats"], got["cp1"]["stats"], rtol=1e-5, atol=1e-6)
-    assert _max_diff(got["tp2cp2"]["weights"], got["cp1"]["weights"]) < 1e-5
+    for name in ("tp2cp2", "pp2cp2"):
+        assert torch.allclose(got[name]["stats"], got["cp1"]["stats"], rtol=1e-5, atol=1e-6), \
+            name
+        assert _max_diff(got[name]["weights"], got["cp1"]["weights"]) < 1e-5, name
 
 
 def _check(changes: dict, model: str = "examples/base-tiny") -> None:
@@ -193,7 +201,6 @@ def _check(changes: dict, model: str = "examples/base-tiny") -> None:
      r"parallel.cp = 2 needs backend = 'megatron'"),
     ({"parallel": {"cp": 2, "devices": ["cuda:0", "cuda:1", "cuda:2"]}},
      r"lists 3 devices, not a multiple of tp \* pp = 1 times cp = 2"),
-    ({"parallel": {"cp": 2, "pp": 2}}, r"parallel.cp = 2 with pp = 2 is not supported"),
     ({"parallel": {"cp": 2}, "megatron": {"context_parallel_size": 4}},
      r"context_parallel_size = 4 and parallel.cp = 2 conflict"),
     ({"parallel": {"cp": 2}, "megatron": {"sequence_parallel": True}},

@@ -383,7 +383,6 @@ def test_the_example_resolves_to_a_tp2_megatron_trainer():
 @pytest.mark.parametrize("parallel, words", [
     ({"tp": 3}, r"parallel.tp = 3 does not fit examples/base-tiny: num_heads=4 is not divisible"),
     ({"pp": 3}, r"parallel.pp = 3 does not fit examples/base-tiny: its 2 layers do not split"),
-    ({"cp": 2, "pp": 2}, r"parallel.cp = 2 with pp = 2 is not supported"),
 ])
 def test_a_layout_the_model_cannot_take_is_refused_at_load(parallel, words):
     from actors.trainer import TrainerActor, TrainerConfig

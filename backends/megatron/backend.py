@@ -106,10 +106,6 @@ class MegatronBackend:
     def _check_cp(cfg: TrainConfig) -> None:
         """ValueError for what context parallelism (parallel.cp > 1) does not cover yet."""
         par = cfg.parallel
-        if par.pp > 1:
-            raise ValueError(f"parallel.cp = {par.cp} with pp = {par.pp} is not supported by the "
-                             f"megatron backend (the pipeline runner sends whole sequences "
-                             f"between stages); use pp = 1 or cp = 1")
         if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
             raise ValueError(f"parallel.cp = {par.cp} with megatron's sequence_parallel is not "
                              f"supported; unset sequence_parallel or use cp = 1")

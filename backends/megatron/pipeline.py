@@ -18,6 +18,9 @@ Micro-batches are taken duck-typed (`input_ids`, `attention_mask`, `prompt_lens`
 A mixture-of-experts model's routing object (model.py MegatronRouting, `model.routing`) is
 given each micro-batch's layout right before its forward on every stage (routing replay, route
 metrics, the load-balancing loss of each stage's routers).
+With context parallelism each CP rank's stages run its load-balanced chunks of every sequence
+(context_parallel.py `split_batch`): the activations between stages are that share, and the
+last stage gathers its logits into whole sequences (`gather_from_cp`) for the loss.
 Invariant: on the same weights and samples the step through this runner equals the step on a
 single-stage model (up to float summation order). Every rank of the job passes the same samples;
 each stage reads only what it needs.
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from algos.logprobs import response_logprobs
+from backends.megatron.context_parallel import gather_from_cp, padded_length, split_batch
 from backends.megatron.mcore import get_forward_backward_func, parallel_state
 from backends.megatron.model import MegatronCausalLM, blocked_attention, pad_to_split
 from backends.megatron.parallel import allreduce_tied_embedding_grads
@@ -51,6 +55,13 @@ def _forward_step(data_iterator, model, loss_for=None, routing=None):
         routing.set_batch([(getattr(mb, "routes", None), mb.attention_mask.bool())])
     config = model.config if hasattr(model, "config") else model.module.config
     width = mb.input_ids.shape[1]
+    if config.context_parallel_size > 1:  # this CP rank's chunks; whole sequences at the end
+        batch = split_batch(mb.input_ids, mb.attention_mask)
+        out = model(batch.input_ids, batch.position_ids, batch.attention_mask,
+                    runtime_gather_output=True)
+        if parallel_state.is_pipeline_last_stage():
+            out = gather_from_cp(out, 1, batch.length)
+        return out, (partial(loss_for, i, mb) if loss_for is not None else None)
     ids, mask = pad_to_split(config, mb.input_ids, mb.attention_mask)
     positions = torch.arange(ids.shape[1], device=ids.device)
     out = model(ids, positions.expand_as(ids), blocked_attention(mask),
@@ -75,13 +86,18 @@ class PipelineRunner:
         """The schedule over `mbs`; what the last stage collected per micro-batch (else [])."""
         self.model.core.config.variable_seq_lengths = True  # micro-batches differ in length
         routing = getattr(self.model, "routing", None)  # a MoE model's (MegatronRouting)
-        tp = self.model.core.config.tensor_model_parallel_size
+        config = self.model.core.config
+        tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+        longest = max(mb.input_ids.shape[1] for mb in mbs)
+        # what a stage sends: its tokens of the longest micro-batch (under context parallelism
+        # its share of the sequence padded to 2 * cp chunks)
+        seq = padded_length(longest, cp) // cp if cp > 1 else -(-longest // tp) * tp
         try:
             return get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_for=loss_for, routing=routing),
                 data_iterator=iter(list(enumerate(mbs))), model=[self.model.module],
                 num_microbatches=len(mbs),
-                seq_length=-(-max(mb.input_ids.shape[1] for mb in mbs) // tp) * tp,
+                seq_length=seq,
                 micro_batch_size=max(len(mb.samples) for mb in mbs), forward_only=forward_only)
         finally:
             if routing is not None:
@@ -103,13 +119,16 @@ class PipelineRunner:
         """Forward and backward of every micro-batch; `loss_fn(i, logp, ent, logits or None)`
         on the last stage gives micro-batch i's loss. Tied embedding gradients summed after."""
         num_mbs = len(mbs)
+        cp = self.model.core.config.context_parallel_size
 
         def loss_for(i: int, mb: Any, logits: torch.Tensor):
             logp, ent, resp_logits = _response(logits, mb, temperature)
             loss = loss_fn(i, logp, ent, resp_logits if with_logits else None)
-            # the schedule divides each micro-batch's loss by their number: undone here, the
-            # step's losses are already normalised over the whole step
-            return loss * num_mbs, {"loss": loss.detach()}
+            # the schedule divides each micro-batch's loss by their number and multiplies it
+            # by the CP size (megatron's CP ranks each take the loss of their own tokens; here
+            # each has the whole sequence's, from gathered logits): both undone, the step's
+            # losses are already normalised over the whole step
+            return loss * num_mbs / cp, {"loss": loss.detach()}
 
         self._run(mbs, loss_for, forward_only=False)
         allreduce_tied_embedding_grads(self.model)
