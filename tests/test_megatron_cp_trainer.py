@@ -204,7 +204,9 @@ def _check(changes: dict, model: str = "examples/base-tiny") -> None:
     ({"parallel": {"cp": 2}, "megatron": {"context_parallel_size": 4}},
      r"context_parallel_size = 4 and parallel.cp = 2 conflict"),
     ({"parallel": {"cp": 2}, "megatron": {"sequence_parallel": True}},
-     r"parallel.cp = 2 with megatron's sequence_parallel"),
+     r"sequence_parallel needs Transformer Engine's norm layers"),
+    ({"parallel": {"tp": 2}, "megatron": {"sequence_parallel": True}},
+     r"unset sequence_parallel \(tensor parallelism runs without it\)"),
 ])
 def test_context_parallel_placement_is_checked_at_load(changes, words):
     with pytest.raises(ValueError, match=words):

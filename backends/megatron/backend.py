@@ -16,7 +16,9 @@ replay, route metrics, the load-balancing loss). Context parallelism (parallel.c
 model's forward splits each sequence over the CP ranks of a replica (model.py, through
 context_parallel.py); the CP ranks share the replica's micro-batches (the step's data-parallel
 reductions exclude them) and sum their gradients (`init_model_parallel`'s reductions,
-`prepare_grads`); MoE, pp > 1 and sequence_parallel are refused with cp > 1 (`check_config`).
+`prepare_grads`), with tp, pp, ep (MoE) and the distributed optimizer. Megatron's
+sequence_parallel is refused at load: megatron-core's local layers (no Transformer Engine here)
+refuse it in their norms.
 The option table
 (`TrainConfig.megatron`) is checked here. Invariant: importing this module imports megatron-core
 only through the submodules it names at the top (all of them from `mcore.py`); the config
@@ -95,20 +97,15 @@ class MegatronBackend:
         if not cfg.device.startswith("cuda") and not on_cpu_shim():
             raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
                              "CPU path); use backend = 'torch' with device = 'cpu'")
-        if cfg.parallel.cp > 1:
-            self._check_cp(cfg)
+        if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
+            raise ValueError("megatron's sequence_parallel needs Transformer Engine's norm "
+                             "layers; this backend builds megatron-core's local layers, whose "
+                             "torch norms refuse it (megatron-core 0.16.1): unset "
+                             "sequence_parallel (tensor parallelism runs without it)")
         if is_moe(cfg.model):
             self._check_moe(cfg)
         if cfg.lora is not None:
             self._check_lora(cfg)
-
-    @staticmethod
-    def _check_cp(cfg: TrainConfig) -> None:
-        """ValueError for what context parallelism (parallel.cp > 1) does not cover yet."""
-        par = cfg.parallel
-        if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
-            raise ValueError(f"parallel.cp = {par.cp} with megatron's sequence_parallel is not "
-                             f"supported; unset sequence_parallel or use cp = 1")
 
     @staticmethod
     def _check_moe(cfg: TrainConfig) -> None:
@@ -131,9 +128,6 @@ class MegatronBackend:
     def _check_lora(cfg: TrainConfig) -> None:
         """ValueError for a LoRA student this backend cannot train (lora.py)."""
         check_targets(list(cfg.lora.target_modules))
-        if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
-            raise ValueError("lora with megatron's sequence_parallel is not supported: the "
-                             "adapters take whole-sequence inputs; unset sequence_parallel")
         if cfg.parallel.pp > 1 and cfg.kl.coef > 0 and not cfg.kl.ref_model:
             # the step asks the last stage alone for the reference's log-probs; through the
             # pipeline every stage must run that pass (AdaptersOffReference.runner_logprobs)
