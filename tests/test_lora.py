@@ -283,7 +283,7 @@ def test_lora_run_through_the_launcher_learns_pushes_adapters_and_resumes(tmp_pa
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
                 .splitlines()]
 
-    records = run(30, False)
+    records = run(45, False)  # 0.59-0.66 after 30 steps, 0.72-0.75 after 45
     steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
     adapter = 2 * 7 * 16 * 2 * 64 * 4  # 2 layers x 7 modules x rank 16 x (in + out ~ 2 x 64)
     for v in steps:
@@ -298,9 +298,9 @@ def test_lora_run_through_the_launcher_learns_pushes_adapters_and_resumes(tmp_pa
         .is_file()
     merged, _ = load_model(str(run_dir / "merged"), "cpu", torch.float32, 0)
     assert not lora.has_adapters(merged)
-    records = run(32, True)
+    records = run(47, True)
     steps = [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
-    assert [v["version"] for v in steps][-2:] == [31, 32]
+    assert [v["version"] for v in steps][-2:] == [46, 47]
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
     assert all(v["train/engine_logprob_abs_diff"] < 1e-5 for v in steps[-2:])
 
