@@ -304,6 +304,7 @@ HOSTS = """
 name = "megatron-tp2"
 progress_interval_s = 1.0
 shutdown_timeout_s = 5.0
+ready_timeout_s = 180.0  # the driver's ranks load the machine while the trainer starts
 
 [[hosts]]
 name = "local"
@@ -330,6 +331,7 @@ envs = [{ cls = "envs.builtin.arith:ArithEnv", options = { max_operand = 9 } }]
 cls = "actors.trainer:TrainerActor"
 after = ["worker0", "buffer"]  # starts beside the rollout
 primary = true
+start_timeout_s = 150.0  # megatron's import took 16 s and the start 38 s in a loaded CI run
 [actors.trainer.config]
 model = "examples/base-tiny"
 backend = "megatron"
