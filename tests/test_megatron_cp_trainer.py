@@ -21,7 +21,6 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("megatron.core")
 
-from tests.helpers import trainer_steps
 from tests.test_megatron_parallel import run_ranks  # noqa: E402
 
 SPAWN_TIMEOUT_S = 400  # two ranks, three steps each, on a loaded two-core machine
@@ -229,60 +228,14 @@ def test_context_parallel_derives_the_data_parallel_size():
     assert (par.dp, par.world_size) == (2, 8)
 
 
-ROOT = Path(__file__).resolve().parent.parent
-CP_HOSTS = """
-[run]
-name = "cp"
-shutdown_timeout_s = 5.0
-plots = false
-
-[rl]
-model = "{model}"
-workers = 1
-group_size = 8
-groups_per_batch = 4
-max_staleness = 0
-num_steps = {steps}
-lr = 3e-4
-micro_batch_size = 32
-save_every = 2
-eval_every = 1000
-eval_tasks = 20
-moe = {{ routing_replay = "rollout" }}
-envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} }}]
-
-[actors.trainer.config]
-backend = "megatron"
-parallel = {{ cp = {cp}, ep = {ep} }}
-"""
-
-
 @pytest.mark.timeout(400)
 def test_context_parallel_trainer_from_hosts_toml_resumes_at_another_cp(tmp_path):
     """examples/moe-tiny with `parallel = { cp = 2, ep = 2 }` from hosts.toml (two trainer
     ranks, one replica: each sequence split over them, each holding half of the experts, the
-    workers' routes replayed): the run completes with the worker's log-probs equal to the
-    trainer's and the routes agreeing; resumed at cp = ep = 1 on one rank it continues from the
-    cp = 2 checkpoint."""
-    import os
-    import subprocess
-    import sys
+    workers' routes replayed; tests/test_megatron_moe.py `moe_run_and_resume`): resumed at
+    cp = ep = 1 on one rank it continues from the cp = 2 checkpoint."""
+    from tests.test_megatron_moe import moe_run_and_resume
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
-    hosts, run_dir = tmp_path / "hosts.toml", tmp_path / "run"
-    model = ROOT / "examples" / "moe-tiny"
-    for steps, cp, flag in ((4, 2, "--run-dir"), (5, 1, "--resume")):
-        hosts.write_text(CP_HOSTS.format(model=model, steps=steps, cp=cp, ep=cp))
-        done = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), flag,
-                               str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:]
-    steps = trainer_steps(run_dir)
-    assert [int(v["version"]) for v in steps] == list(range(1, 6))
-    for v in steps:
-        assert v["train/logprob_abs_diff"] < 1e-5 and v["moe/route_mismatch"] < 0.01, v
+    steps = moe_run_and_resume(tmp_path, (4, "cp = 2, ep = 2"), (5, "cp = 1, ep = 1"))
     assert [v.get("train/cp_size") for v in steps] == [2.0] * 4 + [None]
     assert [v.get("train/ep_size") for v in steps] == [2.0] * 4 + [None]
-    assert "resumed from the checkpoint of step 4" in done.stdout
-    assert (run_dir / "logs" / "trainer.rank1.log").is_file()  # the cp = 2 run had two ranks

@@ -13,6 +13,7 @@ tp = 2 x ep = 2 needs four processes: it runs in its own launch (`four_ranks`).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -696,9 +697,9 @@ def test_trainer_setup_routing_push_names_and_resume(tmp_path):
 # through the launcher
 # ---------------------------------------------------------------------------------------------
 
-EP_HOSTS = """
+MOE_HOSTS = """
 [run]
-name = "moe-ep"
+name = "moe-parallel"
 shutdown_timeout_s = 5.0
 plots = false
 
@@ -711,7 +712,7 @@ max_staleness = 0
 num_steps = {steps}
 lr = 3e-4
 micro_batch_size = 64
-save_every = 3
+save_every = {save_every}
 eval_every = 1000
 eval_tasks = 20
 moe = {{ routing_replay = "rollout" }}
@@ -719,33 +720,40 @@ envs = [{{ cls = "envs.builtin.arith:ArithEnv", options = {{ max_operand = 9 }} 
 
 [actors.trainer.config]
 backend = "megatron"
-parallel = {{ dp = {dp}, ep = {ep}, distributed_optimizer = {do} }}
+parallel = {{ {parallel} }}
 """
 
 
-@pytest.mark.timeout(400)
-def test_expert_parallel_trainer_from_hosts_toml_resumes_at_another_expert_layout(tmp_path):
-    """examples/moe-tiny with `parallel = { dp = 2, ep = 2, distributed_optimizer = true }`
-    from hosts.toml (two trainer ranks, each holding 2 of the 4 experts per layer, the optimizer
-    state sharded; routing replay on): the run completes with the worker's log-probs equal to
-    the trainer's and the routes agreeing; resumed with ep = 1 on one rank (the replicated
-    optimizer) it continues from the ep = 2 checkpoint."""
-    import os
-
+def moe_run_and_resume(tmp_path: Path, first: tuple[int, str], then: tuple[int, str]
+                       ) -> list[dict]:
+    """examples/moe-tiny on the megatron backend from hosts.toml (routing replay on): `first`
+    = (steps, the `parallel` table's fields) runs on two trainer ranks and checkpoints its
+    last step, `then` resumes from it on one rank. Checks every step's worker log-probs equal
+    the trainer's and the routes agree; returns the trainer's per-step values."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(ROOT / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
     hosts, run_dir = tmp_path / "hosts.toml", tmp_path / "run"
-    model = ROOT / "examples" / "moe-tiny"
-    for steps, dp, ep, do, flag in ((6, 2, 2, "true", "--run-dir"),
-                                    (8, 1, 1, "false", "--resume")):
-        hosts.write_text(EP_HOSTS.format(model=model, steps=steps, dp=dp, ep=ep, do=do))
+    for (steps, parallel), flag in ((first, "--run-dir"), (then, "--resume")):
+        hosts.write_text(MOE_HOSTS.format(model=ROOT / "examples" / "moe-tiny", steps=steps,
+                                          save_every=first[0], parallel=parallel))
         done = subprocess.run([sys.executable, "-m", "launch.cluster", str(hosts), flag,
                                str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:]
     steps = trainer_steps(run_dir)
-    assert [int(v["version"]) for v in steps] == list(range(1, 9))
+    assert [int(v["version"]) for v in steps] == list(range(1, then[0] + 1))
     for v in steps:
         assert v["train/logprob_abs_diff"] < 1e-5 and v["moe/route_mismatch"] < 0.01, v
-    assert "resumed from the checkpoint of step 6" in done.stdout
-    assert (run_dir / "logs" / "trainer.rank1.log").is_file()  # the ep = 2 run had two ranks
+    assert f"resumed from the checkpoint of step {first[0]}" in done.stdout
+    assert (run_dir / "logs" / "trainer.rank1.log").is_file()  # the first run had two ranks
+    return steps
+
+
+@pytest.mark.timeout(400)
+def test_expert_parallel_trainer_from_hosts_toml_resumes_at_another_expert_layout(tmp_path):
+    """`parallel = { dp = 2, ep = 2, distributed_optimizer = true }` (two trainer ranks, each
+    holding 2 of the 4 experts per layer, the optimizer state sharded): resumed with ep = 1 on
+    one rank (the replicated optimizer) it continues from the ep = 2 checkpoint."""
+    steps = moe_run_and_resume(tmp_path, (6, "dp = 2, ep = 2, distributed_optimizer = true"),
+                               (8, "dp = 1, ep = 1"))
+    assert [v.get("train/ep_size") for v in steps] == [2.0] * 6 + [None] * 2
