@@ -272,20 +272,17 @@ class TeacherStream:
             except ScoreError:
                 retok.append(None)
                 stats["failed_samples"] += 1
+        # built on the host, moved to the device once
         B, R = part.mask.shape
-        dev = part.mask.device
-        out = CrossOutput(torch.zeros(B, R, device=dev),
-                          torch.tensor([r is not None for r in retok], device=dev))
+        logp = torch.zeros(B, R)
+        topk_ids = torch.zeros(B, R, run_k, dtype=torch.long) if run_k else None
+        topk_logp = torch.full((B, R, run_k), -math.inf) if run_k else None
+        sorted_pos = torch.zeros(B, R, dtype=torch.bool) if sorted_term else None
+        sorted_logp = torch.full((B, R, run_k), -math.inf) if sorted_term else None
         scored = [i for i, r in enumerate(retok) if r is not None]
-        if run_k:
-            out.topk_ids = torch.zeros(B, R, run_k, dtype=torch.long)
-            out.topk_logp = torch.full((B, R, run_k), -math.inf)
-        if sorted_term:
-            out.sorted_pos = torch.zeros(B, R, dtype=torch.bool)
-            out.sorted_logp = torch.full((B, R, run_k), -math.inf)
         if scored:
-            lp, ids, top = self._own_scores(name, [retok[i] for i in scored], params, k, dev)
-            logp = out.logp.new_zeros(B, R, device="cpu").numpy()
+            lp, ids, top = self._own_scores(name, [retok[i] for i in scored], params, k,
+                                            part.mask.device)
             for row, i in enumerate(scored):
                 s, r = part.samples[i], retok[i]
                 n_t, n_s = len(r.response_ids), len(s.response_ids)
@@ -293,23 +290,22 @@ class TeacherStream:
                     r, s.rollout_logprobs, s.response_ids, s.loss_mask, lp[row, :n_t],
                     ids[row, :n_t] if k else None, top[row, :n_t] if k else None, run_k,
                     prefix, stats, sorted_term, spec.topk_map)
-                logp[i, :n_s] = got.values
+                logp[i, :n_s] = torch.from_numpy(got.values)
                 if got.topk is not None:  # k columns, fewer for a teacher of fewer tokens
                     w = got.topk.ids.shape[1]
-                    out.topk_ids[i, :n_s, :w] = torch.from_numpy(got.topk.ids)
-                    out.topk_logp[i, :n_s, :w] = torch.from_numpy(got.topk.logprobs)
+                    topk_ids[i, :n_s, :w] = torch.from_numpy(got.topk.ids)
+                    topk_logp[i, :n_s, :w] = torch.from_numpy(got.topk.logprobs)
                 if got.sorted_positions is not None and len(got.sorted_positions):
                     pos = torch.from_numpy(got.sorted_positions)
-                    out.sorted_pos[i, pos] = True
-                    out.sorted_logp[i, pos, :got.sorted_logprobs.shape[1]] = \
+                    sorted_pos[i, pos] = True
+                    sorted_logp[i, pos, :got.sorted_logprobs.shape[1]] = \
                         torch.from_numpy(got.sorted_logprobs).float()
-            out.logp = torch.from_numpy(logp).to(dev)
-        if out.topk_ids is not None:
-            out.topk_logp.masked_fill_(repeated_entries(out.topk_ids), -math.inf)
-            out.topk_ids, out.topk_logp = out.topk_ids.to(dev), out.topk_logp.to(dev)
-        if out.sorted_pos is not None:
-            out.sorted_pos, out.sorted_logp = out.sorted_pos.to(dev), out.sorted_logp.to(dev)
-        return out
+        if topk_ids is not None:
+            topk_logp.masked_fill_(repeated_entries(topk_ids), -math.inf)
+        dev = part.mask.device
+        return CrossOutput(logp.to(dev), torch.tensor([r is not None for r in retok], device=dev),
+                           *(None if t is None else t.to(dev)
+                             for t in (topk_ids, topk_logp, sorted_pos, sorted_logp)))
 
     def _own_scores(self, name: str, retok: list[Any], params: dict, k: int, dev: Any
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
