@@ -143,6 +143,57 @@ def _local(ids: torch.Tensor, lo: int, rows: int) -> tuple[torch.Tensor, torch.T
     return local.clamp(0, rows - 1), owned
 
 
+def same_rows(weight: torch.Tensor, like: torch.Tensor, group) -> torch.Tensor:
+    """`weight`'s rows that this rank's shard `like` [Vs, H] covers: a whole output weight
+    [V, H] (a teacher not split over the group) is cut to rows [r Vs, (r + 1) Vs); a weight
+    already split like `like` is returned as it is."""
+    if _world(group) == 1 or weight.shape[0] == like.shape[0]:
+        return weight
+    lo, vocab = _shard(like, group)
+    if weight.shape[0] != vocab:
+        raise ValueError(f"an output weight of {weight.shape[0]} rows beside a vocabulary of "
+                         f"{vocab} split over {_world(group)} ranks: the vocabularies differ")
+    return weight[lo:lo + like.shape[0]]
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity; the backward sums the gradient over the group (each rank's is the part from
+    its vocabulary rows)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous(), _SUM, ctx.group), None
+
+
+class _GatherVocab(torch.autograd.Function):
+    """[m, Vs] of every rank -> [m, V]; the backward keeps this rank's columns (the loss on the
+    gathered logits is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, z, group):
+        ctx.group, ctx.rows = group, z.shape[-1]
+        return _all_gather_cat(z, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lo = (0 if ctx.group is None else dist.get_rank(ctx.group)) * ctx.rows
+        return grad[..., lo:lo + ctx.rows], None
+
+
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+    """hidden [m, H] W^T over the whole vocabulary [m, V], differentiable, for a few rows (a
+    term that needs the whole distribution of some tokens): under `group` each rank's rows
+    gathered, the gradient of hidden summed over the group."""
+    if _world(group) == 1:
+        return hidden @ weight.T
+    return _GatherVocab.apply(_CopyToGroup.apply(hidden, group) @ weight.T, group)
+
+
 def _check_head(hidden: torch.Tensor, weight: torch.Tensor, who: str = "hidden") -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"{who} {tuple(hidden.shape)} and its output weight "

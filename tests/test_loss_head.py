@@ -21,6 +21,8 @@ from algos.loss_head import (
     head_set_kl,
     head_top_k_ids,
     head_weighted_set_kl,
+    same_rows,
+    vocab_logits,
 )
 from tests.helpers import two_gloo_ranks
 
@@ -321,7 +323,7 @@ def test_the_default_chunk_holds_at_most_head_chunk_bytes_of_logits():
 TP_VOCAB = 38  # 19 rows a rank
 
 
-def tp_cases(y, ids, valid, lps):
+def tp_cases(y, ids, valid, lps, tw_whole):
     """name -> f(h, w, th, tw, **kw) = (outputs compared, outputs differentiated)."""
     def logprobs(h, w, th, tw, **kw):
         out = list(head_logprobs(h, w, y, **kw))
@@ -343,10 +345,19 @@ def tp_cases(y, ids, valid, lps):
                                          teacher_hidden=th, teacher_weight=tw, **kw)
         return [loss, kl_], [loss]
 
+    def whole_teacher(h, w, th, tw, **kw):  # a teacher not split: each rank reads its rows
+        out = [head_set_kl(h, w, "full", teacher_hidden=th,
+                           teacher_weight=same_rows(tw_whole, w, kw.get("group")), **kw)]
+        return out, out
+
+    def whole_logits(h, w, th, tw, group=None, **kw):  # [N, V] gathered, a term of its rows
+        z = vocab_logits(h, w, group)
+        return [z], [torch.log_softmax(z * 0.7, -1)[:, 3] + z[:, -1]]
+
     return {"logprobs": logprobs, "full": kl(mode="full"), "top_p": kl(mode="top_p", top_p=0.8),
             "top_p_ids": kl(mode="top_p", ids=ids, valid=valid),
             "top_k_teacher": kl(mode="top_k", ids=ids), "top_k_logprobs": top_k,
-            "weighted": weighted}
+            "weighted": weighted, "whole_teacher": whole_teacher, "vocab_logits": whole_logits}
 
 
 def worker(rank: int, port: int, out: str) -> None:
@@ -367,7 +378,7 @@ def worker(rank: int, port: int, out: str) -> None:
         valid = torch.rand(N, K, generator=torch.Generator().manual_seed(5)) > 0.3
         valid[:, 0] = True
         lps = torch.log_softmax((th @ tw.T) / 0.5, dim=-1).gather(-1, ids)
-        for name, f in tp_cases(y, ids, valid, lps).items():
+        for name, f in tp_cases(y, ids, valid, lps, tw.detach()).items():
             for temperature in (1.0, 0.7):
                 for chunk in (1, 5):
                     kw = {"temperature": temperature, "chunk_tokens": chunk}
@@ -393,7 +404,7 @@ def test_two_vocabulary_shards_equal_one_rank(tmp_path):
             else:
                 dtype = torch.float64 if "float64" in key else torch.float32
                 assert value <= TOL[dtype], (key, value)
-        assert len(report) == 16
+        assert len(report) == 20
 
 
 def test_a_caller_sets_the_chunk_for_its_block_only():

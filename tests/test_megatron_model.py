@@ -121,46 +121,71 @@ def test_hf_export_loads_back_into_transformers(tp1, tmp_path):
 
 
 @pytest.mark.parametrize("masters", [False, True])
-def test_training_step_equals_the_torch_backend(tp1, masters):
+def test_training_step_equals_the_torch_backend(tp1, masters, monkeypatch):
     """masters: through fp32 master weights (in fp32 they change nothing numerically; the torch
     backend clips the masters' gradients, megatron its own parameters' before the step).
     "schedule": the one-stage megatron model through the pipeline runner (megatron's schedule
-    without pipelining) instead of its whole forward."""
+    without pipelining) instead of its whole forward. "packed": the whole forward on packed
+    rows (micro_batches.pack, a block-causal 4D mask). The megatron steps' log-probs come from
+    the loss head over the output layer's rows (training/heads.py), not from logits."""
+    import msgspec
+
+    import training.heads as heads
     from actors.trainer import TrainerConfig
     from backends.megatron.pipeline import PipelineRunner
     from models.tiny import build_tiny
-    from training.config import MicroBatchConfig, OptimizerConfig
     from training.backends import get_backend
+    from training.config import MicroBatchConfig, OptimizerConfig
     from training.master_weights import MasterWeightOptimizer
     from training.step import TrainState, train_on_batch
 
     hf, tok = build_tiny("tiny-qwen2", seed=0)
     model, _ = mg.load_model("tiny-qwen2", seed=0)  # the trainer's entry: same weights as hf
     scheduled, _ = mg.load_model("tiny-qwen2", seed=0)
+    packed, _ = mg.load_model("tiny-qwen2", seed=0)
     before = hf.model.embed_tokens.weight.detach().clone()
-    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+    # one padded forward per micro-batch (not CPU fp32's by-length forwards, which keep logits)
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"],
+                        micro_batches=MicroBatchConfig(size=3, forward_by_length=False),
                         optimizer=OptimizerConfig(grad_clip=0.5))
+    pack_cfg = msgspec.structs.replace(cfg, micro_batches=MicroBatchConfig(size=3, pack=True))
+    head_calls, widths = [], {}
+    real = heads.head_logprobs
+    monkeypatch.setattr(heads, "head_logprobs",
+                        lambda *a, **k: head_calls.append(a[1].shape) or real(*a, **k))
+    for net in (model, packed):
+        net.core.register_forward_pre_hook(
+            lambda _m, args, net=net: widths.setdefault(id(net), []).append(args[0].numel()))
     stats = {}
-    for name, net, runner in (("torch", hf, None), ("megatron", model, None),
-                              ("schedule", scheduled, PipelineRunner(scheduled))):
+    for name, net, runner, c in (("torch", hf, None, cfg), ("megatron", model, None, cfg),
+                                 ("schedule", scheduled, PipelineRunner(scheduled), cfg),
+                                 ("packed", packed, None, pack_cfg)):
         opt = (MasterWeightOptimizer(net.parameters(), lambda ps: torch.optim.SGD(ps, lr=1.0))
                if masters else torch.optim.SGD(net.parameters(), lr=1.0))
         state = TrainState(net, tok, opt, backend=get_backend("torch" if net is hf else "megatron"))
-        stats[name] = train_on_batch(state, batch(tok), cfg, runner=runner)
+        head_calls.clear()
+        stats[name] = train_on_batch(state, batch(tok), c, runner=runner)
+        # the head path: the output layer's rows (and none from the pipeline runner's logits)
+        want_rows = hf.lm_head.weight.shape if name != "schedule" else None
+        assert (head_calls[0] if head_calls else None) == want_rows, name
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/policy_kl"):
-        for name in ("megatron", "schedule"):
+        for name in ("megatron", "schedule", "packed"):
             assert stats[name][key] == pytest.approx(stats["torch"][key], rel=1e-5,
                                                      abs=1e-7), (name, key)
     assert stats["torch"]["train/grad_norm"] > 0.5  # clipping was active
+    # packed rows compute fewer tokens than the padded ones, pass for pass
+    assert sum(widths[id(packed)]) < sum(widths[id(model)])
+    assert len(widths[id(packed)]) == len(widths[id(model)])
     # SGD at lr 1: the weights move by the clipped gradient itself, so this compares gradients
     # (Adam would amplify float noise in near-zero gradients to a full lr-sized step)
     after = model.hf_state_dict()
     assert (after["model.embed_tokens.weight"] - before).abs().max() > 1e-2
-    via_schedule = scheduled.hf_state_dict()
+    via_schedule, via_packed = scheduled.hf_state_dict(), packed.hf_state_dict()
     for key, want in hf.state_dict().items():
         if key != "lm_head.weight":
             assert (after[key] - want).abs().max() < 1e-5, key
             assert (via_schedule[key] - want).abs().max() < 1e-5, key
+            assert (via_packed[key] - want).abs().max() < 1e-5, key
 
 
 def test_trainer_backend_megatron_state_checkpoint_and_weight_names(tp1, tmp_path):

@@ -58,8 +58,9 @@ def rank_main(target: str, rank: int, world: int, tmp: str, module: str = __name
         raise
 
 
-def _step(name: str, grad_clip: float) -> dict:
-    """One train_on_batch with SGD (lr 1) on this rank's megatron shard of tiny `name`."""
+def _step(name: str, grad_clip: float, **micro: object) -> dict:
+    """One train_on_batch with SGD (lr 1) on this rank's megatron shard of tiny `name`
+    (`micro`: micro_batches fields)."""
     from actors.trainer import TrainerConfig
     from backends.megatron.model import from_hf_model
     from models.tiny import build_char_tokenizer
@@ -73,7 +74,7 @@ def _step(name: str, grad_clip: float) -> dict:
     model = from_hf_model(hf_model(name))
     state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0),
                        backend=get_backend("megatron"))
-    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3),
+    cfg = TrainerConfig(model="x", workers=["w"], micro_batches=MicroBatchConfig(size=3, **micro),
                         optimizer=OptimizerConfig(grad_clip=grad_clip))
     stats = train_on_batch(state, batch(tok), cfg)
     return {"loss": stats["train/loss"], "model": model, "optimizer": state.optimizer,
@@ -94,11 +95,13 @@ def tensor_parallel_ranks(rank: int, tmp: Path) -> dict:
         want = token_logprobs_and_entropy(hf, ids, mask)[0]
         got = token_logprobs_and_entropy(from_hf_model(hf), ids, mask)[0]
     tp2 = _step("qwen2-untied", grad_clip=0.0)
+    heads = _head_steps()
     checkpoint.save_distributed(tp2["model"], tmp / "ckpt", tp2["optimizer"], step=1, version=1)
     shard_rows = tp2["model"].core.embedding.word_embeddings.weight.shape[0]
     parallel_state.destroy_model_parallel()
     initialize_parallel(1, 1)  # the same two ranks as TP=1 x DP=2
     tp1 = _step("qwen2-untied", grad_clip=0.0)
+    heads1 = _head_steps()
     resharded = from_hf_model(hf_model("qwen2-untied", seed=7))
     meta = checkpoint.load_distributed(resharded, tmp / "ckpt")
     resharded_weights = resharded.hf_state_dict()
@@ -108,7 +111,50 @@ def tensor_parallel_ranks(rank: int, tmp: Path) -> dict:
             "loss": torch.tensor([tp2["loss"], tp1["loss"]]),
             "norm": torch.tensor([tp2["norm"], tp1["norm"]]),
             "tp2": tp2["weights"], "tp1": tp1["weights"], "resharded": resharded_weights,
-            "step": meta["step"]}
+            "step": meta["step"], "heads": heads, "heads1": heads1}
+
+
+def _head_steps() -> dict:
+    """Steps whose passes run the loss head over each tensor rank's vocabulary rows (one padded
+    forward per micro-batch, or packed rows), and a top-k OPD term from teacher replies: their
+    losses, norms and weights, and the row count and group the head saw."""
+    import training.heads as heads
+
+    seen = []
+    real = heads.head_logprobs
+
+    def spy(*args, **kwargs):
+        group = kwargs.get("group")
+        seen.append((args[1].shape[0], 1 if group is None else group.size()))
+        return real(*args, **kwargs)
+
+    heads.head_logprobs = spy
+    try:
+        out = {}
+        for name, micro in (("padded", dict(forward_by_length=False)), ("packed", dict(pack=True))):
+            seen.clear()
+            step = _step("qwen2-untied", grad_clip=0.0, **micro)
+            out[name] = {"loss": step["loss"], "norm": step["norm"], "weights": step["weights"],
+                         "head": seen[0]}
+        from backends.megatron.model import from_hf_model
+        from training.step import train_on_batch
+
+        model = from_hf_model(hf_model_fresh())
+        state, cfg, samples = _case_setup("opd_top_k", model)
+        cfg = msgspec_replace(cfg, forward_by_length=False)
+        stats = train_on_batch(state, samples, cfg)
+        out["opd_top_k"] = {"loss": stats["train/loss"], "norm": stats["train/grad_norm"],
+                            "weights": model.hf_state_dict()}
+        return out
+    finally:
+        heads.head_logprobs = real
+
+
+def msgspec_replace(cfg, **micro):
+    import msgspec
+
+    return msgspec.structs.replace(cfg, micro_batches=msgspec.structs.replace(
+        cfg.micro_batches, **micro))
 
 
 def both_layouts(rank: int, tmp: Path) -> dict:
@@ -133,6 +179,15 @@ def test_tensor_parallel_two_ranks_equal_one(reports):
         assert (report["tp2"][key] - want).abs().max() < 1e-5, key
         assert torch.equal(report["resharded"][key], report["tp2"][key]), key
     assert report["step"] == 1
+    for name in ("padded", "packed", "opd_top_k"):  # the loss head on each rank's rows
+        two, one = report["heads"][name], report["heads1"][name]
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), name
+        assert two["norm"] == pytest.approx(one["norm"], rel=1e-5) and one["norm"] > 0.1, name
+        for key, want in one["weights"].items():
+            assert (two["weights"][key] - want).abs().max() < 1e-5, (name, key)
+    for name in ("padded", "packed"):
+        assert report["heads"][name]["head"] == (27, 2), name  # half the rows, over 2 ranks
+        assert report["heads1"][name]["head"] == (54, 1), name
 
 
 def _pipeline_setup():

@@ -53,14 +53,18 @@ class ResponseHead:
     """The response positions' final hidden states and the output weight: z = hidden W^T."""
 
     hidden: torch.Tensor  # [B, R, H], the model's dtype
-    weight: torch.Tensor  # [V, H]
+    weight: torch.Tensor  # [V, H]; vocabulary parallel: this rank's rows [V / tp, H]
+    group: Any = None  # the process group the vocabulary rows are split over (None: one rank)
 
 
-def plain_head(model: Any) -> torch.nn.Linear | None:
-    """The model's output layer if z = h W^T is its logits as they are, else None."""
+def plain_head(model: Any) -> torch.nn.Module | None:
+    """The model's output layer if z = h W^T is its logits as they are, else None: a bias-free
+    `nn.Linear`, or a vocabulary-parallel head (`vocab_parallel`: `weight` this rank's rows,
+    `group` their process group; the megatron backend's VocabParallelHead)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+    linear = isinstance(head, torch.nn.Linear) and head.bias is None
+    if not (linear or getattr(head, "vocab_parallel", False)):
         return None
     config = getattr(model, "config", None)
     for name, neutral in LOGIT_RESCALES.items():
@@ -79,7 +83,8 @@ def response_head(model: Any, mb: MicroBatch, params: dict | None = None) -> Res
     seen: list[ResponseHead] = []
 
     def record(module, hidden):
-        seen.append(ResponseHead(hidden, module.weight))  # under functional_call: the set's
+        # under functional_call: the set's weight
+        seen.append(ResponseHead(hidden, module.weight, getattr(module, "group", None)))
         return hidden[:, :0]  # the layer makes [B, 0, V]: nothing
 
     if mb.packed is not None and params is None:
@@ -174,6 +179,6 @@ def head_response_logprobs(head: ResponseHead, mb: MicroBatch, temperature: floa
     B, R, H = head.hidden.shape
     logp, ent = head_logprobs(head.hidden.reshape(B * R, H), head.weight,
                               response_tokens(mb).reshape(-1), temperature,
-                              with_entropy=with_entropy)
+                              with_entropy=with_entropy, group=head.group)
     # float32 as algos.logprobs (a float64 model's values are made in float64, then rounded)
     return logp.view(B, R).float(), None if ent is None else ent.view(B, R).float()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from algos.cross_tokenizer import sorted_prob_distance
-from algos.loss_head import head_top_k_ids, head_weighted_set_kl
+from algos.loss_head import head_top_k_ids, head_weighted_set_kl, same_rows, vocab_logits
 from algos.opd import is_loss_term, opd_weights, teacher_kl_sums
 from training.batching import MicroBatch
 from training.colocated_teachers import OpdInputs, rows_with
@@ -53,8 +53,10 @@ def opd_head_loss(temperature: float, mb: MicroBatch, inp: OpdInputs, head: Resp
         if not mask.any():
             continue
         sample_tokens = mask.sum(dim=1)  # a sample's mean spans all its tokens, whatever the set
-        uld = sorted_term_loss(lambda b, j: head.hidden[b, j] @ head.weight.T, config, mask,
-                               inp, num_samples, sample_tokens, temperature, counts)
+        uld = sorted_term_loss(lambda b, j: vocab_logits(head.hidden[b, j], head.weight,
+                                                         head.group),
+                               config, mask, inp, num_samples, sample_tokens, temperature,
+                               counts)
         if uld is not None:
             total = total + uld
         for part, args in _sets(config, mask, inp, head, counts):
@@ -63,7 +65,8 @@ def opd_head_loss(temperature: float, mb: MicroBatch, inp: OpdInputs, head: Resp
                 continue
             w = opd_weights(part, inp.coef, num_samples, config.kl_coef, sample_tokens)[b, j]
             loss, kl = head_weighted_set_kl(head.hidden[b, j], head.weight, w,
-                                            temperature=temperature, **args(b, j))
+                                            temperature=temperature, group=head.group,
+                                            **args(b, j))
             total = total + loss
             if sums is not None:
                 per_token = part.new_zeros(part.shape, dtype=kl.dtype)
@@ -122,14 +125,19 @@ def _sets(config: Any, mask: torch.Tensor, inp: OpdInputs, head: ResponseHead,
 def _teacher_sets(config: Any, part: torch.Tensor, inp: OpdInputs, head: ResponseHead,
                   teacher: ResponseHead, local: torch.Tensor,
                   counts: dict[str, int] | None) -> Iterator[TermSet]:
+    # the teacher's output rows the student's rank holds (a whole teacher beside a student
+    # whose vocabulary is split over tensor ranks: each rank reads its own rows of it)
+    teacher_weight = same_rows(teacher.weight, head.weight, head.group)
+
     def side(b, j):  # the teacher's hidden states and weight at the positions
-        return {"teacher_hidden": teacher.hidden[local[b], j], "teacher_weight": teacher.weight}
+        return {"teacher_hidden": teacher.hidden[local[b], j], "teacher_weight": teacher_weight}
 
     if config.mode == "top_k":
         def top_k(b, j):
             h, w = ((head.hidden[b, j], head.weight) if config.top_k_from == "student"
-                    else (teacher.hidden[local[b], j], teacher.weight))
-            return {"mode": "top_k", "ids": head_top_k_ids(h.detach(), w, config.top_k),
+                    else (teacher.hidden[local[b], j], teacher_weight))
+            return {"mode": "top_k", "ids": head_top_k_ids(h.detach(), w, config.top_k,
+                                                            group=head.group),
                     **side(b, j)}
         yield part, top_k
         return

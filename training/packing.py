@@ -276,7 +276,11 @@ def use_packed_attention(model: Any, device: torch.device | str) -> str:
 
 
 def attention_mechanism(model: Any) -> str:
-    """How `packed_forward` keeps attention per sample for `model` (module docstring)."""
+    """How `packed_forward` keeps attention per sample for `model` (module docstring); a model
+    that names its own (`packed_attention`, the megatron backend's "mask") gets that."""
+    own = getattr(model, "packed_attention", None)
+    if own is not None:
+        return own
     impl = str(getattr(model.config, "_attn_implementation", None) or "")
     if "flash" in impl:
         return "varlen"

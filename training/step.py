@@ -224,8 +224,12 @@ def packing_allowed(state: TrainState, cfg: TrainConfig, runner: ModelRunner) ->
         reason = "OPD top_p_replay reads the student's response logits of the padded forward"
     elif not getattr(runner, "packs", False):
         reason = "the backend's runner (pipeline stages) schedules padded micro-batches"
-    elif cfg.backend != "torch":
-        reason = f"the {cfg.backend} backend's model attends over padded rows"
+    elif cfg.backend == "megatron" and getattr(getattr(state.model, "layout", None), "moe",
+                                               False):
+        reason = ("the megatron backend's mixture-of-experts routing maps the padded rows' "
+                  "tokens")
+    elif cfg.parallel.cp > 1:
+        reason = "context parallelism splits padded rows over the CP ranks"
     elif plain_head(state.model) is None:
         reason = ("the model's output layer is not a plain bias-free linear head "
                   "(training/heads.py plain_head)")

@@ -333,6 +333,8 @@ class MegatronCausalLM(torch.nn.Module):
                 if ".mlp.experts." in name:
                     param.register_hook(lambda grad, scale=scale: grad * scale)
 
+        self.lm_head = VocabParallelHead(self)
+
     @property
     def core(self) -> GPTModel:
         """The GPTModel itself (unwrapped from Float16Module)."""
@@ -344,12 +346,34 @@ class MegatronCausalLM(torch.nn.Module):
         offset = get_transformer_layer_offset(self.core.config)
         return range(offset, offset + len(self.core.decoder.layers))
 
+    # how training/packing.py keeps attention per sample on packed rows: an explicit 4D mask
+    packed_attention = "mask"
+
+    @property
+    def whole_forward(self) -> bool:
+        """This rank runs the model's whole forward through `lm_head` (one pipeline stage, no
+        context parallelism: a CP rank's forward gathers the logits of its chunks instead)."""
+        return (self.core.pre_process and self.core.post_process
+                and self.core.config.context_parallel_size == 1)
+
+    def get_output_embeddings(self) -> "VocabParallelHead | None":
+        """The output layer as transformers models give it (training/heads.py hooks it to take
+        the final hidden states and this rank's vocabulary rows); None where the forward does
+        not go through it (`whole_forward`)."""
+        return self.lm_head if self.whole_forward else None
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False
                 ) -> CausalLMOutput:
         """Logits [B, T, V] (all tensor ranks' vocabulary shards gathered). `position_ids` is
         accepted for the contract only: RoPE runs at 0..T-1, the same function for rows whose
-        real tokens are contiguous (module docstring); `use_cache` must stay False."""
+        real tokens are contiguous (module docstring); `use_cache` must stay False.
+        `attention_mask`: [B, T] (1 = token), or a 4D [B, 1, T, T] mask (additive, 0 where a
+        query may attend; or bool, True where it may), e.g. training/packing.py's block-causal
+        mask of packed rows: RoPE's scores depend only on position differences, and a sample's
+        tokens attend only within it, so its values are those of the sample alone.
+        The final hidden states go through `lm_head` (the output layer): a pre-hook there sees
+        them [B, T, H] and this rank's vocabulary rows, as on a transformers model."""
         if use_cache:
             raise ValueError("the megatron backend has no KV cache (use_cache=True)")
         if not (self.core.pre_process and self.core.post_process):
@@ -357,14 +381,36 @@ class MegatronCausalLM(torch.nn.Module):
                              "through backends.megatron.pipeline.PipelineRunner")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if self.core.config.context_parallel_size > 1:  # each CP rank its chunks, gathered
-            return CausalLMOutput(logits=cp_logits(self.module, input_ids, attention_mask))
         width = input_ids.shape[1]
-        input_ids, attention_mask = pad_to_split(self.core.config, input_ids, attention_mask)
+        if attention_mask.dim() == 4:
+            blocked = (~attention_mask if attention_mask.dtype == torch.bool
+                       else attention_mask != 0)
+            if self.core.config.context_parallel_size > 1 or self.core.config.sequence_parallel:
+                raise ValueError("a 4D attention mask (packed rows) runs without context or "
+                                 "sequence parallelism")
+        elif self.core.config.context_parallel_size > 1:  # each CP rank its chunks, gathered
+            return CausalLMOutput(logits=cp_logits(self.module, input_ids, attention_mask))
+        else:
+            input_ids, attention_mask = pad_to_split(self.core.config, input_ids,
+                                                     attention_mask)
+            blocked = blocked_attention(attention_mask)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        logits = self.module(input_ids, positions.expand_as(input_ids),
-                             blocked_attention(attention_mask), runtime_gather_output=True)
-        return CausalLMOutput(logits=logits[:, :width])
+        seen: list[torch.Tensor] = []
+
+        def take(_module, args, kwargs):  # the output layer computes nothing: lm_head does
+            seen.append(args[0])
+            return (args[0][:0],) + tuple(args[1:]), kwargs
+
+        handle = self.core.output_layer.register_forward_pre_hook(take, with_kwargs=True)
+        try:
+            self.module(input_ids, positions.expand_as(input_ids), blocked,
+                        runtime_gather_output=True)
+        finally:
+            handle.remove()
+        logits = self.lm_head(seen[0].transpose(0, 1)[:, :width])
+        if isinstance(self.module, Float16Module):  # as megatron's wrapper returns them
+            logits = logits.float()
+        return CausalLMOutput(logits=logits)
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         """Load HF-named full tensors: this rank keeps its tensor shard of its stage."""
@@ -401,6 +447,47 @@ class MegatronCausalLM(torch.nn.Module):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to a global gradient norm over all tensor/pipeline shards; returns the norm."""
         return clip_global_grad_norm(self, max_norm)
+
+
+class VocabParallelHead(torch.nn.Module):
+    """The GPTModel's output layer as a transformers model's `lm_head`: [B, T, H] final hidden
+    states -> [B, T, V] logits (this rank's vocabulary rows computed, then gathered over the
+    tensor ranks, megatron's ColumnParallelLinear). `weight` is this rank's rows [V / tp, H] of
+    the output weight (the embedding's, when tied) and `group` the tensor-parallel group over
+    which the rows are split (None at tp = 1): training/heads.py computes the log-probs,
+    entropies and OPD terms from (hidden, weight) over that group (algos/loss_head.py), so the
+    logits, whole or per rank, are never made. It holds no parameters of its own (the model's
+    are read through it), so the model's state is unchanged."""
+
+    vocab_parallel = True  # z = h W^T over the rows of `weight`, split over `group`
+
+    def __init__(self, model: "MegatronCausalLM"):
+        super().__init__()
+        self._model = [model]  # a list: not a submodule (no parameters counted twice)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        core = self._model[0].core
+        if core.share_embeddings_and_output_weights:
+            return core.shared_embedding_or_output_weight()
+        return core.output_layer.weight
+
+    @property
+    def group(self):
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return None
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        batch, width = hidden.shape[:2]
+        if not width:  # nothing asked (a pre-hook took the hidden states)
+            vocab = self.weight.shape[0] * parallel_state.get_tensor_model_parallel_world_size()
+            return hidden.new_empty(batch, 0, vocab)
+        core = self._model[0].core
+        weight = self.weight if core.share_embeddings_and_output_weights else None
+        logits, _ = core.output_layer(hidden.transpose(0, 1), weight=weight,
+                                      runtime_gather_output=True)
+        return logits.transpose(0, 1)
 
 
 def pad_to_split(config: TransformerConfig, input_ids: torch.Tensor,
