@@ -47,7 +47,7 @@ import torch
 from actors.trainer import TrainerConfig
 from models.moe import MoeShape, moe_shape
 from models.tiny import build_char_tokenizer
-from training.backends import TorchBackend
+from training.backends import get_backend
 from training.config import MicroBatchConfig, MoeConfig, OptimizerConfig
 from training.data_parallel import plan_micro_batches
 from training.master_weights import make_optimizer
@@ -183,21 +183,50 @@ def add_routes(samples: list[Sample], shape: MoeShape, seed: int = 0) -> None:
         s.routed_experts = np.argsort(keys, axis=-1)[..., :shape.top_k].astype(dtype)
 
 
+def megatron_model(shape: str, device: str, dtype: torch.dtype):
+    """The megatron backend's model of `shape` (one rank: TP = PP = 1), the random weights of
+    `hf_model`, built on the device (megatron's CPU initialisation off on CUDA)."""
+    from backends.megatron.model import from_hf_model, initialize_parallel, parallel_state
+
+    if not device.startswith("cuda") and not parallel_state.model_parallel_is_initialized():
+        from backends.megatron import cpu_shim  # megatron-core's CUDA calls, on the CPU
+
+        cpu_shim.install()
+    if not torch.distributed.is_initialized():  # one rank of its own
+        from transport.sockets import free_port
+
+        torch.distributed.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1,
+            init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(1, 1)
+    options = {"use_cpu_initialization": False} if device.startswith("cuda") else {}
+    hf = hf_model(shape, device, dtype)
+    model = from_hf_model(hf, options, dtype, device)
+    del hf
+    return model
+
+
 def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = False,
-              replay: bool = False) -> dict[str, float]:
+              replay: bool = False, backend: str = "torch") -> dict[str, float]:
     hidden, layers, vocab = dims(shape)
     attn = (args.pack_attn or preferred_attn_implementation(args.device)) if packed else None
-    model = hf_model(shape, args.device, dtype, attn)
-    if args.checkpointing:  # per-layer recompute in the backward (not counted as useful FLOPs)
-        checkpoint_activations(model)
+    if backend == "megatron":
+        model = megatron_model(shape, args.device, dtype)
+    else:
+        model = hf_model(shape, args.device, dtype, attn)
+    if args.checkpointing and backend == "torch":  # per-layer recompute in the backward (not
+        checkpoint_activations(model)  # counted as useful FLOPs)
     params = active_params(model)
     tok = build_char_tokenizer()  # only its pad id is read
-    state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6))
-    routing = TorchBackend().routing(model)  # a MoE model: its routes measured (replayed)
+    state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6),
+                       backend=get_backend(backend))
+    routing = state.backend.routing(model)  # a MoE model: its routes measured (replayed)
     attach_routing(model, routing)
     replay = replay and routing is not None
     cfg = TrainerConfig(model="bench", workers=["w"], dtype=str(dtype).split(".")[-1],
                         device=args.device, optimizer=OptimizerConfig(lr=1e-6),
+                        backend=backend, measure_policy_kl=args.policy_kl,
                         micro_batches=MicroBatchConfig(max_tokens=args.mb_tokens,
                                                        forward_by_length=False, pack=packed),
                         moe=MoeConfig(routing_replay="rollout" if replay else "off"))
@@ -248,20 +277,26 @@ def nvml_used_gib() -> float:
         pynvml.nvmlShutdown()
 
 
-def result_line(results: dict[str, dict[str, float]],
-                packed: dict[str, dict[str, float]] | None = None) -> str:
-    """The largest shape's torch MFU, step time and padding, padded and (with `packed`, the
-    same shapes' packed runs) packed; megatron is not measured here (n/a)."""
-    largest = max(results, key=lambda s: results[s]["params"])
-    r = results[largest]
-    if not packed:
-        return (f"RESULT mfu_best={r['mfu']:.3f} mfu_torch={r['mfu']:.3f} mfu_megatron=n/a "
-                f"packed_vs_padded=n/a step_s={r['step_s']:.4f} padding={r['padding']:.3f}")
-    q = packed[largest]
-    return (f"RESULT mfu_best={max(r['mfu'], q['mfu']):.3f} mfu_torch={r['mfu']:.3f} "
-            f"mfu_megatron=n/a packed_vs_padded={r['step_s'] / q['step_s']:.3f} "
-            f"step_s={r['step_s']:.4f} padding={r['padding']:.3f} mfu_packed={q['mfu']:.3f} "
-            f"step_packed_s={q['step_s']:.4f} padding_packed={q['padding']:.3f}")
+def result_line(runs: dict[tuple[str, str, bool], dict[str, float]]) -> str:
+    """The largest dense shape's runs, keyed (shape, backend, packed): each backend's best MFU
+    (padded or packed; n/a where it did not run), the best of all, and the torch backend's
+    padded over packed step time (n/a without both)."""
+    largest = max({k[0] for k in runs}, key=lambda s: max(r["params"] for k, r in runs.items()
+                                                            if k[0] == s))
+    mine = {k[1:]: r for k, r in runs.items() if k[0] == largest}
+    best = {b: max((r["mfu"] for (rb, _), r in mine.items() if rb == b), default=None)
+            for b in ("torch", "megatron")}
+    fields = {"mfu_best": max(v for v in best.values() if v is not None)}
+    fields |= {f"mfu_{b}": v for b, v in best.items()}
+    padded, packed = mine.get(("torch", False)), mine.get(("torch", True))
+    fields["packed_vs_padded"] = (padded["step_s"] / packed["step_s"] if padded and packed
+                                  else None)
+    for (b, is_packed), r in sorted(mine.items()):
+        tag = f"{b}_{'packed' if is_packed else 'padded'}"
+        fields[f"step_{tag}_s"] = r["step_s"]
+        fields[f"mfu_{tag}"] = r["mfu"]
+    return "RESULT " + " ".join(f"{k}={'n/a' if v is None else f'{v:.4f}'}"
+                                for k, v in fields.items())
 
 
 def moe_keys(moe: dict[str, dict[str, float]]) -> str:
@@ -304,6 +339,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per shape (median shown)")
     p.add_argument("--pack", action="store_true", help="also time the step with packed "
                    "micro-batches (micro_batches.pack = true) and compare")
+    p.add_argument("--backend", default="torch", help="comma-separated: torch, megatron "
+                   "(megatron-core's local layers on one rank; with --pack, packed rows through "
+                   "a block-causal mask)")
+    p.add_argument("--policy-kl", action="store_true", help="also run the no-grad forward "
+                   "after the update for train/policy_kl (measure_policy_kl = true, the "
+                   "trainer's default; overhead, not in the useful FLOPs)")
+    p.add_argument("--no-padded", action="store_true", help="with --pack: the packed step only")
     p.add_argument("--checkpointing", action="store_true", help="activation_checkpointing: "
                    "each layer's activations recomputed in the backward (its forward is "
                    "overhead, not in the useful FLOPs)")
@@ -315,9 +357,10 @@ def main() -> None:
     peak = matmul_peak(args.device, dtype, 8192 if args.device.startswith("cuda") else 512, 5)
     print(f"{args.device}, {str(dtype).split('.')[-1]}: matrix product peak "
           f"{peak / 1e12:.1f} TFLOP/s (measured)", flush=True)
-    results: dict[str, dict[str, float]] = {}
-    packed: dict[str, dict[str, float]] = {}
+    runs: dict[tuple[str, str, bool], dict[str, float]] = {}
     moe: dict[str, dict[str, float]] = {}
+    backends = args.backend.split(",")
+    layouts = ([] if args.pack and args.no_padded else [False]) + ([True] if args.pack else [])
     for shape in args.shape.split(","):
         if shape in MOE_SHAPES:  # active-parameter FLOPs; own RESULT keys
             moe[shape] = run_shape(shape, args, dtype, peak)
@@ -327,16 +370,18 @@ def main() -> None:
                 print(describe(shape, moe[shape + "+replay"], args.steps,
                                "MoE padded, routing replay"), flush=True)
             continue
-        results[shape] = run_shape(shape, args, dtype, peak)
-        print(describe(shape, results[shape], args.steps, "padded"), flush=True)
-        if args.pack:
-            packed[shape] = run_shape(shape, args, dtype, peak, packed=True)
-            print(describe(shape, packed[shape], args.steps, "packed (attention "
-                           f"{args.pack_attn or preferred_attn_implementation(args.device)})"),
-                  flush=True)
-    print("megatron: not measured by this script (n/a)" + ("" if args.pack else
-          "; packed micro-batches: run with --pack"))
-    line = result_line(results, packed) if results else "RESULT"
+        for backend in backends:
+            for packed in layouts:
+                runs[shape, backend, packed] = r = run_shape(shape, args, dtype, peak, packed,
+                                                             backend=backend)
+                attn = ("block-causal mask" if backend == "megatron" else
+                        args.pack_attn or preferred_attn_implementation(args.device))
+                print(describe(shape, r, args.steps, f"{backend} " + (
+                    f"packed (attention {attn})" if packed else "padded")), flush=True)
+    if args.checkpointing and "megatron" in backends:
+        print("megatron: no activation checkpointing (megatron recomputes layers in training "
+              "mode only; the step runs eval mode)")
+    line = result_line(runs) if runs else "RESULT"
     print(line + moe_keys(moe))
 
 

@@ -127,13 +127,18 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
     assert 5000 <= sum(lengths) < 5000 + 4096 and min(lengths) >= 2 and max(lengths) <= 4096
     out = subprocess.run([sys.executable, "-m", "bench.train_mfu", "--device", "cpu", "--shape",
                           "tiny,tiny-moe", "--tokens", "512", "--mb-tokens", "256", "--steps",
-                          "1", "--replay"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "1", "--replay", "--pack", "--backend", "torch,megatron"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     fields = dict(kv.split("=") for kv in last.split()[1:])
-    assert last.startswith("RESULT ") and 0 < float(fields["mfu_torch"]) < 1
-    assert fields["mfu_megatron"] == "n/a" and fields["packed_vs_padded"] == "n/a"
+    assert last.startswith("RESULT ")
+    for key in ("mfu_torch", "mfu_megatron", "mfu_torch_packed", "mfu_megatron_padded"):
+        assert 0 < float(fields[key]) < 1, key
+    assert float(fields["mfu_best"]) == max(float(fields["mfu_torch"]),
+                                            float(fields["mfu_megatron"]))
+    assert float(fields["packed_vs_padded"]) == pytest.approx(
+        float(fields["step_torch_padded_s"]) / float(fields["step_torch_packed_s"]), rel=1e-2)
     assert 0 < float(fields["mfu_moe"]) < 1 and float(fields["replay_overhead"]) > 0
 
 

@@ -214,3 +214,42 @@ def test_trainer_backend_megatron_state_checkpoint_and_weight_names(tp1, tmp_pat
     with pytest.raises(ValueError, match="backend = 'torch'"):
         TrainerActor.check_config(TrainerConfig(model="tiny-qwen2", workers=["w"],
                                                 megatron={"hidden_dropout": 0.0}))
+
+
+@pytest.mark.parametrize("rows", ["right", "left", "packed"])
+def test_torch_attention_at_one_context_rank_equals_megatrons(tp1, monkeypatch, rows):
+    """The core attention through torch's fused kernel at cp = 1 (the CUDA default,
+    `sdpa_at_cp1`) gives megatron's own attention's logits and gradients: on right- and
+    left-padded rows and on packed rows (a block-causal 4D mask)."""
+    from backends.megatron.context_parallel import ContextParallelAttention
+    from training.packing import block_causal_mask, pack
+
+    hf = hf_model("qwen2")
+    model = mg.from_hf_model(hf)
+    ids, mask = padded_batch(hf.config.vocab_size, left=rows == "left")
+    if rows == "packed":
+        seqs = [ids[r, :int(m.sum())].tolist() for r, m in enumerate(mask)]
+        packed = pack_rows(seqs, pack, 12)
+        ids, mask = packed.input_ids, block_causal_mask(packed, torch.float32)
+    out = {}
+    for sdpa in (False, True):
+        monkeypatch.setattr(ContextParallelAttention, "sdpa_at_cp1", sdpa)
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        real = mask.reshape(-1).bool() if rows != "packed" else None
+        picked = logits.reshape(-1, logits.shape[-1])[real] if real is not None else logits
+        (picked.float() ** 2).mean().backward()
+        out[sdpa] = (picked.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert (out[True][0] - out[False][0]).abs().max() < 1e-5
+    for name, grad in out[False][1].items():
+        assert (out[True][1][name] - grad).abs().max() < 1e-5, name
+
+
+def pack_rows(seqs: list[list[int]], pack, cap: int):
+    """Token lists packed by training/packing.py `pack` into rows of `cap` tokens."""
+    from transport.schema import Sample
+
+    samples = [Sample(group_id="g", index=i, domain="d", prompt_ids=s[:1], response_ids=s[1:],
+                      loss_mask=[1] * (len(s) - 1), rollout_logprobs=[0.0] * (len(s) - 1),
+                      reward=0.0) for i, s in enumerate(seqs)]
+    return pack(samples, cap)

@@ -367,6 +367,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # (transformers' gradient checkpointing, non-reentrant): far less activation memory for
     # about one more forward of compute; the megatron backend takes its own recompute_* options
     activation_checkpointing: bool = False
+    # one more no-grad forward after the update, for `train/policy_kl` (how far the step moved
+    # the policy on its own samples): about a fifth of a step's compute; false skips it (and
+    # the metric)
+    measure_policy_kl: bool = True
     # LoRA adapters trained instead of the full weights (None = full fine-tuning); pushes and
     # checkpoints carry the adapter only (docs/training.md, LoRA)
     lora: LoraConfig | None = None

@@ -191,14 +191,16 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     if state.critic is not None and last:  # the critic's inputs exist where the losses do
         stats["train/critic_grad_norm"] = critic_pass(state, mbs, prep, cfg, len(samples),
                                                       totals, dp)
-    new = runner.logprobs(mbs, state.temperature, by_length)
+    new = runner.logprobs(mbs, state.temperature, by_length) if cfg.measure_policy_kl else None
     if not last:
         return runner.share(stats)
-    for c, n, mb in zip(current, new, mbs):
+    for c, n, mb in zip(current, new or [], mbs):
         totals["policy_kl"] += float((approx_kl(c, n, "k3") * mb.mask).sum())
     summed = dp.sum_tensor(torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64))
     totals = dict(zip(TOTALS, summed.tolist()))
     stats |= summarize(samples, totals, grad_norm, state.version, cfg)
+    if not cfg.measure_policy_kl:
+        del stats["train/policy_kl"]
     stats |= routing_stats
     stats["train/oversized_samples"] = float(len(plan.oversized))
     if cfg.true_on_policy and dp.rank == 0:

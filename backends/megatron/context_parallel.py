@@ -296,6 +296,10 @@ class ContextParallelAttention(DotProductAttention):
     megatron's masked softmax on the explicit [b, heads, s, S] scores."""
 
     use_sdpa = True  # at cp > 1, torch's fused attention where it applies (_fused_ok)
+    # at cp = 1 too, on CUDA (None) or always (True): torch's memory-efficient kernel takes the
+    # mask and keeps no [b, heads, s, s] scores, where megatron's local attention (without
+    # Transformer Engine) makes them and their softmax in the step's memory
+    sdpa_at_cp1: bool | None = None
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
@@ -341,6 +345,9 @@ class ContextParallelAttention(DotProductAttention):
             raise ValueError("ContextParallelAttention takes no packed sequences nor attention "
                              "bias (like megatron's DotProductAttention)")
         causal = self.attn_mask_type == AttnMaskType.causal
+        if self.cp_size == 1 and self._fused_ok() and (
+                query.is_cuda if self.sdpa_at_cp1 is None else self.sdpa_at_cp1):
+            return self._whole_sdpa(query, key, value, attention_mask, causal)
         if self.cp_size == 1:
             if attention_mask is not None and attention_mask.shape[2] == 1 and causal \
                     and query.shape[0] > 1:  # the compact form: the causal part added here
@@ -385,6 +392,18 @@ class ContextParallelAttention(DotProductAttention):
         context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
 
+
+    def _whole_sdpa(self, query, key, value, attention_mask, causal: bool):
+        """cp = 1 through torch's scaled_dot_product_attention: every query against the whole
+        sequence, the mask (any of the module docstring's shapes) or'ed with the causal one."""
+        sq = query.shape[0]
+        q_pos = torch.arange(sq, device=query.device)
+        blocked = _blocked_rows(attention_mask, sq, q_pos, causal)
+        repeat = query.shape[2] // self.num_query_groups_per_partition
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+        return self._sdpa(query, key, value, blocked, q_pos)
 
     def _fused_ok(self) -> bool:
         """Whether torch's scaled_dot_product_attention computes what megatron's softmax path
