@@ -300,6 +300,7 @@ class ContextParallelAttention(DotProductAttention):
     # mask and keeps no [b, heads, s, s] scores, where megatron's local attention (without
     # Transformer Engine) makes them and their softmax in the step's memory
     sdpa_at_cp1: bool | None = None
+    flex_packed = True  # there, a full 4D mask on CUDA in half precision: FlexAttention (_flex)
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
@@ -395,8 +396,19 @@ class ContextParallelAttention(DotProductAttention):
 
     def _whole_sdpa(self, query, key, value, attention_mask, causal: bool):
         """cp = 1 through torch's scaled_dot_product_attention: every query against the whole
-        sequence, the mask (any of the module docstring's shapes) or'ed with the causal one."""
+        sequence, the mask (any of the module docstring's shapes) or'ed with the causal one.
+        A full [b, 1, s, s] mask on CUDA in half precision (packed rows' block-causal mask)
+        goes to FlexAttention with a block mask made from it once per forward (`_flex`): the
+        blocks no query of a block may attend are skipped, as the torch backend's packed rows
+        are."""
         sq = query.shape[0]
+        if (self.flex_packed and query.is_cuda
+                and query.dtype in (torch.float16, torch.bfloat16)
+                and attention_mask is not None and attention_mask.dim() == 4
+                and attention_mask.shape[2] == sq and attention_mask.shape[3] == sq
+                and query.shape[-1] >= 64):
+            return _flex(query, key, value, attention_mask, causal, self.softmax_scale,
+                         self.hidden_size_per_partition)
         q_pos = torch.arange(sq, device=query.device)
         blocked = _blocked_rows(attention_mask, sq, q_pos, causal)
         repeat = query.shape[2] // self.num_query_groups_per_partition
@@ -426,6 +438,38 @@ class ContextParallelAttention(DotProductAttention):
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
             attn_mask=allowed, scale=self.softmax_scale)  # [b, heads, sq, d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+_FLEX: dict[str, Any] = {}  # the compiled kernel, and the last forward's (mask, block mask)
+
+
+def _flex(query, key, value, blocked: torch.Tensor, causal: bool, scale: float | None,
+          width: int) -> torch.Tensor:
+    """FlexAttention over query [s, b, heads, d] / key, value [s, b, groups, d] with `blocked`
+    [b|1, 1, s, s] (True = may not attend) or'ed with the causal mask -> [s, b, width]. The
+    BlockMask is made from the dense mask once per mask tensor (every layer of a forward gets
+    the same one); a query with no key to attend outputs zeros (padding rows, unused)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "kernel" not in _FLEX:
+        _FLEX["kernel"] = torch.compile(flex_attention, dynamic=False)
+    cached = _FLEX.get("mask")
+    if cached is None or cached[0] is not blocked:
+        dense = blocked[:, 0]
+        rows = dense.shape[0]
+
+        def allowed(b, _h, q, k):
+            ok = ~dense[b if rows > 1 else 0, q, k]
+            return ok & (k <= q) if causal else ok
+
+        sq = query.shape[0]
+        block = create_block_mask(allowed, rows, None, sq, sq, device=query.device)
+        _FLEX["mask"] = cached = (blocked, block)
+    sq, b, heads, _ = query.shape
+    out = _FLEX["kernel"](query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
+                          value.permute(1, 2, 0, 3), block_mask=cached[1], scale=scale,
+                          enable_gqa=key.shape[2] != heads)  # [b, heads, sq, d]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, width)
 
 
 def _check_heads(config, pg_collection) -> None:
