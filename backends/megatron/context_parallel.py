@@ -451,8 +451,8 @@ def _flex(query, key, value, blocked: torch.Tensor, causal: bool, scale: float |
     the same one); a query with no key to attend outputs zeros (padding rows, unused)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if "kernel" not in _FLEX:
-        _FLEX["kernel"] = torch.compile(flex_attention, dynamic=False)
+    if "kernel" not in _FLEX:  # row widths and counts differ per micro-batch: dynamic shapes
+        _FLEX["kernel"] = torch.compile(flex_attention, dynamic=True)
     cached = _FLEX.get("mask")
     if cached is None or cached[0] is not blocked:
         dense = blocked[:, 0]
@@ -463,7 +463,8 @@ def _flex(query, key, value, blocked: torch.Tensor, causal: bool, scale: float |
             return ok & (k <= q) if causal else ok
 
         sq = query.shape[0]
-        block = create_block_mask(allowed, rows, None, sq, sq, device=query.device)
+        block = create_block_mask(allowed, rows, None, sq, sq, device=query.device,
+                                  _compile=True)
         _FLEX["mask"] = cached = (blocked, block)
     sq, b, heads, _ = query.shape
     out = _FLEX["kernel"](query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
