@@ -1,38 +1,38 @@
 """Model FLOPs utilisation of one RL optimizer step at real shapes.
 
-    python -m bench.train_mfu                                  # H200: 1.5B and 3B, 32k tokens
+    python -m bench.train_mfu --pack --backend torch,megatron  # H200: 1.5B and 3B, 32k tokens
     python -m bench.train_mfu --device cpu --shape tiny --tokens 768 --steps 1   # the script
     python -m bench.train_mfu --shape 30b-a3b-8l --replay      # H200: a MoE step, with replay
 
 One step is the trainer's `training.step.train_on_batch` (the recompute pass, the policy pass
-with its backward, AdamW through fp32 master weights, and the pass after it for the policy KL
-metric) on a random-init model of a real HF config (Qwen2.5-1.5B: hidden 1536, 28 layers, 12/2
-heads, ffn 8960; Qwen2.5-3B: hidden 2048, 36 layers, 16/2 heads, ffn 11008; both V = 151,936,
-tied embeddings), bf16 on CUDA, over samples whose lengths follow `bench.dp_schedule`'s
-long-tailed distribution (lognormal around 1,500 tokens, a tenth of each the prompt) until
-`--tokens` real tokens, in micro-batches of at most `--mb-tokens` tokens (first-fit decreasing,
-right-padded to the longest row).
+with its backward, AdamW through fp32 master weights; the forward after the update for the
+policy-KL metric only with `--policy-kl`) on a random-init model of a real HF config
+(Qwen2.5-1.5B: hidden 1536, 28 layers, 12/2 heads, ffn 8960; Qwen2.5-3B: hidden 2048, 36
+layers, 16/2 heads, ffn 11008; both V = 151,936, tied embeddings), bf16 on CUDA, over samples
+whose lengths follow `bench.dp_schedule`'s long-tailed distribution (lognormal around 1,500
+tokens, a tenth of each the prompt) until `--tokens` real tokens, in micro-batches of at most
+`--mb-tokens` tokens (first-fit decreasing).
 
 Useful FLOPs per step: 8 N T (recompute 2 + forward 2 + backward 4, N the parameters, T the
 real tokens) plus causal attention, 4 x 2 s^2 d per layer and sample (s its length, d the hidden
-size; the same four passes); the after-step forward and the padding are not counted (they are
-overhead). MFU = useful FLOPs / step time / the peak of a bf16 matrix product measured in the
-same run (8192^3). Printed per shape: step time (median of `--steps` after a warm-up, with the
-spread), tokens/s, MFU, the padding fraction, and memory: torch's peak reserved and NVML's used
-(the user-visible number) after the steps.
+size; the same four passes); padding, activation recompute and the after-step forward are not
+counted (overhead). MFU = useful FLOPs / step time / the peak of a bf16 matrix product measured
+in the same run (8192^3). Printed per run: step time (median of `--steps` after a warm-up that
+also compiles, with the spread), tokens/s, MFU, the padding fraction, memory (torch's peak
+reserved and NVML's used, the user-visible number) and the warm-up step's loss and grad norm
+(runs of one shape start from the same weights and samples: equal up to rounding).
 
-Measured here: the torch backend with padded micro-batches, and with `--pack` also the same
-step with `micro_batches.pack = true` (training/packing.py: each micro-batch's samples end to
-end in rows of at most `--mb-tokens` tokens, attention per sample) on a model built with
-`training.packing.preferred_attn_implementation` (FlashAttention 2 varlen on CUDA with
-flash-attn installed: no padding computed at all; else sdpa with transformers' packed-sequence
-mask); the padded step keeps the default attention (sdpa), as before. The padding fraction of
-the packed step is 1 - real tokens / tokens its forwards compute (rows x the longest row, 0 with
-varlen). Megatron is not measured by this script (bench.megatron_gpu times it): `n/a`.
-Final line (the largest shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=n/a
-packed_vs_padded=n/a step_s=... padding=...`, and with `--pack` also `mfu_packed=...
-step_packed_s=... padding_packed=...` and `packed_vs_padded` = padded step time / packed step
-time (> 1: packing is faster); mfu_best is the better of the two.
+Runs: each backend of `--backend` (torch: the transformers model; megatron: megatron-core's
+local layers on one rank, `backends/megatron/model.py`) with right-padded micro-batches and,
+with `--pack`, packed ones (`micro_batches.pack = true`, training/packing.py: each micro-batch's
+samples end to end in rows of at most `--mb-tokens` tokens, attention per sample; torch with
+`training.packing.preferred_attn_implementation`, FlashAttention 2 varlen where flash-attn is
+installed, else FlexAttention on CUDA; megatron through a block-causal mask, FlexAttention on
+CUDA). `--checkpointing` (torch) and `--compile` (compile_layers) as the trainer's options.
+Final line (the largest dense shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=...
+packed_vs_padded=...` (each backend's best run; n/a where none ran; packed_vs_padded = the
+torch backend's padded step time / packed step time, > 1: packing is faster) and per run
+`step_<backend>_<padded|packed>_s`, `mfu_...`, `padding_...`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from training.data_parallel import plan_micro_batches
 from training.master_weights import make_optimizer
 from training.moe import attach as attach_routing
 from training.packing import attention_mechanism, pack, preferred_attn_implementation
-from training.setup import checkpoint_activations
+from training.setup import checkpoint_activations, compile_layers
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample, routed_experts_dtype
 
@@ -217,6 +217,8 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
         model = hf_model(shape, args.device, dtype, attn)
     if args.checkpointing and backend == "torch":  # per-layer recompute in the backward (not
         checkpoint_activations(model)  # counted as useful FLOPs)
+    if args.compile:  # the first (warm-up) step compiles
+        compile_layers(model)
     params = active_params(model)
     tok = build_char_tokenizer()  # only its pad id is read
     state = TrainState(model, tok, make_optimizer(model.parameters(), dtype, None, 1e-6),
@@ -236,7 +238,7 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
         add_routes(samples, routing.shape)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    train_on_batch(state, samples, cfg)  # warm-up: optimizer state, kernels
+    first = train_on_batch(state, samples, cfg)  # warm-up: optimizer state, kernels
     sync()
     times = []
     for _ in range(args.steps):
@@ -248,6 +250,7 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
     computed = computed_tokens(samples, args.mb_tokens, packed,
                                attention_mechanism(model) == "varlen")
     out = {"params": params, "tokens": sum(lengths), "samples": len(lengths),
+           "first_loss": first["train/loss"], "first_grad_norm": first["train/grad_norm"],
            "total_params": sum(p.numel() for p in model.parameters()),
            "padding": 1 - sum(lengths) / computed,
            "step_s": step, "min_s": min(times), "max_s": max(times),
@@ -295,6 +298,7 @@ def result_line(runs: dict[tuple[str, str, bool], dict[str, float]]) -> str:
         tag = f"{b}_{'packed' if is_packed else 'padded'}"
         fields[f"step_{tag}_s"] = r["step_s"]
         fields[f"mfu_{tag}"] = r["mfu"]
+        fields[f"padding_{tag}"] = r["padding"]
     return "RESULT " + " ".join(f"{k}={'n/a' if v is None else f'{v:.4f}'}"
                                 for k, v in fields.items())
 
@@ -323,7 +327,8 @@ def describe(shape: str, r: dict[str, float], steps: int, mode: str) -> str:
             f"{r['tokens']} tokens: step {r['step_s']:.3f} s (median of {steps}, "
             f"{r['min_s']:.3f}-{r['max_s']:.3f}), {r['tokens_per_s']:.0f} tokens/s, "
             f"MFU {100 * r['mfu']:.1f}%, padding {100 * r['padding']:.0f}% of the tokens "
-            f"computed{memory}")
+            f"computed{memory}; first step's loss {r['first_loss']:.6g}, grad norm "
+            f"{r['first_grad_norm']:.6g}")
 
 
 def main() -> None:
@@ -342,6 +347,8 @@ def main() -> None:
     p.add_argument("--backend", default="torch", help="comma-separated: torch, megatron "
                    "(megatron-core's local layers on one rank; with --pack, packed rows through "
                    "a block-causal mask)")
+    p.add_argument("--compile", action="store_true", help="compile_layers: torch.compile "
+                   "each decoder layer (the warm-up step compiles)")
     p.add_argument("--policy-kl", action="store_true", help="also run the no-grad forward "
                    "after the update for train/policy_kl (measure_policy_kl = true, the "
                    "trainer's default; overhead, not in the useful FLOPs)")

@@ -139,6 +139,10 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
                                             float(fields["mfu_megatron"]))
     assert float(fields["packed_vs_padded"]) == pytest.approx(
         float(fields["step_torch_padded_s"]) / float(fields["step_torch_packed_s"]), rel=1e-2)
+    # long-tailed lengths: the padded rows compute padding, one packed row per micro-batch none
+    for backend in ("torch", "megatron"):
+        assert float(fields[f"padding_{backend}_padded"]) > 0.05
+        assert float(fields[f"padding_{backend}_packed"]) == 0.0
     assert 0 < float(fields["mfu_moe"]) < 1 and float(fields["replay_overhead"]) > 0
 
 

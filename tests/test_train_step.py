@@ -106,3 +106,62 @@ def test_the_entropy_bonus_keeps_rejected_tokens():
     assert rejected["train/kept_token_frac"] == 0.0 and rejected["train/loss"] == 0.0
     assert rejected["train/grad_norm"] > 0
 
+
+
+def test_measure_policy_kl_off_skips_the_forward_after_the_update():
+    calls = []
+    torch.manual_seed(0)
+    model, tok = build_tiny("tiny-qwen2", seed=0)
+    model.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    stats = {}
+    for measure in (True, False):
+        calls.clear()
+        state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
+        cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], measure_policy_kl=measure,
+                            micro_batches=MicroBatchConfig(size=4, forward_by_length=False))
+        stats[measure] = (train_on_batch(state, batch(tok), cfg), list(calls))
+    (on, on_calls), (off, off_calls) = stats[True], stats[False]
+    # recompute (no grad), policy pass (grad), and with the metric one more no-grad forward
+    assert on_calls == [False, True, False] and off_calls == [False, True]
+    assert on["train/policy_kl"] == 0.0  # lr 0: the policy did not move
+    assert "train/policy_kl" not in off
+    assert off["train/loss"] == on["train/loss"] and off["train/grad_norm"] == on["train/grad_norm"]
+
+
+# dynamo's tracing reads `.grad` of non-leaf tensors and warns about it (its own access)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compile_layers_compiles_the_policys_decoder_layers_and_changes_no_value(
+        tmp_path, monkeypatch):
+    """compile_layers = true through the trainer's setup: every decoder layer is compiled
+    (traced here with aot_eager: inductor's code generation takes minutes on a CPU; the GPU
+    bench runs inductor) and the step's values equal the eager step's."""
+    import torch._dynamo
+
+    import training.setup as setup
+
+    monkeypatch.setattr(setup, "COMPILE_BACKEND", "aot_eager")
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], device="cpu", dtype="float32",
+                            compile_layers=compiled,
+                            micro_batches=MicroBatchConfig(size=3, forward_by_length=False))
+        state = setup.load_train_state(cfg, str(tmp_path / str(compiled)), False)
+        layers = setup.decoder_layers(state.model)
+        assert len(layers) == 2
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+        out[compiled] = train_on_batch(state, batch(state.tokenizer), cfg)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == compiled, graphs
+    for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        assert out[True][key] == pytest.approx(out[False][key], rel=1e-5, abs=1e-7), key
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="no decoder layer list"):
+        setup.compile_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    from tqdm import tqdm
+
+    if tqdm.monitor is not None:  # compilation's progress bars start tqdm's monitor thread
+        tqdm.monitor.exit()
+        tqdm.monitor.join()
+        tqdm.monitor = None

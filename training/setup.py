@@ -103,6 +103,8 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
     if cfg.activation_checkpointing and hf_policy is not None:
         checkpoint_activations(hf_policy)
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
+    if cfg.compile_layers:
+        log.info("torch.compile: %d decoder layers", compile_layers(model))
     if cfg.lora is not None:  # after the copies above: they hold the base, never adapters
         backend.attach_lora(model, cfg.lora)
         if cfg.kl.coef > 0 and ref is None:
@@ -162,6 +164,33 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# torch.compile's backend for `compile_layers` (tests trace with "aot_eager": inductor's code
+# generation takes minutes on a CPU)
+COMPILE_BACKEND = "inductor"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the first module list named `layers` (transformers'
+    `model.layers`, megatron's `decoder.layers`); [] for a model without one."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return list(module)
+    return []
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """torch.compile every decoder layer in place (`nn.Module.compile`, dynamic shapes: the
+    micro-batches' widths differ); the count. Values equal the eager layers' to float
+    rounding; the first forwards and backwards of each shape compile."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError("compile_layers = true: the policy has no decoder layer list "
+                         "(a module list named 'layers') to compile")
+    for layer in layers:
+        layer.compile(dynamic=True, backend=COMPILE_BACKEND)
+    return len(layers)
 
 
 def lora_share(model: torch.nn.Module) -> tuple[int, int, float]:
