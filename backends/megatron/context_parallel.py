@@ -443,8 +443,9 @@ class ContextParallelAttention(DotProductAttention):
 _FLEX: dict[str, Any] = {}  # the compiled kernel, and the last forward's (mask, block mask)
 
 
-def _flex(query, key, value, blocked: torch.Tensor, causal: bool, scale: float | None,
-          width: int) -> torch.Tensor:
+@torch.compiler.disable  # a compiled layer (compile_layers) calls it as it is: its block
+def _flex(query, key, value, blocked: torch.Tensor, causal: bool,  # mask cache is Python
+          scale: float | None, width: int) -> torch.Tensor:
     """FlexAttention over query [s, b, heads, d] / key, value [s, b, groups, d] with `blocked`
     [b|1, 1, s, s] (True = may not attend) or'ed with the causal mask -> [s, b, width]. The
     BlockMask is made from the dense mask once per mask tensor (every layer of a forward gets
