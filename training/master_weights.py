@@ -187,8 +187,7 @@ class MasterWeightOptimizer(TrainOptimizer):
         self.prepare_grads()  # a no-op when reduce_and_clip (or the caller) already did
         self.optimizer.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
+            torch._foreach_copy_(self.params, self.master)  # cast to the parameters' dtype
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield from torch_optimizer_tensors(self.optimizer)  # the masters are its parameters
@@ -231,7 +230,10 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], dtype: torch.dtype, mas
         master = dtype in (torch.bfloat16, torch.float16)
 
     def adamw(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay)
+        # on CUDA one fused kernel for every tensor (else torch's default: foreach on CUDA,
+        # the per-tensor loop on the CPU, whose values the CPU tests pin)
+        fused = bool(ps) and all(p.is_cuda for p in ps)
+        return torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
     return MasterWeightOptimizer(params, adamw, clip) if master else PlainOptimizer(adamw(params),
                                                                                   clip)
