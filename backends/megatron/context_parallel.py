@@ -300,8 +300,7 @@ class ContextParallelAttention(DotProductAttention):
     # mask and keeps no [b, heads, s, s] scores, where megatron's local attention (without
     # Transformer Engine) makes them and their softmax in the step's memory
     sdpa_at_cp1: bool | None = None
-    # a model's 4D mask on CUDA in half precision goes to FlexAttention (flex_block_mask)
-    flex_packed = True
+    flex_packed = True  # there, a full 4D mask on CUDA in half precision: FlexAttention (_flex)
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
@@ -347,10 +346,6 @@ class ContextParallelAttention(DotProductAttention):
             raise ValueError("ContextParallelAttention takes no packed sequences nor attention "
                              "bias (like megatron's DotProductAttention)")
         causal = self.attn_mask_type == AttnMaskType.causal
-        if not isinstance(attention_mask, torch.Tensor) and attention_mask is not None:
-            # a FlexAttention BlockMask (flex_block_mask: packed rows on CUDA), causal in it
-            return _flex(query, key, value, attention_mask, self.softmax_scale,
-                         self.hidden_size_per_partition)
         if self.cp_size == 1 and self._fused_ok() and (
                 query.is_cuda if self.sdpa_at_cp1 is None else self.sdpa_at_cp1):
             return self._whole_sdpa(query, key, value, attention_mask, causal)
@@ -401,8 +396,19 @@ class ContextParallelAttention(DotProductAttention):
 
     def _whole_sdpa(self, query, key, value, attention_mask, causal: bool):
         """cp = 1 through torch's scaled_dot_product_attention: every query against the whole
-        sequence, the mask (any of the module docstring's shapes) or'ed with the causal one."""
+        sequence, the mask (any of the module docstring's shapes) or'ed with the causal one.
+        A full [b, 1, s, s] mask on CUDA in half precision (packed rows' block-causal mask)
+        goes to FlexAttention with a block mask made from it once per forward (`_flex`): the
+        blocks no query of a block may attend are skipped, as the torch backend's packed rows
+        are."""
         sq = query.shape[0]
+        if (self.flex_packed and query.is_cuda
+                and query.dtype in (torch.float16, torch.bfloat16)
+                and attention_mask is not None and attention_mask.dim() == 4
+                and attention_mask.shape[2] == sq and attention_mask.shape[3] == sq
+                and query.shape[-1] >= 64):
+            return _flex(query, key, value, attention_mask, causal, self.softmax_scale,
+                         self.hidden_size_per_partition)
         q_pos = torch.arange(sq, device=query.device)
         blocked = _blocked_rows(attention_mask, sq, q_pos, causal)
         repeat = query.shape[2] // self.num_query_groups_per_partition
@@ -434,46 +440,36 @@ class ContextParallelAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
-_FLEX: dict[str, Any] = {}  # the compiled FlexAttention kernel, made at the first use
+_FLEX: dict[str, Any] = {}  # the compiled kernel, and the last forward's (mask, block mask)
 
 
-def flex_block_mask(blocked: torch.Tensor, causal: bool = True) -> Any:
-    """A FlexAttention BlockMask of `blocked` [b|1, 1, s, s] (True = may not attend) or'ed with
-    the causal mask: what `ContextParallelAttention` takes as its attention mask to run
-    FlexAttention, skipping the blocks no query of a block may attend (packed rows' samples).
-    Made once per forward (the model's, before its layers), so a compiled layer
-    (compile_layers) sees it as an input."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    dense = blocked[:, 0]
-    rows, sq = dense.shape[0], dense.shape[-1]
-
-    def allowed(b, _h, q, k):
-        ok = ~dense[b if rows > 1 else 0, q, k]
-        return ok & (k <= q) if causal else ok
-
-    return create_block_mask(allowed, rows, None, sq, sq, device=blocked.device, _compile=True)
-
-
-def wants_flex(config, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a 4D mask of this model goes to FlexAttention (`flex_block_mask`): CUDA, half
-    precision, heads of 64+ dimensions (smaller ones fail its compilation), cp = 1."""
-    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-    return (ContextParallelAttention.flex_packed and device.type == "cuda"
-            and dtype in (torch.float16, torch.bfloat16) and head_dim >= 64
-            and config.context_parallel_size == 1)
-
-
-def _flex(query, key, value, block_mask: Any, scale: float | None, width: int) -> torch.Tensor:
-    """FlexAttention over query [s, b, heads, d] / key, value [s, b, groups, d] with a BlockMask
-    (`flex_block_mask`) -> [s, b, width]."""
-    from torch.nn.attention.flex_attention import flex_attention
+@torch.compiler.disable  # a compiled layer (compile_layers) calls it as it is: its block
+def _flex(query, key, value, blocked: torch.Tensor, causal: bool,  # mask cache is Python
+          scale: float | None, width: int) -> torch.Tensor:
+    """FlexAttention over query [s, b, heads, d] / key, value [s, b, groups, d] with `blocked`
+    [b|1, 1, s, s] (True = may not attend) or'ed with the causal mask -> [s, b, width]. The
+    BlockMask is made from the dense mask once per mask tensor (every layer of a forward gets
+    the same one); a query with no key to attend outputs zeros (padding rows, unused)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "kernel" not in _FLEX:  # row widths and counts differ per micro-batch: dynamic shapes
         _FLEX["kernel"] = torch.compile(flex_attention, dynamic=True)
+    cached = _FLEX.get("mask")
+    if cached is None or cached[0] is not blocked:
+        dense = blocked[:, 0]
+        rows = dense.shape[0]
+
+        def allowed(b, _h, q, k):
+            ok = ~dense[b if rows > 1 else 0, q, k]
+            return ok & (k <= q) if causal else ok
+
+        sq = query.shape[0]
+        block = create_block_mask(allowed, rows, None, sq, sq, device=query.device,
+                                  _compile=True)
+        _FLEX["mask"] = cached = (blocked, block)
     sq, b, heads, _ = query.shape
     out = _FLEX["kernel"](query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
-                          value.permute(1, 2, 0, 3), block_mask=block_mask, scale=scale,
+                          value.permute(1, 2, 0, 3), block_mask=cached[1], scale=scale,
                           enable_gqa=key.shape[2] != heads)  # [b, heads, sq, d]
     return out.permute(2, 0, 1, 3).reshape(sq, b, width)
 

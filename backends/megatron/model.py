@@ -38,12 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
-from backends.megatron.context_parallel import (
-    cp_layer_spec,
-    cp_logits,
-    flex_block_mask,
-    wants_flex,
-)
+from backends.megatron.context_parallel import cp_layer_spec, cp_logits
 from backends.megatron.context_parallel import positions as cp_positions
 from backends.megatron.convert import (
     Layout,
@@ -393,8 +388,6 @@ class MegatronCausalLM(torch.nn.Module):
             if self.core.config.context_parallel_size > 1 or self.core.config.sequence_parallel:
                 raise ValueError("a 4D attention mask (packed rows) runs without context or "
                                  "sequence parallelism")
-            if wants_flex(self.core.config, input_ids.device, self.core.config.params_dtype):
-                blocked = flex_block_mask(blocked)  # FlexAttention: blocks between samples skipped
         elif self.core.config.context_parallel_size > 1:  # each CP rank its chunks, gathered
             return CausalLMOutput(logits=cp_logits(self.module, input_ids, attention_mask))
         else:
