@@ -56,6 +56,7 @@ from training.packing import attention_mechanism, pack, preferred_attn_implement
 from training.setup import checkpoint_activations, compile_layers
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample, routed_experts_dtype
+from transport.sockets import free_port
 
 # (hidden, layers, heads, kv heads, ffn, vocab): real HF configs' shapes, written out
 SHAPES = {"1.5b": (1536, 28, 12, 2, 8960, 151936), "3b": (2048, 36, 16, 2, 11008, 151936),
@@ -193,8 +194,6 @@ def megatron_model(shape: str, device: str, dtype: torch.dtype):
 
         cpu_shim.install()
     if not torch.distributed.is_initialized():  # one rank of its own
-        from transport.sockets import free_port
-
         torch.distributed.init_process_group(
             "nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1,
             init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
