@@ -69,7 +69,9 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str  # run name; the run directory is <dir>/<name>-<timestamp>
     dir: str = "runs"  # parent of run directories (relative to the working directory)
     transport: Literal["ipc", "tcp"] = "ipc"  # ipc:// on one host, tcp:// across hosts
-    ready_timeout_s: float = 60.0  # an actor must report READY within this after its start
+    # an actor must report READY within this after its start (or within its own
+    # start_timeout_s + 30 s where that is longer: launch/supervisor.py `ready_limit`)
+    ready_timeout_s: float = 60.0
     shutdown_timeout_s: float = 15.0  # wait after the shutdown message before SIGTERM
     term_timeout_s: float = 5.0  # wait after SIGTERM before SIGKILL
     heartbeat_interval_s: float = 1.0  # actors report liveness this often

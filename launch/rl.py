@@ -116,6 +116,11 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 ROUTER_DEFAULTS = {"log_level": "warn"}  # health checks: the router actor's HEALTH_DEFAULTS
+# on_start limits of derived actors that load real models: an SGLang server (above its own
+# 600 s health wait), and a worker or trainer on a GPU; the launcher waits for READY at least
+# this + 30 s (launch/supervisor.py `ready_limit`). Elsewhere the actor default (30 s) holds.
+SGLANG_START_TIMEOUT_S = 900.0
+GPU_START_TIMEOUT_S = 600.0
 NUCLEUS_TOP_LOGPROBS = 64  # top log-probs per token for the recorded nucleus (opd top_p / replay)
 
 
@@ -134,13 +139,18 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
                 cfg["return_routed_experts"] = True
             actors[name] = {"cls": "actors.inference:InferenceWorker", "env": dict(env),
                             "config": cfg}
+            if rl.device.startswith("cuda"):  # a real model's weights read onto a GPU
+                actors[name]["start_timeout_s"] = GPU_START_TIMEOUT_S
         actors["router"] = {"cls": "actors.router:RouterActor", "after": list(workers),
                             "config": {"router": dict(ROUTER_DEFAULTS)}}
     else:  # SGLang servers register with the router, so it starts first
         actors["router"] = {"cls": "actors.router:RouterActor",
                             "config": {"dynamic_workers": True, "router": dict(ROUTER_DEFAULTS)}}
         for name in workers:
+            # a server loads its model and captures CUDA graphs first (its own health wait
+            # is 600 s): the actor's on_start, and so the launcher, waits past that
             actors[name] = {"cls": "actors.sglang_worker:SglangWorker", "after": ["router"],
+                            "start_timeout_s": SGLANG_START_TIMEOUT_S,
                             "config": {"model_path": rl.model, "register_with": "router"}}
             if rl.lora is not None:  # SGLang serves adapters only when started for them
                 actors[name]["config"]["sglang"] = _sglang_lora(rl.lora)
@@ -213,6 +223,8 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
             trainer_after.append("prefetcher")
     actors["trainer"] = {"cls": "actors.trainer:TrainerActor", "after": trainer_after,
                          "primary": True, "env": dict(env), "config": trainer}
+    if rl.device.startswith("cuda"):  # a real model, its optimizer state and teachers loaded
+        actors["trainer"]["start_timeout_s"] = GPU_START_TIMEOUT_S
     return actors
 
 

@@ -1,10 +1,12 @@
 """Starts, watches, restarts and stops the actor processes of one run.
 
 Invariants:
-- Actors start in dependency order; each must report READY within `ready_timeout_s`.
+- Actors start in dependency order; each must report READY within `ready_timeout_s`, or within
+  its own `start_timeout_s` plus `START_MARGIN_S` (the process's start and imports) where that
+  is longer: an actor allowed minutes for its on_start (an SGLang server loading) gets them.
 - An actor that exits abnormally (non-zero code, DEAD report, signal, heartbeat timeout) is
   restarted while its restart budget lasts; READY for `stable_after_s` refills the budget. A
-  restart that fails before READY (exits, or stays silent past `ready_timeout_s`) spends one
+  restart that fails before READY (exits, or stays silent past that limit) spends one
   more restart and is tried again while the budget lasts. Past the budget the run fails:
   everything stops and the launcher exits non-zero naming the actor and its error or log tail.
 - Stopping an actor escalates: Shutdown message -> SIGTERM -> SIGKILL; the step that ended the
@@ -85,6 +87,11 @@ from transport.schema import (
 from transport.sockets import BindError, SocketFactory, free_port
 
 log = logging.getLogger(__name__)
+
+
+# seconds a process may take to start and import before its on_start runs (added to an actor's
+# start_timeout_s where that sets a longer READY limit than the run's ready_timeout_s)
+START_MARGIN_S = 30.0
 
 
 @dataclass
@@ -422,12 +429,25 @@ class Supervisor:
     async def close_hosts(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links.values()))
 
+    def ready_limit(self, ap: ActorProcess) -> float:
+        """Seconds the launcher waits for `ap`'s READY: the run's ready_timeout_s, or the actor's
+        own start_timeout_s plus the process's start (START_MARGIN_S) when that is longer."""
+        return max(self.cfg.run.ready_timeout_s, ap.entry.start_timeout_s + START_MARGIN_S)
+
+    def ready_words(self, ap: ActorProcess) -> str:
+        """The limit of `ready_limit` as a message says it (with the setting to raise)."""
+        run_limit = self.cfg.run.ready_timeout_s
+        if self.ready_limit(ap) == run_limit:
+            return f"ready_timeout_s = {run_limit:g} (raise [run] ready_timeout_s)"
+        return (f"{self.ready_limit(ap):g} s (its start_timeout_s = "
+                f"{ap.entry.start_timeout_s:g} + {START_MARGIN_S:g} s to start the process)")
+
     async def start_one(self, ap: ActorProcess) -> None:
         """Spawn and wait for READY; RunFailed if it dies or stays silent."""
         await self.spawn(ap)
         ready = asyncio.ensure_future(ap.ready.wait())
         exited = asyncio.ensure_future(ap.proc.wait())
-        done, _ = await asyncio.wait({ready, exited}, timeout=self.cfg.run.ready_timeout_s,
+        done, _ = await asyncio.wait({ready, exited}, timeout=self.ready_limit(ap),
                                      return_when=asyncio.FIRST_COMPLETED)
         ready.cancel()
         exited.cancel()
@@ -436,8 +456,8 @@ class Supervisor:
             return
         if not done:
             await self.stop_one(ap)
-            raise StartFailed(f"{ap.name} did not report READY within ready_timeout_s = "
-                              f"{self.cfg.run.ready_timeout_s:g}", self.describe_failure(ap))
+            raise StartFailed(f"{ap.name} did not report READY within "
+                              f"{self.ready_words(ap)}", self.describe_failure(ap))
         await ap.proc.wait()
         raise StartFailed(f"{ap.name} exited with code {ap.proc.returncode} during start",
                           self.describe_failure(ap))
@@ -503,7 +523,7 @@ class Supervisor:
         except RunFailed:
             await self.stop_members(aps)
             raise
-        deadline = time.monotonic() + self.cfg.run.ready_timeout_s
+        deadline = time.monotonic() + max(self.ready_limit(ap) for ap in aps)
         failed: ActorProcess | None = None
         while failed is None and not all(ap.ready.is_set() for ap in aps):
             waits = {asyncio.ensure_future(ap.ready.wait()) for ap in aps
@@ -518,7 +538,7 @@ class Supervisor:
                 silent = [ap for ap in aps if not ap.ready.is_set()]
                 await self.stop_members(aps)
                 raise StartFailed(f"{', '.join(ap.name for ap in silent)} did not report READY "
-                                  f"within ready_timeout_s = {self.cfg.run.ready_timeout_s:g}",
+                                  f"within {self.ready_words(silent[0])}",
                                   self.describe_failure(silent[0]))
         if failed is not None:
             await failed.proc.wait()

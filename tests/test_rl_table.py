@@ -136,6 +136,30 @@ def test_sglang_engine_derives_registering_servers_after_the_router(tmp_path):
     assert a["worker0"].cls == "actors.sglang_worker:SglangWorker"
     assert a["worker0"].config == {"model_path": "tiny-qwen2", "register_with": "router"}
     assert a["worker0"].after == ["router"] and a["router"].config["dynamic_workers"] is True
+    # a server loads its model first (its own health wait: 600 s); the trainer on the CPU keeps
+    # the actor default
+    assert a["worker0"].start_timeout_s == 900 and a["trainer"].start_timeout_s == 30
+
+
+def test_actors_loading_real_models_get_start_limits_the_launcher_waits_for(tmp_path):
+    from types import SimpleNamespace
+
+    from launch.supervisor import START_MARGIN_S, Supervisor
+
+    cfg = load(write(tmp_path, BASE + 'device = "cuda"\n\n[actors.router]\nstart_timeout_s = 5\n'))
+    a = cfg.actors
+    assert a["worker0"].start_timeout_s == 600 and a["trainer"].start_timeout_s == 600
+    assert a["router"].start_timeout_s == 5 and a["buffer"].start_timeout_s == 30
+    sup = Supervisor(cfg, tmp_path, tmp_path, list(a), say=lambda _: None)
+    try:
+        limit = {n: sup.ready_limit(SimpleNamespace(entry=e)) for n, e in a.items()}
+        words = sup.ready_words(SimpleNamespace(entry=a["trainer"]))
+    finally:
+        sup.factory.ctx.term()
+    # the run's ready_timeout_s (60) where the actor's start fits in it, else its own + margin
+    assert limit["worker0"] == limit["trainer"] == 600 + START_MARGIN_S
+    assert limit["router"] == limit["buffer"] == 60
+    assert "start_timeout_s = 600" in words and "630 s" in words
 
 
 @pytest.mark.parametrize("edit, words", [
