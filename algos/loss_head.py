@@ -68,6 +68,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -330,6 +332,28 @@ class _HeadLogprobs(torch.autograd.Function):
                 gz.scatter_add_(1, local[:, None], (g_logp[sl] * owned)[:, None])
             _add_grads(gz if t == 1.0 else gz.div_(t), hidden[sl], weight, s, gh, gw)
         return *_finish(gh, gw, hidden, weight, group), None, None, None, None, None
+
+
+@dataclass
+class ResponseHead:
+    """A micro-batch's response positions' final hidden states and the output weight: the
+    logits z = hidden W^T, never made whole (training/heads.py makes them from a model)."""
+
+    hidden: torch.Tensor  # [B, R, H], the model's dtype
+    weight: torch.Tensor  # [V, H]; vocabulary parallel: this rank's rows [V / tp, H]
+    group: Any = None  # the process group the vocabulary rows are split over (None: one rank)
+
+
+def response_head_logprobs(head: ResponseHead, tokens: torch.Tensor, temperature: float,
+                           with_entropy: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, R] (log-probs of `tokens` [B, R], entropies or None), float32, differentiable in the
+    head (`head_logprobs` over its group)."""
+    B, R, H = head.hidden.shape
+    logp, ent = head_logprobs(head.hidden.reshape(B * R, H), head.weight, tokens.reshape(-1),
+                              temperature, with_entropy=with_entropy, group=head.group)
+    # float32 as algos.logprobs (a float64 model's values are made in float64, then rounded)
+    return logp.view(B, R).float(), None if ent is None else ent.view(B, R).float()
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

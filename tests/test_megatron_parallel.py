@@ -118,7 +118,7 @@ def _head_steps() -> dict:
     """Steps whose passes run the loss head over each tensor rank's vocabulary rows (one padded
     forward per micro-batch, or packed rows), and a top-k OPD term from teacher replies: their
     losses, norms and weights, and the row count and group the head saw."""
-    import training.heads as heads
+    import algos.loss_head as heads
 
     seen = []
     real = heads.head_logprobs
@@ -258,15 +258,23 @@ def pipeline_ranks(rank: int, tmp: Path) -> dict:
     from training.batching import make_micro_batch
     from training.step import TrainState, train_on_batch
 
+    import algos.loss_head as heads
+
     initialize_parallel(1, 2)
     hf, tok, samples, cfg = _pipeline_setup()
     model = from_hf_model(hf)
     layers = list(model.layers)
     runner = PipelineRunner(model)
-    logprobs = runner.logprobs([make_micro_batch(samples, tok.pad_token_id)], 1.0)
-    state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0),
-                       backend=get_backend("megatron"))
-    stats = train_on_batch(state, samples, cfg, runner=runner)
+    calls = []  # the last stage's passes through the loss head (rows of its output weight)
+    real = heads.head_logprobs
+    heads.head_logprobs = lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k)
+    try:
+        logprobs = runner.logprobs([make_micro_batch(samples, tok.pad_token_id)], 1.0)
+        state = TrainState(model, tok, torch.optim.SGD(model.parameters(), lr=1.0),
+                           backend=get_backend("megatron"))
+        stats = train_on_batch(state, samples, cfg, runner=runner)
+    finally:
+        heads.head_logprobs = real
     weights = model.hf_state_dict()
     cases = {}
     for name in PIPELINE_CASES:
@@ -277,9 +285,10 @@ def pipeline_ranks(rank: int, tmp: Path) -> dict:
         cases[name] = {"stats": case_stats, "weights": stage.hf_state_dict()}
     last = torch.empty(0) if logprobs is None else logprobs[0]
     gathered = [None, None]
-    torch.distributed.all_gather_object(gathered, (layers, last))
+    torch.distributed.all_gather_object(gathered, (layers, last, calls))
     parallel_state.destroy_model_parallel()
     return {"layers": [g[0] for g in gathered], "logprobs": gathered[1][1],
+            "head_calls": [g[2] for g in gathered],
             "first_stage_logprobs": gathered[0][1], "stats": stats, "weights": weights,
             "cases": cases}
 
@@ -296,6 +305,9 @@ def test_pipeline_parallel_step_through_megatron_schedule_equals_torch_backend(r
 
     report = reports["pp"]
     assert report["layers"] == [[0], [1]]  # one layer per stage
+    # the last stage's passes (log-probs, recompute, policy pass, after-step) through the head
+    first, last = report["head_calls"]
+    assert first == [] and len(last) >= 4 and set(last) == {54}
     hf, tok, samples, cfg = _pipeline_setup()
     state = TrainState(hf, tok, torch.optim.SGD(hf.parameters(), lr=1.0))
     mb = make_micro_batch(samples, tok.pad_token_id)

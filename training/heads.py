@@ -27,13 +27,12 @@ Invariant: for the same weights, the values equal the logits path's up to float 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from algos.logprobs import position_ids_from_mask, response_slice
-from algos.loss_head import head_logprobs
+from algos.loss_head import ResponseHead, response_head_logprobs
 from training.batching import MicroBatch
 from training.packing import (
     PackedBatch,
@@ -46,15 +45,6 @@ from training.packing import (
 # config attributes that rescale a model's logits after its output layer (their neutral value)
 LOGIT_RESCALES = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
                   "output_multiplier_scale": None}
-
-
-@dataclass
-class ResponseHead:
-    """The response positions' final hidden states and the output weight: z = hidden W^T."""
-
-    hidden: torch.Tensor  # [B, R, H], the model's dtype
-    weight: torch.Tensor  # [V, H]; vocabulary parallel: this rank's rows [V / tp, H]
-    group: Any = None  # the process group the vocabulary rows are split over (None: one rank)
 
 
 def plain_head(model: Any) -> torch.nn.Module | None:
@@ -175,10 +165,5 @@ def head_response_logprobs(head: ResponseHead, mb: MicroBatch, temperature: floa
                            with_entropy: bool = True
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response-aligned [B, R] (log-probs, entropies or None) of the response tokens, float32,
-    differentiable in the head (algos/loss_head.py `head_logprobs`)."""
-    B, R, H = head.hidden.shape
-    logp, ent = head_logprobs(head.hidden.reshape(B * R, H), head.weight,
-                              response_tokens(mb).reshape(-1), temperature,
-                              with_entropy=with_entropy, group=head.group)
-    # float32 as algos.logprobs (a float64 model's values are made in float64, then rounded)
-    return logp.view(B, R).float(), None if ent is None else ent.view(B, R).float()
+    differentiable in the head (algos/loss_head.py `response_head_logprobs`)."""
+    return response_head_logprobs(head, response_tokens(mb), temperature, with_entropy)
