@@ -27,18 +27,22 @@ SPAWN_TIMEOUT_S = 400  # two ranks, three steps each, on a loaded two-core machi
 STATS = ("train/loss", "train/grad_norm", "train/logprob_abs_diff")
 
 
-def _config(distributed: bool = False, cp: int = 1, pp: int = 1):
+def _config(distributed: bool = False, cp: int = 1, pp: int = 1, head: bool = False):
+    """head: one forward per micro-batch (not CPU fp32's by-length forwards, on logits), so the
+    step's values come from the loss head over the gathered hidden states."""
     from actors.trainer import TrainerConfig
     from training.config import MicroBatchConfig, OptimizerConfig, ParallelConfig
 
     return TrainerConfig(model="x", workers=["w"], backend="megatron",
-                         micro_batches=MicroBatchConfig(size=3),
+                         micro_batches=MicroBatchConfig(size=3,
+                                                        forward_by_length=False if head else None),
                          optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.5),
                          parallel=ParallelConfig(cp=cp, pp=pp,
                                                  distributed_optimizer=distributed))
 
 
-def _step(hf, dp, optimizer: str = "sgd", cp: int = 1, pp: int = 1) -> dict:
+def _step(hf, dp, optimizer: str = "sgd", cp: int = 1, pp: int = 1, head: bool = False
+          ) -> dict:
     """One train_on_batch (clipping on) on this rank's megatron model of `hf`: "sgd" (lr 1,
     the gradient itself in the weights), "adamw" / "distributed" (AdamW through
     training/setup.py's optimizer, replicated or the distributed optimizer)."""
@@ -51,7 +55,7 @@ def _step(hf, dp, optimizer: str = "sgd", cp: int = 1, pp: int = 1) -> dict:
 
     tok = build_char_tokenizer()
     backend = get_backend("megatron")
-    cfg = _config(optimizer == "distributed", cp, pp)
+    cfg = _config(optimizer == "distributed", cp, pp, head)
     model = from_hf_model(hf)
     opt = (torch.optim.SGD(model.parameters(), lr=1.0) if optimizer == "sgd"
            else build_optimizer(cfg, backend, model, torch.float32))
@@ -86,6 +90,7 @@ def cp_ranks(rank: int, tmp: Path) -> dict:
     dp = ExpertDataParallel()
     report["dp_size"] = dp.world_size
     report["cp2"] = _step(hf, dp, cp=2)
+    report["cp2_head"] = _step(hf, dp, cp=2, head=True)
     report["cp2_adamw"] = _step(hf, dp, "adamw", cp=2)
     report["cp2_distributed"] = _step(hf, ExpertDataParallel(), "distributed", cp=2)
     saved = report["cp2_distributed"]  # resumed below at cp = 1 (dp = 2)
@@ -94,6 +99,7 @@ def cp_ranks(rank: int, tmp: Path) -> dict:
     parallel_state.destroy_model_parallel()
     initialize_parallel(1, 1)  # dp = 2: each rank the whole batch alone (no reductions)
     report["cp1"] = _step(hf, None)
+    report["cp1_head"] = _step(hf, None, head=True)
     report["cp1_adamw"] = _step(hf, None, "adamw")
     resumed = from_hf_model(hf_model("qwen3", seed=7))
     optimizer = build_optimizer(_config(True), get_backend("megatron"), resumed, torch.float32)
@@ -124,6 +130,7 @@ def tp_cp_ranks(rank: int, tmp: Path) -> dict:
     parallel_state.destroy_model_parallel()
     initialize_parallel(1, 1)
     report["cp1"] = _step(hf, None)
+    report["cp1_head"] = _step(hf, None, head=True)
     parallel_state.destroy_model_parallel()
     for part in report.values():
         part.pop("model", None)
@@ -154,6 +161,8 @@ def test_context_parallel_forward_and_export_equal_the_model(report):
 
 @pytest.mark.parametrize("kind, want, tolerance", [
     ("cp2", "cp1", 1e-5),  # SGD, lr 1: the weights carry the clipped gradient itself
+    # the loss head over the gathered hidden states; its weight's gradient 1 / cp on each rank
+    ("cp2_head", "cp1_head", 1e-5),
     # AdamW's first step is about lr * sign(gradient): elements whose gradient is near zero
     # move by up to lr on float-order noise, hence the looser bound (lr = 1e-2)
     ("cp2_adamw", "cp1_adamw", 1e-3),

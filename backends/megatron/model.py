@@ -15,9 +15,12 @@ runs in training mode only, the step runs eval mode): `MegatronRouting` (the tra
 routing object: replay, route metrics, the load-balancing loss of models/moe.py) wraps the
 routers.
 At context_parallel_size > 1 (parallel.cp) every core attention is context_parallel.py's
-ContextParallelAttention (`cp_layer_spec`; megatron's own computation at cp = 1) and the forward
-runs `cp_logits`: each CP rank its load-balanced chunks at their global positions, the logits
-gathered back to [B, T, V] in global order.
+ContextParallelAttention (`cp_layer_spec`; megatron's own computation at cp = 1, torch's fused
+kernel on CUDA) and the forward runs each CP rank's load-balanced chunks at their global
+positions, their final hidden states gathered back to [B, T, H] in global order before the
+output layer (`_cp_forward`).
+The output layer is `lm_head` (VocabParallelHead): the trainer's loss head (training/heads.py)
+hooks it and computes from the hidden states and this tensor rank's rows, never the logits.
 
 Invariant: on the same weights and batch the wrapper's logits equal the transformers model's to
 float precision. Megatron applies RoPE at positions 0..T-1 of the padded row; scores depend only
@@ -38,7 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
-from backends.megatron.context_parallel import cp_layer_spec, cp_logits
+from backends.megatron.context_parallel import (
+    cp_layer_spec,
+    gather_from_cp,
+    split_batch,
+)
 from backends.megatron.context_parallel import positions as cp_positions
 from backends.megatron.convert import (
     Layout,
@@ -351,10 +358,8 @@ class MegatronCausalLM(torch.nn.Module):
 
     @property
     def whole_forward(self) -> bool:
-        """This rank runs the model's whole forward through `lm_head` (one pipeline stage, no
-        context parallelism: a CP rank's forward gathers the logits of its chunks instead)."""
-        return (self.core.pre_process and self.core.post_process
-                and self.core.config.context_parallel_size == 1)
+        """This rank runs the model's whole forward through `lm_head` (one pipeline stage)."""
+        return self.core.pre_process and self.core.post_process
 
     def get_output_embeddings(self) -> "VocabParallelHead | None":
         """The output layer as transformers models give it (training/heads.py hooks it to take
@@ -388,8 +393,8 @@ class MegatronCausalLM(torch.nn.Module):
             if self.core.config.context_parallel_size > 1 or self.core.config.sequence_parallel:
                 raise ValueError("a 4D attention mask (packed rows) runs without context or "
                                  "sequence parallelism")
-        elif self.core.config.context_parallel_size > 1:  # each CP rank its chunks, gathered
-            return CausalLMOutput(logits=cp_logits(self.module, input_ids, attention_mask))
+        elif self.core.config.context_parallel_size > 1:  # each CP rank its chunks
+            return CausalLMOutput(logits=self._cp_forward(input_ids, attention_mask))
         else:
             input_ids, attention_mask = pad_to_split(self.core.config, input_ids,
                                                      attention_mask)
@@ -411,6 +416,31 @@ class MegatronCausalLM(torch.nn.Module):
         if isinstance(self.module, Float16Module):  # as megatron's wrapper returns them
             logits = logits.float()
         return CausalLMOutput(logits=logits)
+
+    def _cp_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                    ) -> torch.Tensor:
+        """Context parallelism: this CP rank runs its load-balanced chunks; their final hidden
+        states, gathered into whole sequences [B, T, H] (`gather_from_cp`: each rank's backward
+        its own positions), go through `lm_head`, so a pre-hook there sees the whole sequence's
+        hidden states, as at cp = 1, and the logits are made only where asked. Every CP rank
+        computes the head over every position: the weight's gradient is scaled by 1 / cp there
+        (`VocabParallelHead.weight`), so its sum over the CP group is the cp = 1 one."""
+        batch = split_batch(input_ids, attention_mask)
+        seen: list[torch.Tensor] = []
+
+        def take(_module, args, kwargs):  # the output layer computes nothing: lm_head does
+            seen.append(args[0])
+            return (args[0][:0],) + tuple(args[1:]), kwargs
+
+        handle = self.core.output_layer.register_forward_pre_hook(take, with_kwargs=True)
+        try:
+            self.module(batch.input_ids, batch.position_ids, batch.attention_mask,
+                        runtime_gather_output=True)
+        finally:
+            handle.remove()
+        hidden = gather_from_cp(seen[0].transpose(0, 1), 1, batch.length)
+        logits = self.lm_head(hidden)
+        return logits.float() if isinstance(self.module, Float16Module) else logits
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         """Load HF-named full tensors: this rank keeps its tensor shard of its stage."""
@@ -469,8 +499,13 @@ class VocabParallelHead(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         core = self._model[0].core
         if core.share_embeddings_and_output_weights:
-            return core.shared_embedding_or_output_weight()
-        return core.output_layer.weight
+            weight = core.shared_embedding_or_output_weight()
+        else:
+            weight = core.output_layer.weight
+        cp = core.config.context_parallel_size
+        # at cp > 1 every CP rank applies the head to the whole gathered sequence
+        # (MegatronCausalLM._cp_forward): 1 / cp of the gradient each, summed over the group
+        return _ScaleGrad.apply(weight, 1.0 / cp) if cp > 1 else weight
 
     @property
     def group(self):
@@ -484,10 +519,24 @@ class VocabParallelHead(torch.nn.Module):
             vocab = self.weight.shape[0] * parallel_state.get_tensor_model_parallel_world_size()
             return hidden.new_empty(batch, 0, vocab)
         core = self._model[0].core
-        weight = self.weight if core.share_embeddings_and_output_weights else None
-        logits, _ = core.output_layer(hidden.transpose(0, 1), weight=weight,
+        explicit = core.share_embeddings_and_output_weights or core.config.context_parallel_size > 1
+        logits, _ = core.output_layer(hidden.transpose(0, 1),
+                                      weight=self.weight if explicit else None,
                                       runtime_gather_output=True)
         return logits.transpose(0, 1)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; the backward scales the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def pad_to_split(config: TransformerConfig, input_ids: torch.Tensor,
