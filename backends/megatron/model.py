@@ -400,19 +400,9 @@ class MegatronCausalLM(torch.nn.Module):
                                                      attention_mask)
             blocked = blocked_attention(attention_mask)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        seen: list[torch.Tensor] = []
-
-        def take(_module, args, kwargs):  # the output layer computes nothing: lm_head does
-            seen.append(args[0])
-            return (args[0][:0],) + tuple(args[1:]), kwargs
-
-        handle = self.core.output_layer.register_forward_pre_hook(take, with_kwargs=True)
-        try:
-            self.module(input_ids, positions.expand_as(input_ids), blocked,
-                        runtime_gather_output=True)
-        finally:
-            handle.remove()
-        logits = self.lm_head(seen[0].transpose(0, 1)[:, :width])
+        hidden = final_hidden(self.core, lambda: self.module(
+            input_ids, positions.expand_as(input_ids), blocked, runtime_gather_output=True))
+        logits = self.lm_head(hidden.transpose(0, 1)[:, :width])
         if isinstance(self.module, Float16Module):  # as megatron's wrapper returns them
             logits = logits.float()
         return CausalLMOutput(logits=logits)
@@ -426,19 +416,10 @@ class MegatronCausalLM(torch.nn.Module):
         computes the head over every position: the weight's gradient is scaled by 1 / cp there
         (`VocabParallelHead.weight`), so its sum over the CP group is the cp = 1 one."""
         batch = split_batch(input_ids, attention_mask)
-        seen: list[torch.Tensor] = []
-
-        def take(_module, args, kwargs):  # the output layer computes nothing: lm_head does
-            seen.append(args[0])
-            return (args[0][:0],) + tuple(args[1:]), kwargs
-
-        handle = self.core.output_layer.register_forward_pre_hook(take, with_kwargs=True)
-        try:
-            self.module(batch.input_ids, batch.position_ids, batch.attention_mask,
-                        runtime_gather_output=True)
-        finally:
-            handle.remove()
-        hidden = gather_from_cp(seen[0].transpose(0, 1), 1, batch.length)
+        local = final_hidden(self.core, lambda: self.module(
+            batch.input_ids, batch.position_ids, batch.attention_mask,
+            runtime_gather_output=True))
+        hidden = gather_from_cp(local.transpose(0, 1), 1, batch.length)
         logits = self.lm_head(hidden)
         return logits.float() if isinstance(self.module, Float16Module) else logits
 
@@ -477,6 +458,24 @@ class MegatronCausalLM(torch.nn.Module):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to a global gradient norm over all tensor/pipeline shards; returns the norm."""
         return clip_global_grad_norm(self, max_norm)
+
+
+def final_hidden(core: GPTModel, run: Any) -> torch.Tensor:
+    """The final hidden states [S, B, H] a forward (`run()`, through the GPTModel `core` or its
+    wrapper) hands its output layer, which then computes nothing (a pre-hook gives it an empty
+    input): the caller applies the head itself, to the positions it needs."""
+    seen: list[torch.Tensor] = []
+
+    def take(_module, args, kwargs):
+        seen.append(args[0])
+        return (args[0][:0],) + tuple(args[1:]), kwargs
+
+    handle = core.output_layer.register_forward_pre_hook(take, with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen[0]
 
 
 class VocabParallelHead(torch.nn.Module):

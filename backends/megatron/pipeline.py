@@ -41,7 +41,12 @@ from algos.logprobs import response_logprobs, response_slice
 from algos.loss_head import ResponseHead, response_head_logprobs
 from backends.megatron.context_parallel import gather_from_cp, padded_length, split_batch
 from backends.megatron.mcore import Float16Module, get_forward_backward_func, parallel_state
-from backends.megatron.model import MegatronCausalLM, blocked_attention, pad_to_split
+from backends.megatron.model import (
+    MegatronCausalLM,
+    blocked_attention,
+    final_hidden,
+    pad_to_split,
+)
 from backends.megatron.parallel import allreduce_tied_embedding_grads
 
 
@@ -89,21 +94,13 @@ def _head_step(i: int, mb: Any, model, loss_for, routing, head: Callable):
     if routing is not None:
         routing.set_batch([(getattr(mb, "routes", None), mb.attention_mask.bool())])
     core = model.module if isinstance(model, Float16Module) else model
-    seen: list[torch.Tensor] = []
-
-    def take(_module, args, kwargs):
-        seen.append(args[0])  # [S, B, H]
-        return (args[0][:0],) + tuple(args[1:]), kwargs
-
     ids, mask = pad_to_split(core.config, mb.input_ids, mb.attention_mask)
     positions = torch.arange(ids.shape[1], device=ids.device)
-    handle = core.output_layer.register_forward_pre_hook(take, with_kwargs=True)
-    try:
-        empty = model(ids, positions.expand_as(ids), blocked_attention(mask),
-                      runtime_gather_output=True)
-    finally:
-        handle.remove()
-    hidden = seen[0].transpose(0, 1)[:, :mb.input_ids.shape[1] - 1]
+    out: list[torch.Tensor] = []
+    hidden = final_hidden(core, lambda: out.append(model(
+        ids, positions.expand_as(ids), blocked_attention(mask), runtime_gather_output=True)))
+    hidden = hidden.transpose(0, 1)[:, :mb.input_ids.shape[1] - 1]
+    empty = out[0]  # the output layer's [B, 0, V]: what the schedule passes the loss callback
     response = ResponseHead(response_slice(hidden, mb.prompt_lens, mb.num_response_cols),
                             head.weight, head.group)
     if loss_for is None:
