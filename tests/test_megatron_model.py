@@ -252,3 +252,39 @@ def pack_rows(seqs: list[list[int]], pack, cap: int):
                       loss_mask=[1] * (len(s) - 1), rollout_logprobs=[0.0] * (len(s) - 1),
                       reward=0.0) for i, s in enumerate(seqs)]
     return pack(samples, cap)
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_changes_no_value(tp1, tmp_path,
+                                                                              monkeypatch):
+    """activation_checkpointing on the megatron backend (training/setup.py checkpoint_layers):
+    the pass with gradients runs each TransformerLayer under torch.utils.checkpoint, the
+    no-grad passes do not, and the step's values and weights equal the step without."""
+    from actors.trainer import TrainerConfig
+    from training.config import MicroBatchConfig
+    from training.master_weights import as_train_optimizer
+    from training.setup import load_train_state
+    from training.step import train_on_batch
+
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for ckpt in (False, True):
+        calls.clear()
+        cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], backend="megatron",
+                            activation_checkpointing=ckpt,
+                            micro_batches=MicroBatchConfig(size=4, forward_by_length=False))
+        state = load_train_state(cfg, str(tmp_path / str(ckpt)), False)
+        state.optimizer = as_train_optimizer(torch.optim.SGD(state.model.parameters(), lr=1.0),
+                                             state.backend.grad_clip(state.model))
+        stats = train_on_batch(state, batch(state.tokenizer), cfg)
+        # one micro-batch: the policy pass runs each of the two layers once under checkpoint
+        assert len(calls) == (2 if ckpt else 0)
+        out[ckpt] = (stats, state.model.hf_state_dict())
+    (a, wa), (b, wb) = out[False], out[True]
+    for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-8), key
+    assert a["train/grad_norm"] > 0.1
+    for name, value in wa.items():
+        assert (wb[name] - value).abs().max() < 1e-6, name

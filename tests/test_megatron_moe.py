@@ -611,6 +611,8 @@ def test_placement_errors_name_the_numbers():
               megatron={"recompute_granularity": "full"})
     with pytest.raises(Exception, match=r"parallel.ep = 2 must divide dp \* cp = 1"):
         check(parallel={"ep": 2})
+    with pytest.raises(ValueError, match="activation_checkpointing with a mixture-of-experts"):
+        check(activation_checkpointing=True)
 
 
 def test_unsupported_expert_layouts_and_options_are_refused():

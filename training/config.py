@@ -365,7 +365,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     true_on_policy: bool = False
     # recompute each decoder layer's activations in the backward instead of keeping them
     # (transformers' gradient checkpointing, non-reentrant): far less activation memory for
-    # about one more forward of compute; the torch backend's (the megatron backend has none)
+    # about one more forward of compute (transformers' own on the torch backend; each
+    # megatron TransformerLayer under torch.utils.checkpoint on the megatron backend)
     activation_checkpointing: bool = False
     # torch.compile each decoder layer (dynamic shapes: micro-batch widths differ): fused
     # elementwise kernels around the matrix products; the first steps pay the compilation
@@ -404,12 +405,6 @@ def check_algorithm(cfg: TrainConfig) -> None:
     if cfg.true_on_policy:
         _check_true_on_policy(cfg)
     _check_parallel(cfg)
-    if cfg.activation_checkpointing and cfg.backend == MP:
-        raise ValueError(f"activation_checkpointing is the torch backend's; the {MP} backend "
-                         f"has none ({MP}-core's recompute_granularity acts in training mode "
-                         f"only, and the step runs the model in eval mode): to cut activation "
-                         f"memory set micro_batches.pack = true or a smaller "
-                         f"micro_batches.max_tokens")
     if cfg.activation_checkpointing and cfg.true_on_policy:
         raise ValueError("activation_checkpointing and true_on_policy conflict: the invariant "
                          "forward keeps its own activations; use one of them")

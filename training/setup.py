@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 from memory.layout import FlatLayout
 from memory.store import WeightStore, weight_tensors
@@ -102,6 +103,9 @@ def load_train_state(cfg: TrainConfig, run_dir: str, resume: bool,
                  use_packed_attention(hf_policy, cfg.device))
     if cfg.activation_checkpointing and hf_policy is not None:
         checkpoint_activations(hf_policy)
+    elif cfg.activation_checkpointing:  # a model-parallel backend's layers (megatron's)
+        log.info("activation checkpointing: %d decoder layers",
+                 checkpoint_layers(decoder_layers(model)))
     ref, critic = build_aux_models(cfg, hf_policy)  # before resuming: from the initial weights
     if cfg.compile_layers:
         log.info("torch.compile: %d decoder layers", compile_layers(model))
@@ -190,6 +194,22 @@ def compile_layers(model: torch.nn.Module) -> int:
                          "(a module list named 'layers') to compile")
     for layer in layers:
         layer.compile(dynamic=True, backend=COMPILE_BACKEND)
+    return len(layers)
+
+
+def checkpoint_layers(layers: list[torch.nn.Module]) -> int:
+    """Activation checkpointing of `layers` (a policy that is not a transformers model: the
+    megatron backend's TransformerLayers, whose own recompute acts in training mode only and
+    the step runs eval mode): each layer's forward with grad runs under
+    torch.utils.checkpoint (non-reentrant), its activations made again in the backward; a
+    no-grad forward runs as it is. The count of layers."""
+    for layer in layers:
+        def forward(*args, _forward=layer.forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False,
+                                                     **kwargs)
+        layer.forward = forward
     return len(layers)
 
 

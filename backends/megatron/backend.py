@@ -104,6 +104,12 @@ class MegatronBackend:
                              "sequence_parallel (tensor parallelism runs without it)")
         if is_moe(cfg.model):
             self._check_moe(cfg)
+            if cfg.activation_checkpointing:
+                raise ValueError("activation_checkpointing with a mixture-of-experts model is "
+                                 "not supported on the megatron backend (the routers' recorded "
+                                 "routes and load-balancing loss would run again in the "
+                                 "recompute); use micro_batches.pack = true or a smaller "
+                                 "micro_batches.max_tokens")
         if cfg.lora is not None:
             self._check_lora(cfg)
 
