@@ -28,7 +28,8 @@ with `--pack`, packed ones (`micro_batches.pack = true`, training/packing.py: ea
 samples end to end in rows of at most `--mb-tokens` tokens, attention per sample; torch with
 `training.packing.preferred_attn_implementation`, FlashAttention 2 varlen where flash-attn is
 installed, else FlexAttention on CUDA; megatron through a block-causal mask, FlexAttention on
-CUDA). `--checkpointing` (torch) and `--compile` (compile_layers) as the trainer's options.
+CUDA). `--checkpointing` (activation_checkpointing) and `--compile` (compile_layers) as the
+trainer's options.
 Final line (the largest dense shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=...
 packed_vs_padded=...` (each backend's best run; n/a where none ran; packed_vs_padded = the
 torch backend's padded step time / packed step time, > 1: packing is faster) and per run
@@ -53,7 +54,12 @@ from training.data_parallel import plan_micro_batches
 from training.master_weights import make_optimizer
 from training.moe import attach as attach_routing
 from training.packing import attention_mechanism, pack, preferred_attn_implementation
-from training.setup import checkpoint_activations, compile_layers
+from training.setup import (
+    checkpoint_activations,
+    checkpoint_layers,
+    compile_layers,
+    decoder_layers,
+)
 from training.step import TrainState, train_on_batch
 from transport.schema import Sample, routed_experts_dtype
 from transport.sockets import free_port
@@ -214,8 +220,11 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
         model = megatron_model(shape, args.device, dtype)
     else:
         model = hf_model(shape, args.device, dtype, attn)
-    if args.checkpointing and backend == "torch":  # per-layer recompute in the backward (not
-        checkpoint_activations(model)  # counted as useful FLOPs)
+    if args.checkpointing:  # per-layer recompute in the backward (not counted as useful FLOPs)
+        if backend == "torch":
+            checkpoint_activations(model)
+        else:
+            checkpoint_layers(decoder_layers(model))
     if args.compile:  # the first (warm-up) step compiles
         compile_layers(model)
     params = active_params(model)
@@ -384,9 +393,6 @@ def main() -> None:
                         args.pack_attn or preferred_attn_implementation(args.device))
                 print(describe(shape, r, args.steps, f"{backend} " + (
                     f"packed (attention {attn})" if packed else "padded")), flush=True)
-    if args.checkpointing and "megatron" in backends:
-        print("megatron: no activation checkpointing (megatron recomputes layers in training "
-              "mode only; the step runs eval mode)")
     line = result_line(runs) if runs else "RESULT"
     print(line + moe_keys(moe))
 
