@@ -320,7 +320,7 @@ workers = 1
 group_size = 8
 groups_per_batch = 8
 max_staleness = 0
-num_steps = 30
+num_steps = 45
 lr = 3e-4
 micro_batch_size = 64
 save_every = 30
@@ -347,7 +347,7 @@ def test_a_moe_run_from_rl_replays_the_workers_routes_and_learns_math(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     records = metric_records(run_dir)
     steps = trainer_steps(records)
-    assert len(steps) == 30
+    assert len(steps) == 45
     for v in steps:
         assert v["moe/route_mismatch"] < 0.01, v  # routes arrived, engine and trainer agree
         assert v["train/engine_logprob_abs_diff"] < 1e-5, v
@@ -355,7 +355,9 @@ def test_a_moe_run_from_rl_replays_the_workers_routes_and_learns_math(tmp_path):
     evals = {r["step"]: r["values"]["eval/math"] for r in records
              if "eval/math" in r["values"]}
     final = json.loads((run_dir / "final_eval.json").read_text())["scores"]["math"]
-    assert final >= evals[0] + 0.08, (evals, final)  # 0.43 at the base, greedy on 100 tasks
+    # 0.43 at the base, greedy on 100 tasks; after 30 steps 0.46-0.64 in four runs (0.46
+    # under CI's load), after 45 steps 0.67 and 0.71
+    assert final >= evals[0] + 0.08, (evals, final)
     files = load_safetensors(run_dir / "checkpoints" / "step_000030", device="cpu")
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in files
 
