@@ -165,3 +165,23 @@ def test_compile_layers_compiles_the_policys_decoder_layers_and_changes_no_value
         tqdm.monitor.exit()
         tqdm.monitor.join()
         tqdm.monitor = None
+
+
+def test_forwards_by_length_only_where_ranks_share_no_collective_in_the_forward():
+    """CPU fp32 defaults to one forward per distinct length; with expert parallelism (the
+    experts' all-to-all across data-parallel ranks, whose micro-batches differ) or fsdp2 every
+    rank runs one forward per micro-batch, so the ranks' collectives pair up."""
+    from training.config import ParallelConfig
+    from training.step import _by_length
+
+    cpu = torch.device("cpu")
+
+    def by_length(**parallel):
+        return _by_length(TrainerConfig(model="tiny-qwen3-moe", workers=["w"],
+                                        backend="megatron" if "ep" in parallel else "torch",
+                                        parallel=ParallelConfig(**parallel)), cpu)
+
+    assert by_length() is True
+    assert by_length(dp=2) is True
+    assert by_length(dp=2, ep=2) is False
+    assert by_length(dp=2, shard="fsdp2") is False

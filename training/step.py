@@ -262,7 +262,11 @@ def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
 
 def _by_length(cfg: TrainConfig, device: torch.device) -> bool:
     flag = cfg.micro_batches.forward_by_length
-    if cfg.parallel.shard == "fsdp2":  # every rank one forward per micro-batch (collectives)
+    # every rank one forward per micro-batch where forwards pair collectives across the
+    # data-parallel ranks, whose micro-batches differ in their lengths: fsdp2's all-gathers,
+    # expert parallelism's all-to-all (ep > 1: a rank with more distinct lengths would run
+    # more forwards than the other, and the step would hang at its first other collective)
+    if cfg.parallel.shard == "fsdp2" or cfg.parallel.ep > 1:
         return False
     if flag is None:
         return device.type == "cpu" and cfg.dtype == "float32"
