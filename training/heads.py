@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from algos.logprobs import position_ids_from_mask, response_slice
+from algos.logprobs import position_ids_from_mask, response_slice, response_tokens
 from algos.loss_head import ResponseHead, response_head_logprobs
 from training.batching import MicroBatch
 from training.packing import (
@@ -154,11 +154,6 @@ def _call(model: Any, mb: MicroBatch, params: dict | None) -> Any:
     if params is None:
         return model(**kwargs)
     return torch.func.functional_call(model, params, args=(), kwargs=kwargs)
-
-
-def response_tokens(mb: MicroBatch) -> torch.Tensor:
-    """[B, R] the response tokens (padding columns: the last token, clamped as the slice)."""
-    return response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
 
 
 def head_response_logprobs(head: ResponseHead, mb: MicroBatch, temperature: float,

@@ -393,7 +393,6 @@ class ContextParallelAttention(DotProductAttention):
         context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
 
-
     def _whole_sdpa(self, query, key, value, attention_mask, causal: bool):
         """cp = 1 through torch's scaled_dot_product_attention: every query against the whole
         sequence, the mask (any of the module docstring's shapes) or'ed with the causal one.

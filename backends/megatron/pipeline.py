@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from algos.logprobs import response_logprobs, response_slice
+from algos.logprobs import response_logprobs, response_slice, response_tokens
 from algos.loss_head import ResponseHead, response_head_logprobs
 from backends.megatron.context_parallel import gather_from_cp, padded_length, split_batch
 from backends.megatron.mcore import Float16Module, get_forward_backward_func, parallel_state
@@ -85,12 +85,12 @@ def _forward_step(data_iterator, model, loss_for=None, routing=None, head=None):
     return out, (partial(loss_for, i, mb) if loss_for is not None else None)
 
 
-def _head_step(i: int, mb: Any, model, loss_for, routing, head: Callable):
+def _head_step(i: int, mb: Any, model, loss_for, routing, head: "_Head"):
     """The last stage's forward of micro-batch i through its output head: the final hidden
     states at the response positions and this tensor rank's rows of the output weight
     (model.py VocabParallelHead) as a ResponseHead, no logits made. Returns (what the schedule
     keeps or backpropagates through the loss callback: the callback given the head, or without
-    one `head(i, mb, ResponseHead)`, the pass's per-token values)."""
+    one `head.values`, the pass's per-token values)."""
     if routing is not None:
         routing.set_batch([(getattr(mb, "routes", None), mb.attention_mask.bool())])
     core = model.module if isinstance(model, Float16Module) else model
@@ -104,7 +104,7 @@ def _head_step(i: int, mb: Any, model, loss_for, routing, head: Callable):
     response = ResponseHead(response_slice(hidden, mb.prompt_lens, mb.num_response_cols),
                             head.weight, head.group)
     if loss_for is None:
-        return head.values(i, mb, response), None
+        return head.values(mb, response), None
     return empty, partial(loss_for, i, mb, response)
 
 
@@ -116,13 +116,9 @@ class _Head:
         self.weight, self.group = model.lm_head.weight, model.lm_head.group
         self.temperature = temperature
 
-    def values(self, i: int, mb: Any, response: ResponseHead) -> torch.Tensor:
-        return response_head_logprobs(response, _response_tokens(mb), self.temperature,
+    def values(self, mb: Any, response: ResponseHead) -> torch.Tensor:
+        return response_head_logprobs(response, response_tokens(mb), self.temperature,
                                       with_entropy=False)[0]
-
-
-def _response_tokens(mb: Any) -> torch.Tensor:
-    return response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
 
 
 class PipelineRunner:
@@ -191,7 +187,7 @@ class PipelineRunner:
         def loss_for(i: int, mb: Any, logits: torch.Tensor | ResponseHead,
                      _output: torch.Tensor | None = None):
             if use_head:  # logits: the ResponseHead (`_head_step`), its loss terms from it
-                logp, ent = response_head_logprobs(logits, _response_tokens(mb), temperature)
+                logp, ent = response_head_logprobs(logits, response_tokens(mb), temperature)
                 loss = loss_fn(i, logp, ent, logits if with_logits else None)
             else:
                 logp, ent, resp_logits = _response(logits, mb, temperature)
