@@ -60,6 +60,10 @@ backward: the inputs (by reference) and per-token values ([N]; [N, k] for sets g
 in the backward, float32 accumulators of dL/dW [Vs, H] and dL/dh [N, H]. `head_set_kl`'s full
 and rebuilt-nucleus sets keep the teacher's hidden states until the backward (they are read
 again there); `head_weighted_set_kl` keeps the two gradients instead.
+Speed: `head_logprobs`'s passes over a chunk's logits (the log-sum-exp and entropy sums, and
+dL/dz) are plain torch functions that run through torch.compile on CUDA (`compiled_kernels`,
+the trainer's `micro_batches.head_compile`): one fused read of the chunk's logits in the GEMM's
+dtype per pass, no float32 copy of them.
 Invariant: no function changes its inputs.
 """
 
@@ -274,6 +278,80 @@ def _finish(gh: torch.Tensor | None, gw: torch.Tensor | None, hidden: torch.Tens
     return gh, None if gw is None else gw.to(weight.dtype)
 
 
+# --- one chunk's elementwise passes: plain torch, compiled on CUDA -----------------------------
+
+# the device types whose chunk passes run compiled (`compiled_kernels`; default: CUDA)
+_COMPILE_ON: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "head_compile_on", default=("cuda",))
+_COMPILED: dict[Any, Any] = {}
+
+
+@contextlib.contextmanager
+def compiled_kernels(on: bool, device_types: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """Within the block (this thread or task), the chunk passes of `head_logprobs` run through
+    `torch.compile` on `device_types` (`on`), or eagerly everywhere: the trainer's
+    `micro_batches.head_compile`. Compiled, each pass reads the chunk's logits once (one fused
+    kernel) where eager torch makes several float32 passes over them (cast, max, exp, sums)."""
+    token = _COMPILE_ON.set(tuple(device_types) if on else ())
+    try:
+        yield
+    finally:
+        _COMPILE_ON.reset(token)
+
+
+def _kernel(fn, device: torch.device):
+    """`fn` compiled (dynamic shapes, made once per process) on the device types in effect."""
+    if device.type not in _COMPILE_ON.get():
+        return fn
+    compiled = _COMPILED.get(fn)
+    if compiled is None:
+        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return compiled
+
+
+def _exp_sums(z: torch.Tensor, m: torch.Tensor, t: float, dtype: torch.dtype,
+              with_entropy: bool) -> torch.Tensor:
+    """[1 or 2, c]: sum_v e_v (and sum_v e_v x_v) over x = z / T - m, e = exp(x), for a chunk's
+    logits z [c, Vs] (overwritten when already `dtype`) and its rows' max m [c] of z / T."""
+    x = z.to(dtype)
+    if t != 1.0:
+        x.div_(t)
+    x.sub_(m[:, None])
+    e = x.exp()
+    sums = [e.sum(-1)] + ([torch.linalg.vecdot(e, x)] if with_entropy else [])
+    return torch.stack(sums)
+
+
+def _logit_grads(z: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
+                 g_ent: torch.Tensor | None, g: torch.Tensor | None, owned: torch.Tensor,
+                 local: torch.Tensor, t: float, out: torch.dtype) -> torch.Tensor:
+    """dL/dz [c, Vs] in `out` for a chunk's logits z (overwritten when already float32/64):
+    `-p (g + g_H (log p + H)) / T`, plus g / T at each row's target `local` where this rank
+    owns it (`owned`); lse, ent and the upstream gradients g_H, g [c] in the arithmetic dtype."""
+    logq = z.to(lse.dtype)
+    if t != 1.0:
+        logq.div_(t)
+    logq.sub_(lse[:, None])
+    p = logq.exp()
+    if g_ent is None:
+        gz = p.mul_(-g[:, None])
+    else:
+        gz = logq.add_(ent[:, None]).mul_(g_ent[:, None])
+        if g is not None:
+            gz.add_(g[:, None])
+        gz.mul_(p).neg_()
+    if g is not None:
+        at = (g * owned)[:, None]
+        if torch.compiler.is_compiling():  # an index compare fuses into the kernel
+            cols = torch.arange(gz.shape[1], device=gz.device)
+            gz = gz + torch.where(cols == local[:, None], at, 0.0)
+        else:
+            gz.scatter_add_(1, local[:, None], at)
+    if t != 1.0:
+        gz.div_(t)
+    return gz.to(out)
+
+
 # --- sampled-token log-probs and entropies -----------------------------------------------------
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -286,19 +364,20 @@ class _HeadLogprobs(torch.autograd.Function):
         lo = _shard(weight, group)[0]
         lse, logp = (torch.empty(n, dtype=dtype, device=hidden.device) for _ in range(2))
         ent = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
+        sums_of = _kernel(_exp_sums, hidden.device)
         for s in range(0, n, chunk):
-            z = _logits(hidden[s:s + chunk], weight, t, dtype)
+            z = hidden[s:s + chunk] @ weight.T  # the inputs' dtype, as the output layer
             local, owned = _local(targets[s:s + chunk], lo, z.shape[1])
-            zy = z.gather(-1, local[:, None])[:, 0].masked_fill_(~owned, 0.0)  # owner's only
-            m = _all_reduce(z.amax(-1), _MAX, group)
-            shifted = z.sub_(m[:, None])
-            e = shifted.exp()
-            parts = [e.sum(-1), zy] + ([torch.linalg.vecdot(e, shifted)] if with_entropy else [])
-            sums = _all_reduce(torch.stack(parts), _SUM, group)
-            lse[s:s + chunk] = m + sums[0].log()
-            logp[s:s + chunk] = sums[1] - lse[s:s + chunk]
+            zy = z.gather(-1, local[:, None])[:, 0].to(dtype).masked_fill_(~owned, 0.0)  # owner's
+            m = _all_reduce(z.amax(-1).to(dtype), _MAX, group)  # max z / T = (max z) / T, T > 0
+            if t != 1.0:
+                zy, m = zy / t, m / t
+            sums = _all_reduce(torch.cat([zy[None], sums_of(z, m, t, dtype, with_entropy)]),
+                               _SUM, group)  # z_y / T (from its owner), sum e, sum e x
+            lse[s:s + chunk] = m + sums[1].log()
+            logp[s:s + chunk] = sums[0] - lse[s:s + chunk]
             if with_entropy:
-                ent[s:s + chunk] = sums[0].log() - sums[2] / sums[0]
+                ent[s:s + chunk] = sums[1].log() - sums[2] / sums[1]
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.args = t, with_entropy, chunk, group
         ctx.set_materialize_grads(False)  # an unused entropy costs nothing in the backward
@@ -310,27 +389,22 @@ class _HeadLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
+        lse, ent = lse.detach(), ent.detach()  # outputs: a compiled pass takes them as values
         t, with_entropy, chunk, group = ctx.args
         g_ent = g_ent if with_entropy else None
         if g_logp is None and g_ent is None:
             return None, None, None, None, None, None, None
         lo = _shard(weight, group)[0]
         gh, gw = _grad_buffers(hidden, weight, ctx.needs_input_grad)
+        grads_of = _kernel(_logit_grads, hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             sl = slice(s, s + chunk)
-            logq = _logits(hidden[sl], weight, t, lse.dtype).sub_(lse[sl, None])  # log p_v
-            p = logq.exp()
-            if g_ent is None:
-                gz = p.mul_(-g_logp[sl, None])
-            else:  # -p (g + g_H (log p + H))
-                gz = logq.add_(ent[sl, None]).mul_(g_ent[sl, None])
-                if g_logp is not None:
-                    gz.add_(g_logp[sl, None])
-                gz.mul_(p).neg_()
-            if g_logp is not None:  # + g at the target, on the rank that owns it
-                local, owned = _local(targets[sl], lo, gz.shape[1])
-                gz.scatter_add_(1, local[:, None], (g_logp[sl] * owned)[:, None])
-            _add_grads(gz if t == 1.0 else gz.div_(t), hidden[sl], weight, s, gh, gw)
+            z = hidden[sl] @ weight.T
+            local, owned = _local(targets[sl], lo, z.shape[1])
+            gz = grads_of(z, lse[sl], None if g_ent is None else ent[sl],
+                          None if g_ent is None else g_ent[sl],
+                          None if g_logp is None else g_logp[sl], owned, local, t, weight.dtype)
+            _add_grads(gz, hidden[sl], weight, s, gh, gw)
         return *_finish(gh, gw, hidden, weight, group), None, None, None, None, None
 
 

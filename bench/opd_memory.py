@@ -153,7 +153,8 @@ def run_mode(mode: str, args, dtype: torch.dtype) -> tuple[int, list[float]]:
     cfg = TrainConfig(model="random", device=device, dtype=dtype_name(dtype),
                       opd=opd_for(mode, args), teachers=[TeacherSpec(name="t", model="random")],
                       loss=LossConfig(advantage_estimator="none"),
-                      micro_batches=MicroBatchConfig(size=args.batch, forward_by_length=False))
+                      micro_batches=MicroBatchConfig(size=args.batch, forward_by_length=False,
+                                                     head_compile=not args.head_eager))
     state = TrainState(model, _Tok(), make_optimizer(model.parameters(), dtype, None, 1e-6))
     state.teachers = teacher_pool(args.vocab, args.hidden, dtype, device)
     samples = batch(args.batch, args.response, args.vocab, args.top_p, mode == "top_p")
@@ -199,6 +200,8 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeat", type=int, default=3, help="timed steps per mode (median shown)")
+    p.add_argument("--head-eager", action="store_true", help="micro_batches.head_compile = "
+                   "false: the loss head's chunk passes eager (default: compiled on CUDA)")
     args = p.parse_args()
     args.batch, args.response = (int(x) for x in args.tokens.lower().split("x"))
     dtype = model_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda")

@@ -28,8 +28,8 @@ with `--pack`, packed ones (`micro_batches.pack = true`, training/packing.py: ea
 samples end to end in rows of at most `--mb-tokens` tokens, attention per sample; torch with
 `training.packing.preferred_attn_implementation`, FlashAttention 2 varlen where flash-attn is
 installed, else FlexAttention on CUDA; megatron through a block-causal mask, FlexAttention on
-CUDA). `--checkpointing` (activation_checkpointing) and `--compile` (compile_layers) as the
-trainer's options.
+CUDA). `--checkpointing` (activation_checkpointing), `--compile` (compile_layers) and
+`--head-eager` (micro_batches.head_compile = false) as the trainer's options.
 Final line (the largest dense shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=...
 packed_vs_padded=...` (each backend's best run; n/a where none ran; packed_vs_padded = the
 torch backend's padded step time / packed step time, > 1: packing is faster) and per run
@@ -238,7 +238,8 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
                         device=args.device, optimizer=OptimizerConfig(lr=1e-6),
                         backend=backend, measure_policy_kl=args.policy_kl,
                         micro_batches=MicroBatchConfig(max_tokens=args.mb_tokens,
-                                                       forward_by_length=False, pack=packed),
+                                                       forward_by_length=False, pack=packed,
+                                                       head_compile=not args.head_eager),
                         moe=MoeConfig(routing_replay="rollout" if replay else "off"))
     lengths = lengths_for(args.tokens, args.mb_tokens)
     samples = samples_of(lengths, vocab)
@@ -364,6 +365,8 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true", help="activation_checkpointing: "
                    "each layer's activations recomputed in the backward (its forward is "
                    "overhead, not in the useful FLOPs)")
+    p.add_argument("--head-eager", action="store_true", help="micro_batches.head_compile = "
+                   "false: the loss head's chunk passes eager (default: compiled on CUDA)")
     p.add_argument("--pack-attn", default="", help="attn_implementation of the packed model "
                    "(sdpa, flex_attention, flash_attention_2; default: "
                    "training.packing.preferred_attn_implementation)")

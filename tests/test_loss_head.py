@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tqdm
+from torch._inductor import config as inductor_config
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from algos import opd
+from algos import loss_head, opd
 from algos.logprobs import effective_temperature, response_logprobs
 from algos.loss_head import (
     HEAD_CHUNK_BYTES,
     chunk_bytes,
     chunk_tokens_for,
+    compiled_kernels,
     head_logprobs,
     head_set_kl,
     head_top_k_ids,
@@ -420,3 +423,37 @@ def test_a_caller_sets_the_chunk_for_its_block_only():
     with pytest.raises(ValueError, match="at least 1 byte"):
         with chunk_bytes(0):
             pass
+
+
+# importing torch's inductor (the first torch.compile) warns from torch's own modules
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_chunk_passes_equal_the_eager_ones(monkeypatch):
+    """`compiled_kernels` (the trainer's micro_batches.head_compile, on CUDA by default) runs
+    the chunk passes through torch.compile: forced onto the CPU here, the log-probs, entropies
+    and gradients equal the eager ones and the logits definition, at T = 0.7, with chunks of 5
+    of 13 tokens (a shorter last one, the same compiled graph) and every upstream combination."""
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # inductor's bars: no monitor thread
+    h, w, _, _, y = inputs(torch.float32)
+    gs = [upstream(N, torch.float32), upstream(N, torch.float32, 8)]
+    ref = ref_logprobs(h, w, y, 0.7)
+    eager = head_logprobs(h, w, y, 0.7, chunk_tokens=5)
+    torch._dynamo.utils.counters.clear()
+    # compiled in this process, without inductor's thread pool (the leak check's threads)
+    with compiled_kernels(True, ("cpu",)), inductor_config.patch(compile_threads=1):
+        out = head_logprobs(h, w, y, 0.7, chunk_tokens=5)
+        alone = head_logprobs(h, w, y, 0.7, with_entropy=False, chunk_tokens=5)[0]
+        for outs, ups, want in (([*out], gs, ref), ([alone], gs[:1], ref[:1]),
+                                ([out[1]], gs[1:], ref[1:])):
+            for a, b in zip(grads(outs, ups, h, w), grads(want, ups, h, w)):
+                close(a, b, torch.float32)
+    for a, b, r in zip(out, eager, ref):
+        close(a, b, torch.float32)
+        close(a, r, torch.float32)
+    close(alone, ref[0], torch.float32)
+    # each pass compiled once per variant (entropy or not; which upstream gradients), not per
+    # chunk shape
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 5
+    assert set(loss_head._COMPILED) == {loss_head._exp_sums, loss_head._logit_grads}
+    with compiled_kernels(False):
+        assert loss_head._kernel(loss_head._exp_sums, h.device) is loss_head._exp_sums
+    assert loss_head._kernel(loss_head._exp_sums, h.device) is loss_head._exp_sums  # CPU

@@ -38,6 +38,9 @@ from tests.helpers import trainer_steps
 from tests.test_megatron_parallel import run_ranks as spawn_ranks
 
 SPAWN_TIMEOUT_S = 540
+# the first test of a module fixture runs its ranks' whole report: 32 s on a quiet 2-core machine,
+# over the suite's 120 s beside two busy loops
+pytestmark = pytest.mark.timeout(360)
 NAME = "tiny-qwen3-moe"
 ROOT = Path(__file__).resolve().parent.parent
 

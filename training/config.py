@@ -63,6 +63,10 @@ class MicroBatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # float32 logits the loss head makes at once (algos/loss_head.py: a chunk of tokens x V);
     # 256 MiB is 441 tokens at V = 151,936
     head_chunk_mib: int = 256
+    # the loss head's per-chunk passes over the logits (log-sum-exp, entropy, their gradient)
+    # through torch.compile on CUDA: one fused read of each chunk's logits instead of several
+    # float32 passes (compiled once per process, a few seconds); no effect on the CPU
+    head_compile: bool = True
     # the model passes of the step (recompute, policy forward+backward, reference, old actors)
     # run on packed rows: each micro-batch's samples end to end in rows of <= max_tokens tokens
     # (no cap: one row), positions restarting per sample, attention kept per sample

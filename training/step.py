@@ -66,7 +66,7 @@ import torch
 from algos.advantages import estimator, sample_scores, token_advantages, whiten_sums, whiten_with
 from algos.dp_schedule import pack as pack_lengths
 from algos.kl import approx_kl
-from algos.loss_head import chunk_bytes
+from algos.loss_head import chunk_bytes, compiled_kernels
 from algos.mismatch import correction_weights, mismatch_metrics
 from algos.opd import (
     gather_scores,
@@ -138,8 +138,10 @@ def train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig,
     it; `runner` runs the model over the micro-batches (default: `TorchRunner`, a whole forward;
     a backend's pipeline runner for pipeline stages, training/backends.py `model_runner`).
     Returns the statistics on every rank of the model (computed on the last stage). The loss
-    head's chunks hold `micro_batches.head_chunk_mib` of logits."""
-    with chunk_bytes(cfg.micro_batches.head_chunk_mib << 20):
+    head's chunks hold `micro_batches.head_chunk_mib` of logits, its passes compiled on CUDA
+    with `micro_batches.head_compile`."""
+    with chunk_bytes(cfg.micro_batches.head_chunk_mib << 20), \
+            compiled_kernels(cfg.micro_batches.head_compile):
         return _train_on_batch(state, samples, cfg, dp, runner)
 
 
