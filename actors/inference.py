@@ -20,7 +20,7 @@ from actors.inference_config import (  # noqa: F401 - InferenceWorkerConfig: als
     InferenceWorkerPlan,
 )
 from engine.scheduler import Scheduler
-from engine.server import EngineServer, start_server
+from engine.server import EngineServer, start_server, stop_server
 from memory.device_usage import process_device_bytes, storage_bytes
 from runtime.devices import gpu_ids
 from transport.dtypes import model_dtype
@@ -96,7 +96,7 @@ class InferenceWorker(InferenceWorkerPlan):
 
     async def on_stop(self, reason: str) -> None:
         if self._runner is not None:
-            await self._runner.cleanup()
+            await stop_server(self._runner)
         if self.server is not None:
             await self.server.weights.close()
         if self.scheduler is not None:

@@ -623,6 +623,18 @@ class _Http2ProbeFilter(logging.Filter):
         return True
 
 
+async def stop_server(runner: web.AppRunner) -> None:
+    """`runner.cleanup()`, then close the connections accepted while it ran: a client that
+    reconnects as the server stops (a router retrying, its health checks) can be accepted
+    after aiohttp's sweep of open connections, and nothing else would close it."""
+    server = runner.server
+    await runner.cleanup()
+    if server is not None:
+        await asyncio.sleep(0)  # accepts the event loop had already taken
+        for handler in server.connections:
+            handler.force_close()
+
+
 async def start_server(server: EngineServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Bind and start; returns the runner (call `cleanup()` to stop) and the bound port."""
     server_log = logging.getLogger("aiohttp.server")

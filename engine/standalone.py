@@ -16,7 +16,7 @@ import signal
 from typing import Callable
 
 from engine.scheduler import Scheduler
-from engine.server import EngineServer, start_server
+from engine.server import EngineServer, start_server, stop_server
 from transport.dtypes import model_dtype
 
 
@@ -67,7 +67,7 @@ async def serve(args: argparse.Namespace,
         await stop.wait()
     finally:
         if runner is not None:
-            await runner.cleanup()
+            await stop_server(runner)
         await server.weights.close()
         loop_task.cancel()
         await asyncio.gather(loop_task, return_exceptions=True)
