@@ -53,11 +53,11 @@ def response_slice(per_position: torch.Tensor, prompt_lens: torch.Tensor,
     return per_position.gather(1, cols)
 
 
-
 def response_tokens(mb) -> torch.Tensor:
     """[B, R] the response tokens of a micro-batch (`input_ids`, `prompt_lens`,
     `num_response_cols`; padding columns: the last token, clamped as `response_slice`)."""
     return response_slice(mb.input_ids[:, 1:], mb.prompt_lens, mb.num_response_cols)
+
 
 def response_logprobs(next_logits: torch.Tensor, input_ids: torch.Tensor,
                       prompt_lens: torch.Tensor, num_cols: int, temperature: float

@@ -305,8 +305,22 @@ def _kernel(fn, device: torch.device):
         return fn
     compiled = _COMPILED.get(fn)
     if compiled is None:
-        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        compiled = _COMPILED[fn] = _explained(torch.compile(fn, dynamic=True))
     return compiled
+
+
+def _explained(compiled):
+    """`compiled`, its compiler's failure (no working Triton or C++ compiler, say) raised with
+    the config field that avoids it."""
+    def run(*args):
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise RuntimeError(f"torch.compile of the loss head's chunk passes failed "
+                               f"({type(e.inner_exception).__name__}: {e.inner_exception}); "
+                               "set micro_batches.head_compile = false in the trainer's "
+                               "config to run them eagerly") from e
+    return run
 
 
 def _exp_sums(z: torch.Tensor, m: torch.Tensor, t: float, dtype: torch.dtype,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from contextlib import asynccontextmanager
 
 import pytest
@@ -17,6 +18,7 @@ from actors.inference import InferenceWorker
 from algos.logprobs import token_logprobs
 from engine.client import ROUTING_HEADER, SglangClient
 from engine.errors import EngineHTTPError, EngineUnavailable
+from engine.server import stop_server
 from engine.session import HttpSession
 from engine.weight_sync import make_weight_sync
 from models.load import save_checkpoint
@@ -574,3 +576,27 @@ async def test_pushes_that_pause_in_place_or_retract_discard_nothing(ipc, tmp_pa
         assert x.retried == 0 and sample.status == "ok"
         assert len(sample.response_ids) == len(sample.rollout_logprobs) == length
         assert sample.weight_version == 0  # the oldest version that produced its tokens
+
+
+async def test_stopping_closes_a_connection_accepted_during_the_cleanup():
+    """A client that connects as the server stops (a router's retry or health check) can be
+    accepted after aiohttp's cleanup swept the open connections: `stop_server` closes it (its
+    peer reads end-of-file), where it was left open to be finalised by the garbage collector."""
+    ours, peer = socket.socketpair()
+
+    class LateAccept(web.AppRunner):
+        async def cleanup(self) -> None:
+            server = self.server
+            await super().cleanup()
+            await asyncio.get_running_loop().connect_accepted_socket(server, ours)
+
+    runner = LateAccept(web.Application())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        await stop_server(runner)
+        peer.settimeout(10)
+        assert await asyncio.to_thread(peer.recv, 1) == b""
+    finally:
+        ours.close()
+        peer.close()

@@ -457,3 +457,20 @@ def test_compiled_chunk_passes_equal_the_eager_ones(monkeypatch):
     with compiled_kernels(False):
         assert loss_head._kernel(loss_head._exp_sums, h.device) is loss_head._exp_sums
     assert loss_head._kernel(loss_head._exp_sums, h.device) is loss_head._exp_sums  # CPU
+
+
+def test_a_failing_compiler_names_the_field_that_turns_it_off(monkeypatch):
+    """Where torch.compile cannot build the chunk passes (no working Triton, say), the step's
+    error says which config field runs them eagerly."""
+    def broken(fn, **_):
+        def run(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(None, ValueError("no triton"), None)
+        return run
+
+    monkeypatch.setattr(loss_head, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    h, w, _, _, y = inputs(torch.float32)
+    with compiled_kernels(True, ("cpu",)):
+        with pytest.raises(RuntimeError, match=r"ValueError: no triton.*"
+                                               r"micro_batches.head_compile = false"):
+            head_logprobs(h, w, y, 0.7)
