@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import tqdm
 
 with warnings.catch_warnings():  # megatron-core warns at import that Apex / TE are absent
     warnings.simplefilter("ignore")
@@ -288,3 +289,77 @@ def test_activation_checkpointing_recomputes_each_layer_and_changes_no_value(tp1
     assert a["train/grad_norm"] > 0.1
     for name, value in wa.items():
         assert (wb[name] - value).abs().max() < 1e-6, name
+
+
+def test_a_compiled_decoder_layer_is_one_graph(tp1, monkeypatch):
+    """compile_layers on the megatron backend: torch.compile traces a whole TransformerLayer
+    (attention through torch's fused kernel, as on CUDA) into one graph. megatron-core's
+    row-parallel linears warned on every call (tp_group=None), which split each layer into
+    10 graphs here; the backend's GroupedRowParallelLinear passes the group."""
+    from backends.megatron.context_parallel import ContextParallelAttention
+
+    model = mg.from_hf_model(hf_model("qwen2"))
+    rows = [m for m in model.modules() if isinstance(m, mg.RowParallelLinear)]
+    assert rows and all(isinstance(m, mg.GroupedRowParallelLinear) for m in rows)
+    layer = model.core.decoder.layers[0]
+    seen = {}
+    hook = layer.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.update(args=args, kwargs=kwargs), with_kwargs=True)
+    ids, mask = padded_batch(model.config.vocab_size)
+    model(ids, attention_mask=mask)
+    hook.remove()
+    monkeypatch.setattr(ContextParallelAttention, "sdpa_at_cp1", True)
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # dynamo's bars: no monitor thread
+    torch._dynamo.reset()
+    with warnings.catch_warnings():  # dynamo's tracing of megatron warns (as it compiles)
+        warnings.simplefilter("ignore")
+        explained = torch._dynamo.explain(layer.forward)(*seen["args"], **seen["kwargs"])
+    assert [b.reason for b in explained.break_reasons] == []
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("rows", ["packed", "padded"])
+def test_flex_mask_function_is_the_dense_mask_and_causal(tp1, rows):
+    """The FlexAttention mask function made from a [b, 1, s, s] mask (flex_block_mask): packed
+    rows' block-causal mask becomes document indices (no [s, s] lookup), a padded rows' mask
+    stays a dense lookup; either allows exactly the causal part of what the mask allows."""
+    from backends.megatron import context_parallel as cpmod
+    from training.packing import block_causal_mask, pack
+
+    if rows == "packed":
+        packed = pack_rows([list(range(3, 3 + n)) for n in (5, 2, 7, 4, 1)], pack, 10)
+        blocked = block_causal_mask(packed, torch.float32) != 0
+        assert cpmod._documents(blocked[:, 0]) is not None
+    else:
+        blocked = mg.blocked_attention(padded_batch(50)[1])
+        assert cpmod._documents(blocked[:, 0]) is None
+    rows_, sq = blocked.shape[0], blocked.shape[-1]
+    b, q, k = (torch.arange(n).view(shape) for n, shape in
+               ((rows_, (-1, 1, 1)), (sq, (1, -1, 1)), (sq, (1, 1, -1))))
+    allowed = cpmod.mask_function(blocked)(b, 0, q, k)
+    causal = torch.ones(sq, sq, dtype=torch.bool).tril()
+    assert torch.equal(allowed, ~blocked[:, 0] & causal)
+    assert allowed.sum() < causal.sum() * rows_  # the mask takes something away
+
+
+def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_conditions(tp1):
+    """FlexAttention is chosen on CUDA for bf16/fp16 heads of >= 64 dimensions only (a CPU
+    model never builds a block mask); a layer handed a block mask where it cannot use one
+    (dropout in training mode) says so instead of computing something else."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from backends.megatron.context_parallel import flex_applies
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert flex_applies(cuda, torch.bfloat16, 64) and flex_applies(cuda, torch.float16, 128)
+    assert not flex_applies(cpu, torch.bfloat16, 64)
+    assert not flex_applies(cuda, torch.float32, 64) and not flex_applies(cuda, torch.bfloat16, 32)
+    model = mg.from_hf_model(hf_model("qwen2"))
+    assert not model._flex_ok(cpu)
+    attention = model.core.decoder.layers[0].self_attention.core_attention
+    attention.attention_dropout.p = 0.5
+    attention.train()
+    block = create_block_mask(lambda b, h, q, k: k <= q, 1, None, 4, 4, device="cpu")
+    q = torch.randn(4, 1, attention.num_attention_heads_per_partition, 16)
+    with pytest.raises(ValueError, match="pass the dense mask"):
+        attention(q, q, q, block)

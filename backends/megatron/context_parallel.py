@@ -43,11 +43,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from algos.logprobs import gather_logprobs, logits_to_logprobs
 from backends.megatron.mcore import parallel_state, tensor_parallel
@@ -346,6 +347,13 @@ class ContextParallelAttention(DotProductAttention):
             raise ValueError("ContextParallelAttention takes no packed sequences nor attention "
                              "bias (like megatron's DotProductAttention)")
         causal = self.attn_mask_type == AttnMaskType.causal
+        if isinstance(attention_mask, BlockMask):  # made once per forward (flex_block_mask)
+            if not (self.cp_size == 1 and causal and self._fused_ok()):
+                raise ValueError("a FlexAttention block mask is for causal attention at "
+                                 "context_parallel_size = 1 without dropout, softmax offset or "
+                                 "query-key layer scaling; pass the dense mask")
+            return _flex(query, key, value, attention_mask, self.softmax_scale,
+                         self.hidden_size_per_partition)
         if self.cp_size == 1 and self._fused_ok() and (
                 query.is_cuda if self.sdpa_at_cp1 is None else self.sdpa_at_cp1):
             return self._whole_sdpa(query, key, value, attention_mask, causal)
@@ -396,17 +404,19 @@ class ContextParallelAttention(DotProductAttention):
     def _whole_sdpa(self, query, key, value, attention_mask, causal: bool):
         """cp = 1 through torch's scaled_dot_product_attention: every query against the whole
         sequence, the mask (any of the module docstring's shapes) or'ed with the causal one.
-        A full [b, 1, s, s] mask on CUDA in half precision (packed rows' block-causal mask)
-        goes to FlexAttention with a block mask made from it once per forward (`_flex`): the
+        A full [b, 1, s, s] mask where `flex_applies` (packed rows' block-causal mask) goes
+        to FlexAttention with a block mask made from it once per mask (`flex_block_mask`): the
         blocks no query of a block may attend are skipped, as the torch backend's packed rows
-        are."""
+        are. (MegatronCausalLM's forward makes that block mask itself, before the layers, so a
+        compiled layer keeps attention in its graph.)"""
         sq = query.shape[0]
-        if (self.flex_packed and query.is_cuda
-                and query.dtype in (torch.float16, torch.bfloat16)
-                and attention_mask is not None and attention_mask.dim() == 4
+        if (causal and attention_mask is not None and attention_mask.dim() == 4
                 and attention_mask.shape[2] == sq and attention_mask.shape[3] == sq
-                and query.shape[-1] >= 64):
-            return _flex(query, key, value, attention_mask, causal, self.softmax_scale,
+                and flex_applies(query.device, query.dtype, query.shape[-1])):
+            cached = _FLEX.get("mask")
+            if cached is None or cached[0] is not attention_mask:
+                _FLEX["mask"] = cached = (attention_mask, flex_block_mask(attention_mask))
+            return _flex(query, key, value, cached[1], self.softmax_scale,
                          self.hidden_size_per_partition)
         q_pos = torch.arange(sq, device=query.device)
         blocked = _blocked_rows(attention_mask, sq, q_pos, causal)
@@ -439,37 +449,76 @@ class ContextParallelAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
-_FLEX: dict[str, Any] = {}  # the compiled kernel, and the last forward's (mask, block mask)
+_FLEX: dict[str, Any] = {}  # the compiled kernel, and the last dense mask's block mask
 
 
-@torch.compiler.disable  # a compiled layer (compile_layers) calls it as it is: its block
-def _flex(query, key, value, blocked: torch.Tensor, causal: bool,  # mask cache is Python
-          scale: float | None, width: int) -> torch.Tensor:
-    """FlexAttention over query [s, b, heads, d] / key, value [s, b, groups, d] with `blocked`
-    [b|1, 1, s, s] (True = may not attend) or'ed with the causal mask -> [s, b, width]. The
-    BlockMask is made from the dense mask once per mask tensor (every layer of a forward gets
-    the same one); a query with no key to attend outputs zeros (padding rows, unused)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def flex_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention with a full [b, 1, s, s] mask runs through FlexAttention: on CUDA, in
+    half precision, heads of at least 64 dimensions (ContextParallelAttention.flex_packed)."""
+    return (ContextParallelAttention.flex_packed and device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16) and head_dim >= 64)
 
-    if "kernel" not in _FLEX:  # row widths and counts differ per micro-batch: dynamic shapes
-        _FLEX["kernel"] = torch.compile(flex_attention, dynamic=True)
-    cached = _FLEX.get("mask")
-    if cached is None or cached[0] is not blocked:
-        dense = blocked[:, 0]
+
+@torch.compiler.disable  # data-dependent (the document check); made outside compiled layers
+def flex_block_mask(blocked: torch.Tensor) -> BlockMask:
+    """FlexAttention's BlockMask of `blocked` [b|1, 1, s, s] (True = may not attend) or'ed with
+    the causal mask: the blocks no query of a block may attend are skipped. Packed rows (each
+    sample attending its own earlier tokens, training/packing.py's block-causal mask) get a
+    mask function of each position's document index ([b, s], a lookup per query and key); any
+    other mask, a lookup in the dense one ([b, s, s])."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, sq = blocked.shape[0], blocked.shape[-1]
+    return create_block_mask(mask_function(blocked), rows, None, sq, sq, device=blocked.device,
+                             _compile=True)
+
+
+def mask_function(blocked: torch.Tensor) -> Callable:
+    """FlexAttention's mask function (b, h, q, k) -> may attend, of `blocked` [b|1, 1, s, s]
+    (True = may not attend) or'ed with the causal mask (`flex_block_mask`)."""
+    dense = blocked[:, 0]
+    docs = _documents(dense)
+    if docs is not None:
+        def allowed(b, _h, q, k):
+            return (docs[b, q] == docs[b, k]) & (k <= q)
+    else:
         rows = dense.shape[0]
 
         def allowed(b, _h, q, k):
-            ok = ~dense[b if rows > 1 else 0, q, k]
-            return ok & (k <= q) if causal else ok
+            return ~dense[b if rows > 1 else 0, q, k] & (k <= q)
+    return allowed
 
-        sq = query.shape[0]
-        block = create_block_mask(allowed, rows, None, sq, sq, device=query.device,
-                                  _compile=True)
-        _FLEX["mask"] = cached = (blocked, block)
+
+def _documents(dense: torch.Tensor) -> torch.Tensor | None:
+    """[b, s] each position's document (a new one wherever a query may not attend the position
+    before it) when `dense` [b, s, s] (True = may not attend), on and below the diagonal, is
+    exactly "the same document" (a block-diagonal causal mask); else None."""
+    rows, sq = dense.shape[0], dense.shape[-1]
+    starts = torch.ones(rows, sq, dtype=torch.int32, device=dense.device)
+    starts[:, 1:] = dense[:, 1:, :-1].diagonal(dim1=1, dim2=2)
+    docs = starts.cumsum(-1, dtype=torch.int32)
+    causal = torch.ones(sq, sq, dtype=torch.bool, device=dense.device).tril()
+    same = (docs[:, :, None] == docs[:, None, :]) & causal
+    return docs if torch.equal(same, ~dense & causal) else None
+
+
+def _flex(query, key, value, block: BlockMask, scale: float | None, width: int
+          ) -> torch.Tensor:
+    """FlexAttention over query [s, b, heads, d] / key, value [s, b, groups, d] with the block
+    mask -> [s, b, width]; a query with no key to attend outputs zeros (padding rows, unused).
+    Inside a compiled layer (compile_layers) it is traced into the layer's graph; eager, it runs
+    torch.compile's kernel (dynamic shapes: row widths and counts differ per micro-batch)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        kernel = flex_attention
+    else:
+        if "kernel" not in _FLEX:
+            _FLEX["kernel"] = torch.compile(flex_attention, dynamic=True)
+        kernel = _FLEX["kernel"]
     sq, b, heads, _ = query.shape
-    out = _FLEX["kernel"](query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
-                          value.permute(1, 2, 0, 3), block_mask=cached[1], scale=scale,
-                          enable_gqa=key.shape[2] != heads)  # [b, heads, sq, d]
+    out = kernel(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                 block_mask=block, scale=scale, enable_gqa=key.shape[2] != heads)
     return out.permute(2, 0, 1, 3).reshape(sq, b, width)
 
 
@@ -521,36 +570,44 @@ def cp_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """A copy of a layer (or block) spec with every megatron DotProductAttention core attention
     replaced by ContextParallelAttention (megatron's local spec, `get_gpt_layer_local_spec`).
     ValueError when the spec has none (a Transformer Engine spec: TE has its own CP)."""
-    spec = copy.deepcopy(spec)
-    found = _swap_core_attention(spec)
+    spec, found = swap_modules(spec, {DotProductAttention: ContextParallelAttention})
     if not found:
         raise ValueError("cp_layer_spec: the spec has no megatron DotProductAttention core "
                          "attention to replace (build it with get_gpt_layer_local_spec)")
     return spec
 
 
-def _swap_core_attention(node: Any) -> int:
+def swap_modules(spec: ModuleSpec, classes: dict[type, type]) -> tuple[ModuleSpec, int]:
+    """A copy of a layer (or block) spec with every module class that is a key of `classes`
+    (a submodule field's class, or a ModuleSpec's `module`) replaced by its value; and the
+    count of replacements."""
+    spec = copy.deepcopy(spec)
+    return spec, _swap(spec, classes)
+
+
+def _swap(node: Any, classes: dict[type, type]) -> int:
     """Replace in place; the count of replacements."""
-    count = 0
     if isinstance(node, (list, tuple)):
-        return sum(_swap_core_attention(n) for n in node)
+        return sum(_swap(n, classes) for n in node)
     if isinstance(node, ModuleSpec):
-        return _swap_core_attention(node.submodules)
+        count = 0
+        if node.module in classes:
+            node.module = classes[node.module]
+            count = 1
+        return count + _swap(node.submodules, classes)
+    count = 0
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for field in dataclasses.fields(node):
             value = getattr(node, field.name)
-            if field.name == "core_attention" and value is DotProductAttention:
-                setattr(node, field.name, ContextParallelAttention)
-                count += 1
-            elif isinstance(value, ModuleSpec) and value.module is DotProductAttention \
-                    and field.name == "core_attention":
-                value.module = ContextParallelAttention
+            if isinstance(value, type) and value in classes:
+                setattr(node, field.name, classes[value])
                 count += 1
             else:
-                count += _swap_core_attention(value)
+                count += _swap(value, classes)
     return count
 
 
-__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits", "gather_from_cp",
-           "key_padding_mask", "local_token_logprobs", "next_token_labels", "padded_length",
-           "positions", "split_batch", "split_for_cp"]
+__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits", "flex_applies",
+           "flex_block_mask", "gather_from_cp", "key_padding_mask", "local_token_logprobs",
+           "mask_function", "next_token_labels", "padded_length", "positions", "split_batch",
+           "split_for_cp", "swap_modules"]

@@ -22,7 +22,10 @@ try:
             get_gpt_layer_local_spec,
         )
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.tensor_parallel import (
+            RowParallelLinear,
+            param_is_not_tensor_parallel_duplicate,
+        )
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.module import Float16Module, param_is_not_shared
         from megatron.core.transformer.moe import moe_utils
@@ -34,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the torch matmul path
     moe_utils.te_general_gemm = None
 
-__all__ = ["Float16Module", "GPTModel", "TransformerConfig", "dist_checkpointing",
-           "get_forward_backward_func", "get_gpt_decoder_block_spec", "get_gpt_layer_local_spec",
-           "get_transformer_layer_offset", "param_is_not_shared",
+__all__ = ["Float16Module", "GPTModel", "RowParallelLinear", "TransformerConfig",
+           "dist_checkpointing", "get_forward_backward_func", "get_gpt_decoder_block_spec",
+           "get_gpt_layer_local_spec", "get_transformer_layer_offset", "param_is_not_shared",
            "param_is_not_tensor_parallel_duplicate", "parallel_state", "tensor_parallel"]

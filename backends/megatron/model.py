@@ -42,9 +42,14 @@ import torch.nn.functional as F
 
 from backends.megatron.checkpoint import save_hf
 from backends.megatron.context_parallel import (
+    AttnMaskType,
+    ContextParallelAttention,
     cp_layer_spec,
+    flex_applies,
+    flex_block_mask,
     gather_from_cp,
     split_batch,
+    swap_modules,
 )
 from backends.megatron.context_parallel import positions as cp_positions
 from backends.megatron.convert import (
@@ -60,6 +65,7 @@ from backends.megatron.convert import (
 from backends.megatron.mcore import (
     Float16Module,
     GPTModel,
+    RowParallelLinear,
     TransformerConfig,
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
@@ -234,6 +240,20 @@ def moe_fields(layout: Layout) -> dict[str, Any]:
     return fields
 
 
+class GroupedRowParallelLinear(RowParallelLinear):
+    """megatron's RowParallelLinear, its matmul told its tensor-parallel group. megatron-core
+    0.16.1's forward passes `tp_group=None` to the matmul, which then warns (a deprecation, on
+    rank 0, every call); torch.compile cannot trace the warning, so each such linear split a
+    compiled decoder layer (`compile_layers`) into several graphs, the code between them not
+    fused. The group is not otherwise used there (no gradient all-reduce, no sequence
+    parallelism in a row-parallel matmul): same values."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group", self) is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTModel:
     """The GPTModel stage of this rank, randomly initialized by megatron (load weights after)."""
     config = transformer_config(hf_config, options, dtype)
@@ -246,7 +266,7 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
     # the core attention that also runs at context_parallel_size > 1 (megatron's own at cp = 1)
-    spec = cp_layer_spec(spec)
+    spec, _ = swap_modules(cp_layer_spec(spec), {RowParallelLinear: GroupedRowParallelLinear})
     return GPTModel(
         config, spec, vocab_size=layout.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
@@ -399,6 +419,8 @@ class MegatronCausalLM(torch.nn.Module):
             input_ids, attention_mask = pad_to_split(self.core.config, input_ids,
                                                      attention_mask)
             blocked = blocked_attention(attention_mask)
+        if self._flex_ok(input_ids.device):  # made once here, not in each layer
+            blocked = flex_block_mask(blocked)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = final_hidden(self.core, lambda: self.module(
             input_ids, positions.expand_as(input_ids), blocked, runtime_gather_output=True))
@@ -406,6 +428,18 @@ class MegatronCausalLM(torch.nn.Module):
         if isinstance(self.module, Float16Module):  # as megatron's wrapper returns them
             logits = logits.float()
         return CausalLMOutput(logits=logits)
+
+    def _flex_ok(self, device: torch.device) -> bool:
+        """Whether the layers' attention with this forward's [B, 1, T, T] mask runs through
+        FlexAttention (`flex_applies`; causal, no dropout, softmax offset nor layer scaling in
+        any layer): then the forward hands the layers the block mask instead of the mask."""
+        dtype = next(self.core.parameters()).dtype
+        if not flex_applies(device, dtype, self.core.config.kv_channels):
+            return False
+        attention = [m for m in self.core.modules() if isinstance(m, ContextParallelAttention)]
+        return bool(attention) and all(
+            m.attn_mask_type == AttnMaskType.causal and m.cp_size == 1 and m._fused_ok()
+            for m in attention)
 
     def _cp_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     ) -> torch.Tensor:
