@@ -9,6 +9,7 @@ fresh interpreter, which reports after each the heavy packages it loaded.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -142,3 +143,21 @@ def test_each_plan_class_is_the_base_of_its_actor_and_says_all_the_launcher_read
             assert not read & set(vars(cls)), f"{cls.__name__} overrides {read & set(vars(cls))}"
             found.append(cls.__name__)
     assert {"TrainerActor", "RolloutActor", "InferenceWorker", "TeacherPool"} <= set(found)
+
+
+def test_the_launcher_checks_a_megatron_plan_without_megatron_core():
+    """A megatron plan's config check (its install, the checkpoint's config.json, the layout)
+    runs in the launcher without importing megatron-core (~4 s of CPU per launch: its modules
+    compile dozens of functions at import), backends/megatron/checks.py."""
+    if importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (the check would refuse the plan)")
+    probe = ("import json, sys\nfrom launch.cluster import main\n"
+             "code = main([sys.argv[1], '--dry-run'])\n"
+             "print(json.dumps([code, sorted(m for m in sys.modules if m.startswith("
+             "'megatron.core'))]))")
+    out = subprocess.run([sys.executable, "-c", probe, "examples/megatron-tp2.toml"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip(), out.stderr
+    code, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert code == 0
+    assert imported == [], imported[:5]

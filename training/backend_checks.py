@@ -5,9 +5,10 @@ Role: `REGISTRY` names where each backend lives (training/backends.py `get_backe
 when asked for); `check_backend(cfg, colocated)` is what the configured backend needs of the
 install, the checkpoint and the device, at load (ValueError naming what to change). The torch
 backend's check is `check_torch_config` here (training/backends.py `TorchBackend.check_config`
-is it), so the launcher checks a torch plan without torch (tests/test_import_cost.py); any other
-backend is imported and asked (the megatron backend's check reads its install and the
-checkpoint).
+is it), so the launcher checks a torch plan without torch (tests/test_import_cost.py); the
+megatron backend's check (`CHECKS`: its install, the checkpoint's config.json) is imported
+without megatron-core itself (backends/megatron/checks.py); any other backend is imported and
+asked.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ MEGATRON = MP
 # name -> module:class, imported when first asked for (optional dependencies stay unimported)
 REGISTRY: dict[str, str] = {"torch": "training.backends:TorchBackend",
                             MEGATRON: "backends.megatron.backend:MegatronBackend"}
+# name -> module:function of a backend's config check that needs less than the backend
+CHECKS: dict[str, str] = {MEGATRON: "backends.megatron.checks:check_config"}
 
 
 def backend_class(name: str) -> type:
@@ -46,5 +49,8 @@ def check_backend(cfg: TrainConfig, colocated: bool = False) -> None:
     (ValueError naming what to change)."""
     if cfg.backend == "torch":
         check_torch_config(cfg, colocated)
+    elif cfg.backend in CHECKS:
+        module, _, name = CHECKS[cfg.backend].partition(":")
+        getattr(importlib.import_module(module), name)(cfg, colocated)
     else:
         backend_class(cfg.backend)().check_config(cfg, colocated)

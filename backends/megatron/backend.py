@@ -27,8 +27,6 @@ checks need only `convert.py`.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
@@ -41,8 +39,7 @@ from backends.megatron.checkpoint import (
     load_trainer_checkpoint,
     save_trainer_checkpoint,
 )
-from backends.megatron.convert import check_parallel_layout, is_moe
-from backends.megatron.lora import check_targets
+from backends.megatron.checks import check_config
 from backends.megatron.mcore import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 from backends.megatron.model import (
     MegatronCausalLM,
@@ -70,14 +67,6 @@ def distributed_optimizer(cfg: TrainConfig) -> bool:
                 or cfg.megatron.get("use_distributed_optimizer", False))
 
 
-def on_cpu_shim() -> bool:
-    """This process runs megatron-core on the CPU through the test-only torch.cuda stand-ins
-    (cpu_shim.py, armed by the tests' sitecustomize); looked up, never imported, so production
-    code does not depend on it."""
-    shim = sys.modules.get("backends.megatron.cpu_shim")
-    return shim is not None and shim.armed()
-
-
 class MegatronBackend:
     """megatron-core GPTModel shards (tp x pp), data-parallel replicas of them."""
 
@@ -90,56 +79,7 @@ class MegatronBackend:
         self._parallel = False  # this backend initialised megatron's parallel state
 
     def check_config(self, cfg: TrainConfig, colocated: bool = False) -> None:
-        if importlib.util.find_spec("megatron.core") is None:
-            raise ValueError("backend = 'megatron' needs megatron-core: pip install "
-                             "'rlx[megatron]' (megatron-core 0.16.1)")
-        check_parallel_layout(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
-        if not cfg.device.startswith("cuda") and not on_cpu_shim():
-            raise ValueError("backend = 'megatron' runs on CUDA devices (megatron-core has no "
-                             "CPU path); use backend = 'torch' with device = 'cpu'")
-        if str(cfg.megatron.get("sequence_parallel", False)).lower() == "true":
-            raise ValueError("megatron's sequence_parallel needs Transformer Engine's norm "
-                             "layers; this backend builds megatron-core's local layers, whose "
-                             "torch norms refuse it (megatron-core 0.16.1): unset "
-                             "sequence_parallel (tensor parallelism runs without it)")
-        if is_moe(cfg.model):
-            self._check_moe(cfg)
-            if cfg.activation_checkpointing:
-                raise ValueError("activation_checkpointing with a mixture-of-experts model is "
-                                 "not supported on the megatron backend (the routers' recorded "
-                                 "routes and load-balancing loss would run again in the "
-                                 "recompute); use micro_batches.pack = true or a smaller "
-                                 "micro_batches.max_tokens")
-        if cfg.lora is not None:
-            self._check_lora(cfg)
-
-    @staticmethod
-    def _check_moe(cfg: TrainConfig) -> None:
-        """ValueError for a mixture-of-experts layout this backend cannot run (the expert count
-        against ep is checked with the model's other sizes, check_parallel_layout)."""
-        par, options = cfg.parallel, cfg.megatron
-        if (par.tp > 1 or par.ep > 1) and cfg.lora is not None:
-            raise ValueError(f"lora on a mixture-of-experts model runs at parallel.tp = ep = 1 "
-                             f"on the megatron backend (got tp = {par.tp}, ep = {par.ep})")
-        if cfg.lora is not None:
-            lora.check_moe_targets(True, list(cfg.lora.target_modules))
-        if par.pp > 1 and cfg.moe.routing_replay != "off" and any(
-                options.get(key) for key in ("recompute_granularity", "recompute_method")):
-            raise ValueError("moe.routing_replay with megatron recomputation at parallel.pp > 1 "
-                             "is not supported (a recomputed layer's routes are not kept across "
-                             "the pipeline schedule); remove the recompute options or set "
-                             "routing_replay = 'off'")
-
-    @staticmethod
-    def _check_lora(cfg: TrainConfig) -> None:
-        """ValueError for a LoRA student this backend cannot train (lora.py)."""
-        check_targets(list(cfg.lora.target_modules))
-        if cfg.parallel.pp > 1 and cfg.kl.coef > 0 and not cfg.kl.ref_model:
-            # the step asks the last stage alone for the reference's log-probs; through the
-            # pipeline every stage must run that pass (AdaptersOffReference.runner_logprobs)
-            raise ValueError("a LoRA student's KL reference (the policy, adapters off) runs "
-                             "only at parallel.pp = 1 on the megatron backend (the step asks "
-                             "the last stage alone for it); use pp = 1 or set kl.ref_model")
+        check_config(cfg, colocated)  # checks.py: the launcher runs it without megatron-core
 
     def init_model_parallel(self, cfg: TrainConfig) -> Any:
         """megatron's tp x pp x dp (x ep) groups over the joined world; the step's data-parallel

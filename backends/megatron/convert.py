@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.load import check_model_path
-from models.moe import moe_shape
+from models.moe_shape import moe_shape
+from models.names import check_model_path
 from models.tiny import TINY, tiny_config
 
 SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from backends.megatron.checks import TARGETS, check_moe_targets, check_targets
 from backends.megatron.mcore import parallel_state, tensor_parallel
 from backends.megatron.parallel import (
     _gather_to_first_tensor_rank,
@@ -53,27 +54,8 @@ from backends.megatron.parallel import (
 )
 from models.lora import PEFT_PREFIX, check_fits, read_adapter
 
-# HF module -> (its path in an HF decoder layer, the megatron layer, what part of it); in the
-# order of an HF layer's modules (the order peft registers its adapters in)
-TARGETS: dict[str, tuple[str, str, str]] = {
-    "q_proj": ("self_attn.q_proj", "self_attention.linear_qkv", "q"),
-    "k_proj": ("self_attn.k_proj", "self_attention.linear_qkv", "k"),
-    "v_proj": ("self_attn.v_proj", "self_attention.linear_qkv", "v"),
-    "o_proj": ("self_attn.o_proj", "self_attention.linear_proj", "row"),
-    "gate_proj": ("mlp.gate_proj", "mlp.linear_fc1", "gate"),
-    "up_proj": ("mlp.up_proj", "mlp.linear_fc1", "up"),
-    "down_proj": ("mlp.down_proj", "mlp.linear_fc2", "row"),
-}
 CHECKPOINT_FILE = "megatron_lora.json"  # marks a megatron LoRA checkpoint (written last)
 STATE_FILE = "trainer_state.pt"  # the optimizer state (whole tensors), step, version, RNG
-
-
-def check_targets(target_modules: list[str]) -> None:
-    """ValueError naming the allowed modules when a target is not one of this backend's."""
-    unknown = [t for t in target_modules if t not in TARGETS]
-    if unknown:
-        raise ValueError(f"lora.target_modules {unknown} are not linear layers the megatron "
-                         f"backend adapts; allowed: {list(TARGETS)}")
 
 
 def peft_name(layer: int, target: str, matrix: str) -> str:
@@ -199,19 +181,6 @@ def _sizes(model: Any, target: str) -> tuple[int, int]:
             "gate_proj": (lay.hidden_size, lay.ffn_hidden_size),
             "up_proj": (lay.hidden_size, lay.ffn_hidden_size),
             "down_proj": (lay.ffn_hidden_size, lay.hidden_size)}[target]
-
-
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-
-
-def check_moe_targets(moe: bool, target_modules: list[str]) -> None:
-    """ValueError for MLP targets on a mixture-of-experts model (its MLPs are experts, which
-    take no adapters here)."""
-    mlp = [t for t in target_modules if t in MLP_TARGETS]
-    if moe and mlp:
-        raise ValueError(f"lora.target_modules {mlp} are expert MLPs of a mixture-of-experts "
-                         f"model, which the megatron backend does not adapt; target the "
-                         f"attention projections (q_proj, k_proj, v_proj, o_proj)")
 
 
 def attach(model: Any, cfg: Any) -> None:
