@@ -336,9 +336,10 @@ def test_flex_mask_function_is_the_dense_mask_and_causal(tp1, rows):
     rows_, sq = blocked.shape[0], blocked.shape[-1]
     b, q, k = (torch.arange(n).view(shape) for n, shape in
                ((rows_, (-1, 1, 1)), (sq, (1, -1, 1)), (sq, (1, 1, -1))))
-    allowed = cpmod.mask_function(blocked)(b, 0, q, k)
     causal = torch.ones(sq, sq, dtype=torch.bool).tril()
-    assert torch.equal(allowed, ~blocked[:, 0] & causal)
+    for documents in (True, False):  # the padded rows' mask is not looked through (False)
+        allowed = cpmod.mask_function(blocked, documents)(b, 0, q, k)
+        assert torch.equal(allowed, ~blocked[:, 0] & causal)
     assert allowed.sum() < causal.sum() * rows_  # the mask takes something away
 
 
@@ -363,3 +364,28 @@ def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_condi
     q = torch.randn(4, 1, attention.num_attention_heads_per_partition, 16)
     with pytest.raises(ValueError, match="pass the dense mask"):
         attention(q, q, q, block)
+
+
+def test_an_armed_process_installs_the_shim_and_runs_megatrons_fusions_eagerly():
+    """A process started with tests/megatron_shim on its path (the launcher's actors, the rank
+    processes): importing the backend installs the CPU stand-ins, and megatron's jit_fuser is
+    its no-op decorator (torch.compile'd helpers would need a compiler on the CPU; ~1 s of CPU
+    per process at import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(root / "tests" / "megatron_shim"), os.environ.get("PYTHONPATH")]))}
+    probe = ("import warnings; warnings.simplefilter('ignore')\n"
+             "import backends.megatron.mcore\n"
+             "from backends.megatron import cpu_shim\n"
+             "from megatron.core import jit\n"
+             "from megatron.core.fusions import fused_bias_swiglu as f\n"
+             "print(cpu_shim.armed(), bool(cpu_shim._saved), jit.jit_fuser is "
+             "jit.noop_decorator, type(f.swiglu).__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True", "True", "function"], out.stderr[-2000:]

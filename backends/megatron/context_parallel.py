@@ -460,24 +460,25 @@ def flex_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
 
 
 @torch.compiler.disable  # data-dependent (the document check); made outside compiled layers
-def flex_block_mask(blocked: torch.Tensor) -> BlockMask:
+def flex_block_mask(blocked: torch.Tensor, documents: bool = True) -> BlockMask:
     """FlexAttention's BlockMask of `blocked` [b|1, 1, s, s] (True = may not attend) or'ed with
     the causal mask: the blocks no query of a block may attend are skipped. Packed rows (each
     sample attending its own earlier tokens, training/packing.py's block-causal mask) get a
     mask function of each position's document index ([b, s], a lookup per query and key); any
-    other mask, a lookup in the dense one ([b, s, s])."""
+    other mask, a lookup in the dense one ([b, s, s]); `documents = False` skips looking for
+    documents (a padded rows' mask, which has none)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, sq = blocked.shape[0], blocked.shape[-1]
-    return create_block_mask(mask_function(blocked), rows, None, sq, sq, device=blocked.device,
-                             _compile=True)
+    return create_block_mask(mask_function(blocked, documents), rows, None, sq, sq,
+                             device=blocked.device, _compile=True)
 
 
-def mask_function(blocked: torch.Tensor) -> Callable:
+def mask_function(blocked: torch.Tensor, documents: bool = True) -> Callable:
     """FlexAttention's mask function (b, h, q, k) -> may attend, of `blocked` [b|1, 1, s, s]
     (True = may not attend) or'ed with the causal mask (`flex_block_mask`)."""
     dense = blocked[:, 0]
-    docs = _documents(dense)
+    docs = _documents(dense) if documents else None
     if docs is not None:
         def allowed(b, _h, q, k):
             return (docs[b, q] == docs[b, k]) & (k <= q)

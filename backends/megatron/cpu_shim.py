@@ -11,7 +11,8 @@ one, and the MoE all-to-all token dispatcher's streams and events are
 no-ops (its split sizes become host values as on CUDA).
 `install_on_import()` arms it for a whole process tree (tests/megatron_shim/sitecustomize.py):
 it installs the patches the moment the backend imports megatron-core, so processes that never
-use megatron pay nothing (torch too is imported inside the functions, not at import).
+use megatron pay nothing (torch too is imported inside the functions, not at import); in such a
+process megatron's torch.compile'd fusion helpers are plain functions (`_eager_fusions`).
 `armed()` says whether this process (and its children) run megatron on the CPU this way; the
 trainer actor reads it through `sys.modules` (never importing this module) to accept backend =
 "megatron" on a CPU device.
@@ -198,12 +199,27 @@ def armed() -> bool:
     return _armed
 
 
+def _eager_fusions(jit: Any) -> None:
+    """megatron-core's `jit_fuser` (torch.compile on torch >= 2.2) made a no-op decorator, as
+    its own `disable_jit_fuser` does: its fused helpers run eagerly on the CPU (the same
+    functions; the backend's defaults call few of them), and a process no longer imports
+    torch._dynamo for the dozens of functions megatron decorates at import (~1 s of CPU per
+    process that imports megatron-core)."""
+    jit.disable_jit_fuser()
+
+
+# module -> what runs right after it executed, in an armed process
+_AFTER_IMPORT = {_ARMED_ON: lambda _module: install(), "megatron.core.jit": _eager_fusions}
+
+
 class _InstallAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when the backend's megatron module is being imported, wraps its
-    loader so `install()` runs right after the module executed."""
+    """Finds nothing itself: when the backend's megatron module (or megatron-core's `jit`) is
+    being imported, wraps its loader so `install()` (`_eager_fusions`) runs right after the
+    module executed."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != _ARMED_ON:
+        after = _AFTER_IMPORT.get(name)
+        if after is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -212,9 +228,9 @@ class _InstallAfterImport(importlib.abc.MetaPathFinder):
             if spec is not None and spec.loader is not None:
                 execute = spec.loader.exec_module
 
-                def exec_then_install(module, execute=execute):
+                def exec_then_install(module, execute=execute, after=after):
                     execute(module)
-                    install()
+                    after(module)
 
                 spec.loader.exec_module = exec_then_install
                 return spec

@@ -420,7 +420,7 @@ class MegatronCausalLM(torch.nn.Module):
                                                      attention_mask)
             blocked = blocked_attention(attention_mask)
         if self._flex_ok(input_ids.device):  # made once here, not in each layer
-            blocked = flex_block_mask(blocked)
+            blocked = flex_block_mask(blocked, documents=attention_mask.dim() == 4)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = final_hidden(self.core, lambda: self.module(
             input_ids, positions.expand_as(input_ids), blocked, runtime_gather_output=True))
