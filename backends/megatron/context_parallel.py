@@ -43,12 +43,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
 
 from algos.logprobs import gather_logprobs, logits_to_logprobs
 from backends.megatron.mcore import parallel_state, tensor_parallel
@@ -60,6 +59,9 @@ with warnings.catch_warnings():  # megatron-core is imported by mcore above; no 
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.utils import attention_mask_func, is_layer_window_attention
+
+if TYPE_CHECKING:  # flex_attention imports torch._dynamo (~0.4 s): where it is used
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +349,8 @@ class ContextParallelAttention(DotProductAttention):
             raise ValueError("ContextParallelAttention takes no packed sequences nor attention "
                              "bias (like megatron's DotProductAttention)")
         causal = self.attn_mask_type == AttnMaskType.causal
-        if isinstance(attention_mask, BlockMask):  # made once per forward (flex_block_mask)
+        # not a tensor: FlexAttention's BlockMask, made once per forward (flex_block_mask)
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             if not (self.cp_size == 1 and causal and self._fused_ok()):
                 raise ValueError("a FlexAttention block mask is for causal attention at "
                                  "context_parallel_size = 1 without dropout, softmax offset or "
@@ -415,7 +418,10 @@ class ContextParallelAttention(DotProductAttention):
                 and flex_applies(query.device, query.dtype, query.shape[-1])):
             cached = _FLEX.get("mask")
             if cached is None or cached[0] is not attention_mask:
-                _FLEX["mask"] = cached = (attention_mask, flex_block_mask(attention_mask))
+                if "block_mask" not in _FLEX:  # data-dependent: outside a compiled layer
+                    _FLEX["block_mask"] = torch.compiler.disable(flex_block_mask)
+                _FLEX["mask"] = cached = (attention_mask,
+                                          _FLEX["block_mask"](attention_mask))
             return _flex(query, key, value, cached[1], self.softmax_scale,
                          self.hidden_size_per_partition)
         q_pos = torch.arange(sq, device=query.device)
@@ -449,7 +455,7 @@ class ContextParallelAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
-_FLEX: dict[str, Any] = {}  # the compiled kernel, and the last dense mask's block mask
+_FLEX: dict[str, Any] = {}  # the compiled kernel, the last dense mask's block mask, its maker
 
 
 def flex_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -459,7 +465,6 @@ def flex_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
             and dtype in (torch.float16, torch.bfloat16) and head_dim >= 64)
 
 
-@torch.compiler.disable  # data-dependent (the document check); made outside compiled layers
 def flex_block_mask(blocked: torch.Tensor, documents: bool = True) -> BlockMask:
     """FlexAttention's BlockMask of `blocked` [b|1, 1, s, s] (True = may not attend) or'ed with
     the causal mask: the blocks no query of a block may attend are skipped. Packed rows (each
