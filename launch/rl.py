@@ -117,10 +117,18 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 ROUTER_DEFAULTS = {"log_level": "warn"}  # health checks: the router actor's HEALTH_DEFAULTS
 # on_start limits of derived actors that load real models: an SGLang server (above its own
-# 600 s health wait), and a worker or trainer on a GPU; the launcher waits for READY at least
-# this + 30 s (launch/supervisor.py `ready_limit`). Elsewhere the actor default (30 s) holds.
+# 600 s health wait), and an embedded worker or the trainer on a GPU or on the CPU (a model read
+# and built there: a tiny model's worker took over 30 s, the actor default, on a 2-core machine
+# running four busy processes); the launcher waits for READY at least this + 30 s
+# (launch/supervisor.py `ready_limit`). Elsewhere the actor default (30 s) holds.
 SGLANG_START_TIMEOUT_S = 900.0
 GPU_START_TIMEOUT_S = 600.0
+CPU_MODEL_START_TIMEOUT_S = 120.0
+
+
+def model_start_timeout(device: str) -> float:
+    """on_start limit of a derived actor that loads a model onto `device`."""
+    return GPU_START_TIMEOUT_S if device.startswith("cuda") else CPU_MODEL_START_TIMEOUT_S
 NUCLEUS_TOP_LOGPROBS = 64  # top log-probs per token for the recorded nucleus (opd top_p / replay)
 
 
@@ -138,9 +146,7 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
             if rl.moe is not None:  # routes in every answer: the router drops the request flag
                 cfg["return_routed_experts"] = True
             actors[name] = {"cls": "actors.inference:InferenceWorker", "env": dict(env),
-                            "config": cfg}
-            if rl.device.startswith("cuda"):  # a real model's weights read onto a GPU
-                actors[name]["start_timeout_s"] = GPU_START_TIMEOUT_S
+                            "config": cfg, "start_timeout_s": model_start_timeout(rl.device)}
         actors["router"] = {"cls": "actors.router:RouterActor", "after": list(workers),
                             "config": {"router": dict(ROUTER_DEFAULTS)}}
     else:  # SGLang servers register with the router, so it starts first
@@ -221,10 +227,10 @@ def derive(rl: RLConfig) -> dict[str, dict[str, Any]]:
                 trainer["teacher_memory"] = dict(rl.teacher_memory)
             trainer["prefetcher"] = "prefetcher"
             trainer_after.append("prefetcher")
+    # a real model, its optimizer state and teachers loaded
     actors["trainer"] = {"cls": "actors.trainer:TrainerActor", "after": trainer_after,
-                         "primary": True, "env": dict(env), "config": trainer}
-    if rl.device.startswith("cuda"):  # a real model, its optimizer state and teachers loaded
-        actors["trainer"]["start_timeout_s"] = GPU_START_TIMEOUT_S
+                         "primary": True, "env": dict(env), "config": trainer,
+                         "start_timeout_s": model_start_timeout(rl.device)}
     return actors
 
 

@@ -136,9 +136,10 @@ def test_sglang_engine_derives_registering_servers_after_the_router(tmp_path):
     assert a["worker0"].cls == "actors.sglang_worker:SglangWorker"
     assert a["worker0"].config == {"model_path": "tiny-qwen2", "register_with": "router"}
     assert a["worker0"].after == ["router"] and a["router"].config["dynamic_workers"] is True
-    # a server loads its model first (its own health wait: 600 s); the trainer on the CPU keeps
-    # the actor default
-    assert a["worker0"].start_timeout_s == 900 and a["trainer"].start_timeout_s == 30
+    # a server loads its model first (its own health wait: 600 s); the trainer loads its model
+    # on the CPU (120 s), the buffer keeps the actor default
+    assert a["worker0"].start_timeout_s == 900 and a["trainer"].start_timeout_s == 120
+    assert a["buffer"].start_timeout_s == 30
 
 
 def test_actors_loading_real_models_get_start_limits_the_launcher_waits_for(tmp_path):
