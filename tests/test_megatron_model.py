@@ -343,10 +343,12 @@ def test_flex_mask_function_is_the_dense_mask_and_causal(tp1, rows):
     assert allowed.sum() < causal.sum() * rows_  # the mask takes something away
 
 
-def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_conditions(tp1):
+def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_conditions(
+        tp1, monkeypatch):
     """FlexAttention is chosen on CUDA for bf16/fp16 heads of >= 64 dimensions only (a CPU
-    model never builds a block mask); a layer handed a block mask where it cannot use one
-    (dropout in training mode) says so instead of computing something else."""
+    model never builds a block mask); where it applies, the layers get one block mask unless a
+    layer cannot use it (dropout in training mode: the dense mask); a layer handed a block mask
+    where it cannot use one says so instead of computing something else."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from backends.megatron.context_parallel import flex_applies
@@ -356,10 +358,16 @@ def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_condi
     assert not flex_applies(cpu, torch.bfloat16, 64)
     assert not flex_applies(cuda, torch.float32, 64) and not flex_applies(cuda, torch.bfloat16, 32)
     model = mg.from_hf_model(hf_model("qwen2"))
-    assert not model._flex_ok(cpu)
+    dense = mg.blocked_attention(padded_batch(50)[1])
+    assert mg.layer_mask(model.core, dense, False) is dense  # the CPU
+    made = []
+    monkeypatch.setattr(mg, "flex_applies", lambda *args: True)
+    monkeypatch.setattr(mg, "flex_block_mask", lambda *args: made.append(args) or "block")
+    assert mg.layer_mask(model.core, dense, False) == "block" and made == [(dense, False)]
     attention = model.core.decoder.layers[0].self_attention.core_attention
     attention.attention_dropout.p = 0.5
     attention.train()
+    assert mg.layer_mask(model.core, dense, False) is dense and len(made) == 1
     block = create_block_mask(lambda b, h, q, k: k <= q, 1, None, 4, 4, device="cpu")
     q = torch.randn(4, 1, attention.num_attention_heads_per_partition, 16)
     with pytest.raises(ValueError, match="pass the dense mask"):

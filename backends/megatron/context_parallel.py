@@ -303,7 +303,7 @@ class ContextParallelAttention(DotProductAttention):
     # mask and keeps no [b, heads, s, s] scores, where megatron's local attention (without
     # Transformer Engine) makes them and their softmax in the step's memory
     sdpa_at_cp1: bool | None = None
-    flex_packed = True  # there, a full 4D mask on CUDA in half precision: FlexAttention (_flex)
+    flex_packed = True  # CUDA, half precision: the model hands block masks (flex_applies)
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
@@ -407,23 +407,9 @@ class ContextParallelAttention(DotProductAttention):
     def _whole_sdpa(self, query, key, value, attention_mask, causal: bool):
         """cp = 1 through torch's scaled_dot_product_attention: every query against the whole
         sequence, the mask (any of the module docstring's shapes) or'ed with the causal one.
-        A full [b, 1, s, s] mask where `flex_applies` (packed rows' block-causal mask) goes
-        to FlexAttention with a block mask made from it once per mask (`flex_block_mask`): the
-        blocks no query of a block may attend are skipped, as the torch backend's packed rows
-        are. (MegatronCausalLM's forward makes that block mask itself, before the layers, so a
-        compiled layer keeps attention in its graph.)"""
+        (On CUDA in half precision the model hands the layers FlexAttention's block mask
+        instead, model.py `layer_mask`: `forward` sends it to `_flex`.)"""
         sq = query.shape[0]
-        if (causal and attention_mask is not None and attention_mask.dim() == 4
-                and attention_mask.shape[2] == sq and attention_mask.shape[3] == sq
-                and flex_applies(query.device, query.dtype, query.shape[-1])):
-            cached = _FLEX.get("mask")
-            if cached is None or cached[0] is not attention_mask:
-                if "block_mask" not in _FLEX:  # data-dependent: outside a compiled layer
-                    _FLEX["block_mask"] = torch.compiler.disable(flex_block_mask)
-                _FLEX["mask"] = cached = (attention_mask,
-                                          _FLEX["block_mask"](attention_mask))
-            return _flex(query, key, value, cached[1], self.softmax_scale,
-                         self.hidden_size_per_partition)
         q_pos = torch.arange(sq, device=query.device)
         blocked = _blocked_rows(attention_mask, sq, q_pos, causal)
         repeat = query.shape[2] // self.num_query_groups_per_partition
@@ -455,7 +441,7 @@ class ContextParallelAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
-_FLEX: dict[str, Any] = {}  # the compiled kernel, the last dense mask's block mask, its maker
+_FLEX: dict[str, Any] = {}  # the compiled kernel
 
 
 def flex_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

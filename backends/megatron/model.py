@@ -419,8 +419,7 @@ class MegatronCausalLM(torch.nn.Module):
             input_ids, attention_mask = pad_to_split(self.core.config, input_ids,
                                                      attention_mask)
             blocked = blocked_attention(attention_mask)
-        if self._flex_ok(input_ids.device):  # made once here, not in each layer
-            blocked = flex_block_mask(blocked, documents=attention_mask.dim() == 4)
+        blocked = layer_mask(self.core, blocked, documents=attention_mask.dim() == 4)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = final_hidden(self.core, lambda: self.module(
             input_ids, positions.expand_as(input_ids), blocked, runtime_gather_output=True))
@@ -428,18 +427,6 @@ class MegatronCausalLM(torch.nn.Module):
         if isinstance(self.module, Float16Module):  # as megatron's wrapper returns them
             logits = logits.float()
         return CausalLMOutput(logits=logits)
-
-    def _flex_ok(self, device: torch.device) -> bool:
-        """Whether the layers' attention with this forward's [B, 1, T, T] mask runs through
-        FlexAttention (`flex_applies`; causal, no dropout, softmax offset nor layer scaling in
-        any layer): then the forward hands the layers the block mask instead of the mask."""
-        dtype = next(self.core.parameters()).dtype
-        if not flex_applies(device, dtype, self.core.config.kv_channels):
-            return False
-        attention = [m for m in self.core.modules() if isinstance(m, ContextParallelAttention)]
-        return bool(attention) and all(
-            m.attn_mask_type == AttnMaskType.causal and m.cp_size == 1 and m._fused_ok()
-            for m in attention)
 
     def _cp_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     ) -> torch.Tensor:
@@ -581,6 +568,24 @@ def pad_to_split(config: TransformerConfig, input_ids: torch.Tensor,
     if not extra:
         return input_ids, attention_mask
     return F.pad(input_ids, (0, extra)), F.pad(attention_mask, (0, extra))
+
+
+def layer_mask(module: torch.nn.Module, blocked: torch.Tensor, documents: bool
+               ) -> torch.Tensor | Any:
+    """The mask a forward hands `module`'s layers for `blocked` [B, 1, T, T] (True = may not
+    attend): FlexAttention's block mask, made once here for every layer (`flex_block_mask`;
+    `documents`: look for packed samples in it), where every layer's attention runs
+    FlexAttention (`flex_applies`: CUDA, half precision, heads of >= 64 dimensions; causal,
+    cp = 1, no dropout, softmax offset nor layer scaling), so a compiled layer traces attention
+    into its graph; else `blocked` itself."""
+    attention = [m for m in module.modules() if isinstance(m, ContextParallelAttention)]
+    if not attention or not flex_applies(blocked.device, next(module.parameters()).dtype,
+                                         attention[0].config.kv_channels):
+        return blocked
+    if not all(m.attn_mask_type == AttnMaskType.causal and m.cp_size == 1 and m._fused_ok()
+               for m in attention):
+        return blocked
+    return flex_block_mask(blocked, documents)
 
 
 def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from backends.megatron.model import (
     MegatronCausalLM,
     blocked_attention,
     final_hidden,
+    layer_mask,
     pad_to_split,
 )
 from backends.megatron.parallel import allreduce_tied_embedding_grads
@@ -78,7 +79,7 @@ def _forward_step(data_iterator, model, loss_for=None, routing=None, head=None):
         return out, (partial(loss_for, i, mb) if loss_for is not None else None)
     ids, mask = pad_to_split(config, mb.input_ids, mb.attention_mask)
     positions = torch.arange(ids.shape[1], device=ids.device)
-    out = model(ids, positions.expand_as(ids), blocked_attention(mask),
+    out = model(ids, positions.expand_as(ids), layer_mask(model, blocked_attention(mask), False),
                 runtime_gather_output=True)
     if parallel_state.is_pipeline_last_stage() and out.shape[1] != width:
         out = out[:, :width]
@@ -98,7 +99,8 @@ def _head_step(i: int, mb: Any, model, loss_for, routing, head: "_Head"):
     positions = torch.arange(ids.shape[1], device=ids.device)
     out: list[torch.Tensor] = []
     hidden = final_hidden(core, lambda: out.append(model(
-        ids, positions.expand_as(ids), blocked_attention(mask), runtime_gather_output=True)))
+        ids, positions.expand_as(ids), layer_mask(core, blocked_attention(mask), False),
+        runtime_gather_output=True)))
     hidden = hidden.transpose(0, 1)[:, :mb.input_ids.shape[1] - 1]
     empty = out[0]  # the output layer's [B, 0, V]: what the schedule passes the loss callback
     response = ResponseHead(response_slice(hidden, mb.prompt_lens, mb.num_response_cols),
