@@ -624,15 +624,20 @@ class _Http2ProbeFilter(logging.Filter):
 
 
 async def stop_server(runner: web.AppRunner) -> None:
-    """`runner.cleanup()`, then close the connections accepted while it ran: a client that
-    reconnects as the server stops (a router retrying, its health checks) can be accepted
-    after aiohttp's sweep of open connections, and nothing else would close it."""
+    """`runner.cleanup()`, closing every connection made once stopping began. A client that
+    reconnects as the server stops (a router retrying, its health checks) can be accepted while
+    aiohttp's graceful shutdown waits on in-flight requests, which then forgets it (it clears its
+    table of connections afterwards), or after that shutdown; nothing else would close it."""
     server = runner.server
-    await runner.cleanup()
     if server is not None:
-        await asyncio.sleep(0)  # accepts the event loop had already taken
-        for handler in server.connections:
+        track = server.connection_made
+
+        def close_on_arrival(handler: Any, transport: asyncio.Transport) -> None:
+            track(handler, transport)
             handler.force_close()
+
+        server.connection_made = close_on_arrival  # type: ignore[method-assign]
+    await runner.cleanup()
 
 
 async def start_server(server: EngineServer, host: str, port: int) -> tuple[web.AppRunner, int]:

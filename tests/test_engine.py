@@ -9,6 +9,7 @@ import logging
 import socket
 from contextlib import asynccontextmanager
 
+import aiohttp
 import pytest
 import torch
 from aiohttp import web
@@ -576,6 +577,48 @@ async def test_pushes_that_pause_in_place_or_retract_discard_nothing(ipc, tmp_pa
         assert x.retried == 0 and sample.status == "ok"
         assert len(sample.response_ids) == len(sample.rollout_logprobs) == length
         assert sample.weight_version == 0  # the oldest version that produced its tokens
+
+
+async def test_stopping_closes_a_connection_made_while_shutdown_waits_on_a_request():
+    """A client that connects while the graceful shutdown waits on an in-flight request: aiohttp
+    forgets that connection when it clears its table afterwards, so `stop_server` closes every
+    connection made once stopping began (its peer reads end-of-file)."""
+    ours, peer = socket.socketpair()
+    started, release, shutting_down = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        started.set()
+        await release.wait()
+        return web.Response(text="done")
+
+    async def on_shutdown(app: web.Application) -> None:
+        shutting_down.set()
+
+    app = web.Application()
+    app.router.add_get("/slow", slow)
+    app.on_shutdown.append(on_shutdown)
+    runner = web.AppRunner(app, shutdown_timeout=10.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as client:
+            request = asyncio.ensure_future(client.get(f"http://127.0.0.1:{port}/slow"))
+            await started.wait()
+            stopping = asyncio.ensure_future(stop_server(runner))
+            await shutting_down.wait()
+            await asyncio.sleep(0)  # the server's shutdown now waits on the slow request
+            await asyncio.get_running_loop().connect_accepted_socket(runner.server, ours)
+            release.set()
+            async with await request as reply:
+                assert await reply.text() == "done"
+            await stopping
+        peer.settimeout(10)
+        assert await asyncio.to_thread(peer.recv, 1) == b""
+    finally:
+        ours.close()
+        peer.close()
 
 
 async def test_stopping_closes_a_connection_accepted_during_the_cleanup():
