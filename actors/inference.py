@@ -20,10 +20,11 @@ from actors.inference_config import (  # noqa: F401 - InferenceWorkerConfig: als
     InferenceWorkerPlan,
 )
 from engine.scheduler import Scheduler
-from engine.server import EngineServer, start_server, stop_server
+from engine.server import EngineServer, start_server
 from memory.device_usage import process_device_bytes, storage_bytes
 from runtime.devices import gpu_ids
 from transport.dtypes import model_dtype
+from transport.http import stop_http
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class InferenceWorker(InferenceWorkerPlan):
 
     async def on_stop(self, reason: str) -> None:
         if self._runner is not None:
-            await stop_server(self._runner)
+            await stop_http(self._runner)
         if self.server is not None:
             await self.server.weights.close()
         if self.scheduler is not None:

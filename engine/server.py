@@ -99,6 +99,7 @@ from engine.weight_endpoints import (
     parse_json,
     read_body,
 )
+from transport.http import start_http
 
 VERSION = "rlx-engine-0.1 (SGLang native API subset)"
 HEALTH_TIMEOUT_S = 20.0
@@ -623,35 +624,10 @@ class _Http2ProbeFilter(logging.Filter):
         return True
 
 
-async def stop_server(runner: web.AppRunner) -> None:
-    """`runner.cleanup()`, closing every connection made once stopping began. A client that
-    reconnects as the server stops (a router retrying, its health checks) can be accepted while
-    aiohttp's graceful shutdown waits on in-flight requests, which then forgets it (it clears its
-    table of connections afterwards), or after that shutdown; nothing else would close it."""
-    server = runner.server
-    if server is not None:
-        track = server.connection_made
-
-        def close_on_arrival(handler: Any, transport: asyncio.Transport) -> None:
-            track(handler, transport)
-            handler.force_close()
-
-        server.connection_made = close_on_arrival  # type: ignore[method-assign]
-    await runner.cleanup()
-
-
 async def start_server(server: EngineServer, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Bind and start; returns the runner (call `cleanup()` to stop) and the bound port."""
+    """Bind and start; returns the runner (stop it with transport.http `stop_http`) and the
+    bound port."""
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _Http2ProbeFilter) for f in server_log.filters):
         server_log.addFilter(_Http2ProbeFilter())
-    runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=1.0,
-                           handler_cancellation=True)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner, int(runner.addresses[0][1])
+    return await start_http(server.app, host, port)

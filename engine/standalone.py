@@ -16,8 +16,9 @@ import signal
 from typing import Callable
 
 from engine.scheduler import Scheduler
-from engine.server import EngineServer, start_server, stop_server
+from engine.server import EngineServer, start_server
 from transport.dtypes import model_dtype
+from transport.http import stop_http
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,7 +68,7 @@ async def serve(args: argparse.Namespace,
         await stop.wait()
     finally:
         if runner is not None:
-            await stop_server(runner)
+            await stop_http(runner)
         await server.weights.close()
         loop_task.cancel()
         await asyncio.gather(loop_task, return_exceptions=True)

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from transport.errors import RlxError
+from transport.http import start_http, stop_http
 
 log = logging.getLogger(__name__)
 
@@ -604,22 +605,12 @@ class AgentEndpoint:
         self.app.router.add_get(v1 + "/models/{model:.+}", self._model)
 
     async def start(self) -> None:
-        runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0,
-                               handler_cancellation=True)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, 0)
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        self._runner, self.port = await start_http(self.app, self.host, 0)
 
     async def close(self) -> None:
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            await runner.cleanup()
+            await stop_http(runner)
         self._backends.clear()
 
     @property

@@ -19,13 +19,13 @@ from actors.inference import InferenceWorker
 from algos.logprobs import token_logprobs
 from engine.client import ROUTING_HEADER, SglangClient
 from engine.errors import EngineHTTPError, EngineUnavailable
-from engine.server import stop_server
 from engine.session import HttpSession
 from engine.weight_sync import make_weight_sync
 from models.load import save_checkpoint
 from models.tiny import build_tiny
 from runtime.actor import Status
 from tests.helpers import context, running
+from transport.http import stop_http
 
 PROMPT = [5, 6, 41, 7, 44]  # "12+3="
 
@@ -581,7 +581,7 @@ async def test_pushes_that_pause_in_place_or_retract_discard_nothing(ipc, tmp_pa
 
 async def test_stopping_closes_a_connection_made_while_shutdown_waits_on_a_request():
     """A client that connects while the graceful shutdown waits on an in-flight request: aiohttp
-    forgets that connection when it clears its table afterwards, so `stop_server` closes every
+    forgets that connection when it clears its table afterwards, so `stop_http` closes every
     connection made once stopping began (its peer reads end-of-file)."""
     ours, peer = socket.socketpair()
     started, release, shutting_down = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -606,7 +606,7 @@ async def test_stopping_closes_a_connection_made_while_shutdown_waits_on_a_reque
         async with aiohttp.ClientSession() as client:
             request = asyncio.ensure_future(client.get(f"http://127.0.0.1:{port}/slow"))
             await started.wait()
-            stopping = asyncio.ensure_future(stop_server(runner))
+            stopping = asyncio.ensure_future(stop_http(runner))
             await shutting_down.wait()
             await asyncio.sleep(0)  # the server's shutdown now waits on the slow request
             await asyncio.get_running_loop().connect_accepted_socket(runner.server, ours)
@@ -623,7 +623,7 @@ async def test_stopping_closes_a_connection_made_while_shutdown_waits_on_a_reque
 
 async def test_stopping_closes_a_connection_accepted_during_the_cleanup():
     """A client that connects as the server stops (a router's retry or health check) can be
-    accepted after aiohttp's cleanup swept the open connections: `stop_server` closes it (its
+    accepted after aiohttp's cleanup swept the open connections: `stop_http` closes it (its
     peer reads end-of-file), where it was left open to be finalised by the garbage collector."""
     ours, peer = socket.socketpair()
 
@@ -637,7 +637,7 @@ async def test_stopping_closes_a_connection_accepted_during_the_cleanup():
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        await stop_server(runner)
+        await stop_http(runner)
         peer.settimeout(10)
         assert await asyncio.to_thread(peer.recv, 1) == b""
     finally:

@@ -36,6 +36,7 @@ from models.moe import MoeShape, Routing, routes_array
 from models.tiny import build_tiny
 from models.tokenizer import build_char_tokenizer
 from tests.test_engine import Gate, post, serve, until
+from transport.http import stop_http
 from transport.schema import routed_experts_dtype
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
@@ -104,7 +105,7 @@ async def served(source: str, **kw):
             yield scheduler, client
         finally:
             await client.close()
-            await runner.cleanup()
+            await stop_http(runner)
             await server.weights.close()
 
 
@@ -313,7 +314,7 @@ async def test_a_server_with_routes_always_answers_requests_that_did_not_ask(che
             a = await client.generate(PROMPTS[2], sp)  # no flag in the request
         finally:
             await client.close()
-            await runner.cleanup()
+            await stop_http(runner)
             await server.weights.close()
     got = decoded(a)
     assert np.array_equal(got, plain_routes(reference, PROMPTS[2] + a["output_ids"]).numpy())

@@ -1,0 +1,48 @@
+"""HTTP servers' start and stop, for every aiohttp server of the project (the inference
+worker's SGLang-compatible API, the OpenAI-compatible endpoint environments talk to).
+
+Invariant: a stopped server leaves no connection open. aiohttp's graceful shutdown closes the
+connections it knows, but a client that reconnects as the server stops (a router retrying, its
+health checks) can be accepted while that shutdown waits on in-flight requests, which then
+forgets it (it clears its table of connections afterwards), or after the shutdown; nothing
+else would close such a connection (it would be left to the garbage collector, a
+ResourceWarning). `stop_http` closes every connection made once stopping began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+SHUTDOWN_TIMEOUT_S = 1.0  # how long in-flight requests get to finish when a server stops
+
+
+async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: any free port); returns the runner (stop it with
+    `stop_http`) and the bound port."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                           handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])
+
+
+async def stop_http(runner: web.AppRunner) -> None:
+    """`runner.cleanup()`, closing every connection made once stopping began (module doc)."""
+    server = runner.server
+    if server is not None:
+        track = server.connection_made
+
+        def close_on_arrival(handler: Any, transport: asyncio.Transport) -> None:
+            track(handler, transport)
+            handler.force_close()
+
+        server.connection_made = close_on_arrival  # type: ignore[method-assign]
+    await runner.cleanup()
