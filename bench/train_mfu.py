@@ -29,11 +29,14 @@ samples end to end in rows of at most `--mb-tokens` tokens, attention per sample
 `training.packing.preferred_attn_implementation`, FlashAttention 2 varlen where flash-attn is
 installed, else FlexAttention on CUDA; megatron through a block-causal mask, FlexAttention on
 CUDA). `--checkpointing` (activation_checkpointing), `--compile` (compile_layers) and
-`--head-eager` (micro_batches.head_compile = false) as the trainer's options.
+`--head-eager` (micro_batches.head_compile = false) as the trainer's options. `--profile`: one
+more step per run under torch.profiler, printed as device kernel time by kind, the host gap and
+the top kernels (bench/step_profile.py; `--trace DIR` also writes Chrome traces).
 Final line (the largest dense shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=...
 packed_vs_padded=...` (each backend's best run; n/a where none ran; packed_vs_padded = the
 torch backend's padded step time / packed step time, > 1: packing is faster) and per run
-`step_<backend>_<padded|packed>_s`, `mfu_...`, `padding_...`.
+`step_<backend>_<padded|packed>_s`, `mfu_...`, `padding_...` (with `--profile` on a GPU also
+`kernel_ms_...` and `host_gap_ms_...`).
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 
 from actors.trainer import TrainerConfig
+from bench.step_profile import profiled
 from models.moe import MoeShape, moe_shape
 from models.tiny import build_char_tokenizer
 from training.backends import get_backend
@@ -213,7 +219,7 @@ def megatron_model(shape: str, device: str, dtype: torch.dtype):
 
 
 def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = False,
-              replay: bool = False, backend: str = "torch") -> dict[str, float]:
+              replay: bool = False, backend: str = "torch") -> dict[str, Any]:
     hidden, layers, vocab = dims(shape)
     attn = (args.pack_attn or preferred_attn_implementation(args.device)) if packed else None
     if backend == "megatron":
@@ -256,6 +262,11 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
         sync()
         times.append(time.perf_counter() - t0)
     step = statistics.median(times)
+    profile = None
+    if args.profile:  # one more step, under the profiler (bench/step_profile.py)
+        label = f"{shape}-{backend}-{'packed' if packed else 'padded'}{'-replay' * replay}"
+        profile = profiled(partial(train_on_batch, state, samples, cfg), args.device,
+                           args.trace or None, label)
     computed = computed_tokens(samples, args.mb_tokens, packed,
                                attention_mechanism(model) == "varlen")
     out = {"params": params, "tokens": sum(lengths), "samples": len(lengths),
@@ -265,6 +276,8 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
            "step_s": step, "min_s": min(times), "max_s": max(times),
            "tokens_per_s": sum(lengths) / step,
            "mfu": useful_flops(params, lengths, hidden, layers) / step / peak}
+    if profile is not None:
+        out["profile"] = profile
     if cuda:
         out["torch_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         out["nvml_used_gib"] = nvml_used_gib()
@@ -289,7 +302,7 @@ def nvml_used_gib() -> float:
         pynvml.nvmlShutdown()
 
 
-def result_line(runs: dict[tuple[str, str, bool], dict[str, float]]) -> str:
+def result_line(runs: dict[tuple[str, str, bool], dict[str, Any]]) -> str:
     """The largest dense shape's runs, keyed (shape, backend, packed): each backend's best MFU
     (padded or packed; n/a where it did not run), the best of all, and the torch backend's
     padded over packed step time (n/a without both)."""
@@ -308,11 +321,14 @@ def result_line(runs: dict[tuple[str, str, bool], dict[str, float]]) -> str:
         fields[f"step_{tag}_s"] = r["step_s"]
         fields[f"mfu_{tag}"] = r["mfu"]
         fields[f"padding_{tag}"] = r["padding"]
+        if "profile" in r and r["profile"].kernel_ms:  # bench/step_profile.py, on a GPU
+            fields[f"kernel_ms_{tag}"] = r["profile"].kernel_ms
+            fields[f"host_gap_ms_{tag}"] = r["profile"].host_gap_ms
     return "RESULT " + " ".join(f"{k}={'n/a' if v is None else f'{v:.4f}'}"
                                 for k, v in fields.items())
 
 
-def moe_keys(moe: dict[str, dict[str, float]]) -> str:
+def moe_keys(moe: dict[str, dict[str, Any]]) -> str:
     """RESULT keys of the largest MoE shape: its MFU (active parameters), step time, and with
     replay its time over the step without."""
     plain = {k: v for k, v in moe.items() if not k.endswith("+replay")}
@@ -326,7 +342,7 @@ def moe_keys(moe: dict[str, dict[str, float]]) -> str:
     return out
 
 
-def describe(shape: str, r: dict[str, float], steps: int, mode: str) -> str:
+def describe(shape: str, r: dict[str, Any], steps: int, mode: str) -> str:
     memory = (f", memory: torch reserved {r['torch_reserved_gib']:.1f} GiB, NVML used "
               f"{r['nvml_used_gib']:.1f} GiB" if "nvml_used_gib" in r else "")
     active = (f" ({r['params'] / 1e9:.2f}B active)" if r["total_params"] != r["params"]
@@ -370,23 +386,31 @@ def main() -> None:
     p.add_argument("--pack-attn", default="", help="attn_implementation of the packed model "
                    "(sdpa, flex_attention, flash_attention_2; default: "
                    "training.packing.preferred_attn_implementation)")
+    p.add_argument("--profile", action="store_true", help="after the timed steps, one more "
+                   "under torch.profiler: device kernel time by kind, the host gap, the top "
+                   "kernels (bench/step_profile.py)")
+    p.add_argument("--trace", default="", help="with --profile: write a Chrome trace of each "
+                   "profiled step into this folder")
     args = p.parse_args()
+    if args.trace and not args.profile:
+        p.error("--trace needs --profile")
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     peak = matmul_peak(args.device, dtype, 8192 if args.device.startswith("cuda") else 512, 5)
     print(f"{args.device}, {str(dtype).split('.')[-1]}: matrix product peak "
           f"{peak / 1e12:.1f} TFLOP/s (measured)", flush=True)
-    runs: dict[tuple[str, str, bool], dict[str, float]] = {}
-    moe: dict[str, dict[str, float]] = {}
+    runs: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    moe: dict[str, dict[str, Any]] = {}
     backends = args.backend.split(",")
     layouts = ([] if args.pack and args.no_padded else [False]) + ([True] if args.pack else [])
     for shape in args.shape.split(","):
         if shape in MOE_SHAPES:  # active-parameter FLOPs; own RESULT keys
-            moe[shape] = run_shape(shape, args, dtype, peak)
-            print(describe(shape, moe[shape], args.steps, "MoE padded"), flush=True)
-            if args.replay:
-                moe[shape + "+replay"] = run_shape(shape, args, dtype, peak, replay=True)
-                print(describe(shape, moe[shape + "+replay"], args.steps,
-                               "MoE padded, routing replay"), flush=True)
+            for replay in [False] + [True] * args.replay:
+                key, mode = (shape + "+replay", "MoE padded, routing replay") if replay else (
+                    shape, "MoE padded")
+                moe[key] = r = run_shape(shape, args, dtype, peak, replay=replay)
+                print(describe(shape, r, args.steps, mode), flush=True)
+                if "profile" in r:
+                    print("\n".join(r["profile"].lines(f"{shape} {mode}")), flush=True)
             continue
         for backend in backends:
             for packed in layouts:
@@ -396,6 +420,9 @@ def main() -> None:
                         args.pack_attn or preferred_attn_implementation(args.device))
                 print(describe(shape, r, args.steps, f"{backend} " + (
                     f"packed (attention {attn})" if packed else "padded")), flush=True)
+                if "profile" in r:
+                    print("\n".join(r["profile"].lines(
+                        f"{shape} {backend} {'packed' if packed else 'padded'}")), flush=True)
     line = result_line(runs) if runs else "RESULT"
     print(line + moe_keys(moe))
 

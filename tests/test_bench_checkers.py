@@ -117,7 +117,7 @@ def test_opd_memory_reports_each_modes_peak_over_one_micro_batch_of_logits():
                     "full_peak_over_sampled=1.000")
 
 
-def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
+def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu(tmp_path):
     from bench.train_mfu import lengths_for, useful_flops
 
     # 8 N T + four passes of causal attention: 2 s^2 d per layer and sample
@@ -127,10 +127,22 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
     assert 5000 <= sum(lengths) < 5000 + 4096 and min(lengths) >= 2 and max(lengths) <= 4096
     out = subprocess.run([sys.executable, "-m", "bench.train_mfu", "--device", "cpu", "--shape",
                           "tiny,tiny-moe", "--tokens", "512", "--mb-tokens", "256", "--steps",
-                          "1", "--replay", "--pack", "--backend", "torch,megatron"],
+                          "1", "--replay", "--pack", "--backend", "torch,megatron",
+                          "--profile", "--trace", str(tmp_path / "traces")],
                          cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
+    # --profile: one more step per dense run under the profiler, its operators, and a trace
+    profiles = [line for line in out.stdout.splitlines() if line.startswith("profile tiny ")]
+    assert [line.split(":")[0] for line in profiles] == [
+        f"profile tiny {b} {layout}" for b in ("torch", "megatron")
+        for layout in ("padded", "packed")]
+    assert "aten::" in out.stdout.split(profiles[0])[1].split("profile tiny")[0]
+    assert sum(line.startswith("profile tiny-moe MoE padded") for line in out.stdout.splitlines()
+               ) == 2  # with and without replay
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        "tiny-megatron-packed.json", "tiny-megatron-padded.json", "tiny-moe-torch-padded-replay.json",
+        "tiny-moe-torch-padded.json", "tiny-torch-packed.json", "tiny-torch-padded.json"]
     fields = dict(kv.split("=") for kv in last.split()[1:])
     assert last.startswith("RESULT ")
     for key in ("mfu_torch", "mfu_megatron", "mfu_torch_packed", "mfu_megatron_padded"):
@@ -144,6 +156,32 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu():
         assert float(fields[f"padding_{backend}_padded"]) > 0.05
         assert float(fields[f"padding_{backend}_packed"]) == 0.0
     assert 0 < float(fields["mfu_moe"]) < 1 and float(fields["replay_overhead"]) > 0
+
+
+def test_step_profile_sums_kernels_by_kind_and_the_host_gap():
+    from bench.step_profile import kind_of, summarise
+
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128": "matmul",
+             "nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNN": "matmul",
+             "triton_tem_fused_flex_attention_0": "attention fwd",
+             "triton_tem_fused_flex_attention_backward_1": "attention bwd",
+             "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention bwd",
+             "triton_poi_fused_add_mul_silu_3": "compiled pointwise",
+             "triton_red_fused__to_copy_mean_pow_2": "compiled pointwise",
+             "triton_tem_fused_addmm_5": "matmul",
+             "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+             "Memcpy DtoD (Device -> Device)": "copies",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>":
+                 "eager other"}
+    assert {n: kind_of(n) for n in names} == names
+    prof = summarise([("gemm_a", 3.0), ("triton_poi_fused_1", 1.5), ("gemm_a", 2.0),
+                      ("ncclKernel", 0.5)], wall_ms=10.0, top=2)
+    assert prof.kernel_ms == 7.0 and prof.host_gap_ms == 3.0
+    assert prof.kinds == {"matmul": 5.0, "compiled pointwise": 1.5, "communication": 0.5}
+    assert prof.top == [("gemm_a", 5.0, 2), ("triton_poi_fused_1", 1.5, 1)]
+    head = prof.lines("3b torch packed")[0]
+    assert head.startswith("profile 3b torch packed: step 10 ms, device kernels 7 ms, "
+                           "host gap 3 ms; matmul 5, compiled pointwise 2, communication 0")
 
 
 def test_train_mfu_counts_a_moe_models_active_parameters():
