@@ -96,6 +96,11 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     # PYTHONPATH, so that your own modules (environments, actors) import without exporting
     # PYTHONPATH; resolved to absolute paths at load
     python_path: list[str] = []
+    # processes of the launcher's host that share a python and an `env` table are forked from
+    # one process that has imported their actor classes (launch/preload.py): each start and
+    # restart skips importing torch again (~2-3 s of CPU each); false: every process is a new
+    # interpreter (`python -m runtime.child`)
+    preload: bool = True
 
 
 class HostConfig(msgspec.Struct, forbid_unknown_fields=True):

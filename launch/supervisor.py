@@ -68,6 +68,7 @@ from launch.config import (
 )
 from launch.console import wrap
 from launch.files import write_json
+from launch.preload import ForkedProcess, Template, template_key
 from runtime.actor import ActorContext
 from runtime.loading import actor_config, import_actor
 from runtime.procs import log_tail, terminate, wait_exit
@@ -102,7 +103,7 @@ class ActorProcess:
     spec_path: Path
     log_path: Path
     host: str = ""
-    proc: asyncio.subprocess.Process | RemoteProcess | None = None
+    proc: asyncio.subprocess.Process | RemoteProcess | ForkedProcess | None = None
     pid: int = 0
     restarts: int = 0
     ready_at: float = 0.0
@@ -190,6 +191,7 @@ class Supervisor:
         self.lost_hosts: dict[str, list[str]] = {}  # host -> why, each time it was lost
         self._local_report: dict | None = None
         self._probed: set[str] = set()  # remote hosts whose address and ports were checked
+        self.templates: dict[tuple, Template] = {}  # pre-imported templates (launch/preload.py)
 
     # ------------------------------------------------------------------ endpoints and specs
     def endpoint(self, name: str, host: HostConfig | None = None) -> str:
@@ -272,18 +274,51 @@ class Supervisor:
         return [host.python or sys.executable, "-m", "runtime.child", str(ap.spec_path)]
 
     # ------------------------------------------------------------------ starting
+    @staticmethod
+    def local_env(extra: dict[str, str]) -> dict[str, str]:
+        """The environment of a process on the launcher's host, `extra` over the launcher's."""
+        return {**os.environ, **extra, "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+                                                            os.environ.get("PYTHONPATH")]))}
+
+    async def open_templates(self) -> None:
+        """`[run] preload`: a template (launch/preload.py) for each python and `env` that two
+        or more of this host's processes share, importing their classes while the run starts."""
+        if not self.cfg.run.preload:
+            return
+        shared: dict[tuple, list[str]] = {}
+        for name, entry in self.entries.items():
+            host = self.hosts[entry.host or self.cfg.hosts[0].name]
+            if not host.exec:
+                shared.setdefault(template_key(host.python, entry.env), []).append(name)
+        logs = self.run_dir / "logs" / self.cfg.hosts[0].name if self.distributed else \
+            self.run_dir / "logs"
+        for i, (key, names) in enumerate(sorted(shared.items())):
+            if len(names) < 2:
+                continue
+            template = Template(key[0], self.local_env(dict(key[1])),
+                                [self.entries[n].cls for n in names],
+                                logs / f"template{i}.log", self.say, f"template {i}")
+            self.templates[key] = template
+            await template.start()
+
+    async def close_templates(self) -> None:
+        templates, self.templates = list(self.templates.values()), {}
+        await asyncio.gather(*(t.close(self.cfg.run.term_timeout_s) for t in templates))
+
     async def spawn(self, ap: ActorProcess) -> None:
         host = self.hosts[ap.host]
         if host.exec:
             await self._spawn_remote(ap, host)
             return
-        env = {**os.environ, **ap.entry.env, **ap.env, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
-                                                           os.environ.get("PYTHONPATH")]))}
+        env = self.local_env({**ap.entry.env, **ap.env})
+        template = self.templates.get(template_key(host.python, ap.entry.env))
         with open_log(ap) as logf:
             with contextlib.suppress(OSError):  # a full disk: the actor may run all the same
                 logf.write(f"=== start {ap.restarts} at {time.ctime()}\n".encode())
-            ap.proc = await asyncio.create_subprocess_exec(
+            forked = None if template is None else await template.fork(
+                ap.spec_path, env, os.getcwd(), logf.fileno())
+            ap.proc = forked or await asyncio.create_subprocess_exec(
                 *self.command(ap), stdout=logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
                 env=env, start_new_session=True)
         ap.pid, ap.ready_at, ap.exit_code, ap.dead, ap.stopped = ap.proc.pid, 0.0, None, None, None
@@ -464,6 +499,7 @@ class Supervisor:
 
     async def start_all(self) -> None:
         await self.open_hosts()
+        await self.open_templates()
         for name in self.order:
             if self.group_of.get(name, name) != name:
                 continue  # a rank: started with its trainer
@@ -748,6 +784,7 @@ class Supervisor:
                 stopped[name].set()
         await asyncio.gather(*(stop(n) for n in names))
         await self.close_hosts()
+        await self.close_templates()
 
     def close(self) -> None:
         for task in self._tasks:

@@ -154,3 +154,20 @@ def trainer_steps(run: Path | list[dict]) -> list[dict]:
     directory or its `metric_records`."""
     records = run if isinstance(run, list) else metric_records(run)
     return [r["values"] for r in records if r["actor"] == "trainer" and "version" in r["values"]]
+
+
+def actor_processes(launcher_pid: int) -> dict:
+    """The launcher's actor processes by actor name: `python -m runtime.child .../<name>.json`,
+    started by the launcher itself or forked from one of its templates (launch/preload.py),
+    which name themselves so (setproctitle): name -> psutil.Process."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline()).split()  # a title set by setproctitle is one string
+        except psutil.Error:
+            continue
+        if "runtime.child" in cmd and cmd[-1].endswith(".json"):
+            out[Path(cmd[-1]).stem] = p
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers import MessageReader
+from tests.helpers import MessageReader, actor_processes
 from transport.metrics import MetricsPublisher, MetricsSubscriber
 from transport.sockets import Security, SocketFactory, make_curve_keys
 
@@ -300,7 +300,7 @@ def test_ctrl_c_stops_everything_with_exit_code_130(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_line(proc, "b READY")
-        children = psutil.Process(proc.pid).children()
+        children = list(actor_processes(proc.pid).values())
         assert len(children) == 2
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
@@ -334,7 +334,7 @@ def test_children_exit_when_the_launcher_dies(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_line(proc, "b READY")
-        children = psutil.Process(proc.pid).children()
+        children = list(actor_processes(proc.pid).values())
         assert len(children) == 2
         proc.kill()
         proc.wait()
@@ -427,6 +427,7 @@ async def test_stop_all_stops_dependents_first_and_independent_actors_together()
     sup.actors = {n: n for n in after}
     sup.entries = {n: SimpleNamespace(after=a) for n, a in after.items()}
     sup.group_of = {}  # no trainer ranks here
+    sup.templates = {}  # nor pre-imported templates
     events: list[tuple[str, str]] = []
     running: set[str] = set()
     most = 0

@@ -23,7 +23,7 @@ from models.load import save_checkpoint
 from models.tokenizer import build_char_tokenizer
 from runtime.actor import EndRun
 from runtime.facts import RunFacts
-from tests.helpers import context, running
+from tests.helpers import actor_processes, context, running
 from tests.misbehaving import Idle
 from tests.test_cluster import exit_info, launch, write_hosts
 from tests.test_weight_sync import assert_same_weights, trained
@@ -171,11 +171,10 @@ def wait_for_child(proc: subprocess.Popen, line: str, cmd_part: str,
         text = proc.stdout.readline()
         seen.append(text)
         if line in text:
-            for child in psutil.Process(proc.pid).children():
-                if any(cmd_part in part for part in child.cmdline()) and any(
-                        part.endswith(f"{name}.json") for part in child.cmdline()):
-                    return child
-            raise AssertionError(f"no child process for {name}")
+            child = actor_processes(proc.pid).get(name)
+            if child is None or not any(cmd_part in part for part in child.cmdline()):
+                raise AssertionError(f"no child process for {name}")
+            return child
         if not text and proc.poll() is not None:
             break
     raise AssertionError(f"never saw {line!r}: {''.join(seen)}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import MessageReader
+from tests.helpers import MessageReader, actor_processes
 from tests.test_loop import HOSTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +64,10 @@ def read_until(proc: subprocess.Popen, pattern: str, lines: list[str],
 
 
 def actor_process(proc: subprocess.Popen, name: str) -> psutil.Process:
-    for child in psutil.Process(proc.pid).children():
-        if any(part.endswith(f"specs/{name}.json") for part in child.cmdline()):
-            return child
-    raise AssertionError(f"no process for actor {name}")
+    child = actor_processes(proc.pid).get(name)
+    if child is None:
+        raise AssertionError(f"no process for actor {name}")
+    return child
 
 
 def finish(proc: subprocess.Popen, lines: list[str], timeout_s: float = 300) -> str:

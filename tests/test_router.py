@@ -13,7 +13,6 @@ import time
 
 import aiohttp
 import msgspec
-import psutil
 import pytest
 
 from actors.inference import InferenceWorker
@@ -22,7 +21,7 @@ from engine.client import SglangClient
 from engine.session import HttpSession
 from models.tokenizer import build_char_tokenizer
 from runtime.actor import Status
-from tests.helpers import context, running
+from tests.helpers import actor_processes, context, running
 from tests.test_cluster import ROOT, wait_for_line, write_hosts
 
 PROMPT = [1, 5, 6, 7]
@@ -233,8 +232,7 @@ def test_a_hung_worker_is_routed_around_and_its_requests_retried_on_the_other(tm
         while "actors" not in (doc := json.loads((run_dir / "endpoints.json").read_text())):
             time.sleep(0.05)
         url, hung = doc["actors"]["router"]["http"], doc["actors"]["worker0"]["http"]
-        victim = next(p for p in psutil.Process(proc.pid).children()
-                      if "worker0.json" in " ".join(p.cmdline()))
+        victim = actor_processes(proc.pid)["worker0"]
         keys = [f"episode-{i}" for i in range(16)]  # both workers hold some of these keys
         assert asyncio.run(generate_batch(url, keys, 60)) == [200] * 16
         victim.suspend()
