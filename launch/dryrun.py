@@ -44,6 +44,7 @@ from launch.config import (
     placement,
     processes,
 )
+from launch.preload import template_groups
 from runtime.loading import import_actor
 from transport.addresses import probe_bind
 
@@ -74,12 +75,15 @@ def print_plan(cfg: ClusterConfig, order: list[str], path: str) -> int:
     say(f"plan for {path}")
     say(f"run {cfg.run.name!r}, transport {cfg.run.transport}, {len(order)} processes in "
         f"start order:")
+    forked = {n: i for i, (_, names) in enumerate(template_groups(cfg)) for n in names}
     for i, name in enumerate(order, 1):
         e = entries[name]
         host = hosts[e.host or cfg.hosts[0].name]
         say(f"{i:>2} {name} on {host.name}{', primary' if e.primary else ''}: {e.cls}")
         waits = f"after {', '.join(e.after)}; " if e.after else ""
         say(f"{waits}max restarts {e.restart.max_restarts}", indent=5)
+        if name in forked:
+            say(f"forked from template {forked[name]} ([run] preload), as:", indent=5)
         command(["python" if not host.python else host.python, "-m", "runtime.child",
                  f"<run_dir>/specs/{name}.json"], indent=5)
     if is_distributed(cfg):

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from launch.config import ClusterConfig, processes
 from runtime.procs import terminate
 
 LOST_CODE = -int(signal.SIGTERM)  # a forked process whose template died: ended by that death
@@ -231,3 +232,17 @@ class Template:
 def template_key(python: str, env: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
     """Processes share a template when they run the same python with the same `env` table."""
     return python or sys.executable, tuple(sorted(env.items()))
+
+
+def template_groups(cfg: ClusterConfig) -> list[tuple[tuple, list[str]]]:
+    """The templates a run starts (`[run] preload`), in order: (template_key, the processes
+    forked from it) for each python and `env` that two or more processes of the launcher's
+    host (a host without `exec`) share."""
+    if not cfg.run.preload:
+        return []
+    shared: dict[tuple, list[str]] = {}
+    for name, entry in processes(cfg).items():
+        host = next(h for h in cfg.hosts if h.name == (entry.host or cfg.hosts[0].name))
+        if not host.exec:
+            shared.setdefault(template_key(host.python, entry.env), []).append(name)
+    return [(key, names) for key, names in sorted(shared.items()) if len(names) >= 2]

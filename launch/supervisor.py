@@ -68,7 +68,7 @@ from launch.config import (
 )
 from launch.console import wrap
 from launch.files import write_json
-from launch.preload import ForkedProcess, Template, template_key
+from launch.preload import ForkedProcess, Template, template_groups, template_key
 from runtime.actor import ActorContext
 from runtime.loading import actor_config, import_actor
 from runtime.procs import log_tail, terminate, wait_exit
@@ -282,20 +282,11 @@ class Supervisor:
                                                             os.environ.get("PYTHONPATH")]))}
 
     async def open_templates(self) -> None:
-        """`[run] preload`: a template (launch/preload.py) for each python and `env` that two
-        or more of this host's processes share, importing their classes while the run starts."""
-        if not self.cfg.run.preload:
-            return
-        shared: dict[tuple, list[str]] = {}
-        for name, entry in self.entries.items():
-            host = self.hosts[entry.host or self.cfg.hosts[0].name]
-            if not host.exec:
-                shared.setdefault(template_key(host.python, entry.env), []).append(name)
+        """`[run] preload`: the run's templates (launch/preload.py `template_groups`), each
+        importing its processes' classes while the run starts."""
         logs = self.run_dir / "logs" / self.cfg.hosts[0].name if self.distributed else \
             self.run_dir / "logs"
-        for i, (key, names) in enumerate(sorted(shared.items())):
-            if len(names) < 2:
-                continue
+        for i, (key, names) in enumerate(template_groups(self.cfg)):
             template = Template(key[0], self.local_env(dict(key[1])),
                                 [self.entries[n].cls for n in names],
                                 logs / f"template{i}.log", self.say, f"template {i}")

@@ -46,9 +46,16 @@ def test_the_examples_plans_fit_80_columns_with_every_process_and_its_command(
     rows = [(i, ACTOR.match(line)) for i, line in enumerate(lines) if ACTOR.match(line)]
     assert [m[2] for _, m in rows] == processes_
     assert [int(m[1]) for _, m in rows] == list(range(1, len(processes_) + 1))
-    for i, m in rows:  # under each: who it waits for and its budget, then its command
+    template = {}
+    for i, m in rows:  # under each: who it waits for, its budget, its template, its command
         assert "max restarts 2" in lines[i + 1]
-        assert lines[i + 2] == f"     $ python -m runtime.child <run_dir>/specs/{m[2]}.json"
+        forked = re.fullmatch(r" {5}forked from template (\d) \(\[run\] preload\), as:",
+                              lines[i + 2])
+        template[m[2]] = int(forked[1])
+        assert lines[i + 3] == f"     $ python -m runtime.child <run_dir>/specs/{m[2]}.json"
+    # [rl]'s model processes share their env table (threads): one template; the rest another
+    assert template["worker0"] == template["worker1"] == template["trainer"] != \
+        template["buffer"] == template["rollout"] == template["router"]
     trainer = next(m for _, m in rows if m[2] == "trainer")
     assert trainer.group(4) == ", primary" and trainer[5] == "actors.trainer:TrainerActor"
     assert "after worker0, worker1, buffer, rollout" in plan
