@@ -31,6 +31,7 @@ from typing import Callable
 
 from launch.config import ClusterConfig, processes
 from runtime.procs import terminate
+from runtime.template import MAX_MESSAGE
 
 LOST_CODE = -int(signal.SIGTERM)  # a forked process whose template died: ended by that death
 READY_TIMEOUT_S = 120.0  # the template's imports (a loaded 2-core machine: ~10 s)
@@ -135,9 +136,11 @@ class Template:
         if why or self.unusable or self.sock is None:
             return None
         n = next(self._ids)
+        message = json.dumps({"id": n, "spec": str(spec), "env": env, "cwd": cwd}).encode()
+        if len(message) > MAX_MESSAGE:  # an environment of megabytes: this one starts anew
+            return None
         reply: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._pending[n] = reply
-        message = json.dumps({"id": n, "spec": str(spec), "env": env, "cwd": cwd}).encode()
         try:
             socket.send_fds(self.sock, [message], [log_fd])
             return await asyncio.wait_for(reply, FORK_TIMEOUT_S)

@@ -6,6 +6,7 @@ thread is refused, and `[run] preload = false` starts no template."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -99,3 +100,31 @@ config = { after_s = 0.2, steps = 1 }
     assert off.returncode == 0, off.stdout + off.stderr
     assert sorted(p.name for p in (tmp_path / "off" / "run" / "logs").iterdir()) == [
         "a.log", "b.log"]
+
+
+async def test_a_template_forks_relays_exit_codes_and_leaves_an_oversized_request_alone(tmp_path):
+    """launch/preload.py Template on its own: a fork runs runtime.child (here on a spec that is
+    not one: exit code 1, its error in the log given); a request too large for one message
+    (an environment of megabytes) is not sent (None: that process starts anew) and the
+    template serves on."""
+    from launch.preload import Template
+    from launch.supervisor import Supervisor
+    from runtime.template import MAX_MESSAGE
+
+    template = Template(sys.executable, Supervisor.local_env({}), ["tests.misbehaving:Idle"],
+                        tmp_path / "template.log", say=lambda _: None)
+    await template.start()
+    try:
+        spec = tmp_path / "bad.json"
+        spec.write_text("{not json")
+        env = Supervisor.local_env({})
+        with open(tmp_path / "child.log", "ab") as log:
+            assert await template.fork(spec, {**env, "BIG": "x" * MAX_MESSAGE}, str(tmp_path),
+                                       log.fileno()) is None
+            child = await template.fork(spec, env, str(tmp_path), log.fileno())
+        assert child is not None and not template.unusable
+        assert await asyncio.wait_for(child.wait(), 60) == 1
+        assert "DecodeError" in (tmp_path / "child.log").read_text()
+    finally:
+        await template.close()
+    assert template.proc.returncode == 0  # it left when its socket closed
