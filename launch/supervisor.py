@@ -68,7 +68,13 @@ from launch.config import (
 )
 from launch.console import wrap
 from launch.files import write_json
-from launch.preload import ForkedProcess, Template, template_groups, template_key
+from launch.preload import (
+    FORK_TIMEOUT_S,
+    ForkedProcess,
+    Template,
+    template_groups,
+    template_key,
+)
 from runtime.actor import ActorContext
 from runtime.loading import actor_config, import_actor
 from runtime.procs import log_tail, terminate, wait_exit
@@ -110,6 +116,9 @@ class ActorProcess:
     last_heartbeat: float = 0.0
     endpoints: Endpoints | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # set once a start knows its process's pid: a forked process (launch/preload.py) can
+    # report READY before the template's answer naming it has been read
+    spawned: asyncio.Event = field(default_factory=asyncio.Event)
     dead: Dead | None = None
     stopped: Stopped | None = None
     exit_code: int | None = None
@@ -298,6 +307,13 @@ class Supervisor:
         await asyncio.gather(*(t.close(self.cfg.run.term_timeout_s) for t in templates))
 
     async def spawn(self, ap: ActorProcess) -> None:
+        ap.spawned.clear()
+        try:
+            await self._spawn(ap)
+        finally:
+            ap.spawned.set()
+
+    async def _spawn(self, ap: ActorProcess) -> None:
         host = self.hosts[ap.host]
         if host.exec:
             await self._spawn_remote(ap, host)
@@ -700,6 +716,10 @@ class Supervisor:
         return ap if ap is not None and (not pid or pid == ap.pid) else None
 
     async def _on_ready(self, msg: Ready) -> Ack:
+        ap = self.actors.get(msg.actor)
+        if ap is not None and msg.pid != ap.pid:  # its start may not know the pid yet
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ap.spawned.wait(), FORK_TIMEOUT_S)
         ap = self._known(msg.actor, msg.pid)
         if ap is None:
             return Ack(ok=False, stop=True)

@@ -128,3 +128,27 @@ async def test_a_template_forks_relays_exit_codes_and_leaves_an_oversized_reques
     finally:
         await template.close()
     assert template.proc.returncode == 0  # it left when its socket closed
+
+
+async def test_a_ready_sent_before_the_start_knows_the_pid_is_taken():
+    """A forked process can report READY before the template's answer with its pid has been
+    read: the supervisor waits for its start to know the pid (it refused the READY, and the
+    actor ran unrecognised until ready_timeout_s, before)."""
+    from types import SimpleNamespace
+
+    from launch.supervisor import ActorProcess, Supervisor
+    from transport.schema import Endpoints, Ready
+
+    sup = Supervisor.__new__(Supervisor)
+    ap = ActorProcess("buffer", SimpleNamespace(), None, None, None)
+    sup.actors = {"buffer": ap}
+    ready = asyncio.ensure_future(sup._on_ready(
+        Ready(actor="buffer", pid=4321, endpoints=Endpoints(control="ipc://x"))))
+    await asyncio.sleep(0.05)
+    assert not ready.done()  # the start is still waiting for the template's answer
+    ap.pid = 4321
+    ap.spawned.set()
+    ack = await asyncio.wait_for(ready, 5)
+    assert ack.ok and not ack.stop and ap.ready.is_set()
+    stale = await sup._on_ready(Ready(actor="buffer", pid=99, endpoints=Endpoints(control="")))
+    assert not stale.ok and stale.stop  # a READY of another process is still refused
