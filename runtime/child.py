@@ -81,11 +81,27 @@ def run(argv: list[str]) -> int:
     else:
         code = uvloop.run(main(spec))
     if import_actor(spec.cls).exit_hard:
+        end_multiprocessing()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def end_multiprocessing() -> None:
+    """What multiprocessing's exit handler would do, which an os._exit skips: shut down the
+    managers this process started (megatron-core's checkpoint writer starts a Manager server
+    process on its first save, and it would outlive the process) and end its other children
+    (waits bounded)."""
+    if "multiprocessing" not in sys.modules:
+        return
+    from multiprocessing import active_children, util
+
+    util._run_finalizers(0)  # managers: shutdown, join 1 s, terminate
+    for child in active_children():
+        child.terminate()
+        child.join(1.0)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,24 @@ class GivesUp(Actor):
         self.notify("the data source is empty")
         await asyncio.sleep(0.2)  # the notice reaches the launcher first
         raise EndRun("nothing to train on: the data source is empty")
+
+
+class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    pid_file: str  # where the Manager server's pid is written
+
+
+class HardExitWithManager(Finisher):
+    """Leaves with os._exit (`exit_hard`, as a trainer's rank) after starting a multiprocessing
+    Manager server, as megatron-core's checkpoint writer does on its first save."""
+
+    Config = ManagerConfig
+    exit_hard = True
+
+    async def on_start(self) -> None:
+        import multiprocessing
+
+        self.manager = multiprocessing.get_context("spawn").Manager()
+        Path(self.config.pid_file).write_text(str(self.manager._process.pid))
+
+    async def run(self) -> None:
+        await asyncio.sleep(0.1)

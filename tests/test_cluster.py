@@ -239,6 +239,33 @@ config = {{ marker = "{marker}" }}
     assert marker.exists()
 
 
+def test_an_actor_leaving_with_os_exit_ends_the_multiprocessing_manager_it_started(tmp_path):
+    """A process that leaves with os._exit (a trainer's rank) skips multiprocessing's exit
+    handler: the Manager server it started (megatron-core's checkpoint writer starts one) was
+    left running for good; runtime.child ends it first."""
+    pid_file = tmp_path / "manager.pid"
+    hosts = write_hosts(tmp_path, f"""
+[actors.main]
+cls = "tests.misbehaving:HardExitWithManager"
+primary = true
+config = {{ pid_file = "{pid_file}" }}
+""")
+    result = launch(hosts, tmp_path / "run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    manager = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running_pid(manager):
+        assert time.monotonic() < deadline, "the Manager server outlived its actor"
+        time.sleep(0.1)
+
+
+def _running_pid(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_fatal_error_past_restart_budget_exits_nonzero_with_error(tmp_path):
     hosts = write_hosts(tmp_path, """
 [actors.idle]
