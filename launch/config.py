@@ -98,8 +98,8 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     python_path: list[str] = []
     # processes of the launcher's host that share a python and an `env` table are forked from
     # one process that has imported their actor classes (launch/preload.py): each start and
-    # restart skips importing torch again (~2-3 s of CPU each); false: every process is a new
-    # interpreter (`python -m runtime.child`)
+    # restart skips importing torch again (~2.4 s of CPU each on a 2-core machine); false:
+    # every process is a new interpreter (`python -m runtime.child`)
     preload: bool = True
 
 

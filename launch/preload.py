@@ -5,9 +5,10 @@ Role: `[run] preload = true` (the default). At the start of a run the launcher s
 template per (python, actor `env`) that at least two of this host's processes share, importing
 those processes' actor classes, while the first actors start; each such process (and each of
 its restarts) is then a fork of it instead of a new interpreter that imports torch again: on a
-2-core machine an embedded worker's or a trainer's start spends ~2.4 s of CPU fewer, a
-megatron rank's ~3.3 s. What the process runs, and its log, environment, session and exit code,
-are those of `python -m runtime.child SPEC.json` (runtime/template.py).
+2-core machine an embedded worker's, a trainer's or a trainer rank's start spends ~2.4 s of CPU
+fewer (torch and transformers; megatron-core is imported after the fork, when a rank builds its
+backend). What the process runs, and its log, environment, session and exit code, are those of
+`python -m runtime.child SPEC.json` (runtime/template.py).
 
 Invariant: a template only ever speeds a start up. When it cannot serve (its imports failed or
 left the process unsafe to fork, it died, a fork failed) the launcher says so once and starts
