@@ -69,6 +69,7 @@ from typing import Any, Callable, Union
 import msgspec
 import psutil
 
+from runtime.procs import ReportedProcess
 from transport.addresses import bind_advice, connect_advice, probe_bind
 from transport.errors import RlxError
 
@@ -699,35 +700,23 @@ def agent_command(exec_prefix: list[str], python: str, workdir: str,
     return [*exec_prefix, shlex.join(words)] if shell else [*exec_prefix, *words]
 
 
-class RemoteProcess:
-    """An actor process on a remote host, as the supervisor sees a local one: `pid`,
-    `returncode`, `wait()`, `terminate()`, `kill()` (signals go through the agent)."""
+class RemoteProcess(ReportedProcess):
+    """An actor process on a remote host, as the supervisor sees a local one (signals go
+    through the agent)."""
 
     def __init__(self, link: AgentLink, actor: str, seq: int, pid: int):
-        self.link, self.actor, self.seq, self.pid = link, actor, seq, pid
-        self.returncode: int | None = None
+        super().__init__(pid)
+        self.link, self.actor, self.seq = link, actor, seq
         self.lost = ""  # why the host was lost, when that ended the process
-        self._done = asyncio.Event()
-
-    async def wait(self) -> int:
-        await self._done.wait()
-        assert self.returncode is not None
-        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             self.link.signal(self.actor, self.seq, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
     def exited(self, code: int, lost: str = "") -> None:
         if self.returncode is None:
-            self.returncode, self.lost = code, lost
-            self._done.set()
+            self.lost = lost
+        super().exited(code)
 
 
 async def terminate_remote(proc: RemoteProcess, term_timeout_s: float) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from launch.config import ClusterConfig, processes
-from runtime.procs import terminate
+from runtime.procs import ReportedProcess, terminate
 from runtime.template import MAX_MESSAGE
 
 LOST_CODE = -int(signal.SIGTERM)  # a forked process whose template died: ended by that death
@@ -39,35 +39,14 @@ READY_TIMEOUT_S = 120.0  # the template's imports (a loaded 2-core machine: ~10 
 FORK_TIMEOUT_S = 30.0
 
 
-class ForkedProcess:
-    """An actor process forked by a template, as the supervisor sees any local process: `pid`,
-    `returncode`, `wait()`, `send_signal()`, `terminate()`, `kill()`."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.returncode: int | None = None
-        self._done = asyncio.Event()
-
-    async def wait(self) -> int:
-        await self._done.wait()
-        assert self.returncode is not None
-        return self.returncode
+class ForkedProcess(ReportedProcess):
+    """An actor process forked by a template, as the supervisor sees any local process; its
+    exit code comes from the template."""
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def exited(self, code: int) -> None:
-        if self.returncode is None:
-            self.returncode = code
-            self._done.set()
 
 
 def _gone(pid: int) -> bool:

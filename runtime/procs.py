@@ -27,6 +27,37 @@ def send_signal(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
+class ReportedProcess:
+    """A process this one is not the parent of, as the supervisor sees its own children:
+    `pid`, `returncode`, `wait()`, `send_signal()`, `terminate()`, `kill()`; whoever learns its
+    exit code calls `exited(code)` (a remote host's agent, launch/agent.py; the template it was
+    forked from, launch/preload.py). Subclasses say how a signal reaches it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._done = asyncio.Event()
+
+    async def wait(self) -> int:
+        await self._done.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def exited(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._done.set()
+
+
 async def wait_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
     """True when `proc` exits within `timeout_s` (the wait itself is not cancelled)."""
     try:
