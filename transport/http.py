@@ -6,17 +6,21 @@ connections it knows, but a client that reconnects as the server stops (a router
 health checks) can be accepted while that shutdown waits on in-flight requests, which then
 forgets it (it clears its table of connections afterwards), or after the shutdown; nothing
 else would close such a connection (it would be left to the garbage collector, a
-ResourceWarning). `stop_http` closes every connection made once stopping began.
+ResourceWarning). `stop_http` closes every connection made once stopping began, and then any
+connection the server accepted that is still open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from aiohttp import web
 
 SHUTDOWN_TIMEOUT_S = 1.0  # how long in-flight requests get to finish when a server stops
+# every transport a running server accepted (start_http), closed by stop_http if still open
+_TRANSPORTS: dict[web.AppRunner, weakref.WeakSet] = {}
 
 
 async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -25,10 +29,22 @@ async def start_http(app: web.Application, host: str, port: int) -> tuple[web.Ap
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                            handler_cancellation=True)
     await runner.setup()
+    server = runner.server
+    assert server is not None
+    track = server.connection_made
+    transports: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+
+    def made(handler: Any, transport: asyncio.Transport) -> None:
+        transports.add(transport)
+        track(handler, transport)
+
+    server.connection_made = made  # type: ignore[method-assign]
+    _TRANSPORTS[runner] = transports
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
     except BaseException:
+        _TRANSPORTS.pop(runner, None)
         await runner.cleanup()
         raise
     return runner, int(runner.addresses[0][1])
@@ -45,4 +61,9 @@ async def stop_http(runner: web.AppRunner) -> None:
             handler.force_close()
 
         server.connection_made = close_on_arrival  # type: ignore[method-assign]
-    await runner.cleanup()
+    try:
+        await runner.cleanup()
+    finally:  # whatever aiohttp's shutdown left open (it was cut short, or forgot one)
+        for transport in list(_TRANSPORTS.pop(runner, ())):
+            if not transport.is_closing():
+                transport.close()
