@@ -14,10 +14,16 @@ operators with the most time of their own instead, and no kinds.
 The profiled run is an extra step after the timed ones (the profiler's overhead never reaches
 the step times bench.train_mfu reports). Kernel time is a sum over kernels: kernels that
 overlap (several streams) count once each, so with overlap the host gap reads low.
+
+Where the device waited (`idle_split`): the step's time with no kernel running on the device,
+split by the trainer's phases (its `rlx.*` record_function ranges: recompute, forward, loss,
+backward, optimizer; the rest "other") and by the innermost host operators that ran while it
+waited ("(python)" where none did: the interpreter between operators).
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 from collections import Counter
@@ -55,6 +61,8 @@ class StepProfile:
     kernel_ms: float  # summed device kernel time; 0 on the CPU
     kinds: dict[str, float] = field(default_factory=dict)  # kind -> ms, slowest first
     top: list[tuple[str, float, int]] = field(default_factory=list)  # name, ms, calls
+    idle_phases: dict[str, float] = field(default_factory=dict)  # phase -> idle ms
+    idle_ops: list[tuple[str, float]] = field(default_factory=list)  # host op, idle ms
 
     @property
     def host_gap_ms(self) -> float:
@@ -72,7 +80,14 @@ class StepProfile:
             head = f"profile {label}: step {self.wall_ms:.0f} ms (CPU: operators' own time)"
             what = "operators"
         rows = [f"  {ms:9.1f} ms {calls:6d}x  {name[:110]}" for name, ms, calls in self.top]
-        return [head, f"  top {what}:", *rows]
+        idle = []
+        if self.idle_phases:
+            idle.append("  device idle by phase: " + ", ".join(
+                f"{name} {ms:.0f}" for name, ms in self.idle_phases.items()))
+        if self.idle_ops:
+            idle.append("  device idle while the host ran: " + ", ".join(
+                f"{name} {ms:.1f}" for name, ms in self.idle_ops))
+        return [head, *idle, f"  top {what}:", *rows]
 
 
 def summarise(kernels: list[tuple[str, float]], wall_ms: float, top: int = 12) -> StepProfile:
@@ -87,6 +102,101 @@ def summarise(kernels: list[tuple[str, float]], wall_ms: float, top: int = 12) -
     return StepProfile(wall_ms=wall_ms, kernel_ms=sum(per_name.values()),
                        kinds=dict(kinds.most_common()),
                        top=[(n, ms, calls[n]) for n, ms in per_name.most_common(top)])
+
+
+Span = tuple[str, float, float]  # name, start, end (one clock, any unit)
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+class _Idle:
+    """The gaps between merged kernel intervals inside a window; `within(a, b)`: how much of
+    [a, b] they cover."""
+
+    def __init__(self, kernels: list[tuple[float, float]], window: tuple[float, float]):
+        gaps, at = [], window[0]
+        for start, end in _merged(kernels):
+            if start > at:
+                gaps.append((at, min(start, window[1])))
+            at = max(at, end)
+        if at < window[1]:
+            gaps.append((at, window[1]))
+        self.gaps = [(a, b) for a, b in gaps if b > a]
+        self.starts = [a for a, _ in self.gaps]
+        self.total = sum(b - a for a, b in self.gaps)
+
+    def within(self, a: float, b: float) -> float:
+        i = max(0, bisect.bisect_right(self.starts, a) - 1)
+        covered = 0.0
+        while i < len(self.gaps) and self.gaps[i][0] < b:
+            covered += max(0.0, min(b, self.gaps[i][1]) - max(a, self.gaps[i][0]))
+            i += 1
+        return covered
+
+
+def idle_split(kernels: list[tuple[float, float]], window: tuple[float, float],
+               phases: list[Span], leaves: list[Span], top: int = 8
+               ) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """The device's idle time in `window` (no interval of `kernels` running) by phase (the
+    innermost of `phases` covering each moment, "other" outside them all) and by host
+    operator (`leaves`: operators without children; "(python)" where no operator ran), in
+    the spans' unit, largest first; the operators' top `top`. Phases nest (a range inside a
+    range): a moment counts for the innermost."""
+    idle = _Idle(kernels, window)
+    by_phase: Counter[str] = Counter()
+    # innermost phase first: a nested span's idle time is taken out of its parents'
+    spans = sorted(phases, key=lambda p: p[2] - p[1])
+    taken: list[tuple[float, float]] = []
+    for name, a, b in spans:
+        inner = _merged([(max(a, x), min(b, y)) for x, y in taken if x < b and y > a])
+        by_phase[name] += max(0.0, idle.within(a, b) - sum(idle.within(x, y)
+                                                            for x, y in inner))
+        taken.append((a, b))
+    by_phase["other"] = max(0.0, idle.total - sum(by_phase.values()))
+    by_op: Counter[str] = Counter()
+    busy_host = []
+    for name, a, b in leaves:
+        covered = idle.within(a, b)
+        if covered > 0:
+            by_op[name] += covered
+        busy_host.append((a, b))
+    host = _Idle(busy_host, window)  # moments no operator ran
+    python = sum(idle.within(a, b) for a, b in host.gaps)
+    if python > 0:
+        by_op["(python)"] += python
+    return ({k: v for k, v in by_phase.most_common() if v > 0}, by_op.most_common(top))
+
+
+_RUNTIME = re.compile(r"^(cuda|cu[A-Z]|Memcpy|Memset)")  # CUDA runtime calls, not operators
+
+
+def idle_of(events: list[Any], device: list[Any]) -> tuple[dict[str, float],
+                                                             list[tuple[str, float]]]:
+    """`idle_split` of a profiled step's events (ms): the window from the first host event to
+    the last end of any event; an operator counts as a leaf when its only children are CUDA
+    runtime calls (its launches count as its own time)."""
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    if not host or not device:
+        return {}, []
+
+    def span(e: Any) -> tuple[float, float]:
+        return e.time_range.start / 1e3, e.time_range.end / 1e3
+
+    window = (min(span(e)[0] for e in host),
+              max(span(e)[1] for e in [*host, *device]))
+    phases = [(e.name, *span(e)) for e in host if e.name.startswith("rlx.")]
+    leaves = [(e.name, *span(e)) for e in host
+              if not _RUNTIME.match(e.name) and not e.name.startswith("rlx.")
+              and all(_RUNTIME.match(c.name) for c in e.cpu_children)]
+    return idle_split([span(e) for e in device], window, phases, leaves)
 
 
 def profiled(fn: Callable[[], Any], device: str, trace: str | Path | None = None,
@@ -108,10 +218,13 @@ def profiled(fn: Callable[[], Any], device: str, trace: str | Path | None = None
         Path(trace).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(trace) / f"{label}.json"))
     if cuda:
-        kernels = [(e.name, e.time_range.elapsed_us() / 1e3) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.is_user_annotation]  # a range on the GPU's row, not a kernel
-        return summarise(kernels, wall_ms, top)
+        events = prof.events()
+        device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.is_user_annotation]  # a range on the GPU's row, not a kernel
+        out = summarise([(e.name, e.time_range.elapsed_us() / 1e3) for e in device],
+                        wall_ms, top)
+        out.idle_phases, out.idle_ops = idle_of(events, device)
+        return out
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     return StepProfile(wall_ms=wall_ms, kernel_ms=0.0,
                        top=[(e.key, e.self_cpu_time_total / 1e3, e.count) for e in ops[:top]])

@@ -343,6 +343,95 @@ def test_flex_mask_function_is_the_dense_mask_and_causal(tp1, rows):
     assert allowed.sum() < causal.sum() * rows_  # the mask takes something away
 
 
+def test_packed_rows_by_position_ids_are_the_block_causal_masks_function(tp1, monkeypatch):
+    """Packed rows given as restarting position ids and no mask (the backend's
+    `packed_attention`) give the logits and gradients of the same rows under
+    training/packing.py's block-causal 4D mask; where FlexAttention runs, its block mask is
+    made from the documents those positions give, which allow exactly what the dense mask
+    allows (no [T, T] mask made)."""
+    from backends.megatron import context_parallel as cpmod
+    from training.packing import attention_mechanism, block_causal_mask, pack
+
+    hf = hf_model("qwen2")
+    model = mg.from_hf_model(hf)
+    assert attention_mechanism(model) == "position_ids"
+    ids, mask = padded_batch(hf.config.vocab_size)
+    packed = pack_rows([ids[r, :int(m.sum())].tolist() for r, m in enumerate(mask)], pack, 12)
+    assert packed.input_ids.shape[0] == 2  # rows of 9 and 6 + 3 tokens (+ 3 padding)
+    out = []
+    for kwargs in ({"attention_mask": block_causal_mask(packed, torch.float32)},
+                   {"position_ids": packed.position_ids}):
+        model.zero_grad()
+        logits = model(packed.input_ids, **kwargs).logits
+        (logits.float() ** 2).mean().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert (out[0][0] - out[1][0]).abs().max() < 1e-6
+    for name, grad in out[0][1].items():
+        assert (out[1][1][name] - grad).abs().max() < 1e-6, name
+    docs = cpmod.documents_of(packed.position_ids)
+    dense = block_causal_mask(packed, torch.float32) != 0
+    assert torch.equal(cpmod.documents_blocked(docs), dense)
+    rows, sq = docs.shape
+    b, q, k = (torch.arange(n).view(shape) for n, shape in
+               ((rows, (-1, 1, 1)), (sq, (1, -1, 1)), (sq, (1, 1, -1))))
+    assert torch.equal(cpmod.document_mask_function(docs)(b, 0, q, k), ~dense[:, 0])
+    made = []
+    monkeypatch.setattr(mg, "flex_applies", lambda *args: True)
+    monkeypatch.setattr(mg, "flex_block_mask", lambda *args: made.append(args) or "block")
+    assert mg.layer_mask(model.core, None, True, docs) == "block"
+    assert made[0][0] is None and made[0][2] is docs
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_from_a_table_made_once_equals_megatrons_per_layer_rope(tp1, interleaved):
+    """The rotary module gives cos and sin once per forward (backends/megatron/rope.py), and
+    the layers rotate with them: logits and gradients are those of megatron's own path (which
+    evaluates cos and sin in every layer), halves rotated or interleaved pairs."""
+    from backends.megatron import rope
+
+    model = mg.from_hf_model(hf_model("qwen2"))
+    rotary = model.core.rotary_pos_emb
+    assert type(rotary) is rope.CosSinRotary
+    model.core.config.rotary_interleaved = rotary.rotary_interleaved = interleaved
+    ids, mask = padded_batch(model.config.vocab_size)
+    out = []
+    for cls in (rope.CosSinRotary, rope._rotary.RotaryEmbedding):
+        rotary.__class__ = cls
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    rotary.__class__ = rope.CosSinRotary
+    assert rope.is_table(rotary(9)) and rotary(9).shape == (9, 1, 1, 2, 16)
+    assert (out[0][0] - out[1][0]).abs().max() < 1e-6
+    for name, grad in out[0][1].items():
+        assert (out[1][1][name] - grad).abs().max() < 1e-6, name
+
+
+def test_flex_expands_keys_to_the_heads_where_their_count_is_not_a_power_of_two():
+    """FlexAttention's keys and values: grouped-query attention at a power-of-two head count,
+    each group's keys and values repeated for its heads at another (12 heads over 2 groups,
+    Qwen2.5-1.5B's), which attends exactly as the grouped form does."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from backends.megatron.context_parallel import flex_key_value
+
+    key, value = torch.randn(2, 5, 1, 2, 8).unbind(0)  # [s, b, groups, d]
+    assert flex_key_value(key, value, 16)[2] is True
+    assert flex_key_value(key, value, 2) == (key, value, False)
+    k12, v12, gqa = flex_key_value(key, value, 12)
+    assert not gqa and k12.shape == (5, 1, 12, 8)
+    assert all(torch.equal(k12[:, :, h], key[:, :, h // 6]) for h in range(12))
+    assert all(torch.equal(v12[:, :, h], value[:, :, h // 6]) for h in range(12))
+    query = torch.randn(5, 1, 12, 8)
+    with warnings.catch_warnings():  # eager FlexAttention (unfused) warns
+        warnings.simplefilter("ignore")
+        grouped, expanded = (flex_attention(query.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
+                                            v.permute(1, 2, 0, 3), enable_gqa=g)
+                             for k, v, g in ((key, value, True), (k12, v12, False)))
+    assert (grouped - expanded).abs().max() < 1e-6
+
+
 def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_conditions(
         tp1, monkeypatch):
     """FlexAttention is chosen on CUDA for bf16/fp16 heads of >= 64 dimensions only (a CPU
@@ -363,7 +452,7 @@ def test_flex_applies_on_cuda_in_half_precision_and_a_block_mask_needs_its_condi
     made = []
     monkeypatch.setattr(mg, "flex_applies", lambda *args: True)
     monkeypatch.setattr(mg, "flex_block_mask", lambda *args: made.append(args) or "block")
-    assert mg.layer_mask(model.core, dense, False) == "block" and made == [(dense, False)]
+    assert mg.layer_mask(model.core, dense, False) == "block" and made == [(dense, False, None)]
     attention = model.core.decoder.layers[0].self_attention.core_attention
     attention.attention_dropout.p = 0.5
     attention.train()

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from training.aux_models import micro_batch_logprobs
 from training.colocated_teachers import student_pass
@@ -72,7 +73,7 @@ class TorchRunner:
     def logprobs(self, mbs: Sequence[Any], temperature: float, by_length: bool = False
                  ) -> list[torch.Tensor]:
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), record_function("rlx.recompute"):
             for mb in mbs:
                 with routed(self.model, mb):  # a MoE policy: the micro-batch's routes
                     out.append(micro_batch_logprobs(self.model, mb, temperature, by_length,
@@ -84,14 +85,17 @@ class TorchRunner:
                          heads: bool = False) -> None:
         for i, mb in enumerate(mbs):
             with routed(self.model, mb) as routing:  # a MoE policy: the micro-batch's routes
-                if with_logits:  # the distribution terms need the logits (or the head)
-                    logp, ent, logits = student_pass(self.model, mb, temperature, heads)
-                else:
-                    (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
-                                                               by_length), None
-                loss = with_aux_loss(loss_fn(i, logp, ent, logits), routing, mb)
+                with record_function("rlx.forward"):
+                    if with_logits:  # the distribution terms need the logits (or the head)
+                        logp, ent, logits = student_pass(self.model, mb, temperature, heads)
+                    else:
+                        (logp, ent), logits = micro_batch_logprobs(self.model, mb, temperature,
+                                                                   by_length), None
+                with record_function("rlx.loss"):
+                    loss = with_aux_loss(loss_fn(i, logp, ent, logits), routing, mb)
                 del logits  # what the loss terms' backward needs they keep: free [B, R, V] now
-                loss.backward()
+                with record_function("rlx.backward"):
+                    loss.backward()
 
     def share(self, stats: dict[str, float]) -> dict[str, float]:
         return stats

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from algos.advantages import estimator, sample_scores, token_advantages, whiten_sums, whiten_with
 from algos.dp_schedule import pack as pack_lengths
@@ -259,7 +260,8 @@ def warn_unequal(totals: dict[str, float], step: int) -> None:
 def optimizer_step(state: TrainState, cfg: TrainConfig, dp: Any) -> float:
     """Sum the gradients over data-parallel ranks, clip, step (the optimizer's variant decides
     where: fp32 masters, shards, ranges); returns the global norm."""
-    return state.optimizer.step(cfg.optimizer.grad_clip or math.inf, dp)
+    with record_function("rlx.optimizer"):
+        return state.optimizer.step(cfg.optimizer.grad_clip or math.inf, dp)
 
 
 def _by_length(cfg: TrainConfig, device: torch.device) -> bool:

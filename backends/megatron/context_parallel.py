@@ -451,18 +451,23 @@ def flex_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
             and dtype in (torch.float16, torch.bfloat16) and head_dim >= 64)
 
 
-def flex_block_mask(blocked: torch.Tensor, documents: bool = True) -> BlockMask:
+def flex_block_mask(blocked: torch.Tensor | None, documents: bool = True,
+                    docs: torch.Tensor | None = None) -> BlockMask:
     """FlexAttention's BlockMask of `blocked` [b|1, 1, s, s] (True = may not attend) or'ed with
     the causal mask: the blocks no query of a block may attend are skipped. Packed rows (each
     sample attending its own earlier tokens, training/packing.py's block-causal mask) get a
     mask function of each position's document index ([b, s], a lookup per query and key); any
     other mask, a lookup in the dense one ([b, s, s]); `documents = False` skips looking for
-    documents (a padded rows' mask, which has none)."""
+    documents (a padded rows' mask, which has none). `docs` [b, s]: the documents themselves
+    (packed rows given by their positions, `documents_of`), no dense mask made or read."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    rows, sq = blocked.shape[0], blocked.shape[-1]
-    return create_block_mask(mask_function(blocked, documents), rows, None, sq, sq,
-                             device=blocked.device, _compile=True)
+    if docs is not None:
+        allowed, (rows, sq) = document_mask_function(docs), docs.shape
+    else:
+        allowed, rows, sq = mask_function(blocked, documents), blocked.shape[0], blocked.shape[-1]
+    return create_block_mask(allowed, rows, None, sq, sq,
+                             device=(docs if docs is not None else blocked).device, _compile=True)
 
 
 def mask_function(blocked: torch.Tensor, documents: bool = True) -> Callable:
@@ -471,14 +476,34 @@ def mask_function(blocked: torch.Tensor, documents: bool = True) -> Callable:
     dense = blocked[:, 0]
     docs = _documents(dense) if documents else None
     if docs is not None:
-        def allowed(b, _h, q, k):
-            return (docs[b, q] == docs[b, k]) & (k <= q)
-    else:
-        rows = dense.shape[0]
+        return document_mask_function(docs)
+    rows = dense.shape[0]
 
-        def allowed(b, _h, q, k):
-            return ~dense[b if rows > 1 else 0, q, k] & (k <= q)
+    def allowed(b, _h, q, k):
+        return ~dense[b if rows > 1 else 0, q, k] & (k <= q)
     return allowed
+
+
+def document_mask_function(docs: torch.Tensor) -> Callable:
+    """The mask function of documents [b, s]: a query attends its own document's keys at or
+    before it."""
+    def allowed(b, _h, q, k):
+        return (docs[b, q] == docs[b, k]) & (k <= q)
+    return allowed
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] each position's document in packed rows whose positions restart at 0 with every
+    sample (training/packing.py; a row's trailing padding is a document of its own)."""
+    return (position_ids == 0).cumsum(-1, dtype=torch.int32)
+
+
+def documents_blocked(docs: torch.Tensor) -> torch.Tensor:
+    """The dense [b, 1, s, s] mask (True = may not attend) of documents [b, s]: the
+    block-causal mask of packed rows."""
+    sq = docs.shape[-1]
+    causal = torch.ones(sq, sq, dtype=torch.bool, device=docs.device).tril()
+    return ~((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
 def _documents(dense: torch.Tensor) -> torch.Tensor | None:
@@ -509,9 +534,26 @@ def _flex(query, key, value, block: BlockMask, scale: float | None, width: int
             _FLEX["kernel"] = torch.compile(flex_attention, dynamic=True)
         kernel = _FLEX["kernel"]
     sq, b, heads, _ = query.shape
+    key, value, gqa = flex_key_value(key, value, heads)
     out = kernel(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                 block_mask=block, scale=scale, enable_gqa=key.shape[2] != heads)
+                 block_mask=block, scale=scale, enable_gqa=gqa)
     return out.permute(2, 0, 1, 3).reshape(sq, b, width)
+
+
+def flex_key_value(key: torch.Tensor, value: torch.Tensor, heads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Keys and values [s, b, groups, d] as FlexAttention takes them for `heads` query heads,
+    and whether it runs grouped-query attention (`enable_gqa`): at a head count that is not a
+    power of two they are expanded to the heads (each group's keys repeated for its heads, as
+    transformers' FlexAttention path does), where FlexAttention's grouped backward took twice
+    the time (Qwen2.5-1.5B's 12 heads over 2 groups, docs/training.md)."""
+    groups = key.shape[2]
+    if groups == heads:
+        return key, value, False
+    if heads & (heads - 1) == 0:
+        return key, value, True
+    return (key.repeat_interleave(heads // groups, dim=2),
+            value.repeat_interleave(heads // groups, dim=2), False)
 
 
 def _check_heads(config, pg_collection) -> None:
@@ -599,7 +641,8 @@ def _swap(node: Any, classes: dict[type, type]) -> int:
     return count
 
 
-__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits", "flex_applies",
-           "flex_block_mask", "gather_from_cp", "key_padding_mask", "local_token_logprobs",
+__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits",
+           "documents_blocked", "documents_of", "flex_applies", "flex_block_mask",
+           "flex_key_value", "gather_from_cp", "key_padding_mask", "local_token_logprobs",
            "mask_function", "next_token_labels", "padded_length", "positions", "split_batch",
            "split_for_cp", "swap_modules"]

@@ -16,6 +16,7 @@ try:
     with warnings.catch_warnings():  # megatron warns at import that Apex/TE are absent
         warnings.simplefilter("ignore")
         from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_decoder_block_spec,
@@ -27,6 +28,7 @@ try:
             param_is_not_tensor_parallel_duplicate,
         )
         from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer import attention as megatron_attention
         from megatron.core.transformer.module import Float16Module, param_is_not_shared
         from megatron.core.transformer.moe import moe_utils
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -39,5 +41,6 @@ if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the torc
 
 __all__ = ["Float16Module", "GPTModel", "RowParallelLinear", "TransformerConfig",
            "dist_checkpointing", "get_forward_backward_func", "get_gpt_decoder_block_spec",
-           "get_gpt_layer_local_spec", "get_transformer_layer_offset", "param_is_not_shared",
-           "param_is_not_tensor_parallel_duplicate", "parallel_state", "tensor_parallel"]
+           "get_gpt_layer_local_spec", "get_transformer_layer_offset", "megatron_attention",
+           "param_is_not_shared", "param_is_not_tensor_parallel_duplicate", "parallel_state",
+           "rotary_pos_embedding", "tensor_parallel"]

@@ -40,11 +40,14 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from backends.megatron import rope
 from backends.megatron.checkpoint import save_hf
 from backends.megatron.context_parallel import (
     AttnMaskType,
     ContextParallelAttention,
     cp_layer_spec,
+    documents_blocked,
+    documents_of,
     flex_applies,
     flex_block_mask,
     gather_from_cp,
@@ -267,7 +270,7 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
         spec = get_gpt_layer_local_spec(qk_layernorm=layout.qk_norm, normalization="RMSNorm")
     # the core attention that also runs at context_parallel_size > 1 (megatron's own at cp = 1)
     spec, _ = swap_modules(cp_layer_spec(spec), {RowParallelLinear: GroupedRowParallelLinear})
-    return GPTModel(
+    gpt = GPTModel(
         config, spec, vocab_size=layout.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -277,6 +280,8 @@ def build_gpt(hf_config, options: dict[str, Any], dtype: torch.dtype) -> GPTMode
         rotary_base=rope_parameters(hf_config)["rope_theta"],
         rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
         rotary_percent=layout.rotary_percent, **model_kw)
+    rope.table_rope(gpt)  # RoPE's cos and sin once per forward, not in every layer
+    return gpt
 
 
 def initialize_parallel(tensor_model_parallel_size: int = 1,
@@ -374,7 +379,8 @@ class MegatronCausalLM(torch.nn.Module):
         return range(offset, offset + len(self.core.decoder.layers))
 
     # how training/packing.py keeps attention per sample on packed rows: an explicit 4D mask
-    packed_attention = "mask"
+    # packed rows come as position ids restarting at each sample, no mask (`forward`)
+    packed_attention = "position_ids"
 
     @property
     def whole_forward(self) -> bool:
@@ -390,9 +396,11 @@ class MegatronCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False
                 ) -> CausalLMOutput:
-        """Logits [B, T, V] (all tensor ranks' vocabulary shards gathered). `position_ids` is
-        accepted for the contract only: RoPE runs at 0..T-1, the same function for rows whose
-        real tokens are contiguous (module docstring); `use_cache` must stay False.
+        """Logits [B, T, V] (all tensor ranks' vocabulary shards gathered). RoPE runs at
+        0..T-1, the same function for rows whose real tokens are contiguous (module
+        docstring); `position_ids` matter only without `attention_mask`: packed rows, a new
+        sample wherever they restart at 0 (training/packing.py), attending only within it
+        (values as of each sample alone, like the 4D mask's); `use_cache` must stay False.
         `attention_mask`: [B, T] (1 = token), or a 4D [B, 1, T, T] mask (additive, 0 where a
         query may attend; or bool, True where it may), e.g. training/packing.py's block-causal
         mask of packed rows: RoPE's scores depend only on position differences, and a sample's
@@ -404,22 +412,28 @@ class MegatronCausalLM(torch.nn.Module):
         if not (self.core.pre_process and self.core.post_process):
             raise ValueError("with pipeline parallelism a stage has no whole forward: run it "
                              "through backends.megatron.pipeline.PipelineRunner")
+        # packed rows (training/packing.py "position_ids"): no mask, positions restarting at
+        # each sample; the samples' documents are read from them (no [T, T] mask is looked
+        # through, nor made where FlexAttention runs)
+        docs = (documents_of(position_ids).expand(input_ids.shape)
+                if attention_mask is None and position_ids is not None else None)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         width = input_ids.shape[1]
-        if attention_mask.dim() == 4:
-            blocked = (~attention_mask if attention_mask.dtype == torch.bool
-                       else attention_mask != 0)
+        packed = docs is not None or attention_mask.dim() == 4
+        if packed:
+            blocked = None if docs is not None else (
+                ~attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0)
             if self.core.config.context_parallel_size > 1 or self.core.config.sequence_parallel:
-                raise ValueError("a 4D attention mask (packed rows) runs without context or "
-                                 "sequence parallelism")
+                raise ValueError("packed rows (a 4D attention mask, or position ids without "
+                                 "a mask) run without context or sequence parallelism")
         elif self.core.config.context_parallel_size > 1:  # each CP rank its chunks
             return CausalLMOutput(logits=self._cp_forward(input_ids, attention_mask))
         else:
             input_ids, attention_mask = pad_to_split(self.core.config, input_ids,
                                                      attention_mask)
             blocked = blocked_attention(attention_mask)
-        blocked = layer_mask(self.core, blocked, documents=attention_mask.dim() == 4)
+        blocked = layer_mask(self.core, blocked, documents=packed, docs=docs)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = final_hidden(self.core, lambda: self.module(
             input_ids, positions.expand_as(input_ids), blocked, runtime_gather_output=True))
@@ -570,22 +584,24 @@ def pad_to_split(config: TransformerConfig, input_ids: torch.Tensor,
     return F.pad(input_ids, (0, extra)), F.pad(attention_mask, (0, extra))
 
 
-def layer_mask(module: torch.nn.Module, blocked: torch.Tensor, documents: bool
-               ) -> torch.Tensor | Any:
+def layer_mask(module: torch.nn.Module, blocked: torch.Tensor | None, documents: bool,
+               docs: torch.Tensor | None = None) -> torch.Tensor | Any:
     """The mask a forward hands `module`'s layers for `blocked` [B, 1, T, T] (True = may not
-    attend): FlexAttention's block mask, made once here for every layer (`flex_block_mask`;
-    `documents`: look for packed samples in it), where every layer's attention runs
-    FlexAttention (`flex_applies`: CUDA, half precision, heads of >= 64 dimensions; causal,
-    cp = 1, no dropout, softmax offset nor layer scaling), so a compiled layer traces attention
-    into its graph; else `blocked` itself."""
+    attend), or for packed rows' documents `docs` [B, T] (`blocked` None): FlexAttention's
+    block mask, made once here for every layer (`flex_block_mask`; `documents`: look for
+    packed samples in `blocked`), where every layer's attention runs FlexAttention
+    (`flex_applies`: CUDA, half precision, heads of >= 64 dimensions; causal, cp = 1, no
+    dropout, softmax offset nor layer scaling), so a compiled layer traces attention into its
+    graph; else the dense mask (`blocked`, or the documents' block-causal one)."""
+    device = (docs if docs is not None else blocked).device
     attention = [m for m in module.modules() if isinstance(m, ContextParallelAttention)]
-    if not attention or not flex_applies(blocked.device, next(module.parameters()).dtype,
-                                         attention[0].config.kv_channels):
-        return blocked
-    if not all(m.attn_mask_type == AttnMaskType.causal and m.cp_size == 1 and m._fused_ok()
-               for m in attention):
-        return blocked
-    return flex_block_mask(blocked, documents)
+    flex = bool(attention) and flex_applies(device, next(module.parameters()).dtype,
+                                            attention[0].config.kv_channels) and all(
+        m.attn_mask_type == AttnMaskType.causal and m.cp_size == 1 and m._fused_ok()
+        for m in attention)
+    if flex:
+        return flex_block_mask(blocked, documents, docs)
+    return blocked if docs is None else documents_blocked(docs)
 
 
 def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:
