@@ -141,8 +141,9 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu(tmp_path):
     assert sum(line.startswith("profile tiny-moe MoE padded") for line in out.stdout.splitlines()
                ) == 2  # with and without replay
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
-        "tiny-megatron-packed.json", "tiny-megatron-padded.json", "tiny-moe-torch-padded-replay.json",
-        "tiny-moe-torch-padded.json", "tiny-torch-packed.json", "tiny-torch-padded.json"]
+        "tiny-megatron-packed.json", "tiny-megatron-padded.json",
+        "tiny-moe-torch-padded-replay.json", "tiny-moe-torch-padded.json",
+        "tiny-torch-packed.json", "tiny-torch-padded.json"]
     fields = dict(kv.split("=") for kv in last.split()[1:])
     assert last.startswith("RESULT ")
     for key in ("mfu_torch", "mfu_megatron", "mfu_torch_packed", "mfu_megatron_padded"):
@@ -182,6 +183,23 @@ def test_step_profile_sums_kernels_by_kind_and_the_host_gap():
     head = prof.lines("3b torch packed")[0]
     assert head.startswith("profile 3b torch packed: step 10 ms, device kernels 7 ms, "
                            "host gap 3 ms; matmul 5, compiled pointwise 2, communication 0")
+
+
+def test_step_profile_splits_the_devices_idle_time_by_phase_and_host_operator():
+    from bench.step_profile import StepProfile, idle_split
+
+    # kernels busy 0-2, 5-6 and 8-10 (one overlapping 1-1.5) of a 0-12 window: idle 2-5, 6-8,
+    # 10-12; the loss range nested in the forward takes its own idle moment
+    kernels = [(0, 2), (1, 1.5), (5, 6), (8, 10)]
+    phases = [("rlx.forward", 0, 6), ("rlx.backward", 6, 11), ("rlx.loss", 4, 5)]
+    leaves = [("aten::item", 2, 3), ("aten::add", 6, 7), ("aten::add", 10.5, 11)]
+    by_phase, by_op = idle_split(kernels, (0, 12), phases, leaves)
+    assert by_phase == {"rlx.backward": 3.0, "rlx.forward": 2.0, "rlx.loss": 1.0, "other": 1.0}
+    assert by_op == [("(python)", 4.5), ("aten::add", 1.5), ("aten::item", 1.0)]
+    prof = StepProfile(wall_ms=12.0, kernel_ms=5.5, idle_phases=by_phase, idle_ops=by_op)
+    assert prof.lines("x")[1] == ("  device idle by phase: rlx.backward 3, rlx.forward 2, "
+                                  "rlx.loss 1, other 1")
+    assert prof.lines("x")[2].startswith("  device idle while the host ran: (python) 4.5, ")
 
 
 def test_train_mfu_counts_a_moe_models_active_parameters():
