@@ -402,7 +402,18 @@ def test_rope_from_a_table_made_once_equals_megatrons_per_layer_rope(tp1, interl
         (logits[mask.bool()] ** 2).mean().backward()
         out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     rotary.__class__ = rope.CosSinRotary
-    assert rope.is_table(rotary(9)) and rotary(9).shape == (9, 1, 1, 2, 16)
+    table = rotary(9)
+    assert rope.is_table(table) and table.shape == (9, 1, 1, 2, 16)
+    # bf16: rotated in float32 and rounded once (how a compiled layer's graphs fuse it cannot
+    # change the rounding), where megatron's own function rounds each product
+    q = torch.randn(9, 2, 4, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cos, sin = table.unbind(-2)
+    half = rope._rotate_half(q.float(), interleaved)
+    once = (q.float() * cos + half * sin).bfloat16()
+    assert torch.equal(rope.apply_table(q, table, model.core.config), once)
+    angles = rope._rotary.RotaryEmbedding.forward(rotary, 9)
+    assert not torch.equal(rope._ORIGINAL["apply_rotary_pos_emb"](q, angles, model.core.config),
+                           once)
     assert (out[0][0] - out[1][0]).abs().max() < 1e-6
     for name, grad in out[0][1].items():
         assert (out[1][1][name] - grad).abs().max() < 1e-6, name

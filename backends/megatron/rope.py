@@ -10,10 +10,14 @@ cos and sin of that same table once, stacked [s, 1, 1, 2, d] (float32); `install
 table, where megatron's attention applies RoPE, to `apply_table`, which rotates as megatron's
 function does (mscale, the cast to the query's dtype, rotate-half, interleaved or not, the
 dimensions past the rotary ones untouched) from the precomputed values, and hands every other
-argument to megatron's own function unchanged.
+argument to megatron's own function unchanged. The rotation is computed in float32 and rounded
+once to the query's dtype (megatron rounds each product to it): inside a compiled layer the
+no-grad and the training graphs fuse RoPE differently (into FlexAttention's kernel in one of
+them, seen in an H200 profile), and products rounded to bf16 in one graph and not in the other
+would make the recompute's log-probs differ from the policy pass's at the same weights.
 
-Invariant: the same values as megatron's path (the same float32 angles, cos and sin of them,
-the same products in the query's dtype): tests/test_megatron_model.py compares logits and
+Invariant: the same function as megatron's path (the same float32 angles, cos and sin of
+them; in float32 the same values): tests/test_megatron_model.py compares logits and
 gradients. Packed sequences in megatron's THD format (`cu_seqlens`) never reach it: the
 backend does not build them, and a table given with them is refused.
 """
@@ -56,9 +60,12 @@ def apply_table(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: A
     cos, sin = freqs.unbind(-2)
     rot = cos.shape[-1]
     x, rest = t[..., :rot], t[..., rot:]
-    cos = (cos * mscale).to(t.dtype)
-    sin = (sin * mscale).to(t.dtype)
-    return torch.cat((x * cos + _rotate_half(x, config.rotary_interleaved) * sin, rest), dim=-1)
+    # in float32, rounded once to t's dtype: a compiled layer's no-grad and training graphs
+    # may fuse this differently (into the attention kernel or not), which would otherwise
+    # round the products to bf16 in one and not in the other
+    xf = x.float()
+    out = xf * (cos * mscale) + _rotate_half(xf, config.rotary_interleaved) * (sin * mscale)
+    return torch.cat((out.to(t.dtype), rest), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
