@@ -19,12 +19,14 @@ refuse it. A bad request never reaches a worker and never stops the router.
 A worker that stops answering (hung, SIGSTOPped, its machine gone) is out of rotation within a
 few seconds: sglang-router checks every worker's /health each second and takes one out after two
 failed checks of a second each (`HEALTH_DEFAULTS`, any of them overridden by the `router`
-table). Requests already sent to it would still wait for that process until it is killed (the
-launcher's heartbeat timeout, 30 s): so the workers listed at start are reached through a TCP
-relay in this actor (`relay = true`), which cuts every connection to a worker as soon as
-sglang-router reports it unhealthy; sglang-router then retries those requests on the other
-workers (its retries, which connection errors trigger). Workers that register themselves
-(`dynamic_workers`) are reached directly.
+table); a lone worker, which has no other to take its requests, after ten
+(`LONE_WORKER_FAILURES`: two slow answers on a loaded machine would otherwise turn every request
+into a 503 and fail its episode). Requests already sent to it would still wait for that process
+until it is killed (the launcher's heartbeat timeout, 30 s): so the workers listed at start are
+reached through a TCP relay in this actor (`relay = true`), which cuts every connection to a
+worker as soon as sglang-router reports it unhealthy; sglang-router then retries those requests
+on the other workers (its retries, which connection errors trigger). Workers that register
+themselves (`dynamic_workers`) are reached directly.
 """
 
 from __future__ import annotations
@@ -54,13 +56,18 @@ ALL_WORKERS_WAIT_S = 15.0  # READY waits this long at most for the router to rou
 # that hung, cut by the relay) is tried again after 5 s, not 60 s, once the worker is healthy
 HEALTH_DEFAULTS = {"health_check_interval_secs": 1, "health_check_timeout_secs": 1,
                    "health_failure_threshold": 2, "cb_timeout_duration_secs": 5}
+# a lone worker (one listed, none registering) has no other to take its requests: out of
+# rotation after two slow checks (a loaded machine), every request would get 503 "no available
+# workers" and its episode fail; it leaves rotation after this many failed checks instead (a
+# hung one is still ended by the launcher's heartbeat timeout and restarted)
+LONE_WORKER_FAILURES = 10
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Settings of the sglang-router process."""
 
     workers: list[str] = []  # peer actor names of the inference workers ([] = every http peer)
-    policy: str = "consistent_hashing"  # sticky by X-SMG-Routing-Key; or round_robin, cache_aware...
+    policy: str = "consistent_hashing"  # sticky by X-SMG-Routing-Key; or round_robin, cache_aware
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
     health_timeout_s: float = 60.0  # the router must answer /health within this
@@ -84,7 +91,10 @@ def router_command(cfg: RouterConfig, worker_urls: list[str], port: int) -> list
     else:
         cmd += ["--then-policy", cfg.policy]
     cmd += ["--max-payload-size", str(cfg.max_body_bytes)]
-    options = {**HEALTH_DEFAULTS, **cfg.router}
+    defaults = dict(HEALTH_DEFAULTS)
+    if len(worker_urls) == 1 and not cfg.dynamic_workers:
+        defaults["health_failure_threshold"] = LONE_WORKER_FAILURES
+    options = {**defaults, **cfg.router}
     if "prometheus_port" not in options:  # its fixed default collides between routers
         cmd += ["--prometheus-port", str(free_port(cfg.host))]
     return cmd + render(options)

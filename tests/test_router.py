@@ -80,6 +80,21 @@ def test_router_command_passes_options_through():
         msgspec.convert({"router_args": {}}, RouterConfig)
 
 
+def test_a_lone_worker_leaves_rotation_only_after_ten_failed_health_checks():
+    """Two or more workers (or workers that register themselves): out of rotation after two
+    failed checks; a lone listed worker, which no other can stand in for, after ten; the
+    `router` table overrides either."""
+    def threshold(cmd: list[str]) -> str:
+        return cmd[cmd.index("--health-failure-threshold") + 1]
+
+    assert threshold(router_command(RouterConfig(), ["http://a:1", "http://b:2"], 1)) == "2"
+    assert threshold(router_command(RouterConfig(), ["http://a:1"], 1)) == "10"
+    assert threshold(router_command(RouterConfig(dynamic_workers=True), ["http://a:1"], 1)) \
+        == "2"
+    own = RouterConfig(router={"health_failure_threshold": 3})
+    assert threshold(router_command(own, ["http://a:1"], 1)) == "3"
+
+
 def test_router_body_limit_is_the_workers_and_set_by_the_actor():
     default = router_command(RouterConfig(), ["http://a:1"], 1)
     assert default[default.index("--max-payload-size") + 1] == str(64 << 20)
