@@ -202,6 +202,33 @@ def test_step_profile_splits_the_devices_idle_time_by_phase_and_host_operator():
     assert prof.lines("x")[2].startswith("  device idle while the host ran: (python) 4.5, ")
 
 
+def test_step_profile_reads_phases_and_leaf_operators_from_the_profilers_events():
+    """`idle_of` on profiler-shaped events (times in us): `rlx.*` ranges are the phases; an
+    operator whose only children are CUDA runtime calls is a leaf (its launch counts as its own
+    time), one with an operator below it is not, and runtime calls are never named."""
+    from types import SimpleNamespace
+
+    from bench.step_profile import idle_of
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end, device=cpu, children=()):
+        return SimpleNamespace(name=name, device_type=device, cpu_children=list(children),
+                               time_range=SimpleNamespace(start=start * 1e3, end=end * 1e3))
+
+    launch = event("cudaLaunchKernel", 2.5, 3)
+    mm = event("aten::mm", 2, 3, children=[launch])
+    linear = event("aten::linear", 1.5, 3.5, children=[mm])
+    kernels = [event("gemm", 0, 1, cuda), event("gemm", 3, 6, cuda)]
+    events = [event("rlx.forward", 0, 4), linear, mm, launch,
+              event("aten::item", 6, 7), event("rlx.optimizer", 6, 8), *kernels]
+    phases, ops = idle_of(events, kernels)
+    # idle 1-3 and 6-8 ms: the forward's, the optimizer's
+    assert phases == {"rlx.forward": 2.0, "rlx.optimizer": 2.0}
+    # leaves: aten::mm over 2-3, aten::item over 6-7; no operator ran 1-2 and 7-8
+    assert ops == [("(python)", 2.0), ("aten::mm", 1.0), ("aten::item", 1.0)]
+
+
 def test_train_mfu_counts_a_moe_models_active_parameters():
     from bench.train_mfu import active_params, hf_model
 

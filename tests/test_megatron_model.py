@@ -350,7 +350,13 @@ def test_packed_rows_by_position_ids_are_the_block_causal_masks_function(tp1, mo
     made from the documents those positions give, which allow exactly what the dense mask
     allows (no [T, T] mask made)."""
     from backends.megatron import context_parallel as cpmod
-    from training.packing import attention_mechanism, block_causal_mask, pack
+    from training.packing import (
+        attention_mechanism,
+        block_causal_mask,
+        pack,
+        segment_causal,
+        segments,
+    )
 
     hf = hf_model("qwen2")
     model = mg.from_hf_model(hf)
@@ -368,9 +374,9 @@ def test_packed_rows_by_position_ids_are_the_block_causal_masks_function(tp1, mo
     assert (out[0][0] - out[1][0]).abs().max() < 1e-6
     for name, grad in out[0][1].items():
         assert (out[1][1][name] - grad).abs().max() < 1e-6, name
-    docs = cpmod.documents_of(packed.position_ids)
+    docs = segments(packed.position_ids)
     dense = block_causal_mask(packed, torch.float32) != 0
-    assert torch.equal(cpmod.documents_blocked(docs), dense)
+    assert torch.equal(~segment_causal(docs), dense)
     rows, sq = docs.shape
     b, q, k = (torch.arange(n).view(shape) for n, shape in
                ((rows, (-1, 1, 1)), (sq, (1, -1, 1)), (sq, (1, 1, -1))))

@@ -297,14 +297,22 @@ def attention_mechanism(model: Any) -> str:
 def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
     """Additive [rows, 1, L, L]: 0 where query t may attend key s (same segment, s <= t),
     the dtype's minimum elsewhere. Segments: the samples and each row's trailing padding."""
-    pos = packed.position_ids
-    segment = (pos == 0).long().cumsum(-1)  # every segment starts at position 0
-    same = segment[:, :, None] == segment[:, None, :]
-    width = pos.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=pos.device).tril()
-    allowed = (same & causal)[:, None]
-    zero = torch.zeros((), dtype=dtype, device=pos.device)
+    allowed = segment_causal(segments(packed.position_ids))
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """[rows, L] int32: each position's segment in packed rows, a new one wherever the
+    positions restart at 0 (every sample, and a row's trailing padding)."""
+    return (position_ids == 0).cumsum(-1, dtype=torch.int32)
+
+
+def segment_causal(segment: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, L, L] bool, True where query t may attend key s: the same segment, s <= t."""
+    width = segment.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment.device).tril()
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
 def _model_dtype(model: Any) -> torch.dtype:

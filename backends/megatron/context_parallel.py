@@ -459,7 +459,8 @@ def flex_block_mask(blocked: torch.Tensor | None, documents: bool = True,
     mask function of each position's document index ([b, s], a lookup per query and key); any
     other mask, a lookup in the dense one ([b, s, s]); `documents = False` skips looking for
     documents (a padded rows' mask, which has none). `docs` [b, s]: the documents themselves
-    (packed rows given by their positions, `documents_of`), no dense mask made or read."""
+    (packed rows given by their positions, training/packing.py `segments`), no dense mask made
+    or read."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     if docs is not None:
@@ -490,20 +491,6 @@ def document_mask_function(docs: torch.Tensor) -> Callable:
     def allowed(b, _h, q, k):
         return (docs[b, q] == docs[b, k]) & (k <= q)
     return allowed
-
-
-def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] each position's document in packed rows whose positions restart at 0 with every
-    sample (training/packing.py; a row's trailing padding is a document of its own)."""
-    return (position_ids == 0).cumsum(-1, dtype=torch.int32)
-
-
-def documents_blocked(docs: torch.Tensor) -> torch.Tensor:
-    """The dense [b, 1, s, s] mask (True = may not attend) of documents [b, s]: the
-    block-causal mask of packed rows."""
-    sq = docs.shape[-1]
-    causal = torch.ones(sq, sq, dtype=torch.bool, device=docs.device).tril()
-    return ~((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
 def _documents(dense: torch.Tensor) -> torch.Tensor | None:
@@ -641,8 +628,7 @@ def _swap(node: Any, classes: dict[type, type]) -> int:
     return count
 
 
-__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits",
-           "documents_blocked", "documents_of", "flex_applies", "flex_block_mask",
-           "flex_key_value", "gather_from_cp", "key_padding_mask", "local_token_logprobs",
-           "mask_function", "next_token_labels", "padded_length", "positions", "split_batch",
-           "split_for_cp", "swap_modules"]
+__all__ = ["CPBatch", "ContextParallelAttention", "cp_layer_spec", "cp_logits", "flex_applies",
+           "flex_block_mask", "flex_key_value", "gather_from_cp", "key_padding_mask",
+           "local_token_logprobs", "mask_function", "next_token_labels", "padded_length",
+           "positions", "split_batch", "split_for_cp", "swap_modules"]

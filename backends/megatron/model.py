@@ -46,8 +46,6 @@ from backends.megatron.context_parallel import (
     AttnMaskType,
     ContextParallelAttention,
     cp_layer_spec,
-    documents_blocked,
-    documents_of,
     flex_applies,
     flex_block_mask,
     gather_from_cp,
@@ -81,6 +79,7 @@ from backends.megatron.parallel import hf_tensors_on_rank0, iter_hf_tensors
 from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from models.load import load_model as load_hf
 from models.moe import NO_ROUTE, RowSelect, checkpoint_tensors, in_backward, moe_shape
+from training.packing import segment_causal, segments
 from transport.dtypes import torch_dtype
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
@@ -415,7 +414,7 @@ class MegatronCausalLM(torch.nn.Module):
         # packed rows (training/packing.py "position_ids"): no mask, positions restarting at
         # each sample; the samples' documents are read from them (no [T, T] mask is looked
         # through, nor made where FlexAttention runs)
-        docs = (documents_of(position_ids).expand(input_ids.shape)
+        docs = (segments(position_ids).expand(input_ids.shape)
                 if attention_mask is None and position_ids is not None else None)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -601,7 +600,7 @@ def layer_mask(module: torch.nn.Module, blocked: torch.Tensor | None, documents:
         for m in attention)
     if flex:
         return flex_block_mask(blocked, documents, docs)
-    return blocked if docs is None else documents_blocked(docs)
+    return blocked if docs is None else ~segment_causal(docs)
 
 
 def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:
