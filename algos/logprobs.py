@@ -25,6 +25,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """[rows, L] int32: each position's segment in packed rows, a new one wherever the
+    positions restart at 0 (every sample, and a row's trailing padding)."""
+    return (position_ids == 0).cumsum(-1, dtype=torch.int32)
+
+
+def segment_causal(segment: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, L, L] bool, True where query t may attend key s: the same segment, s <= t."""
+    width = segment.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment.device).tril()
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+
+
 def logits_to_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / T) over the last dim, in float32."""
     return torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)

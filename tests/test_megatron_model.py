@@ -349,14 +349,9 @@ def test_packed_rows_by_position_ids_are_the_block_causal_masks_function(tp1, mo
     training/packing.py's block-causal 4D mask; where FlexAttention runs, its block mask is
     made from the documents those positions give, which allow exactly what the dense mask
     allows (no [T, T] mask made)."""
+    from algos.logprobs import segment_causal, segments
     from backends.megatron import context_parallel as cpmod
-    from training.packing import (
-        attention_mechanism,
-        block_causal_mask,
-        pack,
-        segment_causal,
-        segments,
-    )
+    from training.packing import attention_mechanism, block_causal_mask, pack
 
     hf = hf_model("qwen2")
     model = mg.from_hf_model(hf)

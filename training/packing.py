@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 import torch
 
 from algos.dp_schedule import pack as pack_indices
-from algos.logprobs import gather_logprobs, logits_to_logprobs
+from algos.logprobs import gather_logprobs, logits_to_logprobs, segment_causal, segments
 from training.batching import MicroBatch
 from transport.schema import Sample
 
@@ -300,19 +300,6 @@ def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
     allowed = segment_causal(segments(packed.position_ids))
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
-
-
-def segments(position_ids: torch.Tensor) -> torch.Tensor:
-    """[rows, L] int32: each position's segment in packed rows, a new one wherever the
-    positions restart at 0 (every sample, and a row's trailing padding)."""
-    return (position_ids == 0).cumsum(-1, dtype=torch.int32)
-
-
-def segment_causal(segment: torch.Tensor) -> torch.Tensor:
-    """[rows, 1, L, L] bool, True where query t may attend key s: the same segment, s <= t."""
-    width = segment.shape[-1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=segment.device).tril()
-    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
 def _model_dtype(model: Any) -> torch.dtype:

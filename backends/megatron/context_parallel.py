@@ -459,7 +459,7 @@ def flex_block_mask(blocked: torch.Tensor | None, documents: bool = True,
     mask function of each position's document index ([b, s], a lookup per query and key); any
     other mask, a lookup in the dense one ([b, s, s]); `documents = False` skips looking for
     documents (a padded rows' mask, which has none). `docs` [b, s]: the documents themselves
-    (packed rows given by their positions, training/packing.py `segments`), no dense mask made
+    (packed rows given by their positions, algos/logprobs.py `segments`), no dense mask made
     or read."""
     from torch.nn.attention.flex_attention import create_block_mask
 

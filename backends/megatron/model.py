@@ -40,6 +40,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from algos.logprobs import segment_causal, segments
 from backends.megatron import rope
 from backends.megatron.checkpoint import save_hf
 from backends.megatron.context_parallel import (
@@ -79,7 +80,6 @@ from backends.megatron.parallel import hf_tensors_on_rank0, iter_hf_tensors
 from memory.safetensors_io import DEFAULT_SHARD_BYTES
 from models.load import load_model as load_hf
 from models.moe import NO_ROUTE, RowSelect, checkpoint_tensors, in_backward, moe_shape
-from training.packing import segment_causal, segments
 from transport.dtypes import torch_dtype
 
 # TransformerConfig fields read from the HF config: setting them would break weight conversion
