@@ -240,7 +240,9 @@ class Relay:
 
     def __init__(self, name: str, target: str):
         self.name, self.target = name, target  # the worker's actor name and http://host:port
-        self.links: set[asyncio.StreamWriter] = set()  # both ends of every open connection
+        # every accepted connection's serving task -> its open ends (the accepted one, and the
+        # worker's once connected): `cut` and `close` reach a connection still connecting too
+        self.links: dict[asyncio.Task, list[asyncio.StreamWriter]] = {}
         self.server: asyncio.Server | None = None
 
     async def start(self, host: str) -> str:
@@ -249,36 +251,43 @@ class Relay:
         return f"http://{host}:{self.server.sockets[0].getsockname()[1]}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        target = urlsplit(self.target)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
-        except OSError:  # the worker is down: the router sees a failed connection
-            writer.transport.abort()
-            return
-        ends = (writer, up_writer)
-        self.links.update(ends)
-        try:
+        task = asyncio.current_task()
+        ends = self.links[task] = [writer]
+        try:  # every way out (a failed connect, a cut, a cancelled task) aborts both ends
+            target = urlsplit(self.target)
+            try:
+                up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
+            except OSError:  # the worker is down: the router sees a failed connection
+                return
+            ends.append(up_writer)
+            if writer.is_closing():  # cut while connecting
+                return
             await asyncio.gather(_pipe(reader, up_writer, ends), _pipe(up_reader, writer, ends))
         finally:
+            self.links.pop(task, None)
             for end in ends:
-                self.links.discard(end)
                 end.transport.abort()
 
     def cut(self) -> int:
-        """Abort every open connection; returns how many there were."""
-        ends = list(self.links)
-        for end in ends:
-            end.transport.abort()
-        return len(ends) // 2
+        """Abort every open connection, also those still connecting to the worker (their tasks
+        are cancelled); returns how many there were."""
+        for task, ends in self.links.items():
+            for end in ends:
+                end.transport.abort()
+            task.cancel()
+        return len(self.links)
 
     async def close(self) -> None:
+        """Stop listening, abort every connection, and wait for their tasks to end."""
         if self.server is not None:
             self.server.close()
+        tasks = list(self.links)
         self.cut()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                ends: tuple[asyncio.StreamWriter, ...]) -> None:
+                ends: list[asyncio.StreamWriter]) -> None:
     """Copy `reader` into `writer` until end of stream (passed on as a half close); a failed
     side aborts both ends of the connection."""
     try:

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from actors.inference import InferenceWorker
-from actors.router import RouterActor, RouterConfig, router_command
+from actors.router import Relay, RouterActor, RouterConfig, router_command
 from engine.client import SglangClient
 from engine.session import HttpSession
 from models.tokenizer import build_char_tokenizer
@@ -203,6 +203,49 @@ async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
     # (and a session re-sends a turn itself when the router cannot)
     assert all(len(s.response_ids) == 48 == len(s.logprobs) for s in sessions)
     assert all(len(s.versions) == 1 for s in sessions)
+
+
+async def test_the_relay_cuts_and_closes_connections_still_connecting_to_their_worker(
+        monkeypatch):
+    """A connection accepted while the relay's own connect to the worker is still in progress
+    (a dying worker) is aborted by `cut`, and by `close` with its task ended: none is left open
+    (an unclosed transport would fail the test as a ResourceWarning)."""
+    real = asyncio.open_connection
+    connecting = asyncio.Queue()
+
+    async def stalled(host, port, **kw):  # the relay's connect to the worker never completes
+        if port != 9:
+            return await real(host, port, **kw)
+        await connecting.put(port)
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(asyncio, "open_connection", stalled)
+    relay = Relay("w0", "http://127.0.0.1:9")
+    url = await relay.start("127.0.0.1")
+    port = int(url.rsplit(":", 1)[1])
+    clients = []
+    try:
+        for closing in (False, True):
+            reader, writer = await real("127.0.0.1", port)
+            clients.append(writer)
+            writer.write(b"POST /generate HTTP/1.1\r\n")
+            await asyncio.wait_for(connecting.get(), 30)
+            assert len(relay.links) == 1
+            if closing:
+                await asyncio.wait_for(relay.close(), 30)
+            else:
+                assert relay.cut() == 1
+            with contextlib.suppress(ConnectionResetError):  # aborted: EOF or reset
+                assert await asyncio.wait_for(reader.read(), 30) == b""
+            while relay.links:  # the connection's task ends (at once after `close`)
+                assert not closing
+                await asyncio.sleep(0.01)
+    finally:
+        for writer in clients:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await relay.close()
 
 
 HUNG_LAYOUT = """
