@@ -210,7 +210,12 @@ def _check_head(hidden: torch.Tensor, weight: torch.Tensor, who: str = "hidden")
 
 
 def _check_ids(ids: torch.Tensor, vocab: int) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+    """ValueError for ids outside [0, vocab) (on an accelerator a gather would fail there with a
+    device-side assert, which ends the process); one read of the device for both bounds."""
+    if not ids.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(ids.reshape(-1))).tolist()
+    if lo < 0 or hi >= vocab:
         raise ValueError(f"token ids outside the vocabulary [0, {vocab}) (the whole one, over "
                          "the group's shards); the teacher's tokenizer must match")
 

@@ -22,11 +22,14 @@ import torch
 
 @dataclass
 class LossTerms:
+    """The loss and its statistics. The statistics are detached 0-d tensors on the loss's
+    device: reading them (`float`) waits for the device, so a trainer sums them there and reads
+    the step's totals once."""
     loss: torch.Tensor  # scalar to backpropagate (already divided by num_samples_in_step)
-    pg_loss: float
-    clipfrac: float
-    ppo_kl: float  # mean of old_logp - logp over policy tokens
-    num_tokens: int
+    pg_loss: torch.Tensor
+    clipfrac: torch.Tensor
+    ppo_kl: torch.Tensor  # mean of old_logp - logp over policy tokens
+    num_tokens: torch.Tensor  # the mask's count
 
 
 def masked_sample_sum(values: torch.Tensor, mask: torch.Tensor,
@@ -63,8 +66,9 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         per_token = per_token * token_weights
     loss = masked_sample_sum(per_token, mask, sample_tokens) / num_samples_in_step
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
+        count = mask.sum()
+        n = count.clamp(min=1)
         clipfrac = ((clipped > unclipped).float() * mask).sum() / n
         ppo_kl = (-log_ratio * mask).sum() / n
-        pg = masked_sample_sum(per_token, mask, sample_tokens) / max(1, logp.shape[0])
-    return LossTerms(loss, float(pg), float(clipfrac), float(ppo_kl), int(mask.sum()))
+        pg = loss.detach() * (num_samples_in_step / max(1, logp.shape[0]))
+    return LossTerms(loss, pg, clipfrac, ppo_kl, count)

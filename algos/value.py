@@ -19,17 +19,18 @@ from algos.policy_loss import masked_sample_sum
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                mask: torch.Tensor, num_samples_in_step: int,
-               value_clip: float = 0.2) -> tuple[torch.Tensor, float]:
-    """(loss scalar, clip fraction); values, old_values, returns, mask: [B, T]."""
+               value_clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss scalar, clip fraction: a detached 0-d tensor, read without waiting for the device
+    only at the step's end); values, old_values, returns, mask: [B, T]."""
     if value_clip < 0:
         raise ValueError(f"value_clip must be >= 0, got {value_clip}")
     mask = mask.float()
     old, target = old_values.detach(), returns.detach()
     plain = (values - target).pow(2)
     if value_clip == 0:
-        return masked_sample_sum(plain, mask) / num_samples_in_step, 0.0
+        return masked_sample_sum(plain, mask) / num_samples_in_step, values.new_zeros(())
     clipped = (old + (values - old).clamp(-value_clip, value_clip) - target).pow(2)
     per_token = torch.maximum(plain, clipped)
     with torch.no_grad():
-        frac = float(((clipped > plain).float() * mask).sum() / mask.sum().clamp(min=1))
+        frac = ((clipped > plain).float() * mask).sum() / mask.sum().clamp(min=1)
     return masked_sample_sum(per_token, mask) / num_samples_in_step, frac

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from actors.trainer import TrainerConfig
 from algos.mismatch import MismatchConfig
@@ -126,6 +131,53 @@ def test_measure_policy_kl_off_skips_the_forward_after_the_update():
     assert on["train/policy_kl"] == 0.0  # lr 0: the policy did not move
     assert "train/policy_kl" not in off
     assert off["train/loss"] == on["train/loss"] and off["train/grad_norm"] == on["train/grad_norm"]
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts, by the project's file and line that called them, the operations that read a
+    tensor's values on the host (on a GPU each waits for the device: the host stops queueing
+    work), and boolean-mask indexing (its output size is read from the device)."""
+    READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__,
+                       torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.nonzero,
+                       torch.nonzero})
+    ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        masked = func is torch.Tensor.__getitem__ and isinstance(args[1], torch.Tensor) \
+            and args[1].dtype == torch.bool
+        if func in self.READS or masked:
+            ours = [f for f in traceback.extract_stack()[:-1]
+                    if f.filename.startswith(self.ROOT) and "site-packages" not in f.filename
+                    and not f.filename.startswith(self.ROOT + "tests/")]
+            if ours and ours[-1] == traceback.extract_stack()[-2]:  # called by our code
+                self.sites[f"{ours[-1].filename[len(self.ROOT):]}:{ours[-1].lineno}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_reads_its_losses_and_statistics_from_the_device_once():
+    """The loss and its statistics stay on the device until the step's end: per micro-batch the
+    project's code reads the device only for the loss head's token-id check (one read a
+    forward: recompute, policy pass, policy KL). Before, `LossTerms` and the step's totals read
+    16 values per micro-batch, so a GPU sat idle while the host caught up after each."""
+    reads = {}
+    for size in (4, 1):  # one micro-batch, then four
+        torch.manual_seed(0)
+        model, tok = build_tiny("tiny-qwen2", seed=0)
+        state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        cfg = TrainerConfig(model="tiny-qwen2", workers=["w"],
+                            micro_batches=MicroBatchConfig(size=size, forward_by_length=False))
+        with DeviceReads() as mode:
+            stats = train_on_batch(state, batch(tok), cfg)
+        reads[size] = mode.sites
+        assert stats["train/tokens"] == 10 and stats["train/grad_norm"] > 0
+    assert not [s for s in reads[1] if s.startswith(("algos/policy_loss.py", "algos/value.py"))]
+    per_step = [s for s in reads[1] if s.startswith("training/step.py")]
+    assert len(per_step) == 1 and reads[1][per_step[0]] == 1  # the step's totals, once
+    assert sum(reads[1].values()) - sum(reads[4].values()) <= 3 * 3  # 3 more micro-batches
 
 
 # dynamo's tracing reads `.grad` of non-leaf tensors and warns about it (its own access)

@@ -198,8 +198,8 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
     if not last:
         return runner.share(stats)
     for c, n, mb in zip(current, new or [], mbs):
-        totals["policy_kl"] += float((approx_kl(c, n, "k3") * mb.mask).sum())
-    summed = dp.sum_tensor(torch.tensor([totals[k] for k in TOTALS], dtype=torch.float64))
+        totals["policy_kl"] += (approx_kl(c, n, "k3") * mb.mask).sum()
+    summed = dp.sum_tensor(totals_vector(totals))
     totals = dict(zip(TOTALS, summed.tolist()))
     stats |= summarize(samples, totals, grad_norm, state.version, cfg)
     if not cfg.measure_policy_kl:
@@ -278,7 +278,7 @@ def _by_length(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def prepare(state: TrainState, runner: ModelRunner, samples: list[Sample], plan: list[list[int]],
-            mbs: list[MicroBatch], cfg: TrainConfig, dp: Any, totals: dict[str, float],
+            mbs: list[MicroBatch], cfg: TrainConfig, dp: Any, totals: dict[str, Any],
             by_length: bool) -> list[Prepared] | None:
     """Old-policy and reference log-probs, critic values and advantages per micro-batch (None
     on a pipeline stage without logits: it only takes part in the policy's passes)."""
@@ -314,7 +314,7 @@ def prepare(state: TrainState, runner: ModelRunner, samples: list[Sample], plan:
 
 
 def rollout_version_logprobs(state: TrainState, mb: MicroBatch, current: torch.Tensor,
-                             cfg: TrainConfig, by_length: bool, totals: dict[str, float]
+                             cfg: TrainConfig, by_length: bool, totals: dict[str, Any]
                              ) -> torch.Tensor:
     """Each row's log-probs under the trainer's copy of the weights that generated it.
 
@@ -420,7 +420,7 @@ def opd_stats(state: TrainState, sums: dict[str, list[float]], time_s: float,
 
 def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
                 prep: list[Prepared] | None, cfg: TrainConfig, num_samples: int,
-                totals: dict[str, float], opd_sums: dict[str, list[float]] | None = None,
+                totals: dict[str, Any], opd_sums: dict[str, list[float]] | None = None,
                 by_length: bool = False, signals: OpdSignals | None = None,
                 order: list[int] | None = None, heads: bool = False) -> list[torch.Tensor]:
     """Backward of every micro-batch's policy loss, the micro-batches in `order` (default: as
@@ -458,7 +458,7 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
         if cfg.kl.use_kl_loss:
             kl = masked_sample_sum(approx_kl(logp, p.ref, cfg.kl.estimator), mb.mask) / num_samples
             loss = loss + cfg.kl.coef * kl
-            totals["kl_loss"] += float(kl.detach())
+            totals["kl_loss"] += kl.detach()
         if opd_term and inp is not None and isinstance(logits, ResponseHead):
             loss = loss + opd_head_loss(state.temperature, mb, inp, logits, num_samples,
                                         opd_sums, signals.counts)
@@ -607,27 +607,42 @@ def _rows(rows: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
     return rows.to(mask.dtype)[:, None]
 
 
-def _accumulate(totals: dict[str, float], mb: MicroBatch, terms: Any, ent: torch.Tensor,
+def _accumulate(totals: dict[str, Any], mb: MicroBatch, terms: Any, ent: torch.Tensor,
                 logp: torch.Tensor, version: int) -> None:
-    tokens = float(mb.mask.sum())
-    totals["loss"] += float(terms.loss.detach())
-    totals["kept_tokens"] += float(terms.num_tokens)
+    """Add a micro-batch's statistics to `totals` as 0-d tensors on its device: nothing here
+    waits for the device (the step reads them all at once, `totals_vector`)."""
+    tokens = mb.mask.sum()
+    totals["loss"] += terms.loss.detach()
+    totals["kept_tokens"] += terms.num_tokens
     totals["clipfrac"] += terms.clipfrac * tokens
     totals["ppo_kl"] += terms.ppo_kl * tokens
-    totals["entropy"] += float((ent.detach() * mb.mask).sum())
+    totals["entropy"] += (ent.detach() * mb.mask).sum()
     totals["tokens"] += tokens
     diff = (logp - mb.rollout_logp).abs() * mb.mask
-    totals["logprob_abs_diff"] += float(diff.sum())
-    fresh = torch.tensor([s.weight_version == version for s in mb.samples], device=diff.device)
-    totals["fresh_logprob_abs_diff"] += float(diff[fresh].sum())
-    totals["fresh_tokens"] += float(mb.mask[fresh].sum())
+    totals["logprob_abs_diff"] += diff.sum()
+    fresh = torch.tensor([[float(s.weight_version == version)] for s in mb.samples],
+                         device=diff.device)  # [B, 1]: the rows sampled at these weights
+    totals["fresh_logprob_abs_diff"] += (diff * fresh).sum()
+    totals["fresh_tokens"] += (mb.mask * fresh).sum()
     equal = ((logp == mb.rollout_logp) & (mb.mask > 0)).float()  # exactly the same float
-    totals["logprob_equal_tokens"] += float(equal.sum())
-    totals["fresh_logprob_equal_tokens"] += float(equal[fresh].sum())
+    totals["logprob_equal_tokens"] += equal.sum()
+    totals["fresh_logprob_equal_tokens"] += (equal * fresh).sum()
+
+
+def totals_vector(totals: dict[str, Any]) -> torch.Tensor:
+    """The step's totals (`TOTALS`: numbers, and 0-d tensors on the device), as one float64 CPU
+    vector, read from the device in one copy."""
+    out = torch.tensor([v if isinstance(v, (int, float)) else 0.0
+                        for v in (totals[k] for k in TOTALS)], dtype=torch.float64)
+    on_device = [i for i, k in enumerate(TOTALS) if isinstance(totals[k], torch.Tensor)]
+    if on_device:
+        out[on_device] = torch.stack([totals[TOTALS[i]].detach().double()
+                                      for i in on_device]).cpu()
+    return out
 
 
 def critic_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared],
-                cfg: TrainConfig, num_samples: int, totals: dict[str, float], dp: Any) -> float:
+                cfg: TrainConfig, num_samples: int, totals: dict[str, Any], dp: Any) -> float:
     """Clipped value loss on every micro-batch, summed over ranks, one critic step."""
     critic = state.critic
     with critic.resident():
@@ -636,8 +651,8 @@ def critic_pass(state: TrainState, mbs: list[MicroBatch], prep: list[Prepared],
             loss, frac = value_loss(critic.values(mb), p.values, p.returns, mb.mask,
                                     num_samples, cfg.critic.value_clip)
             loss.backward()
-            totals["value_loss"] += float(loss.detach())
-            totals["value_clipfrac"] += frac * float(mb.mask.sum())
+            totals["value_loss"] += loss.detach()
+            totals["value_clipfrac"] += frac * mb.mask.sum()
         return critic.step(dp)
 
 
