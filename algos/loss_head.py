@@ -209,12 +209,13 @@ def _check_head(hidden: torch.Tensor, weight: torch.Tensor, who: str = "hidden")
                          "product h W^T needs one dtype")
 
 
-def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+def _check_ids(ids: torch.Tensor, vocab: int, bounds: tuple[int, int] | None = None) -> None:
     """ValueError for ids outside [0, vocab) (on an accelerator a gather would fail there with a
-    device-side assert, which ends the process); one read of the device for both bounds."""
+    device-side assert, which ends the process). `bounds`: (smallest, largest) of `ids` or of a
+    superset of them, known on the host; None: read from the device (both at once)."""
     if not ids.numel():
         return
-    lo, hi = torch.stack(torch.aminmax(ids.reshape(-1))).tolist()
+    lo, hi = bounds if bounds is not None else torch.stack(torch.aminmax(ids.reshape(-1))).tolist()
     if lo < 0 or hi >= vocab:
         raise ValueError(f"token ids outside the vocabulary [0, {vocab}) (the whole one, over "
                          "the group's shards); the teacher's tokenizer must match")
@@ -438,29 +439,36 @@ class ResponseHead:
 
 
 def response_head_logprobs(head: ResponseHead, tokens: torch.Tensor, temperature: float,
-                           with_entropy: bool = True
+                           with_entropy: bool = True, *,
+                           token_bounds: tuple[int, int] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, R] (log-probs of `tokens` [B, R], entropies or None), float32, differentiable in the
-    head (`head_logprobs` over its group)."""
+    head (`head_logprobs` over its group); `token_bounds` as `head_logprobs`'s (a micro-batch's
+    `token_bounds`)."""
     B, R, H = head.hidden.shape
     logp, ent = head_logprobs(head.hidden.reshape(B * R, H), head.weight, tokens.reshape(-1),
-                              temperature, with_entropy=with_entropy, group=head.group)
+                              temperature, with_entropy=with_entropy, group=head.group,
+                              token_bounds=token_bounds)
     # float32 as algos.logprobs (a float64 model's values are made in float64, then rounded)
     return logp.view(B, R).float(), None if ent is None else ent.view(B, R).float()
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                   temperature: float = 1.0, *, with_entropy: bool = True,
-                  chunk_tokens: int | None = None, group=None
+                  chunk_tokens: int | None = None, group=None,
+                  token_bounds: tuple[int, int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_softmax(h W^T / T)[targets] [N], entropy [N] or None), float32 (float64 for float64
     inputs), differentiable in hidden [N, H] and weight [Vs, H] (this rank's vocabulary rows);
-    targets [N] global ids. The logits of `algos.logprobs.response_logprobs`, never all held."""
+    targets [N] global ids. The logits of `algos.logprobs.response_logprobs`, never all held.
+    `token_bounds`: (smallest, largest) of the targets or of a superset of them, known on the
+    host: the ids are checked against the vocabulary with them instead of a read of the device
+    (which waits for it)."""
     _check_head(hidden, weight)
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} must be [N] for hidden "
                          f"{tuple(hidden.shape)}")
-    _check_ids(targets, _shard(weight, group)[1])
+    _check_ids(targets, _shard(weight, group)[1], token_bounds)
     logp, ent = _HeadLogprobs.apply(hidden, weight, targets.long(),
                                     effective_temperature(temperature), with_entropy,
                                     chunk_tokens_for(weight.shape[0], chunk_tokens), group)

@@ -233,6 +233,10 @@ def test_bad_arguments_are_refused():
     teacher = {"teacher_hidden": th, "teacher_weight": tw}
     with pytest.raises(ValueError, match="outside the vocabulary"):
         head_logprobs(h, w, y + V)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # the host's bounds
+        head_logprobs(h, w, y, token_bounds=(0, V))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        head_logprobs(h, w, y, token_bounds=(-1, 0))
     with pytest.raises(ValueError, match="exactly one"):
         head_set_kl(h, w, "full", teacher_hidden=th)
     with pytest.raises(ValueError, match="takes ids"):

@@ -159,10 +159,11 @@ class DeviceReads(TorchFunctionMode):
 
 
 def test_the_step_reads_its_losses_and_statistics_from_the_device_once():
-    """The loss and its statistics stay on the device until the step's end: per micro-batch the
-    project's code reads the device only for the loss head's token-id check (one read a
-    forward: recompute, policy pass, policy KL). Before, `LossTerms` and the step's totals read
-    16 values per micro-batch, so a GPU sat idle while the host caught up after each."""
+    """The loss and its statistics stay on the device until the step's end, and the loss head
+    checks token ids with the micro-batch's bounds known on the host: per micro-batch the
+    project's code reads only the host tensor of its ids (`bounds_of`, two reads of a CPU
+    tensor). Before, `LossTerms` and the step's totals read 16 values per micro-batch and the
+    head's id check two per forward, so a GPU sat idle while the host caught up after each."""
     reads = {}
     for size in (4, 1):  # one micro-batch, then four
         torch.manual_seed(0)
@@ -174,10 +175,28 @@ def test_the_step_reads_its_losses_and_statistics_from_the_device_once():
             stats = train_on_batch(state, batch(tok), cfg)
         reads[size] = mode.sites
         assert stats["train/tokens"] == 10 and stats["train/grad_norm"] > 0
-    assert not [s for s in reads[1] if s.startswith(("algos/policy_loss.py", "algos/value.py"))]
+    assert not [s for s in reads[1] if s.startswith(("algos/policy_loss.py", "algos/value.py",
+                                                     "algos/loss_head.py"))], reads[1]
     per_step = [s for s in reads[1] if s.startswith("training/step.py")]
     assert len(per_step) == 1 and reads[1][per_step[0]] == 1  # the step's totals, once
-    assert sum(reads[1].values()) - sum(reads[4].values()) <= 3 * 3  # 3 more micro-batches
+    more = reads[1] - reads[4]  # what three more micro-batches read
+    assert all(s.startswith("training/batching.py") for s in more), more
+    assert sum(more.values()) == 3 * 2, more
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_forward():
+    torch.manual_seed(0)
+    model, tok = build_tiny("tiny-qwen2", seed=0)
+    state = TrainState(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    samples = batch(tok)
+    samples[2].response_ids[0] = model.config.vocab_size  # one past the last row
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    cfg = TrainerConfig(model="tiny-qwen2", workers=["w"], micro_batches=MicroBatchConfig(size=2))
+    with pytest.raises(ValueError, match=rf"vocabulary \[0, {model.config.vocab_size}\) in "
+                                         r"sample\(s\) \('g1', 0\): the rollout's tokenizer"):
+        train_on_batch(state, samples, cfg)
+    assert calls == []
 
 
 # dynamo's tracing reads `.grad` of non-leaf tensors and warns about it (its own access)

@@ -36,6 +36,9 @@ class MicroBatch:
     # training/moe.py), and laid out like `packed`'s rows; None without any
     routes: torch.Tensor | None = None
     packed_routes: torch.Tensor | None = None
+    # (smallest, largest) token id in `input_ids`, known on the host: the loss head and the
+    # step check ids against a vocabulary with these, without reading the device
+    token_bounds: tuple[int, int] | None = None
 
     @property
     def num_response_cols(self) -> int:
@@ -48,7 +51,8 @@ class MicroBatch:
             self.rollout_logp, self.rewards)),
             packed=None if self.packed is None else self.packed.to(device),
             routes=None if self.routes is None else self.routes.to(device),
-            packed_routes=None if self.packed_routes is None else self.packed_routes.to(device))
+            packed_routes=None if self.packed_routes is None else self.packed_routes.to(device),
+            token_bounds=self.token_bounds)
 
 
 def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int
@@ -76,7 +80,7 @@ def make_micro_batch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         rlp[b, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float)
     return MicroBatch(samples, ids, attn, prompt_lens, mask, rlp,
                       torch.tensor([s.reward for s in samples], dtype=torch.float),
-                      routes=sample_routes(samples, ids.shape[1]))
+                      routes=sample_routes(samples, ids.shape[1]), token_bounds=bounds_of(ids))
 
 
 def token_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0
@@ -88,4 +92,25 @@ def token_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     for b, r in enumerate(responses):
         mask[b, :len(r)] = 1.0
     return MicroBatch([], ids, attn, prompt_lens, mask, torch.zeros_like(mask),
-                      torch.zeros(len(prompts)))
+                      torch.zeros(len(prompts)), token_bounds=bounds_of(ids))
+
+
+def bounds_of(ids: torch.Tensor) -> tuple[int, int]:
+    """(smallest, largest) of a host tensor of token ids."""
+    lo, hi = torch.aminmax(ids)
+    return int(lo), int(hi)
+
+
+def check_token_ids(mbs: list[MicroBatch], vocab_size: int) -> None:
+    """ValueError naming the samples whose token ids lie outside [0, vocab_size) (the model's
+    embedding would fail on them: on a GPU with a device-side assert that ends the process)."""
+    for mb in mbs:
+        lo, hi = mb.token_bounds if mb.token_bounds is not None else bounds_of(mb.input_ids)
+        if lo >= 0 and hi < vocab_size:
+            continue
+        bad = [f"({s.group_id[:64]!r}, {s.index})" for s in mb.samples
+               if min(s.prompt_ids + s.response_ids, default=0) < 0
+               or max(s.prompt_ids + s.response_ids, default=0) >= vocab_size]
+        raise ValueError(f"token ids outside the model's vocabulary [0, {vocab_size}) in "
+                         f"sample(s) {', '.join(bad) or '(padding)'}: the rollout's tokenizer "
+                         f"must be the trained model's")

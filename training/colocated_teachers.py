@@ -147,7 +147,7 @@ def sub_batch(mb: MicroBatch, rows: list[int]) -> MicroBatch:
     idx = torch.tensor(rows, device=mb.input_ids.device)
     return MicroBatch([mb.samples[r] for r in rows], *(t[idx] for t in (
         mb.input_ids, mb.attention_mask, mb.prompt_lens, mb.mask, mb.rollout_logp,
-        mb.rewards)))
+        mb.rewards)), token_bounds=mb.token_bounds)
 
 
 def micro_batch_order(mbs: list[MicroBatch], teachers: list[str]) -> list[int]:

@@ -161,4 +161,5 @@ def head_response_logprobs(head: ResponseHead, mb: MicroBatch, temperature: floa
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response-aligned [B, R] (log-probs, entropies or None) of the response tokens, float32,
     differentiable in the head (algos/loss_head.py `response_head_logprobs`)."""
-    return response_head_logprobs(head, response_tokens(mb), temperature, with_entropy)
+    return response_head_logprobs(head, response_tokens(mb), temperature, with_entropy,
+                                  token_bounds=mb.token_bounds)

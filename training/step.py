@@ -88,7 +88,7 @@ from logic.teachers import CROSS_COUNTS, cross_metrics, teacher_order
 from models.invariant import enable as enable_invariant
 from training import moe
 from training.aux_models import OldActors, micro_batch_logprobs
-from training.batching import MicroBatch, make_micro_batch
+from training.batching import MicroBatch, check_token_ids, make_micro_batch
 from training.colocated_teachers import (
     OpdInputs,
     OpdSignals,
@@ -165,6 +165,9 @@ def _train_on_batch(state: TrainState, samples: list[Sample], cfg: TrainConfig, 
         groups = teacher_micro_batches(groups, samples, cfg.micro_batches.size,
                                        cfg.micro_batches.max_tokens)
     mbs = [make_micro_batch([samples[i] for i in idx], state.pad_id) for idx in groups]
+    vocab = getattr(getattr(state.model, "config", None), "vocab_size", None)
+    if vocab is not None:  # before any forward: an id past the embedding fails there unclearly
+        check_token_ids(mbs, int(vocab))
     if cfg.micro_batches.pack and packing_allowed(state, cfg, runner):
         for mb in mbs:  # one row per micro-batch without a cap (its samples end to end)
             cap = cfg.micro_batches.max_tokens or int(mb.attention_mask.sum())

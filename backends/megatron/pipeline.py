@@ -120,7 +120,7 @@ class _Head:
 
     def values(self, mb: Any, response: ResponseHead) -> torch.Tensor:
         return response_head_logprobs(response, response_tokens(mb), self.temperature,
-                                      with_entropy=False)[0]
+                                      with_entropy=False, token_bounds=mb.token_bounds)[0]
 
 
 class PipelineRunner:
@@ -189,7 +189,8 @@ class PipelineRunner:
         def loss_for(i: int, mb: Any, logits: torch.Tensor | ResponseHead,
                      _output: torch.Tensor | None = None):
             if use_head:  # logits: the ResponseHead (`_head_step`), its loss terms from it
-                logp, ent = response_head_logprobs(logits, response_tokens(mb), temperature)
+                logp, ent = response_head_logprobs(logits, response_tokens(mb), temperature,
+                                                   token_bounds=mb.token_bounds)
                 loss = loss_fn(i, logp, ent, logits if with_logits else None)
             else:
                 logp, ent, resp_logits = _response(logits, mb, temperature)
