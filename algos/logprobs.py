@@ -38,6 +38,25 @@ def segment_causal(segment: torch.Tensor) -> torch.Tensor:
     return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
+def document_mask_function(docs: torch.Tensor):
+    """FlexAttention's mask function (b, h, q, k) -> may attend of documents [b, s] (`segments`):
+    a query attends its own document's keys at or before it."""
+    def allowed(b, _h, q, k):
+        return (docs[b, q] == docs[b, k]) & (k <= q)
+    return allowed
+
+
+def document_block_mask(docs: torch.Tensor):
+    """FlexAttention's BlockMask of documents [b, s] (`document_mask_function`), made on their
+    device from the documents alone: no dense mask, nothing read back to the host (compiled
+    on CUDA, as transformers and megatron make theirs; eager elsewhere)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, width = docs.shape
+    return create_block_mask(document_mask_function(docs), rows, None, width, width,
+                             device=docs.device, _compile=docs.device.type == "cuda")
+
+
 def logits_to_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / T) over the last dim, in float32."""
     return torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)

@@ -290,6 +290,6 @@ def test_a_packing_trainer_on_cuda_gets_an_attention_without_a_dense_mask(monkey
     model.to(torch.bfloat16)
     assert packing.use_packed_attention(model, "cuda") == "flex_attention"
     assert model.config._attn_implementation == "flex_attention"
-    assert packing.attention_mechanism(model) == "position_ids"  # transformers' BlockMask
+    assert packing.attention_mechanism(model) == "block_mask"  # the samples' BlockMask
     small, _ = build_tiny("tiny-qwen2", 0)  # heads of 16 dimensions: keeps sdpa
     assert packing.use_packed_attention(small.to(torch.bfloat16), "cuda") == "sdpa"

@@ -91,6 +91,41 @@ def test_eager_attention_builds_the_same_block_mask_from_position_ids():
     assert_close_on(valid_cols(), got, want)
 
 
+def test_flex_attention_rows_get_the_samples_block_mask_without_reading_the_device(
+        monkeypatch):
+    """FlexAttention (a CUDA path; its eager form runs forward on the CPU): packed rows get a
+    BlockMask of their samples made from the positions, and equal the padded micro-batch and
+    the dense mask's rows; making it reads nothing back from the device (transformers' own
+    mask from the positions finds the samples with a read, `find_packed_sequence_indices`)."""
+    import warnings
+
+    import tqdm
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread (leak check)
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
+                        lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
+    model = build_tiny("tiny-qwen2", seed=1)[0]
+    model.set_attn_implementation("flex_attention")
+    assert attention_mechanism(model) == "block_mask"
+    batch = samples(seed=1)
+    reads = []
+    real_all = torch.Tensor.all
+    monkeypatch.setattr(torch.Tensor, "all", lambda t, *a, **k: reads.append(1) or
+                        real_all(t, *a, **k))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention (unfused) warns
+        want, _ = micro_batch_logprobs(model, make_micro_batch(batch), 1.0, with_entropy=False)
+        reads.clear()
+        got, _ = packed_logprobs(model, pack(batch, CAP), 1.0, with_entropy=False)
+        assert reads == []
+        dense, _ = packed_logprobs(model, pack(batch, CAP), 1.0, with_entropy=False,
+                                   mechanism="mask")
+    assert_close_on(valid_cols(), got, want)
+    assert_close_on(valid_cols(), got, dense, tol=1e-6)
+
+
 def grads(model, lp, ent, mask):
     loss = (lp * mask).sum() + 0.1 * (ent * mask).sum()
     return torch.autograd.grad(loss, [p for p in model.parameters()])

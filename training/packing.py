@@ -19,8 +19,14 @@ How attention is kept per sample (`attention_mechanism`, first that applies):
   (modeling_flash_attention_utils.py `_flash_attention_forward`). flash-attn is not installed
   on the CPU development machine, so this path is only exercised there through a stand-in
   attention function that reads the same keyword arguments (tests/test_packing.py).
-- "position_ids": any other implementation transformers builds masks for (sdpa, eager,
-  flex_attention): the rows are passed with `attention_mask=None` and the restarting
+- "block_mask": the model runs FlexAttention (`attn_implementation` "flex_attention", CUDA
+  without flash-attn): the rows are passed with their restarting `position_ids` and a
+  FlexAttention BlockMask of the samples made here from those positions
+  (`algos.logprobs.document_block_mask`), which transformers uses as given. transformers would
+  build the same document mask itself (the next item), but finds the samples with a check that
+  reads the device (`find_packed_sequence_indices`), once in every forward.
+- "position_ids": any other implementation transformers builds masks for (sdpa, eager): the
+  rows are passed with `attention_mask=None` and the restarting
   `position_ids`, and transformers 5.x builds the block-diagonal causal mask itself:
   masking_utils.py `_preprocess_mask_arguments` calls `find_packed_sequence_indices` (a new
   sequence wherever a position is not the previous one + 1) when no 2D mask and no cache are
@@ -55,11 +61,17 @@ from typing import Any, NamedTuple
 import torch
 
 from algos.dp_schedule import pack as pack_indices
-from algos.logprobs import gather_logprobs, logits_to_logprobs, segment_causal, segments
+from algos.logprobs import (
+    document_block_mask,
+    gather_logprobs,
+    logits_to_logprobs,
+    segment_causal,
+    segments,
+)
 from training.batching import MicroBatch
 from transport.schema import Sample
 
-MECHANISMS = ("varlen", "position_ids", "mask")
+MECHANISMS = ("varlen", "block_mask", "position_ids", "mask")
 
 
 class Slot(NamedTuple):
@@ -284,6 +296,8 @@ def attention_mechanism(model: Any) -> str:
     impl = str(getattr(model.config, "_attn_implementation", None) or "")
     if "flash" in impl:
         return "varlen"
+    if impl == "flex_attention":
+        return "block_mask"
     # imported here: transformers.masking_utils imports torch._dynamo (~1.5 s of CPU), which
     # a process that never asks (the launcher, a rank that only loads) should not pay
     from transformers import masking_utils
@@ -321,6 +335,10 @@ def packed_forward(model: Any, packed: PackedBatch, mechanism: str | None = None
                      position_ids=packed.position_ids[keep][None], use_cache=False,
                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
                      max_length_k=longest, **kwargs)
+    if mechanism == "block_mask":
+        return model(input_ids=packed.input_ids,
+                     attention_mask=document_block_mask(segments(packed.position_ids)),
+                     position_ids=packed.position_ids, use_cache=False, **kwargs)
     if mechanism == "position_ids":
         return model(input_ids=packed.input_ids, attention_mask=None,
                      position_ids=packed.position_ids, use_cache=False, **kwargs)

@@ -49,7 +49,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from algos.logprobs import gather_logprobs, logits_to_logprobs
+from algos.logprobs import (
+    document_block_mask,
+    document_mask_function,
+    gather_logprobs,
+    logits_to_logprobs,
+)
 from backends.megatron.mcore import parallel_state, tensor_parallel
 
 with warnings.catch_warnings():  # megatron-core is imported by mcore above; no new warnings
@@ -464,11 +469,9 @@ def flex_block_mask(blocked: torch.Tensor | None, documents: bool = True,
     from torch.nn.attention.flex_attention import create_block_mask
 
     if docs is not None:
-        allowed, (rows, sq) = document_mask_function(docs), docs.shape
-    else:
-        allowed, rows, sq = mask_function(blocked, documents), blocked.shape[0], blocked.shape[-1]
-    return create_block_mask(allowed, rows, None, sq, sq,
-                             device=(docs if docs is not None else blocked).device, _compile=True)
+        return document_block_mask(docs)
+    allowed, rows, sq = mask_function(blocked, documents), blocked.shape[0], blocked.shape[-1]
+    return create_block_mask(allowed, rows, None, sq, sq, device=blocked.device, _compile=True)
 
 
 def mask_function(blocked: torch.Tensor, documents: bool = True) -> Callable:
@@ -482,14 +485,6 @@ def mask_function(blocked: torch.Tensor, documents: bool = True) -> Callable:
 
     def allowed(b, _h, q, k):
         return ~dense[b if rows > 1 else 0, q, k] & (k <= q)
-    return allowed
-
-
-def document_mask_function(docs: torch.Tensor) -> Callable:
-    """The mask function of documents [b, s]: a query attends its own document's keys at or
-    before it."""
-    def allowed(b, _h, q, k):
-        return (docs[b, q] == docs[b, k]) & (k <= q)
     return allowed
 
 
