@@ -469,9 +469,13 @@ def policy_pass(state: TrainState, runner: ModelRunner, mbs: list[MicroBatch],
             loss = loss + opd_term_loss(cfg, state.temperature, mb, inp, logits, num_samples,
                                         opd_sums, signals.counts)
         del inp  # the teacher outputs of this micro-batch go before the next one's come
-        _accumulate(totals, mb, terms, ent, current[j], state.version)
+        _accumulate(totals, mb, terms, ent, current[j], fresh[j])
         return loss
 
+    # [B, 1] per micro-batch: its rows sampled at these weights (copied to the device before the
+    # passes, not between their kernels)
+    fresh = [torch.tensor([[float(s.weight_version == state.version)] for s in mb.samples],
+                          device=mb.mask.device) for mb in mbs]
     state.optimizer.zero_grad(set_to_none=True)
     with training_where_asked(state.model):
         runner.forward_backward([mbs[j] for j in order], state.temperature, loss_fn,
@@ -611,9 +615,10 @@ def _rows(rows: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(totals: dict[str, Any], mb: MicroBatch, terms: Any, ent: torch.Tensor,
-                logp: torch.Tensor, version: int) -> None:
+                logp: torch.Tensor, fresh: torch.Tensor) -> None:
     """Add a micro-batch's statistics to `totals` as 0-d tensors on its device: nothing here
-    waits for the device (the step reads them all at once, `totals_vector`)."""
+    waits for the device (the step reads them all at once, `totals_vector`); `fresh` [B, 1]:
+    1 on the rows sampled at the step's weights."""
     tokens = mb.mask.sum()
     totals["loss"] += terms.loss.detach()
     totals["kept_tokens"] += terms.num_tokens
@@ -623,8 +628,6 @@ def _accumulate(totals: dict[str, Any], mb: MicroBatch, terms: Any, ent: torch.T
     totals["tokens"] += tokens
     diff = (logp - mb.rollout_logp).abs() * mb.mask
     totals["logprob_abs_diff"] += diff.sum()
-    fresh = torch.tensor([[float(s.weight_version == version)] for s in mb.samples],
-                         device=diff.device)  # [B, 1]: the rows sampled at these weights
     totals["fresh_logprob_abs_diff"] += (diff * fresh).sum()
     totals["fresh_tokens"] += (mb.mask * fresh).sum()
     equal = ((logp == mb.rollout_logp) & (mb.mask > 0)).float()  # exactly the same float
