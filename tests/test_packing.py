@@ -99,25 +99,23 @@ def test_flex_attention_rows_get_the_samples_block_mask_without_reading_the_devi
     mask from the positions finds the samples with a read, `find_packed_sequence_indices`)."""
     import warnings
 
-    import tqdm
     from torch.nn.attention.flex_attention import flex_attention
     from transformers.integrations import flex_attention as hf_flex
 
-    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread (leak check)
     monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
                         lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
     model = build_tiny("tiny-qwen2", seed=1)[0]
+    batch = samples(seed=1)
+    with torch.no_grad():  # sdpa (transformers' padded FlexAttention mask would be compiled)
+        want, _ = micro_batch_logprobs(model, make_micro_batch(batch), 1.0, with_entropy=False)
     model.set_attn_implementation("flex_attention")
     assert attention_mechanism(model) == "block_mask"
-    batch = samples(seed=1)
     reads = []
     real_all = torch.Tensor.all
     monkeypatch.setattr(torch.Tensor, "all", lambda t, *a, **k: reads.append(1) or
                         real_all(t, *a, **k))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention (unfused) warns
-        want, _ = micro_batch_logprobs(model, make_micro_batch(batch), 1.0, with_entropy=False)
-        reads.clear()
         got, _ = packed_logprobs(model, pack(batch, CAP), 1.0, with_entropy=False)
         assert reads == []
         dense, _ = packed_logprobs(model, pack(batch, CAP), 1.0, with_entropy=False,
