@@ -19,6 +19,11 @@ Where the device waited (`idle_split`): the step's time with no kernel running o
 split by the trainer's phases (its `rlx.*` record_function ranges: recompute, forward, loss,
 backward, optimizer; the rest "other") and by the innermost host operators that ran while it
 waited ("(python)" where none did: the interpreter between operators).
+
+Where the host waited for the device (`host_waits`): the CUDA synchronisations the step made
+(`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`: a value read to
+the host, `.item()`, a copy to host memory, `nonzero`), by phase and by the operator that made
+each. After each one the device has nothing queued until the host launches again.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class StepProfile:
     top: list[tuple[str, float, int]] = field(default_factory=list)  # name, ms, calls
     idle_phases: dict[str, float] = field(default_factory=dict)  # phase -> idle ms
     idle_ops: list[tuple[str, float]] = field(default_factory=list)  # host op, idle ms
+    waits: dict[str, int] = field(default_factory=dict)  # phase -> host waits (`host_waits`)
+    wait_ops: list[tuple[str, int]] = field(default_factory=list)  # operator, host waits
 
     @property
     def host_gap_ms(self) -> float:
@@ -87,6 +94,11 @@ class StepProfile:
         if self.idle_ops:
             idle.append("  device idle while the host ran: " + ", ".join(
                 f"{name} {ms:.1f}" for name, ms in self.idle_ops))
+        if self.kernel_ms:
+            idle.append(f"  host waits for the device: {sum(self.waits.values())}" + (
+                " (" + ", ".join(f"{name} {n}" for name, n in self.waits.items()) + "; "
+                + ", ".join(f"{name} {n}" for name, n in self.wait_ops) + ")"
+                if self.waits else ""))
         return [head, *idle, f"  top {what}:", *rows]
 
 
@@ -199,6 +211,30 @@ def idle_of(events: list[Any], device: list[Any]) -> tuple[dict[str, float],
     return idle_split([span(e) for e in device], window, phases, leaves)
 
 
+_SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$")
+
+
+def host_waits(events: list[Any], top: int = 6) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """(phase -> number of CUDA synchronisations the host made in it, the operators that made
+    the most: `(name, count)`, the innermost operator around each, "(python)" outside any) of a
+    profiled step's events; phases as `idle_of`'s (the innermost `rlx.*` range, else
+    "other")."""
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    phases = [(e.time_range.start, e.time_range.end, e.name) for e in host
+              if e.name.startswith("rlx.")]
+    by_phase: Counter[str] = Counter()
+    by_op: Counter[str] = Counter()
+    for e in host:
+        if not _SYNC.match(e.name):
+            continue
+        t = e.time_range.start
+        around = [(end - start, name) for start, end, name in phases if start <= t < end]
+        by_phase[min(around)[1] if around else "other"] += 1
+        parent = getattr(e, "cpu_parent", None)
+        by_op[parent.name if parent is not None else "(python)"] += 1
+    return dict(by_phase.most_common()), by_op.most_common(top)
+
+
 def profiled(fn: Callable[[], Any], device: str, trace: str | Path | None = None,
              label: str = "step", top: int = 12) -> StepProfile:
     """Run `fn` once under torch.profiler (module doc); with `trace`, a Chrome trace
@@ -224,6 +260,7 @@ def profiled(fn: Callable[[], Any], device: str, trace: str | Path | None = None
         out = summarise([(e.name, e.time_range.elapsed_us() / 1e3) for e in device],
                         wall_ms, top)
         out.idle_phases, out.idle_ops = idle_of(events, device)
+        out.waits, out.wait_ops = host_waits(events)
         return out
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     return StepProfile(wall_ms=wall_ms, kernel_ms=0.0,

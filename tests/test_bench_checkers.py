@@ -229,6 +229,40 @@ def test_step_profile_reads_phases_and_leaf_operators_from_the_profilers_events(
     assert ops == [("(python)", 2.0), ("aten::mm", 1.0), ("aten::item", 1.0)]
 
 
+def test_step_profile_counts_the_hosts_waits_for_the_device_by_phase_and_operator():
+    """`host_waits`: every cudaStreamSynchronize / cudaDeviceSynchronize /
+    cudaEventSynchronize, by the innermost `rlx.*` range it falls in (else "other") and by the
+    operator around it; launches and copies are not waits. The profile's lines say them."""
+    from types import SimpleNamespace
+
+    from bench.step_profile import StepProfile, host_waits
+
+    cpu = torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, parent=None):
+        return SimpleNamespace(name=name, device_type=cpu, cpu_parent=parent,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    item = event("aten::_local_scalar_dense", 2, 3)
+    nonzero = event("aten::nonzero", 12, 13)
+    events = [event("rlx.recompute", 0, 10), event("rlx.loss", 1, 4), item,
+              event("cudaMemcpyAsync", 2.1, 2.2, item), event("cudaStreamSynchronize", 2.3, 2.9,
+                                                              item),
+              event("rlx.forward", 10, 20), nonzero, event("cudaStreamSynchronize", 12, 13,
+                                                             nonzero),
+              event("cudaStreamSynchronize", 14, 15, nonzero),
+              event("cudaLaunchKernel", 16, 17), event("cudaDeviceSynchronize", 30, 31)]
+    waits, ops = host_waits(events)
+    assert waits == {"rlx.forward": 2, "rlx.loss": 1, "other": 1}
+    assert ops == [("aten::nonzero", 2), ("aten::_local_scalar_dense", 1), ("(python)", 1)]
+    prof = StepProfile(wall_ms=9.0, kernel_ms=5.0, waits=waits, wait_ops=ops)
+    assert prof.lines("x")[1] == ("  host waits for the device: 4 (rlx.forward 2, rlx.loss 1, "
+                                  "other 1; aten::nonzero 2, aten::_local_scalar_dense 1, "
+                                  "(python) 1)")
+    assert StepProfile(wall_ms=9.0, kernel_ms=5.0).lines("x")[1] == \
+        "  host waits for the device: 0"
+
+
 def test_train_mfu_counts_a_moe_models_active_parameters():
     from bench.train_mfu import active_params, hf_model
 

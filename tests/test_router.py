@@ -184,6 +184,9 @@ async def test_worker_dying_mid_generation_is_retried_on_the_other_worker(ipc):
                              RouterConfig(router={"log_level": "warn",
                                                        "health_check_interval_secs": 1}))
         async with running(router, 60):
+            # shown with a failure: which server an unclosed connection's local port belongs to
+            print(f"workers w0 {w0.bound.http} w1 {w1.bound.http}; relays "
+                  f"{ {url: r.name for url, r in router.relays.items()} }")
             client = SglangClient(router.bound.http)
             tok = build_char_tokenizer()
             params = {"temperature": 1.0, "ignore_eos": True}
