@@ -643,3 +643,33 @@ async def test_stopping_closes_a_connection_accepted_during_the_cleanup():
     finally:
         ours.close()
         peer.close()
+
+
+async def test_a_connection_the_server_forgot_is_kept_until_stop_http_closes_it():
+    """aiohttp's shutdown clears its table of connections, so a connection it accepted as it
+    stopped is reachable from nothing (its reading paused): the garbage collector, run by any
+    thread, would take it unclosed (a ResourceWarning, an error here) before `stop_http`
+    closed it. `start_http` holds every accepted connection until `stop_http`."""
+    import gc
+
+    from aiohttp import web
+
+    from transport.http import start_http
+
+    runner, port = await start_http(web.Application(), "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while not runner.server._connections:
+            await asyncio.sleep(0.01)
+        handler, transport = next(iter(runner.server._connections.items()))
+        transport.pause_reading()  # not in the selector: nothing else refers to it
+        if handler._keepalive_handle is not None:  # nor the loop's timers (shutting down)
+            handler._keepalive_handle.cancel()
+        runner.server._connections.clear()  # what aiohttp's shutdown does
+        del handler, transport
+        gc.collect()  # an unreachable transport would be collected here, unclosed
+        await stop_http(runner)
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by stop_http
+    finally:
+        writer.close()
+        await writer.wait_closed()

@@ -7,20 +7,23 @@ health checks) can be accepted while that shutdown waits on in-flight requests, 
 forgets it (it clears its table of connections afterwards), or after the shutdown; nothing
 else would close such a connection (it would be left to the garbage collector, a
 ResourceWarning). `stop_http` closes every connection made once stopping began, and then any
-connection the server accepted that is still open.
+connection the server accepted that is still open. The server's connections are held by
+strong references until then: a connection aiohttp forgot is otherwise garbage at once, and
+the collector (run by any thread, e.g. a model's forward) may take it, unclosed, before
+`stop_http` reaches it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
 from typing import Any
 
 from aiohttp import web
 
 SHUTDOWN_TIMEOUT_S = 1.0  # how long in-flight requests get to finish when a server stops
-# every transport a running server accepted (start_http), closed by stop_http if still open
-_TRANSPORTS: dict[web.AppRunner, weakref.WeakSet] = {}
+# every transport a running server accepted (start_http) and has not seen closed, closed by
+# stop_http if still open
+_TRANSPORTS: dict[web.AppRunner, set[asyncio.BaseTransport]] = {}
 
 
 async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -32,9 +35,13 @@ async def start_http(app: web.Application, host: str, port: int) -> tuple[web.Ap
     server = runner.server
     assert server is not None
     track = server.connection_made
-    transports: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+    transports: set[asyncio.BaseTransport] = set()
+    pruned = [64]  # the set's size after the last pruning, at least 64
 
     def made(handler: Any, transport: asyncio.Transport) -> None:
+        if len(transports) >= 2 * pruned[0]:  # drop the closed ones: amortised O(1)
+            transports.difference_update([t for t in transports if t.is_closing()])
+            pruned[0] = max(64, len(transports))
         transports.add(transport)
         track(handler, transport)
 
