@@ -21,9 +21,9 @@ from typing import Any
 from aiohttp import web
 
 SHUTDOWN_TIMEOUT_S = 1.0  # how long in-flight requests get to finish when a server stops
-# every transport a running server accepted (start_http) and has not seen closed, closed by
-# stop_http if still open
-_TRANSPORTS: dict[web.AppRunner, set[asyncio.BaseTransport]] = {}
+# per running server (start_http): each connection's handler -> its transport, from its
+# arrival until it is lost; closed by stop_http if still open
+_TRANSPORTS: dict[web.AppRunner, dict[Any, asyncio.BaseTransport]] = {}
 
 
 async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -34,18 +34,19 @@ async def start_http(app: web.Application, host: str, port: int) -> tuple[web.Ap
     await runner.setup()
     server = runner.server
     assert server is not None
-    track = server.connection_made
-    transports: set[asyncio.BaseTransport] = set()
-    pruned = [64]  # the set's size after the last pruning, at least 64
+    track, forget = server.connection_made, server.connection_lost
+    transports: dict[Any, asyncio.BaseTransport] = {}
 
     def made(handler: Any, transport: asyncio.Transport) -> None:
-        if len(transports) >= 2 * pruned[0]:  # drop the closed ones: amortised O(1)
-            transports.difference_update([t for t in transports if t.is_closing()])
-            pruned[0] = max(64, len(transports))
-        transports.add(transport)
+        transports[handler] = transport
         track(handler, transport)
 
+    def lost(handler: Any, exc: BaseException | None = None) -> None:
+        transports.pop(handler, None)
+        forget(handler, exc)
+
     server.connection_made = made  # type: ignore[method-assign]
+    server.connection_lost = lost  # type: ignore[method-assign]
     _TRANSPORTS[runner] = transports
     try:
         site = web.TCPSite(runner, host, port)
@@ -71,6 +72,6 @@ async def stop_http(runner: web.AppRunner) -> None:
     try:
         await runner.cleanup()
     finally:  # whatever aiohttp's shutdown left open (it was cut short, or forgot one)
-        for transport in list(_TRANSPORTS.pop(runner, ())):
+        for transport in list(_TRANSPORTS.pop(runner, {}).values()):
             if not transport.is_closing():
                 transport.close()
