@@ -20,6 +20,7 @@ import msgspec
 
 from actors.inference_config import InferenceWorkerConfig
 from engine.weight_sync_plan import check_weight_sync_placement
+from models.names import checkpoint_vocab_size
 from runtime.actor import ActorView
 from runtime.facts import DECIDED_BY, RunFacts, TeacherFact
 from transport.errors import RlxError
@@ -197,4 +198,6 @@ def run_facts(views: dict[str, ActorView], tables: Tables, buffer: str) -> RunFa
                                  for t in v.config.teachers]
         if v.cls.role == "trainer" and v.config.buffer == buffer and v.config.opd is not None:
             facts.update(opd_mode=v.config.opd.mode, opd_top_k=v.config.opd.top_k)
+    if isinstance(facts.get("model"), str):  # resolved to a local path at load (models/hub.py)
+        facts["vocab_size"] = checkpoint_vocab_size(facts["model"])
     return msgspec.convert(facts, RunFacts)

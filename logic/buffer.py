@@ -159,12 +159,24 @@ def check_sample(sample: Sample, config: BufferConfig, facts: RunFacts) -> None:
     if tokens > config.max_sample_tokens:
         raise ValueError(f"{where}: {tokens} prompt plus response tokens, limit is "
                          f"{config.max_sample_tokens} (buffer config max_sample_tokens)")
-    if min(sample.prompt_ids, default=0) < 0 or min(sample.response_ids, default=0) < 0:
-        raise ValueError(f"{where}: token ids must be >= 0")
+    _check_token_ids(sample, facts.vocab_size, where)
     if sample.weight_version < 0 or not math.isfinite(sample.reward):
         raise ValueError(f"{where}: weight_version must be >= 0 and reward finite, got "
                          f"{sample.weight_version} and {sample.reward}")
     _check_ok_lengths(sample, where)
+
+
+def _check_token_ids(sample: Sample, vocab_size: int, where: str) -> None:
+    """Ids >= 0 and, when the run knows its vocabulary, below its size: the trainer's
+    embedding has no row for any other, and a restarted trainer would meet the sample again."""
+    low = min(min(sample.prompt_ids, default=0), min(sample.response_ids, default=0))
+    if low < 0:
+        raise ValueError(f"{where}: token ids must be >= 0, got {low}")
+    if vocab_size:
+        high = max(max(sample.prompt_ids, default=0), max(sample.response_ids, default=0))
+        if high >= vocab_size:
+            raise ValueError(f"{where}: token id {high} is outside the policy's vocabulary "
+                             f"(vocab_size {vocab_size}): tokenize with the policy's tokenizer")
 
 
 def _check_ok_lengths(sample: Sample, where: str) -> None:

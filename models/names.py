@@ -8,6 +8,7 @@ directory, not the models. Invariant: `TINY_NAMES` are exactly the keys of model
 
 from __future__ import annotations
 
+import json
 import os
 
 # the built-in tiny models (models/tiny.py TINY builds them)
@@ -27,3 +28,19 @@ def check_model_path(path: str) -> None:
                          f"directory containing config.json (absolute, or relative to the hosts "
                          f"file's folder, the working directory or the packaged examples/), or a "
                          f"hub id org/name (models/hub.py)")
+
+
+def checkpoint_vocab_size(path: str) -> int:
+    """The vocabulary size in a checkpoint directory's config.json (its `text_config`'s for a
+    multimodal one), read as JSON; 0 when there is none to read (a tiny name, no such file)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict):
+        return 0
+    size = config.get("vocab_size")
+    if size is None and isinstance(config.get("text_config"), dict):
+        size = config["text_config"].get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0

@@ -36,6 +36,9 @@ class RunFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the actors of one run share (launch/plan.py `run_facts`)."""
 
     model: str = ""  # the policy's checkpoint (its tokenizer is the run's tokenizer)
+    # the policy's vocabulary (its config.json's vocab_size): token ids must be below it
+    # (0: unknown where the launcher runs, e.g. a built-in tiny name; ids are then unchecked)
+    vocab_size: int = 0
     dtype: str = "float32"  # the trainer's parameter dtype
     group_size: int = 0  # samples per prompt (0: this run has no rollout)
     groups_per_batch: int = 0  # prompts per training batch

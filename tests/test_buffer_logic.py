@@ -309,6 +309,13 @@ def test_check_sample_and_group_refuse_out_of_range_values():
             ([msgspec.structs.replace(mk("g", 0), teacher_logprobs=[0.0] * 3)], "outnumber")]:
         with pytest.raises(ValueError, match=message):
             check_group(samples, cfg, shape)
+    # a run that knows its vocabulary refuses ids beyond it (one that does not, cannot)
+    sized, wide = msgspec.structs.replace(shape, vocab_size=5), mk("g", 0)
+    check_group([wide], cfg, sized)  # ids 1..4: inside
+    check_group([msgspec.structs.replace(wide, response_ids=[3, 5])], cfg, shape)
+    for bad in (dict(response_ids=[3, 5]), dict(prompt_ids=[7, 2])):
+        with pytest.raises(ValueError, match="outside the policy's vocabulary \\(vocab_size 5"):
+            check_group([msgspec.structs.replace(wide, **bad)], cfg, sized)
     buf = RolloutBuffer(cfg, shape)
     with pytest.raises(ValueError, match="index must be in"):  # add() runs the same checks
         buf.add(mk("g", 99))

@@ -3,6 +3,7 @@ facts that ride on data checked at admission (runtime/facts.py, launch/plan.py).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,9 @@ def test_facts_of_a_per_actor_layout_come_from_the_deciding_actors(monkeypatch):
     assert facts.opd_mode == "full"
     assert sorted(t.name for t in facts.teachers) == ["arith", "reverse"]
     assert facts.model.endswith("base-tiny")
+    # the policy's vocabulary, read from its config.json: the buffer refuses ids beyond it
+    config = json.loads((Path(facts.model) / "config.json").read_text())
+    assert facts.vocab_size == config["vocab_size"] > 0
 
 
 def test_facts_are_not_written_in_the_file(tmp_path):
