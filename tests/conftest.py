@@ -13,6 +13,9 @@ import pytest
 # no test reaches the network: a hub id is read from the cache only (tests/test_hub_models.py
 # serves its own stand-in hub and sets these itself)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# one torch (OpenMP) thread in every test process and every process they start: the workers
+# already keep the cores busy, and a second thread per process only spins waiting for a core
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 MAX_WORKERS = 4  # test processes at most: each file may start a cluster of ~8 processes
