@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import inspect
 import typing
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -593,7 +594,7 @@ def layer_mask(module: torch.nn.Module, blocked: torch.Tensor | None, documents:
     dropout, softmax offset nor layer scaling), so a compiled layer traces attention into its
     graph; else the dense mask (`blocked`, or the documents' block-causal one)."""
     device = (docs if docs is not None else blocked).device
-    attention = [m for m in module.modules() if isinstance(m, ContextParallelAttention)]
+    attention = _attention_modules(module)
     flex = bool(attention) and flex_applies(device, next(module.parameters()).dtype,
                                             attention[0].config.kv_channels) and all(
         m.attn_mask_type == AttnMaskType.causal and m.cp_size == 1 and m._fused_ok()
@@ -601,6 +602,21 @@ def layer_mask(module: torch.nn.Module, blocked: torch.Tensor | None, documents:
     if flex:
         return flex_block_mask(blocked, documents, docs)
     return blocked if docs is None else ~segment_causal(docs)
+
+
+# each model's attention cores, looked up once: a walk of all its modules (thousands at 28
+# layers) took ~3 ms of host time in every forward
+_ATTENTION: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def _attention_modules(module: torch.nn.Module) -> list:
+    """`module`'s ContextParallelAttention cores (found on the first call, then remembered:
+    the backend builds them with the model and never adds or removes one)."""
+    found = _ATTENTION.get(module)
+    if found is None:
+        found = _ATTENTION[module] = [m for m in module.modules()
+                                      if isinstance(m, ContextParallelAttention)]
+    return found
 
 
 def blocked_attention(attention_mask: torch.Tensor) -> torch.Tensor:
