@@ -20,6 +20,13 @@ split by the trainer's phases (its `rlx.*` record_function ranges: recompute, fo
 backward, optimizer; the rest "other") and by the innermost host operators that ran while it
 waited ("(python)" where none did: the interpreter between operators).
 
+Where the host's own time goes (`host_profiled`, bench.train_mfu --host-profile): one more step
+under cProfile, the host's Python and the operators it calls, without any device activity: the
+functions with the most time of their own, and those of the project, megatron-core and
+transformers with the most time inside them. Where the device idles while the host runs
+(a host-bound pass: a no-grad forward has no backward to hide the host's work), this names the
+code that sets the pace.
+
 Where the host waited for the device (`host_waits`): the CUDA synchronisations the step made
 (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`: a value read to
 the host, `.item()`, a copy to host memory, `nonzero`), by phase and by the operator that made
@@ -29,6 +36,8 @@ each. After each one the device has nothing queued until the host launches again
 from __future__ import annotations
 
 import bisect
+import cProfile
+import pstats
 import re
 import time
 from collections import Counter
@@ -265,3 +274,66 @@ def profiled(fn: Callable[[], Any], device: str, trace: str | Path | None = None
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     return StepProfile(wall_ms=wall_ms, kernel_ms=0.0,
                        top=[(e.key, e.self_cpu_time_total / 1e3, e.count) for e in ops[:top]])
+
+
+# the code whose time inside it `host_profiled` lists (paths containing one of these)
+HOST_CODE = ("/training/", "/backends/", "/algos/", "/models/", "/megatron/core/",
+             "/transformers/")
+
+
+@dataclass
+class HostProfile:
+    """One step's host time under cProfile (module doc); times in milliseconds."""
+
+    host_ms: float  # the step's call, the host's time (no wait for the device at its end)
+    wall_ms: float  # the same call, then the device's queued work done
+    by_self: list[tuple[str, float, int]] = field(default_factory=list)  # name, own ms, calls
+    by_total: list[tuple[str, float, int]] = field(default_factory=list)  # name, ms inside, calls
+
+    def lines(self, label: str) -> list[str]:
+        """What bench.train_mfu prints for the run `label`."""
+        rows = lambda entries: [f"  {ms:9.1f} ms {calls:6d}x  {name[:120]}"  # noqa: E731
+                                for name, ms, calls in entries]
+        return [f"host profile {label}: the host's {self.host_ms:.0f} ms of a "
+                f"{self.wall_ms:.0f} ms step (under cProfile, which slows the host)",
+                "  most time of their own:", *rows(self.by_self),
+                "  most time inside (the project, megatron-core, transformers):",
+                *rows(self.by_total)]
+
+
+def _function_name(key: tuple[str, int, str]) -> str:
+    """pstats' (file, line, function) as `path:line(function)`, the path from the package."""
+    path, line, function = key
+    if path == "~":  # a built-in: its own description
+        return function
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            path = path.split(marker)[-1]
+            break
+    else:
+        root = str(Path(__file__).resolve().parent.parent) + "/"
+        path = path.removeprefix(root)
+    return f"{path}:{line}({function})"
+
+
+def host_profiled(fn: Callable[[], Any], device: str, top: int = 15) -> HostProfile:
+    """Run `fn` once under cProfile (module doc)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    try:
+        fn()
+    finally:
+        profiler.disable()
+    host_ms = 1e3 * (time.perf_counter() - t0)
+    sync()
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    stats = pstats.Stats(profiler).stats  # key -> (primitive calls, calls, own s, total s, _)
+    own = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    inside = sorted(((k, v) for k, v in stats.items() if any(c in k[0] for c in HOST_CODE)),
+                    key=lambda kv: kv[1][3], reverse=True)[:top]
+    return HostProfile(host_ms=host_ms, wall_ms=wall_ms,
+                       by_self=[(_function_name(k), 1e3 * v[2], v[1]) for k, v in own],
+                       by_total=[(_function_name(k), 1e3 * v[3], v[1]) for k, v in inside])

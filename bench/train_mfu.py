@@ -32,6 +32,7 @@ CUDA). `--checkpointing` (activation_checkpointing), `--compile` (compile_layers
 `--head-eager` (micro_batches.head_compile = false) as the trainer's options. `--profile`: one
 more step per run under torch.profiler, printed as device kernel time by kind, the host gap and
 the top kernels (bench/step_profile.py; `--trace DIR` also writes Chrome traces).
+`--host-profile`: one more step per run under cProfile, the host's time by function.
 Final line (the largest dense shape): `RESULT mfu_best=... mfu_torch=... mfu_megatron=...
 packed_vs_padded=...` (each backend's best run; n/a where none ran; packed_vs_padded = the
 torch backend's padded step time / packed step time, > 1: packing is faster) and per run
@@ -51,7 +52,7 @@ import numpy as np
 import torch
 
 from actors.trainer import TrainerConfig
-from bench.step_profile import profiled
+from bench.step_profile import host_profiled, profiled
 from models.moe import MoeShape, moe_shape
 from models.tiny import build_char_tokenizer
 from training.backends import get_backend
@@ -278,6 +279,9 @@ def run_shape(shape: str, args, dtype: torch.dtype, peak: float, packed: bool = 
            "mfu": useful_flops(params, lengths, hidden, layers) / step / peak}
     if profile is not None:
         out["profile"] = profile
+    if args.host_profile:  # one more step, under cProfile (bench/step_profile.py)
+        out["host_profile"] = host_profiled(partial(train_on_batch, state, samples, cfg),
+                                            args.device)
     if cuda:
         out["torch_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         out["nvml_used_gib"] = nvml_used_gib()
@@ -391,6 +395,9 @@ def main() -> None:
                    "kernels (bench/step_profile.py)")
     p.add_argument("--trace", default="", help="with --profile: write a Chrome trace of each "
                    "profiled step into this folder")
+    p.add_argument("--host-profile", action="store_true", help="after the timed steps, one "
+                   "more under cProfile: the host's time by function, its own and inside "
+                   "(bench/step_profile.py host_profiled)")
     args = p.parse_args()
     if args.trace and not args.profile:
         p.error("--trace needs --profile")
@@ -420,9 +427,10 @@ def main() -> None:
                         args.pack_attn or preferred_attn_implementation(args.device))
                 print(describe(shape, r, args.steps, f"{backend} " + (
                     f"packed (attention {attn})" if packed else "padded")), flush=True)
-                if "profile" in r:
-                    print("\n".join(r["profile"].lines(
-                        f"{shape} {backend} {'packed' if packed else 'padded'}")), flush=True)
+                label = f"{shape} {backend} {'packed' if packed else 'padded'}"
+                for key in ("profile", "host_profile"):
+                    if key in r:
+                        print("\n".join(r[key].lines(label)), flush=True)
     line = result_line(runs) if runs else "RESULT"
     print(line + moe_keys(moe))
 

@@ -128,7 +128,7 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.train_mfu", "--device", "cpu", "--shape",
                           "tiny,tiny-moe", "--tokens", "512", "--mb-tokens", "256", "--steps",
                           "1", "--replay", "--pack", "--backend", "torch,megatron",
-                          "--profile", "--trace", str(tmp_path / "traces")],
+                          "--profile", "--trace", str(tmp_path / "traces"), "--host-profile"],
                          cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
@@ -138,6 +138,13 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu(tmp_path):
         f"profile tiny {b} {layout}" for b in ("torch", "megatron")
         for layout in ("padded", "packed")]
     assert "aten::" in out.stdout.split(profiles[0])[1].split("profile tiny")[0]
+    # --host-profile: one more step per dense run under cProfile, the step's own functions
+    hosts = [line for line in out.stdout.splitlines() if line.startswith("host profile tiny ")]
+    assert [line.split(":")[0] for line in hosts] == [
+        f"host profile tiny {b} {layout}" for b in ("torch", "megatron")
+        for layout in ("padded", "packed")]
+    megatron = out.stdout.split(hosts[2])[1].split("host profile")[0]
+    assert "training/step.py:" in megatron and "megatron/core/" in megatron
     assert sum(line.startswith("profile tiny-moe MoE padded") for line in out.stdout.splitlines()
                ) == 2  # with and without replay
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
@@ -157,6 +164,26 @@ def test_train_mfu_counts_useful_flops_and_runs_on_the_cpu(tmp_path):
         assert float(fields[f"padding_{backend}_padded"]) > 0.05
         assert float(fields[f"padding_{backend}_packed"]) == 0.0
     assert 0 < float(fields["mfu_moe"]) < 1 and float(fields["replay_overhead"]) > 0
+
+
+def test_host_profile_names_the_functions_the_host_spent_its_time_in():
+    from bench.step_profile import host_profiled
+
+    def busy(n: int) -> int:
+        return sum(i * i for i in range(n))
+
+    def step() -> None:
+        for _ in range(3):
+            busy(200_000)
+
+    got = host_profiled(step, "cpu", top=20)  # every function this step calls
+    assert got.wall_ms >= got.host_ms > 0
+    own = {name.split("(")[-1].rstrip(")"): (ms, calls) for name, ms, calls in got.by_self}
+    assert own["<genexpr>"][1] == 3 * 200_001 and own["<genexpr>"][0] > 0
+    assert any(name.startswith("tests/test_bench_checkers.py:") and name.endswith("(busy)")
+               for name, _, _ in got.by_self)
+    line = got.lines("tiny torch packed")
+    assert line[0].startswith("host profile tiny torch packed: the host's ")
 
 
 def test_step_profile_sums_kernels_by_kind_and_the_host_gap():
