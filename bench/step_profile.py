@@ -292,13 +292,15 @@ class HostProfile:
 
     def lines(self, label: str) -> list[str]:
         """What bench.train_mfu prints for the run `label`."""
-        rows = lambda entries: [f"  {ms:9.1f} ms {calls:6d}x  {name[:120]}"  # noqa: E731
-                                for name, ms, calls in entries]
         return [f"host profile {label}: the host's {self.host_ms:.0f} ms of a "
                 f"{self.wall_ms:.0f} ms step (under cProfile, which slows the host)",
-                "  most time of their own:", *rows(self.by_self),
+                "  most time of their own:", *_rows(self.by_self),
                 "  most time inside (the project, megatron-core, transformers):",
-                *rows(self.by_total)]
+                *_rows(self.by_total)]
+
+
+def _rows(entries: list[tuple[str, float, int]]) -> list[str]:
+    return [f"  {ms:9.1f} ms {calls:6d}x  {name[:120]}" for name, ms, calls in entries]
 
 
 def _function_name(key: tuple[str, int, str]) -> str:

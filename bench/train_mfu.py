@@ -360,6 +360,13 @@ def describe(shape: str, r: dict[str, Any], steps: int, mode: str) -> str:
             f"{r['first_grad_norm']:.6g}")
 
 
+def print_profiles(r: dict[str, Any], label: str) -> None:
+    """A run's `--profile` and `--host-profile` summaries, where it has them."""
+    for key in ("profile", "host_profile"):
+        if key in r:
+            print("\n".join(r[key].lines(label)), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -416,8 +423,7 @@ def main() -> None:
                     shape, "MoE padded")
                 moe[key] = r = run_shape(shape, args, dtype, peak, replay=replay)
                 print(describe(shape, r, args.steps, mode), flush=True)
-                if "profile" in r:
-                    print("\n".join(r["profile"].lines(f"{shape} {mode}")), flush=True)
+                print_profiles(r, f"{shape} {mode}")
             continue
         for backend in backends:
             for packed in layouts:
@@ -427,10 +433,7 @@ def main() -> None:
                         args.pack_attn or preferred_attn_implementation(args.device))
                 print(describe(shape, r, args.steps, f"{backend} " + (
                     f"packed (attention {attn})" if packed else "padded")), flush=True)
-                label = f"{shape} {backend} {'packed' if packed else 'padded'}"
-                for key in ("profile", "host_profile"):
-                    if key in r:
-                        print("\n".join(r[key].lines(label)), flush=True)
+                print_profiles(r, f"{shape} {backend} {'packed' if packed else 'padded'}")
     line = result_line(runs) if runs else "RESULT"
     print(line + moe_keys(moe))
 

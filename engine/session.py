@@ -33,10 +33,8 @@ import base64
 import binascii
 import collections
 import functools
-import json
 import logging
 import math
-import os
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +55,7 @@ from envs.openai_api import (
     same_assistant_message,
 )
 from models.moe_shape import MoeShape, moe_shape
+from models.names import checkpoint_text_config
 from transport.schema import NUCLEUS_IDS_DTYPE, NUCLEUS_LOGMASS_DTYPE, Sample, routed_experts_dtype
 
 log = logging.getLogger(__name__)
@@ -566,15 +565,9 @@ def tokenizer_expert_layout(tokenizer: Any) -> MoeShape:
 def checkpoint_expert_layout(path: str) -> MoeShape | None:
     """`models.moe.moe_shape` of a checkpoint directory's config.json (read as JSON: no model
     library needed); None for a dense model or no such file."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
+    fields = checkpoint_text_config(path)
+    if fields is None:
         return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config")
-    fields = text if isinstance(text, dict) else config
     try:
         return moe_shape(types.SimpleNamespace(**fields))
     except (AttributeError, TypeError):

@@ -30,17 +30,23 @@ def check_model_path(path: str) -> None:
                          f"hub id org/name (models/hub.py)")
 
 
-def checkpoint_vocab_size(path: str) -> int:
-    """The vocabulary size in a checkpoint directory's config.json (its `text_config`'s for a
-    multimodal one), read as JSON; 0 when there is none to read (a tiny name, no such file)."""
+def checkpoint_text_config(path: str) -> dict | None:
+    """The language model's fields of a checkpoint directory's config.json, read as JSON (no
+    model library): its `text_config` for a multimodal one, else the whole file; None when
+    there is none to read."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return 0
+        return None
     if not isinstance(config, dict):
-        return 0
-    size = config.get("vocab_size")
-    if size is None and isinstance(config.get("text_config"), dict):
-        size = config["text_config"].get("vocab_size")
+        return None
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def checkpoint_vocab_size(path: str) -> int:
+    """The vocabulary size in a checkpoint directory's config.json (`checkpoint_text_config`);
+    0 when there is none to read (a tiny name, no such file)."""
+    size = (checkpoint_text_config(path) or {}).get("vocab_size")
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0

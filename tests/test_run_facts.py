@@ -222,3 +222,18 @@ def test_the_launcher_hands_every_actor_the_runs_facts(tmp_path, capsys):
     assert run.returncode == 0, run.stdout + run.stderr
     facts = msgspec.json.decode((tmp_path / "run" / "facts.json").read_bytes(), type=RunFacts)
     assert facts == RunFacts(max_staleness=3)
+
+
+def test_the_vocabulary_fact_is_read_from_a_checkpoints_config_or_left_unknown(tmp_path):
+    from models.names import checkpoint_vocab_size
+
+    for name, text in (("plain", '{"vocab_size": 151936}'),
+                       ("multimodal", '{"vocab_size": 7, "text_config": {"vocab_size": 151936}}'),
+                       ("broken", '{"vocab_size": '), ("none", '{"hidden_size": 8}'),
+                       ("flag", '{"vocab_size": true}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    assert [checkpoint_vocab_size(str(tmp_path / n)) for n in
+            ("plain", "multimodal", "broken", "none", "flag", "missing")] == [
+        151936, 151936, 0, 0, 0, 0]
+    assert checkpoint_vocab_size("tiny-qwen2") == 0
